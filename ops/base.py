@@ -1,0 +1,210 @@
+"""The operator contract: shapes, SOAP split rules, tile requirements, kernels and costs.
+
+An operator is one node of a model graph. It knows only local facts about itself;
+lowering (ops/lower.py) turns it into taskrt index launches, and the simulator
+derives its tasks from the very same methods, so what a tile needs is defined once.
+
+Layout conventions (PyTorch's): dim 0 of every activation is the sample (batch)
+dimension; images are NCHW; sequences are [batch, seq, features].
+
+Kernels work on *tiles*: `out_rect` is a Rect of the op's tile space (the shape of
+output 0), `in_rects` are the rects returned by `input_rects(out_rect)` and the
+arrays passed in hold exactly those rects. `xp` is numpy or cupy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from taskrt.geometry import Rect
+
+SAMPLE, ATTRIBUTE, PARAMETER = "sample", "attribute", "parameter"
+SOAP_KINDS = (SAMPLE, ATTRIBUTE, PARAMETER)
+
+
+class ShapeError(ValueError):
+    """Inputs that don't fit an operator; the message names the op and the shapes."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and name of a tensor in a model graph (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    name: str
+
+    def __repr__(self) -> str:
+        return f"TensorSpec({self.name}: {self.dtype}{list(self.shape)})"
+
+
+@dataclass(frozen=True)
+class SplitDim:
+    """Output dimension `dim` of the tile space may be split; `kind` is its SOAP dimension."""
+
+    dim: int
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in SOAP_KINDS:
+            raise ValueError(f"SplitDim kind must be one of {SOAP_KINDS}, got {self.kind!r}")
+
+    def __str__(self) -> str:
+        return f"{self.kind[0].upper()}({self.dim})"
+
+
+OP_REGISTRY: dict[str, type["Op"]] = {}
+
+
+def register_op(cls: type["Op"]) -> type["Op"]:
+    """Class decorator: make an operator findable by its `kind` (used by Model.load and tools)."""
+    if not cls.kind:
+        raise ValueError(f"{cls.__name__} has no kind")
+    if cls.kind in OP_REGISTRY:
+        raise ValueError(f"operator kind {cls.kind!r} registered twice")
+    OP_REGISTRY[cls.kind] = cls
+    return cls
+
+
+class Op:
+    """Base class. Subclasses set `kind` and implement the methods marked 'required'.
+
+    Construction validates the inputs (raise ShapeError naming the op and shapes)
+    and stores plain attributes; `attrs()` returns them so that graphs can be saved
+    and rebuilt. An op never holds weight values: those live in the model's regions.
+    """
+
+    kind: ClassVar[str] = ""
+    #: True for ops whose forward differs between training and inference (dropout, batch_norm)
+    has_training_mode: ClassVar[bool] = False
+
+    def __init__(self, name: str, inputs: Sequence[TensorSpec], **attrs: Any):
+        self.name = name
+        self.inputs = list(inputs)
+        self._attrs = dict(attrs)
+        for k, v in attrs.items():
+            setattr(self, k, v)
+        shapes = self.infer_shapes([t.shape for t in self.inputs])
+        self._num_outputs = len(shapes)
+        dtypes = self.output_dtypes()
+        self.outputs = [
+            TensorSpec(tuple(int(s) for s in shp), dt, f"{name}.out{i}" if len(shapes) > 1 else f"{name}.out")
+            for i, (shp, dt) in enumerate(zip(shapes, dtypes))
+        ]
+
+    def __repr__(self) -> str:
+        ins = ", ".join(repr(t) for t in self.inputs)
+        return f"{type(self).__name__}({self.name!r}, [{ins}], {self._attrs})"
+
+    def attrs(self) -> dict[str, Any]:
+        return dict(self._attrs)
+
+    def fail(self, message: str) -> ShapeError:
+        """A ShapeError naming this op and its input shapes."""
+        shapes = [t.shape for t in self.inputs]
+        return ShapeError(f"{self.kind} {self.name!r}: {message} (input shapes {shapes})")
+
+    # ---- shapes and parameters -------------------------------------------------
+    def infer_shapes(self, in_shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Required: output shapes from input shapes; raise self.fail(...) if they don't fit."""
+        raise NotImplementedError(f"{type(self).__name__}.infer_shapes")
+
+    def output_dtypes(self) -> list[str]:
+        """Dtype of each output; by default that of input 0."""
+        return [self.inputs[0].dtype] * self._num_outputs
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Trainable parameters: short name ('weight', 'bias') to shape. Default: none."""
+        return {}
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Non-trained state updated in training forward (batch_norm's running stats)."""
+        return {}
+
+    def init_weights(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Initial values of weights and state (PyTorch's default initializers)."""
+        return {}
+
+    # ---- SOAP split rules and tile requirements -----------------------------------
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        """The space that tiles partition: output 0's shape."""
+        return self.outputs[0].shape
+
+    def split_dims(self) -> tuple[SplitDim, ...]:
+        """Required: the dimensions of the tile space that may be split, with their SOAP kind."""
+        raise NotImplementedError(f"{type(self).__name__}.split_dims")
+
+    def output_rects(self, tile: Rect) -> list[Rect]:
+        """The rect of each output that a tile produces (one output: the tile itself)."""
+        return [tile]
+
+    def input_rects(self, tile: Rect) -> list[Rect]:
+        """Required: for each input, the rect a tile reads (a conv tile: with its halo)."""
+        raise NotImplementedError(f"{type(self).__name__}.input_rects")
+
+    def weight_rects(self, tile: Rect) -> dict[str, Rect]:
+        """For each weight and state, the rect a tile uses. Default: all of every weight."""
+        shapes = {**self.weight_shapes(), **self.state_shapes()}
+        return {k: Rect.from_shape(s) for k, s in shapes.items()}
+
+    # ---- kernels -----------------------------------------------------------------
+    def forward(self, xp, tile: Rect, inputs: list, in_rects: list[Rect], weights: dict,
+                training: bool = True, state: dict | None = None) -> tuple[list, Any]:
+        """Required: compute output tiles.
+
+        Returns (outputs, saved): `outputs` is a list of arrays, one per output rect;
+        `saved` is anything backward needs (or None). `state` holds mutable state
+        tiles (running stats) to update in place when training.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+    def backward(self, xp, tile: Rect, inputs: list, in_rects: list[Rect], weights: dict,
+                 outputs: list, grad_outputs: list, saved: Any) -> tuple[list, dict]:
+        """Required for ops on the gradient path: (grad_inputs, grad_weights).
+
+        grad_inputs[i] has the shape of in_rects[i] (None for integer inputs such as
+        labels or indices); grad_weights[k] has the shape of weight_rects(tile)[k].
+        Contributions of overlapping tiles are summed by the runtime (REDUCE sum).
+        """
+        raise NotImplementedError(f"{type(self).__name__}.backward")
+
+    # ---- costs for the analytic model ----------------------------------------------
+    def flops(self, tile: Rect) -> int:
+        """Floating-point operations of forward on this tile (backward is taken as ~2x)."""
+        return sum(r.volume for r in self.output_rects(tile))
+
+    def bytes_moved(self, tile: Rect) -> int:
+        """Bytes a tile's forward reads and writes: inputs, weights, outputs."""
+        total = 0
+        for spec, r in zip(self.inputs, self.input_rects(tile)):
+            total += r.volume * np.dtype(spec.dtype).itemsize
+        wshapes = {**self.weight_shapes(), **self.state_shapes()}
+        for k, r in self.weight_rects(tile).items():
+            total += r.volume * np.dtype(self.weight_dtype(k)).itemsize if k in wshapes else 0
+        for spec, r in zip(self.outputs, self.output_rects(tile)):
+            total += r.volume * np.dtype(spec.dtype).itemsize
+        return total
+
+    def weight_dtype(self, name: str) -> str:
+        """Dtype of a weight: the float dtype of the op's first float input."""
+        for t in self.inputs:
+            if np.dtype(t.dtype).kind == "f":
+                return t.dtype
+        return "float32"
+
+
+def clip_rect(rect: Rect, shape: Sequence[int]) -> Rect:
+    """`rect` clipped to the box [0, shape)."""
+    return rect.intersect(Rect.from_shape(shape))
+
+
+def xp_of(array) -> Any:
+    """numpy or cupy, whichever owns `array`."""
+    mod = type(array).__module__
+    if mod.startswith("cupy"):
+        import cupy
+        return cupy
+    return np

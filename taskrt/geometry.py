@@ -1,0 +1,112 @@
+"""Rect: an n-dimensional half-open box of integer indices, the unit of all region math."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+
+@dataclass(frozen=True)
+class Rect:
+    """The box lo[d] <= i[d] < hi[d] in every dimension d; empty when any hi[d] <= lo[d]."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.lo) != len(self.hi):
+            raise ValueError(f"Rect lo {self.lo} and hi {self.hi} have different dimensions")
+
+    @staticmethod
+    def from_shape(shape: Sequence[int]) -> "Rect":
+        """The box [0, shape) covering a whole array of that shape."""
+        return Rect(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @staticmethod
+    def make(lo: Sequence[int], hi: Sequence[int]) -> "Rect":
+        return Rect(tuple(int(x) for x in lo), tuple(int(x) for x in hi))
+
+    def __repr__(self) -> str:
+        return "Rect(" + ", ".join(f"{a}:{b}" for a, b in zip(self.lo, self.hi)) + ")"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.lo)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(max(0, b - a) for a, b in zip(self.lo, self.hi))
+
+    @property
+    def volume(self) -> int:
+        v = 1
+        for a, b in zip(self.lo, self.hi):
+            if b <= a:
+                return 0
+            v *= b - a
+        return v
+
+    @property
+    def empty(self) -> bool:
+        return any(b <= a for a, b in zip(self.lo, self.hi))
+
+    def intersect(self, other: "Rect") -> "Rect":
+        self._check_dims(other)
+        return Rect(tuple(map(max, self.lo, other.lo)), tuple(map(min, self.hi, other.hi)))
+
+    def overlaps(self, other: "Rect") -> bool:
+        """True when the two boxes share at least one point (fast path, no allocation)."""
+        for a0, a1, b0, b1 in zip(self.lo, self.hi, other.lo, other.hi):
+            if max(a0, b0) >= min(a1, b1):
+                return False
+        return True
+
+    def contains(self, other: "Rect") -> bool:
+        """True when every point of `other` lies in self (an empty `other` is contained)."""
+        self._check_dims(other)
+        if other.empty:
+            return True
+        return all(a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi))
+
+    def contains_point(self, point: Sequence[int]) -> bool:
+        return all(a <= p < b for a, b, p in zip(self.lo, self.hi, point))
+
+    def points(self) -> Iterator[tuple[int, ...]]:
+        """Every index in the box, in row-major (C) order."""
+        return itertools.product(*(range(a, b) for a, b in zip(self.lo, self.hi)))
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return self.points()
+
+    def slices(self, origin: Sequence[int] | None = None) -> tuple[slice, ...]:
+        """Numpy slices selecting this box from an array whose index 0 sits at `origin`."""
+        if origin is None:
+            return tuple(slice(a, b) for a, b in zip(self.lo, self.hi))
+        return tuple(slice(a - o, b - o) for a, b, o in zip(self.lo, self.hi, origin))
+
+    def translate(self, offset: Sequence[int]) -> "Rect":
+        return Rect(tuple(a + o for a, o in zip(self.lo, offset)), tuple(b + o for b, o in zip(self.hi, offset)))
+
+    def subtract(self, other: "Rect") -> list["Rect"]:
+        """Disjoint boxes covering self minus other (at most 2 * ndim of them)."""
+        inter = self.intersect(other)
+        if inter.empty:
+            return [] if self.empty else [self]
+        pieces = []
+        lo, hi = list(self.lo), list(self.hi)
+        for d in range(self.ndim):
+            if lo[d] < inter.lo[d]:
+                pieces.append(Rect(tuple(lo), tuple(hi[:d] + [inter.lo[d]] + hi[d + 1:])))
+                lo[d] = inter.lo[d]
+            if inter.hi[d] < hi[d]:
+                pieces.append(Rect(tuple(lo[:d] + [inter.hi[d]] + lo[d + 1:]), tuple(hi)))
+                hi[d] = inter.hi[d]
+        return pieces
+
+    def union_bbox(self, other: "Rect") -> "Rect":
+        """The smallest box holding both."""
+        return Rect(tuple(map(min, self.lo, other.lo)), tuple(map(max, self.hi, other.hi)))
+
+    def _check_dims(self, other: "Rect") -> None:
+        if self.ndim != other.ndim:
+            raise ValueError(f"cannot combine {self!r} ({self.ndim}-d) with {other!r} ({other.ndim}-d)")

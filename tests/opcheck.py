@@ -1,0 +1,133 @@
+"""One helper that every operator test uses: whole-op and tiled checks against a reference.
+
+`check_op` runs an operator's forward and backward kernels on the whole tile space,
+compares them with a reference (PyTorch or NumPy), checks backward against central
+finite differences in float64, and then checks the tile rules: splitting the tile
+space along every declared split dimension, running each tile on exactly the input
+and weight rects the op asks for, and summing overlapping gradient contributions,
+must reproduce the whole-op results. That last check is what makes an operator's
+`input_rects`/`weight_rects` trustworthy for SOAP execution.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from taskrt.geometry import Rect
+
+
+def _tile(op, tile, inputs, weights, training=True, state=None):
+    in_rects = op.input_rects(tile)
+    ins = [x[r.slices()] for x, r in zip(inputs, in_rects)]
+    wr = op.weight_rects(tile)
+    ws = {k: weights[k][wr[k].slices()] for k in weights if k in wr}
+    st = None if state is None else {k: state[k][wr[k].slices()].copy() for k in state}
+    outs, saved = op.forward(np, tile, ins, in_rects, ws, training=training, state=st)
+    return in_rects, ins, wr, ws, outs, saved, st
+
+
+def run_whole(op, inputs, weights, grad_outputs=None, training=True, state=None):
+    """Forward (and backward when grad_outputs given) on the whole tile space."""
+    tile = Rect.from_shape(op.tile_shape)
+    in_rects, ins, wr, ws, outs, saved, st = _tile(op, tile, inputs, weights, training, state)
+    if grad_outputs is None:
+        return outs, None, None, st
+    gin, gw = op.backward(np, tile, ins, in_rects, ws, outs, grad_outputs, saved)
+    return outs, gin, gw, st
+
+
+def _splits(extent, parts):
+    cuts = [extent * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def tilings(op, parts=(2, 3)):
+    """Tilings of the tile space: each split dim alone in 2 and 3 pieces, and all together in 2."""
+    shape = op.tile_shape
+    dims = [s.dim for s in op.split_dims()]
+    out = []
+    for d in dims:
+        for p in parts:
+            if shape[d] >= p:
+                out.append({d: p})
+    if len(dims) > 1:
+        out.append({d: 2 for d in dims if shape[d] >= 2})
+    return out
+
+
+def tiles_of(shape, degrees):
+    ranges = [_splits(shape[d], degrees.get(d, 1)) for d in range(len(shape))]
+    for combo in itertools.product(*ranges):
+        yield Rect(tuple(a for a, _ in combo), tuple(b for _, b in combo))
+
+
+def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, training=True, state=None):
+    """Every tiling of the declared split dims gives the whole-op forward and backward."""
+    ref_outs, ref_gin, ref_gw, ref_state = run_whole(op, inputs, weights, grad_outputs, training,
+                                                     None if state is None else {k: v.copy() for k, v in state.items()})
+    for degrees in tilings(op):
+        outs = [np.zeros_like(o) for o in ref_outs]
+        gin = [None if g is None else np.zeros_like(g) for g in ref_gin]
+        gw = {k: np.zeros_like(v) for k, v in ref_gw.items()}
+        new_state = None if state is None else {k: v.copy() for k, v in state.items()}
+        for tile in tiles_of(op.tile_shape, degrees):
+            in_rects, ins, wr, ws, touts, saved, st = _tile(op, tile, inputs, weights, training, state)
+            for full, r, t in zip(outs, op.output_rects(tile), touts):
+                assert t.shape == r.shape, f"{op.kind}: tile {tile} output shape {t.shape} != {r.shape}"
+                full[r.slices()] = t
+            if st is not None:
+                for k in st:
+                    new_state[k][wr[k].slices()] = st[k]
+            tg_in, tg_w = op.backward(np, tile, ins, in_rects, ws, touts,
+                                      [g[r.slices()] for g, r in zip(grad_outputs, op.output_rects(tile))], saved)
+            for full, r, t in zip(gin, in_rects, tg_in):
+                if full is not None:
+                    assert t.shape == r.shape, f"{op.kind}: grad input shape {t.shape} != rect {r}"
+                    full[r.slices()] += t
+            for k, t in tg_w.items():
+                gw[k][wr[k].slices()] += t
+        for a, b in zip(outs, ref_outs):
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"{op.kind} forward, tiling {degrees}")
+        for a, b in zip(gin, ref_gin):
+            if a is not None:
+                np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"{op.kind} grad input, tiling {degrees}")
+        for k in gw:
+            np.testing.assert_allclose(gw[k], ref_gw[k], rtol=rtol, atol=atol, err_msg=f"{op.kind} grad {k}, tiling {degrees}")
+        if state is not None:
+            for k in state:
+                np.testing.assert_allclose(new_state[k], ref_state[k], rtol=rtol, atol=atol,
+                                           err_msg=f"{op.kind} state {k}, tiling {degrees}")
+
+
+def check_finite_differences(op, inputs, weights, rtol=1e-4, atol=1e-6, eps=1e-6, seed=0, training=True,
+                             max_checks=12):
+    """Backward against central differences of sum(random projection of the outputs), in float64."""
+    rng = np.random.default_rng(seed)
+    inputs = [x.astype(np.float64) if np.issubdtype(x.dtype, np.floating) else x for x in inputs]
+    weights = {k: v.astype(np.float64) for k, v in weights.items()}
+    outs, _, _, _ = run_whole(op, inputs, weights, training=training)
+    proj = [rng.standard_normal(o.shape) for o in outs]
+
+    def objective():
+        o, _, _, _ = run_whole(op, inputs, weights, training=training)
+        return sum(float((a * p).sum()) for a, p in zip(o, proj))
+
+    _, gin, gw, _ = run_whole(op, inputs, weights, grad_outputs=proj, training=training)
+    targets = [(x, g, f"input {i}") for i, (x, g) in enumerate(zip(inputs, gin))
+               if g is not None and np.issubdtype(x.dtype, np.floating)]
+    targets += [(weights[k], gw[k], k) for k in gw]
+    for arr, grad, label in targets:
+        flat = arr.reshape(-1)
+        idx = rng.choice(flat.size, size=min(max_checks, flat.size), replace=False)
+        for i in idx:
+            old = flat[i]
+            flat[i] = old + eps
+            up = objective()
+            flat[i] = old - eps
+            down = objective()
+            flat[i] = old
+            num = (up - down) / (2 * eps)
+            ana = grad.reshape(-1)[i]
+            assert np.isclose(ana, num, rtol=rtol, atol=atol), (
+                f"{op.kind} grad of {label} at flat index {i}: analytic {ana}, numeric {num}")
