@@ -1,0 +1,198 @@
+"""Dependence and coherence analysis: turns requirements, in program order, into graph nodes.
+
+For every region the analysis keeps one RegionState:
+
+- users:   rect -> [(privilege, node id)]  who touched which rect since it was last overwritten
+           (logical dependences: RAW, WAR, WAW; reads commute, same-op reductions commute);
+- pieces:  rect -> {memory: producer id}   disjoint rects and the memories holding valid
+           data for each, with the node that made it valid there (None: attached before any
+           node). Rects in no piece were never written: they read as zeros everywhere;
+- pending: [(rect, redop, buffer, memory, node id)]  reductions not yet folded.
+
+A task's preds are the conflicting users that overlap it, plus the producers of the data
+it uses in its own memory; when that data is valid only elsewhere, a CopyNode brings it
+in first; pending reductions are folded (a CopyNode with redop) before any access that
+does not commute with them. Node ids come in program order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .geometry import Rect
+from .machine import Memory, Processor
+from .privilege import Privilege
+from .region import Region
+from .taskgraph import CopyNode, PhysicalReq, TaskNode
+
+#: prune finished readers from a rect's user list once it grows past this length
+USER_LIST_PRUNE_AT = 16
+
+
+@dataclass
+class RegionState:
+    users: dict[Rect, list[tuple[Privilege, int]]] = field(default_factory=dict)
+    users_disjoint: bool = True
+    pieces: dict[Rect, dict[Memory, int | None]] = field(default_factory=dict)
+    pending: list[tuple[Rect, str, tuple[int, int], Memory, int]] = field(default_factory=list)
+
+    def abstract(self) -> tuple:
+        """The state without node ids: what decides which copies and folds a program makes."""
+        pieces = tuple(sorted((r, tuple(sorted(v, key=str))) for r, v in self.pieces.items()))
+        pending = tuple((r, op, m) for r, op, _, m, _ in self.pending)
+        return pieces, pending
+
+    def remap(self, f: Callable[[int | None], int | None]) -> "RegionState":
+        """A copy with every node id passed through f."""
+        return RegionState(
+            users={r: [(p, f(n)) for p, n in lst] for r, lst in self.users.items()},
+            users_disjoint=self.users_disjoint,
+            pieces={r: {m: f(n) for m, n in v.items()} for r, v in self.pieces.items()},
+            pending=[(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self.pending],
+        )
+
+
+class Analyzer:
+    """Builds nodes for tasks in program order. `new_id()` gives node ids; `emit(node, preds)`
+    receives every node made; `is_done(id)` lets long reader lists forget finished nodes."""
+
+    def __init__(self, new_id: Callable[[], int], emit: Callable, is_done: Callable[[int], bool] = lambda i: False):
+        self.new_id = new_id
+        self.emit = emit
+        self.is_done = is_done
+        self.states: dict[int, RegionState] = {}
+
+    def state(self, region: Region) -> RegionState:
+        st = self.states.get(region.uid)
+        if st is None:
+            st = self.states[region.uid] = RegionState()
+        return st
+
+    # ---- the entry point -----------------------------------------------------------
+    def add_task(self, name: str, proc: Processor, fn, reqs: list[tuple[Region, Rect, Privilege]],
+                 args: tuple = (), point: tuple = (), launch: int = -1, extra_preds: Iterable[int] = (),
+                 op: str = "", future=None) -> TaskNode:
+        mem = proc.memory
+        preds = set(extra_preds)
+        for region, rect, priv in reqs:
+            st = self.state(region)
+            if st.pending:
+                self._flush(st, region, rect, priv, mem, preds, launch, op)
+            self._logical_preds(st, rect, priv, preds)
+            if not priv.is_reduce:
+                self._physical_preds(st, region, rect, priv, mem, preds, launch, op)
+        node = TaskNode(self.new_id(), name, proc, fn,
+                        tuple(PhysicalReq(r, rect, p, mem) for r, rect, p in reqs), args, point, launch, op,
+                        future=future)
+        if future is not None:
+            future.node_id = node.id
+        self.emit(node, preds)
+        for i, (region, rect, priv) in enumerate(reqs):
+            st = self.state(region)
+            self._record_user(st, rect, priv, node.id)
+            if priv.writes:
+                self._set_valid(st, rect, {mem: node.id})
+            elif priv.is_reduce:
+                st.pending.append((rect, priv.redop, (node.id, i), mem, node.id))
+        return node
+
+    # ---- logical dependences ---------------------------------------------------------
+    def _overlapping_users(self, st: RegionState, rect: Rect):
+        if st.users_disjoint:
+            lst = st.users.get(rect)
+            if lst is not None:
+                return ((rect, lst),)
+        return [(r, lst) for r, lst in st.users.items() if r.overlaps(rect)]
+
+    def _logical_preds(self, st: RegionState, rect: Rect, priv: Privilege, preds: set) -> None:
+        for _, lst in self._overlapping_users(st, rect):
+            for p, n in lst:
+                if p.conflicts(priv):
+                    preds.add(n)
+
+    def _record_user(self, st: RegionState, rect: Rect, priv: Privilege, node_id: int) -> None:
+        users = st.users
+        if priv.writes:
+            # a writer orders everything after it: users it covers need not be remembered
+            doomed = [r for r, _ in self._overlapping_users(st, rect) if r != rect and rect.contains(r)]
+            for r in doomed:
+                del users[r]
+            if doomed and not st.users_disjoint:
+                st.users_disjoint = _pairwise_disjoint(list(users))
+            users[rect] = [(priv, node_id)]
+            return
+        lst = users.get(rect)
+        if lst is None:
+            if st.users_disjoint and any(r.overlaps(rect) for r in users):
+                st.users_disjoint = False
+            users[rect] = [(priv, node_id)]
+            return
+        lst.append((priv, node_id))
+        if len(lst) > USER_LIST_PRUNE_AT:
+            lst[:] = [(p, n) for p, n in lst if not self.is_done(n)] or lst[-1:]
+
+    # ---- coherence: where valid data lives ---------------------------------------------
+    def _overlapping_pieces(self, st: RegionState, rect: Rect):
+        v = st.pieces.get(rect)
+        if v is not None:
+            return [(rect, v)]
+        return [(r, v) for r, v in st.pieces.items() if r.overlaps(rect)]
+
+    def _physical_preds(self, st, region, rect, priv, mem, preds, launch, op) -> None:
+        """Depend on whoever made the data valid in `mem`; copy it in first if it is valid elsewhere."""
+        for prect, valid in self._overlapping_pieces(st, rect):
+            if mem in valid:
+                producer = valid[mem]
+                if producer is not None:
+                    preds.add(producer)
+            elif priv.reads:
+                inter = prect.intersect(rect)
+                src = choose_source(valid, mem)
+                copy = CopyNode(self.new_id(), region, inter, src, mem, launch=launch, op=op)
+                self.emit(copy, () if valid[src] is None else (valid[src],))
+                del st.pieces[prect]
+                for rest in prect.subtract(inter):
+                    st.pieces[rest] = dict(valid)
+                st.pieces[inter] = {**valid, mem: copy.id}
+                preds.add(copy.id)
+
+    def _set_valid(self, st: RegionState, rect: Rect, valid: dict) -> None:
+        for prect, old in self._overlapping_pieces(st, rect):
+            del st.pieces[prect]
+            for rest in prect.subtract(rect):
+                st.pieces[rest] = old
+        st.pieces[rect] = valid
+
+    def _flush(self, st, region, rect, priv, mem, preds, launch, op) -> None:
+        """Fold every pending reduction that overlaps `rect` and does not commute with `priv`
+        into `mem`, in program order; the accessing task waits for the folds."""
+        keep = []
+        for entry in st.pending:
+            prect, redop, buffer, rmem, rnode = entry
+            if not prect.overlaps(rect) or (priv.is_reduce and priv.redop == redop):
+                keep.append(entry)
+                continue
+            fold_preds = {rnode}
+            self._physical_preds(st, region, prect, _FOLD_TARGET, mem, fold_preds, launch, op)
+            fold = CopyNode(self.new_id(), region, prect, rmem, mem, redop=redop, buffer=buffer, launch=launch, op=op)
+            self.emit(fold, fold_preds)
+            self._set_valid(st, prect, {mem: fold.id})
+            preds.add(fold.id)
+        st.pending = keep
+
+
+_FOLD_TARGET = Privilege("RW")
+
+
+def choose_source(valid: dict[Memory, int | None], dst: Memory) -> Memory:
+    """Where to copy from: a memory on dst's rank if any (host memory first), else the lowest rank.
+    Deterministic, so every rank of a replicated program picks the same source."""
+    return min(valid, key=lambda m: (m.rank != dst.rank, m.rank, m.kind != "sys", m.index))
+
+
+def _pairwise_disjoint(rects: list[Rect]) -> bool:
+    for i, a in enumerate(rects):
+        for b in rects[i + 1:]:
+            if a.overlaps(b):
+                return False
+    return True

@@ -1,0 +1,1 @@
+"""Memory backends: allocate, copy between memories, hand out views. One file per kind."""

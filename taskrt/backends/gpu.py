@@ -1,0 +1,50 @@
+"""GPU memory through cupy: one device per memory, work issued on the processor's stream."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:
+        raise RuntimeError("a GPU memory needs cupy: pip install -e '.[gpu]'") from e
+    return cupy
+
+
+def module():
+    return _cupy()
+
+
+def allocate(shape, dtype, device: int):
+    cp = _cupy()
+    with cp.cuda.Device(device):
+        return cp.zeros(shape, dtype)
+
+
+def to_numpy(array) -> np.ndarray:
+    return _cupy().asnumpy(array)
+
+
+def read_only(view):
+    # cupy has no read-only arrays; privileges are still enforced by the analysis
+    return view
+
+
+def copy(dst_view, src_view, dst_device: int | None) -> None:
+    """dst[...] = src across host and devices: host to device, device to host, or peer to peer."""
+    cp = _cupy()
+    if dst_device is None:
+        dst_view[...] = cp.asnumpy(src_view)
+        return
+    with cp.cuda.Device(dst_device):
+        if isinstance(src_view, np.ndarray):
+            dst_view[...] = cp.asarray(src_view)
+        elif src_view.device.id == dst_device:
+            dst_view[...] = src_view
+        else:
+            with cp.cuda.Device(src_view.device.id):
+                src = cp.ascontiguousarray(src_view)
+            staged = cp.empty(src.shape, src.dtype)
+            staged.data.copy_from_device(src.data, src.nbytes)
+            dst_view[...] = staged

@@ -1,0 +1,156 @@
+"""The executor: runs graph nodes on worker threads as their dependences finish.
+
+Run state, all guarded by one lock:
+- unfinished: node id -> node, for every node submitted and not yet finished;
+- waiting:    node id -> number of unfinished preds, for nodes not yet ready;
+- dependents: node id -> ids waiting on it.
+A ready node goes to the queue of its worker: one thread per local processor (tasks)
+and one per local memory (copies and folds into it). Workers call `run_task` /
+`run_copy`, then `_finish`, which releases the dependents. Hooks get (node, start, end).
+The executor does not know what a task computes, nor whether a copy crosses ranks:
+`transport` (taskrt/mpi.py on many ranks) handles nodes that touch another rank.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from typing import Callable
+
+from .taskgraph import CopyNode, TaskNode
+
+
+class TaskError(RuntimeError):
+    """A task raised: carries the task's name, point, processor and the original traceback."""
+
+    def __init__(self, node, exc: BaseException, tb: str, rank: int = 0):
+        self.node_name = node.name
+        self.point = getattr(node, "point", ())
+        self.original = exc
+        self.traceback_text = tb
+        where = getattr(node, "proc", None) or getattr(node, "dst", None)
+        super().__init__(f"task {node.name!r} point {list(self.point)} on {where} (rank {rank}) raised "
+                         f"{type(exc).__name__}: {exc}\n--- original traceback ---\n{tb}")
+
+
+class Executor:
+    def __init__(self, workers: list, run_task: Callable, run_copy: Callable,
+                 hooks: list[Callable] | None = None, worker_setup: Callable | None = None, rank: int = 0):
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.unfinished: dict[int, object] = {}
+        self.waiting: dict[int, int] = {}
+        self.dependents: dict[int, list[int]] = {}
+        self.error: TaskError | None = None
+        self.sleepers = 0
+        self.run_task = run_task
+        self.run_copy = run_copy
+        self.hooks = hooks or []
+        self.rank = rank
+        self.queues: dict[object, queue.SimpleQueue] = {}
+        self.threads: list[threading.Thread] = []
+        for w in workers:
+            q = queue.SimpleQueue()
+            self.queues[w] = q
+            t = threading.Thread(target=self._worker, args=(w, q, worker_setup), name=f"taskrt-{w}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    # ---- submitting and finishing ------------------------------------------------------
+    def submit(self, node, preds) -> None:
+        """Add a node; it runs once every pred that is still unfinished has finished."""
+        with self.lock:
+            count = 0
+            unfinished = self.unfinished
+            for p in preds:
+                if p in unfinished:
+                    self.dependents.setdefault(p, []).append(node.id)
+                    count += 1
+            unfinished[node.id] = node
+            if count:
+                self.waiting[node.id] = count
+                return
+        self.queues[node.where].put(node)
+
+    def is_done(self, node_id: int) -> bool:
+        return node_id not in self.unfinished
+
+    def _finish(self, node) -> None:
+        ready = []
+        with self.lock:
+            del self.unfinished[node.id]
+            for s in self.dependents.pop(node.id, ()):
+                c = self.waiting[s] - 1
+                if c:
+                    self.waiting[s] = c
+                else:
+                    del self.waiting[s]
+                    ready.append(self.unfinished[s])
+            if self.sleepers:
+                self.cond.notify_all()
+        for n in ready:
+            self.queues[n.where].put(n)
+
+    def _worker(self, where, q: queue.SimpleQueue, setup) -> None:
+        if setup is not None:
+            setup(where)
+        run_task, run_copy, hooks = self.run_task, self.run_copy, self.hooks
+        while True:
+            node = q.get()
+            if node is None:
+                return
+            if self.error is None:
+                start = time.perf_counter()
+                try:
+                    if type(node) is TaskNode:
+                        run_task(node)
+                    else:
+                        run_copy(node)
+                except BaseException as exc:  # the task's error is reported at wait(), never lost
+                    self._fail(node, exc)
+                if hooks:
+                    end = time.perf_counter()
+                    for h in hooks:
+                        h(node, start, end)
+            self._finish(node)
+
+    def _fail(self, node, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = TaskError(node, exc, traceback.format_exc(), self.rank)
+            self.cond.notify_all()
+
+    # ---- waiting ---------------------------------------------------------------------
+    def wait_node(self, node_id: int, timeout: float | None = None) -> None:
+        self._wait(lambda: node_id not in self.unfinished, timeout)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        self._wait(lambda: not self.unfinished, timeout)
+
+    def _wait(self, done: Callable[[], bool], timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            self.sleepers += 1
+            try:
+                while not done():
+                    if self.error is not None and not self._progress_possible():
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"{len(self.unfinished)} nodes still unfinished after {timeout} s")
+                    self.cond.wait(left if left is not None else 1.0)
+            finally:
+                self.sleepers -= 1
+        if self.error is not None:
+            raise self.error
+
+    def _progress_possible(self) -> bool:
+        """After an error, nodes still drain (skipped) so that workers end idle; wait for that."""
+        return bool(self.unfinished)
+
+    def shutdown(self) -> None:
+        for q in self.queues.values():
+            q.put(None)
+        for t in self.threads:
+            t.join(timeout=5)

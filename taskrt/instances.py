@@ -1,0 +1,82 @@
+"""Physical instances: the storage of each region in each memory of this rank.
+
+Every (region, memory) pair gets one full-size instance on first use; a task sees a view
+of its rect. Which parts of an instance hold valid data is the analysis's business
+(taskrt/analysis.py); this module only allocates, hands out views, copies and folds.
+Reduction buffers are private to one task's requirement and live until they are folded.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .backends import cpu, gpu
+from .geometry import Rect
+from .machine import Memory
+from .privilege import fold, reduction_identity
+from .region import Region
+
+
+class InstanceStore:
+    def __init__(self, gpu_devices: dict[Memory, int] | None = None):
+        self.instances: dict[tuple[int, Memory], object] = {}
+        self.buffers: dict[tuple[int, int], object] = {}
+        self.gpu_devices = gpu_devices or {}
+        self._lock = threading.Lock()
+
+    def xp(self, memory: Memory):
+        return np if memory.kind == "sys" else gpu.module()
+
+    def instance(self, region: Region, memory: Memory):
+        key = (region.uid, memory)
+        inst = self.instances.get(key)
+        if inst is None:
+            with self._lock:
+                inst = self.instances.get(key)
+                if inst is None:
+                    if memory.kind == "sys":
+                        inst = cpu.allocate(region.shape, region.dtype)
+                    else:
+                        inst = gpu.allocate(region.shape, region.dtype, self.gpu_devices[memory])
+                    self.instances[key] = inst
+        return inst
+
+    def view(self, region: Region, rect: Rect, memory: Memory, writable: bool):
+        v = self.instance(region, memory)[rect.slices()]
+        if writable:
+            return v
+        return cpu.read_only(v) if memory.kind == "sys" else gpu.read_only(v)
+
+    def new_buffer(self, key: tuple[int, int], region: Region, rect: Rect, memory: Memory, redop: str):
+        """A private reduction buffer for a task's requirement, filled with the operator's identity."""
+        xp = self.xp(memory)
+        if memory.kind == "sys":
+            buf = np.full(rect.shape, reduction_identity(redop, region.dtype), region.dtype)
+        else:
+            with xp.cuda.Device(self.gpu_devices[memory]):
+                buf = xp.full(rect.shape, reduction_identity(redop, region.dtype), region.dtype)
+        self.buffers[key] = buf
+        return buf
+
+    def copy(self, region: Region, rect: Rect, src: Memory, dst: Memory) -> None:
+        src_view = self.instance(region, src)[rect.slices()]
+        dst_view = self.instance(region, dst)[rect.slices()]
+        if src.kind == "sys" and dst.kind == "sys":
+            np.copyto(dst_view, src_view)
+        else:
+            gpu.copy(dst_view, src_view, self.gpu_devices.get(dst))
+
+    def fold(self, region: Region, rect: Rect, dst: Memory, buffer_key: tuple[int, int], redop: str) -> None:
+        """dst[rect] op= the task's reduction buffer, then free the buffer."""
+        buf = self.buffers.pop(buffer_key)
+        dst_view = self.instance(region, dst)[rect.slices()]
+        if dst.kind != "sys" or not isinstance(buf, np.ndarray):
+            staged = self.xp(dst).empty(rect.shape, region.dtype) if dst.kind != "sys" else np.empty(rect.shape, region.dtype)
+            gpu.copy(staged, buf, self.gpu_devices.get(dst))
+            buf = staged
+        fold(self.xp(dst), redop, dst_view, buf)
+
+    def drop_region(self, region: Region) -> None:
+        for key in [k for k in self.instances if k[0] == region.uid]:
+            del self.instances[key]

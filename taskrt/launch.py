@@ -1,0 +1,123 @@
+"""What a program hands the runtime: requirements, and the futures it gets back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .geometry import Rect
+from .privilege import Privilege, as_privilege
+from .region import Partition, Region
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A region (whole, one rect, or a partition read through a projection) and a privilege.
+
+    In an index launch a partition requirement gives point p the sub-rect of color
+    projection(p) (identity by default); a region or rect requirement gives every point
+    the same rect (all points reading the weights, or all reducing into one gradient).
+    """
+
+    region: Region
+    privilege: Privilege
+    rect: Rect | None = None
+    partition: Partition | None = None
+    projection: Callable | None = None
+
+    def __repr__(self) -> str:
+        target = self.partition.name if self.partition is not None else f"{self.region.name}{self.rect_or_all!r}"
+        return f"Requirement({self.privilege!r} {target})"
+
+    @property
+    def rect_or_all(self) -> Rect:
+        return self.rect if self.rect is not None else self.region.rect
+
+    def rect_for(self, point: tuple) -> Rect:
+        if self.partition is None:
+            return self.rect_or_all
+        color = point if self.projection is None else self.projection(point)
+        if not isinstance(color, tuple):
+            color = (color,)
+        rect = self.partition.rects.get(color)
+        if rect is None:
+            raise ValueError(f"{self!r}: point {point} projects to color {color}, which is not in "
+                             f"{self.partition!r}")
+        return rect
+
+    def key(self) -> tuple:
+        """What identifies this requirement when checking that a replayed launch repeats."""
+        target = self.partition.key if self.partition is not None else self.rect_or_all
+        return (self.region.uid, target, self.privilege, self.projection)
+
+
+def req(target, privilege, rect: Rect | None = None, projection: Callable | None = None) -> Requirement:
+    """Requirement on a Region (whole or `rect` of it) or a Partition, checked at once."""
+    privilege = as_privilege(privilege)
+    if isinstance(target, Partition):
+        if rect is not None:
+            raise ValueError(f"give a rect or a partition, not both ({target!r}, {rect!r})")
+        return Requirement(target.region, privilege, partition=target, projection=projection)
+    if isinstance(target, Region):
+        if rect is not None:
+            target.check_rect(rect)
+        if projection is not None:
+            raise ValueError(f"a projection needs a partition, got region {target!r}")
+        return Requirement(target, privilege, rect=rect)
+    raise TypeError(f"a requirement names a Region or a Partition, got {type(target).__name__}: {target!r}")
+
+
+class Future:
+    """The result of one point task; `get()` waits for it and re-raises the task's error."""
+
+    __slots__ = ("_runtime", "node_id", "_value", "_has_value")
+
+    def __init__(self, runtime, node_id: int):
+        self._runtime = runtime
+        self.node_id = node_id
+        self._has_value = False
+        self._value = None
+
+    def _set(self, value) -> None:
+        self._value = value
+        self._has_value = True
+
+    def done(self) -> bool:
+        return self._has_value or self._runtime._node_done(self.node_id)
+
+    def get(self, timeout: float | None = None):
+        if not self._has_value:
+            self._runtime._wait_node(self.node_id, timeout)
+            self._runtime._resolve_future(self)
+        return self._value
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.get(timeout)
+
+    def __repr__(self) -> str:
+        return f"Future(node {self.node_id}, {'ready' if self._has_value else 'pending'})"
+
+
+class FutureMap:
+    """The futures of an index launch, by point."""
+
+    def __init__(self, futures: dict[tuple, Future]):
+        self.futures = futures
+
+    def __getitem__(self, point) -> Future:
+        return self.futures[point if isinstance(point, tuple) else (point,)]
+
+    def __iter__(self):
+        return iter(self.futures)
+
+    def __len__(self) -> int:
+        return len(self.futures)
+
+    def get(self, timeout: float | None = None) -> dict[tuple, object]:
+        return {p: f.get(timeout) for p, f in self.futures.items()}
+
+    def wait(self, timeout: float | None = None) -> None:
+        for f in self.futures.values():
+            f.wait(timeout)
+
+    def __repr__(self) -> str:
+        return f"FutureMap({len(self.futures)} points)"

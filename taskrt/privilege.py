@@ -1,0 +1,96 @@
+"""Privileges: how a task may touch a region (Legion's R, WD, RW and Reduce(op))."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: reduction operators: name -> (identity for a dtype, in-place fold dst op= src)
+REDUCTION_OPS = {
+    "sum": (lambda dt: 0, lambda xp, dst, src: xp.add(dst, src, out=dst)),
+    "prod": (lambda dt: 1, lambda xp, dst, src: xp.multiply(dst, src, out=dst)),
+    "max": (lambda dt: _lowest(dt), lambda xp, dst, src: xp.maximum(dst, src, out=dst)),
+    "min": (lambda dt: _highest(dt), lambda xp, dst, src: xp.minimum(dst, src, out=dst)),
+}
+_ALIASES = {"+": "sum", "*": "prod"}
+
+
+def _lowest(dt):
+    dt = np.dtype(dt)
+    return -np.inf if dt.kind == "f" else np.iinfo(dt).min
+
+
+def _highest(dt):
+    dt = np.dtype(dt)
+    return np.inf if dt.kind == "f" else np.iinfo(dt).max
+
+
+@dataclass(frozen=True)
+class Privilege:
+    """READ, WRITE (discard old contents), READ_WRITE, or REDUCE with a named operator."""
+
+    mode: str
+    redop: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("R", "WD", "RW", "Reduce"):
+            raise ValueError(f"unknown privilege mode {self.mode!r}; expected R, WD, RW or Reduce")
+        if (self.mode == "Reduce") != (self.redop is not None):
+            raise ValueError(f"privilege {self.mode!r} with reduction operator {self.redop!r}")
+        if self.redop is not None and self.redop not in REDUCTION_OPS:
+            raise ValueError(f"unknown reduction operator {self.redop!r}; expected one of {sorted(REDUCTION_OPS)}")
+
+    def __repr__(self) -> str:
+        return f"Reduce({self.redop!r})" if self.redop else self.mode
+
+    @property
+    def reads(self) -> bool:
+        """Needs the current contents of the region."""
+        return self.mode in ("R", "RW")
+
+    @property
+    def writes(self) -> bool:
+        return self.mode in ("WD", "RW")
+
+    @property
+    def is_reduce(self) -> bool:
+        return self.mode == "Reduce"
+
+    def conflicts(self, other: "Privilege") -> bool:
+        """Two accesses to overlapping data must be ordered unless both read, or both reduce with one op."""
+        if self.mode == "R" and other.mode == "R":
+            return False
+        if self.is_reduce and other.is_reduce and self.redop == other.redop:
+            return False
+        return True
+
+
+READ = Privilege("R")
+WRITE = Privilege("WD")
+READ_WRITE = Privilege("RW")
+
+
+def Reduce(op: str = "sum") -> Privilege:
+    """The REDUCE privilege with operator `op` ('sum' or '+', 'prod' or '*', 'max', 'min')."""
+    return Privilege("Reduce", _ALIASES.get(op, op))
+
+
+def as_privilege(value) -> Privilege:
+    """Accept a Privilege or its short name ('R', 'WD', 'RW', 'Reduce(+)'); reject anything else by name."""
+    if isinstance(value, Privilege):
+        return value
+    if isinstance(value, str):
+        if value in ("R", "WD", "RW"):
+            return Privilege(value)
+        if value.startswith("Reduce(") and value.endswith(")"):
+            return Reduce(value[7:-1].strip("'\""))
+    raise ValueError(f"unknown privilege {value!r}; expected READ, WRITE, READ_WRITE or Reduce(op)")
+
+
+def reduction_identity(op: str, dtype) -> object:
+    return REDUCTION_OPS[op][0](dtype)
+
+
+def fold(xp, op: str, dst, src) -> None:
+    """dst op= src, in place."""
+    REDUCTION_OPS[op][1](xp, dst, src)

@@ -1,0 +1,145 @@
+"""Regions (logical tensors, no storage) and partitions (colors to sub-rects)."""
+from __future__ import annotations
+
+import itertools
+from functools import cached_property
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .geometry import Rect
+
+Color = tuple[int, ...]
+
+
+class Region:
+    """A logical n-d tensor: shape, dtype and name. Data lives in the runtime's instances."""
+
+    _next_uid = itertools.count()
+
+    def __init__(self, shape: Sequence[int], dtype="float32", name: str | None = None):
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"region {name!r}: negative extent in shape {shape}")
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.uid = next(Region._next_uid)
+        self.name = name or f"region{self.uid}"
+        self.rect = Rect.from_shape(shape)
+        self._equal_partitions: dict[tuple[int, ...], Partition] = {}
+
+    def __repr__(self) -> str:
+        return f"Region({self.name!r}, {self.dtype.name}{list(self.shape)})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rect.volume * self.dtype.itemsize
+
+    def check_rect(self, rect: Rect, what: str = "rect") -> None:
+        """Raise a clear error unless `rect` is a box inside this region."""
+        if not isinstance(rect, Rect):
+            raise TypeError(f"{what} for {self!r} must be a Rect, got {type(rect).__name__}")
+        if rect.ndim != self.ndim:
+            raise ValueError(f"{what} {rect!r} is {rect.ndim}-d but {self!r} is {self.ndim}-d")
+        if not self.rect.contains(rect):
+            raise ValueError(f"{what} {rect!r} lies outside {self!r} (bounds {self.rect!r})")
+
+    def partition(self, degrees: Sequence[int]) -> "Partition":
+        """The equal partition with `degrees` pieces per dimension (cached, so reuse is cheap)."""
+        key = tuple(int(d) for d in degrees)
+        part = self._equal_partitions.get(key)
+        if part is None:
+            part = Partition.equal(self, key)
+            self._equal_partitions[key] = part
+        return part
+
+
+class Partition:
+    """A map from colors to sub-rects of one region. Disjointness and completeness are computed."""
+
+    def __init__(self, region: Region, rects: Mapping[Color, Rect], name: str | None = None):
+        self.region = region
+        self.rects: dict[Color, Rect] = {}
+        for color, rect in rects.items():
+            color = tuple(int(c) for c in (color if isinstance(color, tuple) else (color,)))
+            region.check_rect(rect, f"sub-rect of color {color}")
+            self.rects[color] = rect
+        self.name = name or f"{region.name}.part"
+        self.key = (region.uid, tuple(sorted(self.rects.items())))
+
+    @staticmethod
+    def equal(region: Region, degrees: Sequence[int]) -> "Partition":
+        """Tile a grid of `degrees` pieces per dimension; cuts at i*extent//degree, so tiles differ by at most 1."""
+        degrees = tuple(int(d) for d in degrees)
+        if len(degrees) != region.ndim:
+            raise ValueError(f"degrees {degrees} have {len(degrees)} entries but {region!r} is {region.ndim}-d")
+        for d, (deg, ext) in enumerate(zip(degrees, region.shape)):
+            if deg < 1 or deg > max(ext, 1):
+                raise ValueError(f"degree {deg} in dim {d} does not fit extent {ext} of {region!r}")
+        bounds = []
+        for deg, ext in zip(degrees, region.shape):
+            bounds.append([(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)])
+        rects = {}
+        for color in itertools.product(*(range(d) for d in degrees)):
+            lo = tuple(bounds[d][c][0] for d, c in enumerate(color))
+            hi = tuple(bounds[d][c][1] for d, c in enumerate(color))
+            rects[color] = Rect(lo, hi)
+        return Partition(region, rects, name=f"{region.name}.equal{list(degrees)}")
+
+    @staticmethod
+    def from_rects(region: Region, rects: Mapping[Color, Rect] | Iterable[Rect], name: str | None = None) -> "Partition":
+        """A partition from explicit rects (a mapping, or a list colored 0, 1, ...); may be aliased."""
+        if not isinstance(rects, Mapping):
+            rects = {(i,): r for i, r in enumerate(rects)}
+        return Partition(region, rects, name)
+
+    def __repr__(self) -> str:
+        kind = "disjoint" if self.disjoint else "aliased"
+        return f"Partition({self.name!r}, {len(self.rects)} {kind} pieces of {self.region!r})"
+
+    def __getitem__(self, color) -> Rect:
+        color = color if isinstance(color, tuple) else (color,)
+        try:
+            return self.rects[color]
+        except KeyError:
+            raise KeyError(f"color {color} is not in {self!r}; colors are {sorted(self.rects)[:8]}...") from None
+
+    def __len__(self) -> int:
+        return len(self.rects)
+
+    def colors(self) -> list[Color]:
+        return list(self.rects)
+
+    @cached_property
+    def disjoint(self) -> bool:
+        """No two sub-rects share a point (empty sub-rects share nothing)."""
+        rects = [r for r in self.rects.values() if not r.empty]
+        rects.sort(key=lambda r: r.lo)
+        for i, a in enumerate(rects):
+            for b in rects[i + 1:]:
+                if b.lo[0] >= a.hi[0] if a.ndim else False:
+                    break
+                if a.overlaps(b):
+                    return False
+        return True
+
+    @property
+    def aliased(self) -> bool:
+        return not self.disjoint
+
+    @cached_property
+    def complete(self) -> bool:
+        """The sub-rects cover every point of the region."""
+        total = self.region.rect.volume
+        if self.disjoint:
+            return sum(r.volume for r in self.rects.values()) == total
+        remaining = [self.region.rect]
+        for r in self.rects.values():
+            remaining = [p for q in remaining for p in q.subtract(r)]
+            if not remaining:
+                return True
+        return not remaining

@@ -1,0 +1,198 @@
+"""Replay (Legion's tracing): analyze a repeated block of launches once, then re-issue its nodes.
+
+`with rt.replay("step"):` marks a block. The first time (or whenever the region state at
+entry differs from the recording's) the block is analyzed normally and recorded: its
+launches' keys, its nodes with their preds inside the block, and the analysis state of
+every region it touched at entry (without node ids) and at exit. Later entries whose
+state matches replay the nodes without any dependence analysis: a fence node stands for
+everything issued before the block, every root of the block waits on it, and the exit
+state is installed with the block's fresh node ids. A launch that differs from the
+recording stops the replay with a ReplayMismatch warning: the launches replayed so far
+are re-analyzed (without making nodes again) and the block goes on dynamically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+from .taskgraph import CopyNode, TaskNode
+
+
+class ReplayMismatch(UserWarning):
+    """A replayed block did not repeat the recorded launches; analysis fell back to dynamic."""
+
+
+@dataclass
+class Recording:
+    name: str
+    first_id: int
+    begin_abstract: dict[int, tuple] = field(default_factory=dict)
+    launch_keys: list[tuple] = field(default_factory=list)
+    emitted: list[tuple] = field(default_factory=list)
+    # filled by finish():
+    templates: list[list[tuple]] = field(default_factory=list)
+    regions: set[int] = field(default_factory=set)
+    end_states: dict = field(default_factory=dict)
+    num_nodes: int = 0
+    replayable: bool = True
+
+    def finish(self, analyzer, launch_ids: list[int]) -> None:
+        """Turn what was emitted into per-launch templates with block-relative ids."""
+        index = {node.id: i for i, (node, _) in enumerate(self.emitted)}
+        by_launch = {lid: k for k, lid in enumerate(launch_ids)}
+        self.templates = [[] for _ in launch_ids]
+        for node, preds in self.emitted:
+            inner = tuple(index[p] for p in preds if p in index)
+            external = len(inner) < len(preds) or not inner
+            slot = None
+            if isinstance(node, TaskNode):
+                slot = node.point
+                self.regions.update(r.region.uid for r in node.reqs)
+            else:
+                self.regions.add(node.region.uid)
+                if node.buffer is not None and node.buffer[0] not in index:
+                    # folds a reduction made before the block: its buffer differs every time
+                    self.replayable = False
+            self.templates[by_launch[node.launch]].append((node, inner, external, slot))
+        self.num_nodes = len(self.emitted)
+
+        def encode(nid):
+            if nid is None:
+                return None
+            return index.get(nid, -1)
+
+        self.end_states = {uid: analyzer.states[uid].remap(encode) for uid in self.regions if uid in analyzer.states}
+        self.begin_abstract = {uid: self.begin_abstract.get(uid) for uid in self.regions}
+        self.emitted = []
+
+
+class ReplayBlock:
+    """One `with rt.replay(name)` entry: recording, replaying, or fallen back to dynamic."""
+
+    def __init__(self, runtime, name: str):
+        self.rt = runtime
+        self.name = name
+        self.mode = "dynamic"
+        self.recording: Recording | None = None
+        self.launch_ids: list[int] = []
+        self.specs: list = []
+        self.new_ids: list[int] = []
+        self.fence_id: int | None = None
+
+    # ---- entering and leaving ----------------------------------------------------------
+    def __enter__(self):
+        rt = self.rt
+        if rt._replay is not None:
+            raise RuntimeError(f"replay block {self.name!r} opened inside replay block {rt._replay.name!r}")
+        rec = rt._recordings.get(self.name)
+        if rec is not None and rec.replayable and all(_abstract(rt, uid) == rec.begin_abstract[uid] for uid in rec.regions):
+            self.mode = "replaying"
+            self.recording = rec
+            self.fence_id = rt._emit_fence(f"replay-fence:{self.name}")
+            rt.replay_stats["replayed"] += 1
+        else:
+            self.mode = "recording"
+            self.recording = Recording(self.name, rt._next_id,
+                                       {uid: st.abstract() for uid, st in rt.analyzer.states.items()})
+            rt.replay_stats["recorded"] += 1
+        rt._replay = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        rt = self.rt
+        rt._replay = None
+        if exc_type is not None:
+            return False
+        if self.mode == "recording":
+            self.recording.finish(rt.analyzer, self.launch_ids)
+            rt._recordings[self.name] = self.recording
+        elif self.mode == "replaying":
+            if len(self.specs) != len(self.recording.launch_keys):
+                self._fall_back(f"the block ended after {len(self.specs)} launches; the recording has "
+                                f"{len(self.recording.launch_keys)}")
+            else:
+                self._install_end_state()
+        return False
+
+    # ---- issuing launches ----------------------------------------------------------------
+    def on_emit(self, node, preds) -> None:
+        if self.mode == "recording":
+            self.recording.emitted.append((node, preds))
+
+    def issue(self, spec) -> None:
+        """Called by the runtime for each launch inside the block."""
+        rt = self.rt
+        if self.mode == "recording":
+            self.recording.launch_keys.append(spec.key())
+            self.launch_ids.append(spec.launch_id)
+            rt._analyze(spec)
+            return
+        if self.mode == "dynamic":
+            rt._analyze(spec)
+            return
+        k = len(self.specs)
+        keys = self.recording.launch_keys
+        if k >= len(keys) or keys[k] != spec.key():
+            what = f"launch #{k} {spec.name!r}"
+            recorded = "nothing" if k >= len(keys) else f"a different launch ({keys[k][1]!r})"
+            self._fall_back(f"{what} does not match the recording, which has {recorded} there")
+            rt._analyze(spec)
+            return
+        self.specs.append(spec)
+        self._instantiate(k, spec)
+
+    def _instantiate(self, k: int, spec) -> None:
+        rt = self.rt
+        points = {p: i for i, p in enumerate(spec.points)}
+        for node, inner, external, slot in self.recording.templates[k]:
+            nid = rt._new_id()
+            self.new_ids.append(nid)
+            preds = [self.new_ids[i] for i in inner]
+            if external:
+                preds.append(self.fence_id)
+            if isinstance(node, TaskNode):
+                i = points[slot]
+                fut = spec.futures[i]
+                new = dataclasses.replace(node, id=nid, args=spec.args[i], launch=spec.launch_id, future=fut)
+                fut.node_id = nid
+                preds.extend(spec.extra_preds[i])
+            else:
+                buf = None if node.buffer is None else (self.new_ids[node.buffer[0] - self.recording.first_id],
+                                                        node.buffer[1])
+                new = dataclasses.replace(node, id=nid, buffer=buf, launch=spec.launch_id)
+            rt._emit(new, preds)
+
+    def _install_end_state(self) -> None:
+        rt, fence = self.rt, self.fence_id
+
+        def decode(e):
+            if e is None:
+                return None
+            return fence if e < 0 else self.new_ids[e]
+
+        for uid, st in self.recording.end_states.items():
+            rt.analyzer.states[uid] = st.remap(decode)
+
+    def _fall_back(self, why: str) -> None:
+        """Re-analyze the launches replayed so far onto the nodes already issued, then go dynamic."""
+        warnings.warn(ReplayMismatch(f"replay {self.name!r}: {why}; falling back to dynamic analysis "
+                                     "and recording the block again next time"), stacklevel=4)
+        rt = self.rt
+        rt.replay_stats["mismatches"] += 1
+        ids = iter(self.new_ids)
+        analyzer = rt.analyzer
+        saved = analyzer.new_id, analyzer.emit
+        analyzer.new_id, analyzer.emit = (lambda: next(ids)), (lambda node, preds: None)
+        try:
+            for spec in self.specs:
+                rt._analyze(spec, shadow=True)
+        finally:
+            analyzer.new_id, analyzer.emit = saved
+        rt._recordings.pop(self.name, None)
+        self.mode = "dynamic"
+
+
+def _abstract(rt, uid: int):
+    st = rt.analyzer.states.get(uid)
+    return None if st is None else st.abstract()

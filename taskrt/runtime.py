@@ -1,0 +1,356 @@
+"""The runtime front end: regions, launches, futures, waiting, replay and traces.
+
+A program calls `launch` / `index_launch` in sequential order; each call is checked,
+mapped (the mapper picks processors), analyzed into graph nodes (taskrt/analysis.py)
+and handed to the executor, and returns futures at once. With `execute=False` the same
+calls only build the TaskGraph, which is what the simulator consumes.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .analysis import Analyzer
+from .executor import Executor, TaskError
+from .geometry import Rect
+from .instances import InstanceStore
+from .launch import Future, FutureMap, Requirement, req
+from .machine import Machine, Processor
+from .mapper import DefaultMapper, Mapper
+from .privilege import READ, WRITE
+from .region import Partition, Region
+from .replay import ReplayBlock
+from .taskgraph import CopyNode, TaskGraph, TaskNode
+from .tracing import TraceRecorder
+
+
+@dataclass
+class TaskContext:
+    """Passed to a task function whose first parameter is named `ctx`."""
+
+    point: tuple
+    rects: list[Rect]
+    processor: Processor
+    xp: object
+    name: str
+
+
+@dataclass
+class LaunchSpec:
+    """A checked, mapped launch: everything analysis or replay needs, nothing computed yet."""
+
+    name: str
+    fn: Callable | None
+    points: list[tuple]
+    reqs: list[Requirement]
+    rects: list[list[Rect]]
+    procs: list[Processor]
+    args: list[tuple]
+    extra_preds: list[tuple]
+    launch_id: int
+    op: str = ""
+    futures: list[Future] = field(default_factory=list)
+
+    def key(self) -> tuple:
+        return (self.fn, self.name, tuple(self.points), tuple(r.key() for r in self.reqs), tuple(self.procs))
+
+
+class Runtime:
+    """One rank's runtime. See README.md for a tour; `with Runtime() as rt:` shuts down at exit."""
+
+    def __init__(self, machine: Machine | None = None, mapper: Mapper | None = None, *, cpus: int | None = None,
+                 separate_memories: bool = False, execute: bool = True, keep_graph: bool | None = None,
+                 trace: str | bool | None = None, rank: int = 0, transport=None):
+        self.machine = machine or Machine.local(cpus, separate_memories=separate_memories)
+        self.mapper = mapper or DefaultMapper()
+        self.rank = rank
+        self.graph = TaskGraph(keep=(not execute) if keep_graph is None else keep_graph)
+        self._next_id = 0
+        self._launch_count = 0
+        self._sinks: set[int] = set()
+        self._replay: ReplayBlock | None = None
+        self._recordings = {}
+        self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0}
+        self._ctx_fns: dict[Callable, bool] = {}
+        self.analyzer = Analyzer(self._new_id, self._emit, self._is_done)
+        gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
+        self.store = InstanceStore(gpu_devices)
+        self.host = self.machine.host_processor(rank)
+        trace = os.environ.get("TASKRT_TRACE") if trace is None else trace
+        self.trace_path = trace if isinstance(trace, str) and trace else None
+        self.tracer = TraceRecorder(rank) if trace else None
+        self.transport = transport
+        self.executor = None
+        if execute:
+            local = [p for p in self.machine.processors if p.rank == rank]
+            mems = sorted({p.memory for p in local}, key=str)
+            self.executor = Executor(local + mems, self._run_task, self._run_copy,
+                                     [self.tracer] if self.tracer else [], self._setup_worker, rank)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Runtime(rank {self.rank}, {self.machine!r}, {self._next_id} nodes issued)"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.shutdown(wait=exc_type is None)
+        return False
+
+    # ---- regions and data ---------------------------------------------------------------
+    def region(self, shape: Sequence[int], dtype="float32", name: str | None = None) -> Region:
+        return Region(shape, dtype, name)
+
+    def attach(self, region: Region, array, rect: Rect | None = None) -> Future:
+        """Copy a numpy array into `rect` of the region (whole by default), in program order."""
+        rect = region.rect if rect is None else rect
+        region.check_rect(rect)
+        array = np.asarray(array)
+        if array.shape != rect.shape:
+            raise ValueError(f"attach: array of shape {array.shape} does not fit {region!r}{rect!r} "
+                             f"of shape {rect.shape}")
+        array = array.astype(region.dtype, copy=True)
+        return self.launch(_attach_kernel, req(region, WRITE, rect), args=(array,), name=f"attach:{region.name}",
+                           proc=self.host)
+
+    def fill(self, region: Region, value, rect: Rect | None = None) -> Future:
+        return self.launch(_fill_kernel, req(region, WRITE, rect), args=(value,), name=f"fill:{region.name}",
+                           proc=self.host)
+
+    def read(self, region: Region, rect: Rect | None = None, wait: bool = True):
+        """A copy of `rect` of the region as a numpy array (a Future if wait=False)."""
+        fut = self.launch(_read_kernel, req(region, READ, rect), name=f"read:{region.name}", proc=self.host)
+        return fut.get() if wait else fut
+
+    # ---- launches -----------------------------------------------------------------------
+    def launch(self, fn: Callable, *reqs: Requirement, args: tuple = (), name: str | None = None,
+               proc: Processor | int | None = None, op: str = "") -> Future:
+        """One task. Returns at once with its Future."""
+        spec = self._make_spec(fn, [()], reqs, args, None, name, None if proc is None else {(): proc}, op)
+        self._issue(spec)
+        return spec.futures[0]
+
+    def index_launch(self, fn: Callable, domain, *reqs: Requirement, args: tuple = (),
+                     point_args: dict | None = None, name: str | None = None, placement: dict | None = None,
+                     op: str = "") -> FutureMap:
+        """One point task per point of `domain` (a list of colors, a Rect, a Partition or a count).
+        `placement` maps points to processors (or their global indices), overriding the mapper."""
+        points = _points_of(domain)
+        spec = self._make_spec(fn, points, reqs, args, point_args, name, placement, op)
+        self._issue(spec)
+        return FutureMap(dict(zip(points, spec.futures)))
+
+    def _make_spec(self, fn, points, reqs, args, point_args, name, placement, op) -> LaunchSpec:
+        self._check_alive()
+        if fn is not None and not callable(fn):
+            raise TypeError(f"a task must be callable, got {type(fn).__name__}: {fn!r}")
+        name = name or getattr(fn, "__name__", "task")
+        for i, r in enumerate(reqs):
+            if not isinstance(r, Requirement):
+                raise TypeError(f"launch {name!r}: requirement {i} must be a Requirement (use taskrt.req), "
+                                f"got {type(r).__name__}: {r!r}")
+        if not points:
+            raise ValueError(f"launch {name!r}: empty launch domain")
+        rects = [[r.rect_for(p) for r in reqs] for p in points]
+        _check_interference(name, reqs, rects)
+        procs = []
+        for i, p in enumerate(points):
+            chosen = placement.get(p) if placement else None
+            if chosen is None:
+                chosen = self.mapper.select_processor(self.machine, name, p, points, i)
+            elif isinstance(chosen, int):
+                chosen = self.machine.processor(chosen)
+            elif chosen not in self.machine.processors:
+                raise ValueError(f"launch {name!r}: point {p} placed on {chosen!r}, which is not in {self.machine!r}")
+            procs.append(chosen)
+        args = tuple(args)
+        all_args = [args + tuple(point_args[p]) if point_args else args for p in points]
+        extra = [tuple(a.node_id for a in pa if isinstance(a, Future)) for pa in all_args]
+        spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op)
+        self._launch_count += 1
+        spec.futures = [Future(self, None) for _ in points]
+        return spec
+
+    def _issue(self, spec: LaunchSpec) -> None:
+        if self._replay is not None:
+            self._replay.issue(spec)
+        else:
+            self._analyze(spec)
+
+    def _analyze(self, spec: LaunchSpec, shadow: bool = False) -> None:
+        add = self.analyzer.add_task
+        for i, point in enumerate(spec.points):
+            reqs = [(r.region, rect, r.privilege) for r, rect in zip(spec.reqs, spec.rects[i])]
+            add(spec.name, spec.procs[i], spec.fn, reqs, spec.args[i], point, spec.launch_id,
+                spec.extra_preds[i], spec.op, None if shadow else spec.futures[i])
+
+    def replay(self, name: str) -> ReplayBlock:
+        """`with rt.replay("step"):` analyze this block once, replay it on later entries."""
+        return ReplayBlock(self, name)
+
+    # ---- graph building (called by the analyzer and replay) ------------------------------
+    def _new_id(self) -> int:
+        nid = self._next_id
+        self._next_id += 1
+        return nid
+
+    def _emit(self, node, preds) -> None:
+        preds = tuple(preds)
+        self.graph.add(node, preds)
+        sinks = self._sinks
+        for p in preds:
+            sinks.discard(p)
+        sinks.add(node.id)
+        if self._replay is not None:
+            self._replay.on_emit(node, preds)
+        if self.executor is not None:
+            if self.transport is not None:
+                self.transport.submit(node, preds)
+            else:
+                self.executor.submit(node, preds)
+
+    def _emit_fence(self, name: str) -> int:
+        """A no-op node after everything issued so far; returns its id."""
+        node = TaskNode(self._new_id(), name, self.host, None, ())
+        self._emit(node, [s for s in self._sinks if not self._is_done(s)])
+        return node.id
+
+    def _is_done(self, node_id: int) -> bool:
+        return self.executor.is_done(node_id) if self.executor is not None else False
+
+    # ---- running nodes (on worker threads) ----------------------------------------------
+    def _setup_worker(self, where) -> None:
+        if isinstance(where, Processor) and where.kind == "gpu":
+            import cupy
+            cupy.cuda.Device(where.device).use()
+
+    def _run_task(self, node: TaskNode) -> None:
+        fn = node.fn
+        if fn is None:
+            return
+        store = self.store
+        views = []
+        for i, r in enumerate(node.reqs):
+            if r.privilege.is_reduce:
+                views.append(store.new_buffer((node.id, i), r.region, r.rect, r.memory, r.privilege.redop))
+            else:
+                views.append(store.view(r.region, r.rect, r.memory, r.privilege.writes))
+        args = node.args
+        if node.future is not None and any(isinstance(a, Future) for a in args):
+            args = tuple(a.get() if isinstance(a, Future) else a for a in args)
+        wants_ctx = self._ctx_fns.get(fn)
+        if wants_ctx is None:
+            wants_ctx = self._ctx_fns[fn] = _first_param(fn) == "ctx"
+        if wants_ctx:
+            ctx = TaskContext(node.point, [r.rect for r in node.reqs], node.proc, store.xp(node.proc.memory), node.name)
+            result = fn(ctx, *views, *args)
+        else:
+            result = fn(*views, *args)
+        if node.future is not None:
+            node.future._set(result)
+
+    def _run_copy(self, node: CopyNode) -> None:
+        if node.redop is None:
+            self.store.copy(node.region, node.rect, node.src, node.dst)
+        else:
+            self.store.fold(node.region, node.rect, node.dst, node.buffer, node.redop)
+
+    # ---- waiting and shutting down --------------------------------------------------------
+    def _node_done(self, node_id) -> bool:
+        return node_id is not None and self._is_done(node_id)
+
+    def _wait_node(self, node_id: int | None, timeout=None) -> None:
+        if self.executor is None:
+            raise RuntimeError("this runtime was built with execute=False: it builds task graphs and runs nothing")
+        self.executor.wait_node(node_id, timeout)
+
+    def _resolve_future(self, future: Future) -> None:
+        """A finished task whose future was not set ran elsewhere (another rank) or failed."""
+        if not future._has_value and self.transport is not None:
+            self.transport.fetch_future(future)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until everything issued so far has run; raise the first task error."""
+        if self.executor is not None:
+            self.executor.wait_all(timeout)
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise RuntimeError("the runtime has been shut down")
+        if self.executor is not None and self.executor.error is not None:
+            raise RuntimeError(f"the runtime stopped after a task failed: {self.executor.error}")
+
+    def write_trace(self, path: str | None = None) -> str | None:
+        path = path or self.trace_path
+        if self.tracer is None or path is None:
+            return None
+        self.tracer.write(path)
+        return path
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._closed:
+            return
+        try:
+            if wait and self.executor is not None and self.executor.error is None:
+                self.wait()
+        finally:
+            self._closed = True
+            if self.executor is not None:
+                self.executor.shutdown()
+            if self.trace_path:
+                self.write_trace()
+
+
+def _attach_kernel(view, array):
+    view[...] = array
+
+
+def _fill_kernel(view, value):
+    view[...] = value
+
+
+def _read_kernel(view):
+    if isinstance(view, np.ndarray):
+        return np.array(view)
+    import cupy
+    return cupy.asnumpy(view)
+
+
+def _first_param(fn) -> str | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[0] if params else None
+
+
+def _points_of(domain) -> list[tuple]:
+    if isinstance(domain, int):
+        return [(i,) for i in range(domain)]
+    if isinstance(domain, Partition):
+        return domain.colors()
+    if isinstance(domain, Rect):
+        return list(domain.points())
+    return [p if isinstance(p, tuple) else (p,) for p in domain]
+
+
+def _check_interference(name: str, reqs: Sequence[Requirement], rects: list[list[Rect]]) -> None:
+    """Two requirements of one task on overlapping data must not conflict (Legion's rule)."""
+    by_region: dict[int, list[int]] = {}
+    for i, r in enumerate(reqs):
+        by_region.setdefault(r.region.uid, []).append(i)
+    for idx in by_region.values():
+        if len(idx) < 2:
+            continue
+        for point_rects in rects:
+            for a in idx:
+                for b in idx:
+                    if a < b and reqs[a].privilege.conflicts(reqs[b].privilege) and point_rects[a].overlaps(point_rects[b]):
+                        raise ValueError(f"launch {name!r}: requirements {a} ({reqs[a]!r}) and {b} ({reqs[b]!r}) "
+                                         f"overlap at {point_rects[a].intersect(point_rects[b])!r} with conflicting "
+                                         f"privileges")

@@ -1,0 +1,55 @@
+"""Trace events: one per task and copy, written as JSON lines (format in README.md)."""
+from __future__ import annotations
+
+import json
+import time
+
+from .taskgraph import TaskNode
+
+
+class TraceRecorder:
+    """An executor hook collecting (node, start, end) as small tuples; `write` makes JSON lines."""
+
+    def __init__(self, rank: int = 0, clock_offset: float = 0.0):
+        self.rank = rank
+        self.origin = time.perf_counter()
+        self.wall_origin = time.time()
+        self.clock_offset = clock_offset
+        self.events: list[tuple] = []
+
+    def __call__(self, node, start: float, end: float) -> None:
+        self.events.append((node, start, end))
+
+    def records(self) -> list[dict]:
+        out = []
+        for node, start, end in self.events:
+            is_task = type(node) is TaskNode
+            out.append({
+                "id": node.id,
+                "name": node.name,
+                "kind": node.kind,
+                "op": node.op,
+                "rank": self.rank,
+                "proc": str(node.proc) if is_task else f"{node.src}->{node.dst}",
+                "start": round((start - self.origin) * 1e6 + self.clock_offset, 3),
+                "end": round((end - self.origin) * 1e6 + self.clock_offset, 3),
+                "bytes": node.nbytes,
+                "point": list(node.point) if is_task else None,
+            })
+        return out
+
+    def write(self, path: str) -> None:
+        meta = {"kind": "meta", "rank": self.rank, "wall_origin": self.wall_origin,
+                "clock_offset_us": self.clock_offset, "unit": "us", "events": len(self.events)}
+        with open(path, "w") as f:
+            f.write(json.dumps(meta) + "\n")
+            for rec in self.records():
+                f.write(json.dumps(rec) + "\n")
+
+
+def read_trace(path: str) -> tuple[dict, list[dict]]:
+    """(meta, events) of a trace file."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    meta = lines[0] if lines and lines[0].get("kind") == "meta" else {}
+    return meta, [e for e in lines if e.get("kind") != "meta"]
