@@ -119,6 +119,8 @@ class Analyzer:
                 del users[r]
             if doomed and not st.users_disjoint:
                 st.users_disjoint = _pairwise_disjoint(list(users))
+            if rect not in users and st.users_disjoint and any(r.overlaps(rect) for r in users):
+                st.users_disjoint = False
             users[rect] = [(priv, node_id)]
             return
         lst = users.get(rect)

@@ -1,6 +1,6 @@
 """One helper that every operator test uses: whole-op and tiled checks against a reference.
 
-`check_op` runs an operator's forward and backward kernels on the whole tile space,
+`run_whole` runs an operator's forward and backward kernels on the whole tile space,
 compares them with a reference (PyTorch or NumPy), checks backward against central
 finite differences in float64, and then checks the tile rules: splitting the tile
 space along every declared split dimension, running each tile on exactly the input

@@ -1,0 +1,142 @@
+"""Optimizers with PyTorch's update rules (torch.optim.SGD, torch.optim.Adam), element-wise only.
+
+An optimizer is a frozen value holding its hyperparameters. The runtime owns the
+state arrays (one per name in `state_names()`, shaped like the parameter, made by
+`init_state`) and calls `update(xp, param, grad, state, step)` on any tile of a
+parameter: the update reads and writes only matching elements of param, grad and
+state, so updating the tiles of any partition equals updating the whole. `step`
+is the 1-based count of updates so far, the same for every tile. Weight decay is
+PyTorch's L2 form: weight_decay * param is added to the gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+
+def _check_number(cls_name: str, field: str, value, lo: float, lo_open: bool, hi: float | None = None,
+                   hi_open: bool = True) -> None:
+    """Raise ValueError naming the field and its value unless lo <(=) value <(=) hi."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        left = "(" if lo_open else "["
+        right = "" if hi is None else (f"{hi})" if hi_open else f"{hi}]")
+        span = f"{left}{lo}, {right or 'inf)'}"
+        raise ValueError(f"{cls_name}: {field} must be a number in {span}, got {value!r}")
+
+
+def _check_step(cls_name: str, step) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{cls_name}.update: step is 1-based and must be an int >= 1, got {step!r}")
+
+
+@dataclass(frozen=True)
+class SGD:
+    """torch.optim.SGD with dampening 0: buf = momentum * buf + g; g = g + momentum * buf if nesterov else buf."""
+
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    kind: ClassVar[str] = "sgd"
+
+    def __post_init__(self):
+        _check_number("SGD", "lr", self.lr, 0.0, lo_open=True)
+        _check_number("SGD", "momentum", self.momentum, 0.0, lo_open=False)
+        _check_number("SGD", "weight_decay", self.weight_decay, 0.0, lo_open=False)
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"SGD: nesterov must be a bool, got {self.nesterov!r}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError(f"SGD: nesterov=True needs momentum > 0, got momentum={self.momentum!r}")
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum != 0 else ()
+
+    def init_state(self, xp, param) -> dict[str, Any]:
+        return {name: xp.zeros_like(param) for name in self.state_names()}
+
+    def update(self, xp, param, grad, state: dict, step: int) -> None:
+        _check_step("SGD", step)
+        d_p = grad + self.weight_decay * param if self.weight_decay != 0 else grad
+        if self.momentum != 0:
+            buf = state["momentum"]
+            if step == 1:
+                buf[...] = d_p
+            else:
+                buf *= self.momentum
+                buf += d_p
+            d_p = d_p + self.momentum * buf if self.nesterov else buf
+        param -= self.lr * d_p
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam (amsgrad off): bias-corrected first and second moments of the gradient."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    kind: ClassVar[str] = "adam"
+
+    def __post_init__(self):
+        _check_number("Adam", "lr", self.lr, 0.0, lo_open=True)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ValueError(f"Adam: betas must be a pair (beta1, beta2), got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _check_number("Adam", f"betas[{i}]", b, 0.0, lo_open=False, hi=1.0, hi_open=True)
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        _check_number("Adam", "eps", self.eps, 0.0, lo_open=False)
+        _check_number("Adam", "weight_decay", self.weight_decay, 0.0, lo_open=False)
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def init_state(self, xp, param) -> dict[str, Any]:
+        return {name: xp.zeros_like(param) for name in self.state_names()}
+
+    def update(self, xp, param, grad, state: dict, step: int) -> None:
+        _check_step("Adam", step)
+        beta1, beta2 = self.betas
+        g = grad + self.weight_decay * param if self.weight_decay != 0 else grad
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg += (1 - beta1) * (g - exp_avg)  # torch's lerp_(g, 1 - beta1)
+        exp_avg_sq *= beta2
+        exp_avg_sq += (1 - beta2) * (g * g)
+        step_size = self.lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+        denom = xp.sqrt(exp_avg_sq) / bias_correction2_sqrt + self.eps
+        param -= step_size * (exp_avg / denom)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(d["betas"])
+        return {"kind": self.kind, **d}
+
+
+OPTIMIZERS = {cls.kind: cls for cls in (SGD, Adam)}
+
+
+def optimizer_from_dict(d: dict[str, Any]):
+    """Rebuild an optimizer from its to_dict()."""
+    if not isinstance(d, dict) or d.get("kind") not in OPTIMIZERS:
+        kind = d.get("kind") if isinstance(d, dict) else d
+        raise ValueError(f"unknown optimizer {kind!r}; expected one of {sorted(OPTIMIZERS)}")
+    cls = OPTIMIZERS[d["kind"]]
+    args = {k: v for k, v in d.items() if k != "kind"}
+    if "betas" in args and isinstance(args["betas"], list):
+        args["betas"] = tuple(args["betas"])
+    try:
+        return cls(**args)
+    except TypeError as e:
+        raise ValueError(f"bad {d['kind']} optimizer settings {args}: {e}") from None

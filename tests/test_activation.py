@@ -1,0 +1,127 @@
+"""Softmax and element-wise unary activations against PyTorch, finite differences and every tiling."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops.activation import ElementUnary, Softmax
+from ops.base import ATTRIBUTE, SAMPLE, OP_REGISTRY, ShapeError, TensorSpec
+from taskrt.geometry import Rect
+from tests.opcheck import check_finite_differences, check_tiled, run_whole
+
+TORCH_UNARY = {"relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
+
+
+def spec(shape, dtype="float32", name="x"):
+    return TensorSpec(tuple(shape), dtype, name)
+
+
+def away_from_zero(rng, shape, dtype=np.float32):
+    """Random values at least 0.1 from 0, so relu's kink is never within a finite-difference step."""
+    x = rng.standard_normal(shape)
+    return (np.sign(x) * (0.1 + np.abs(x))).astype(dtype)
+
+
+def torch_check(op, torch_fn, x, g):
+    """Forward and backward of `op` on the whole input match torch_fn in float32."""
+    outs, gin, _, _ = run_whole(op, [x], {}, grad_outputs=[g])
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch_fn(xt)
+    yt.backward(torch.tensor(g))
+    assert outs[0].dtype == np.float32 and outs[0].shape == op.outputs[0].shape
+    np.testing.assert_allclose(outs[0], yt.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gin[0], xt.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (3, 4, 5), (2, 3, 2, 6)])
+def test_softmax_matches_torch_and_tiles(shape):
+    rng = np.random.default_rng(0)
+    x = (3 * rng.standard_normal(shape)).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    op = Softmax("sm", [spec(shape)])
+    torch_check(op, lambda t: torch.softmax(t, dim=-1), x, g)
+    check_finite_differences(op, [x], {})
+    check_tiled(op, [x], {}, [g])
+
+
+def test_softmax_split_dims_exclude_the_softmax_dim():
+    op = Softmax("sm", [spec((4, 5, 6))])
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE)]
+    assert op.attrs() == {"axis": -1}
+    assert OP_REGISTRY["softmax"] is Softmax
+
+
+def test_softmax_is_stable_for_huge_logits():
+    x = np.array([[1000.0, 1000.0, -1000.0], [-1e4, 0.0, 1e4]], dtype=np.float32)
+    op = Softmax("sm", [spec(x.shape)])
+    (y,), gin, _, _ = run_whole(op, [x], {}, grad_outputs=[np.ones_like(x)])
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(gin[0]))
+    np.testing.assert_allclose(y, [[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], atol=1e-7)
+
+
+def test_softmax_accepts_the_last_axis_by_index_and_rejects_others():
+    Softmax("sm", [spec((2, 3))], axis=1)
+    with pytest.raises(ShapeError, match=r"softmax 'sm': axis=0 is not supported; only the last dim"):
+        Softmax("sm", [spec((2, 3))], axis=0)
+    with pytest.raises(ShapeError, match=r"at least 2 dims"):
+        Softmax("sm", [spec((5,))])
+    with pytest.raises(ShapeError, match=r"takes 1 input, got 2"):
+        Softmax("sm", [spec((2, 3)), spec((2, 3))])
+
+
+@pytest.mark.parametrize("fn", ["relu", "sigmoid", "tanh", "gelu"])
+@pytest.mark.parametrize("shape", [(6,), (4, 5), (2, 3, 4)])
+def test_unary_matches_torch_and_tiles(fn, shape):
+    rng = np.random.default_rng(1)
+    x = away_from_zero(rng, shape)
+    g = rng.standard_normal(shape).astype(np.float32)
+    op = ElementUnary("act", [spec(shape)], fn=fn)
+    torch_check(op, TORCH_UNARY[fn], x, g)
+    check_finite_differences(op, [x], {})
+    check_tiled(op, [x], {}, [g])
+    assert op.flops(Rect.from_shape(shape)) >= x.size
+
+
+def test_unary_split_dims_and_errors():
+    op = ElementUnary("act", [spec((4, 5, 6))], fn="tanh")
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, ATTRIBUTE)]
+    assert op.attrs() == {"fn": "tanh"}
+    with pytest.raises(ShapeError, match=r"unary 'act': unknown fn 'softplus'"):
+        ElementUnary("act", [spec((4, 5))], fn="softplus")
+
+
+def test_unary_keeps_float64():
+    x = np.linspace(-2, 2, 12).reshape(3, 4)
+    op = ElementUnary("act", [spec(x.shape, "float64")], fn="gelu")
+    (y,), (gx,), _, _ = run_whole(op, [x], {}, grad_outputs=[np.ones_like(x)])
+    assert y.dtype == np.float64 and gx.dtype == np.float64
+    np.testing.assert_allclose(y, F.gelu(torch.tensor(x)).numpy(), rtol=1e-12)
+
+
+shapes = st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple)
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**16))
+def test_softmax_any_shape(shape, seed):
+    rng = np.random.default_rng(seed)
+    x = (4 * rng.standard_normal(shape)).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    op = Softmax("sm", [spec(shape)])
+    torch_check(op, lambda t: torch.softmax(t, dim=-1), x, g)
+    check_tiled(op, [x], {}, [g])
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=shapes, fn=st.sampled_from(["relu", "sigmoid", "tanh", "gelu"]), seed=st.integers(0, 2**16))
+def test_unary_any_shape(shape, fn, seed):
+    rng = np.random.default_rng(seed)
+    x = away_from_zero(rng, shape)
+    g = rng.standard_normal(shape).astype(np.float32)
+    op = ElementUnary("act", [spec(shape)], fn=fn)
+    torch_check(op, TORCH_UNARY[fn], x, g)
+    check_tiled(op, [x], {}, [g])
