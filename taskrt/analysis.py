@@ -159,10 +159,11 @@ class Analyzer:
                 preds.add(copy.id)
 
     def _set_valid(self, st: RegionState, rect: Rect, valid: dict) -> None:
-        for prect, old in self._overlapping_pieces(st, rect):
-            del st.pieces[prect]
-            for rest in prect.subtract(rect):
-                st.pieces[rest] = old
+        if rect not in st.pieces:
+            for prect, old in self._overlapping_pieces(st, rect):
+                del st.pieces[prect]
+                for rest in prect.subtract(rect):
+                    st.pieces[rest] = old
         st.pieces[rect] = valid
 
     def _flush(self, st, region, rect, priv, mem, preds, launch, op) -> None:

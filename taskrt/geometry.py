@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Rect:
     """The box lo[d] <= i[d] < hi[d] in every dimension d; empty when any hi[d] <= lo[d]."""
 
     lo: tuple[int, ...]
     hi: tuple[int, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if len(self.lo) != len(self.hi):
             raise ValueError(f"Rect lo {self.lo} and hi {self.hi} have different dimensions")
+        object.__setattr__(self, "_hash", hash((self.lo, self.hi)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
     def from_shape(shape: Sequence[int]) -> "Rect":

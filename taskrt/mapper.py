@@ -21,9 +21,13 @@ class DefaultMapper(Mapper):
 
     def __init__(self):
         self._next_single = 0
+        self._procs: dict[Machine, list[Processor]] = {}
 
     def select_processor(self, machine, launch_name, point, domain, index):
-        procs = [p for p in machine.processors if p.kind == "gpu"] or list(machine.processors)
+        procs = self._procs.get(machine)
+        if procs is None:
+            procs = [p for p in machine.processors if p.kind == "gpu"] or list(machine.processors)
+            self._procs[machine] = procs
         if len(domain) <= 1:
             proc = procs[self._next_single % len(procs)]
             self._next_single += 1

@@ -12,7 +12,6 @@ are re-analyzed (without making nodes again) and the block goes on dynamically.
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -154,13 +153,15 @@ class ReplayBlock:
             if isinstance(node, TaskNode):
                 i = points[slot]
                 fut = spec.futures[i]
-                new = dataclasses.replace(node, id=nid, args=spec.args[i], launch=spec.launch_id, future=fut)
+                new = TaskNode(nid, node.name, node.proc, node.fn, node.reqs, spec.args[i], node.point,
+                               spec.launch_id, node.op, node.kind, fut)
                 fut.node_id = nid
                 preds.extend(spec.extra_preds[i])
             else:
                 buf = None if node.buffer is None else (self.new_ids[node.buffer[0] - self.recording.first_id],
                                                         node.buffer[1])
-                new = dataclasses.replace(node, id=nid, buffer=buf, launch=spec.launch_id)
+                new = CopyNode(nid, node.region, node.rect, node.src, node.dst, node.redop, buf, spec.launch_id,
+                               node.op)
             rt._emit(new, preds)
 
     def _install_end_state(self) -> None:

@@ -72,6 +72,7 @@ class Runtime:
         self._next_id = 0
         self._launch_count = 0
         self._sinks: set[int] = set()
+        self._sink_limit = 1024
         self._replay: ReplayBlock | None = None
         self._recordings = {}
         self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0}
@@ -206,6 +207,9 @@ class Runtime:
         for p in preds:
             sinks.discard(p)
         sinks.add(node.id)
+        if len(sinks) > self._sink_limit:
+            self._sinks = {s for s in sinks if not self._is_done(s)}
+            self._sink_limit = max(1024, 2 * len(self._sinks))
         if self._replay is not None:
             self._replay.on_emit(node, preds)
         if self.executor is not None:
@@ -217,7 +221,9 @@ class Runtime:
     def _emit_fence(self, name: str) -> int:
         """A no-op node after everything issued so far; returns its id."""
         node = TaskNode(self._new_id(), name, self.host, None, ())
-        self._emit(node, [s for s in self._sinks if not self._is_done(s)])
+        live = [s for s in self._sinks if not self._is_done(s)]
+        self._sinks.clear()
+        self._emit(node, live)
         return node.id
 
     def _is_done(self, node_id: int) -> bool:

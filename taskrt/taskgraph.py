@@ -109,21 +109,17 @@ Node = TaskNode | CopyNode
 
 @dataclass
 class TaskGraph:
-    """Nodes by id and the ids each node waits for. `keep` false lets the runtime drop
-    finished nodes so that a long run does not grow without bound."""
+    """Nodes by id and the ids each node waits for. With `keep` false nothing is stored (the
+    executor holds what is in flight), so a long run does not grow without bound."""
 
     nodes: dict[int, Node] = field(default_factory=dict)
     preds: dict[int, tuple[int, ...]] = field(default_factory=dict)
     keep: bool = True
 
     def add(self, node: Node, preds) -> None:
-        self.nodes[node.id] = node
-        self.preds[node.id] = tuple(sorted(preds))
-
-    def drop(self, node_id: int) -> None:
-        if not self.keep:
-            self.nodes.pop(node_id, None)
-            self.preds.pop(node_id, None)
+        if self.keep:
+            self.nodes[node.id] = node
+            self.preds[node.id] = tuple(sorted(preds))
 
     def __len__(self) -> int:
         return len(self.nodes)
