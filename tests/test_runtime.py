@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -190,3 +189,264 @@ def test_random_programs_match_sequential(cpus, separate, prog):
     for got, want in zip(got_arrays, want_arrays):
         np.testing.assert_array_equal(got, want)
     assert got_results == want_results
+
+
+# ---- reductions ---------------------------------------------------------------------------
+@pytest.mark.parametrize("op,ufunc", [("sum", np.add), ("prod", np.multiply), ("max", np.maximum),
+                                      ("min", np.minimum)])
+@pytest.mark.parametrize("separate", [False, True])
+def test_reductions_fold_every_contribution(op, ufunc, separate):
+    values = np.arange(1, 9, dtype=np.int64).reshape(4, 2) % 5 + 1
+    with Runtime(cpus=4, separate_memories=separate) as rt:
+        acc = rt.region((2,), "int64", "acc")
+        rt.attach(acc, np.array([3, 2]))
+
+        def contribute(ctx, buf):
+            getattr(np, {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}[op])(
+                buf, values[ctx.point[0]], out=buf)
+
+        rt.index_launch(contribute, 4, req(acc, Reduce(op)))
+        got = rt.read(acc)
+    want = ufunc.reduce(np.vstack([[3, 2], values]), axis=0)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_reductions_into_halo_partition_add_overlaps():
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        r = rt.region((10,), "float64")
+        halo = Partition.from_rects(r, [Rect.make((0,), (6,)), Rect.make((4,), (10,))])
+        rt.index_launch(lambda buf: buf.__iadd__(1.0), halo, req(halo, Reduce("+")))
+        got = rt.read(r)
+    np.testing.assert_array_equal(got, [1, 1, 1, 1, 2, 2, 1, 1, 1, 1])
+
+
+# ---- futures --------------------------------------------------------------------------------
+def test_futures_carry_values_and_feed_later_tasks():
+    with Runtime(cpus=2) as rt:
+        x = rt.region((6,), "float64")
+        rt.attach(x, np.arange(6.0))
+        total = rt.launch(lambda v: float(v.sum()), req(x, READ))
+        scaled = rt.launch(lambda v, t: v.__imul__(t), req(x, READ_WRITE), args=(total,))
+        fm = rt.index_launch(lambda ctx, v: ctx.point[0] * 10 + float(v.sum()), x.partition((3,)),
+                             req(x.partition((3,)), READ))
+        assert total.get() == 15.0
+        scaled.wait()
+        assert fm.get() == {(0,): 15.0, (1,): 10 + 75.0, (2,): 20 + 135.0}
+        assert fm[1].done()
+        np.testing.assert_array_equal(rt.read(x), np.arange(6.0) * 15)
+
+
+# ---- parallelism -----------------------------------------------------------------------------
+def test_tasks_that_release_the_gil_run_in_parallel():
+    with Runtime(cpus=2) as rt:
+        rt.index_launch(lambda: time.sleep(0.01), 2)
+        rt.wait()
+        t0 = time.perf_counter()
+        rt.index_launch(lambda: time.sleep(0.3), 2)
+        rt.wait()
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 0.5, f"two 0.3 s tasks on 2 processors took {elapsed:.2f} s"
+
+
+def test_independent_launches_overlap_and_dependent_ones_wait():
+    order = []
+    lock = threading.Lock()
+
+    def log(tag):
+        def fn(view):
+            with lock:
+                order.append(tag)
+        return fn
+
+    with Runtime(cpus=2) as rt:
+        a = rt.region((4,))
+
+        def slow_writer(v):
+            time.sleep(0.1)
+            v[...] = 7
+            with lock:
+                order.append("write")
+
+        rt.launch(slow_writer, req(a, WRITE))
+        rt.launch(log("read"), req(a, READ))
+        rt.wait()
+    assert order == ["write", "read"]
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_errors_at_launch_name_the_problem():
+    with Runtime(cpus=1) as rt:
+        r = rt.region((4, 4), name="grid")
+        with pytest.raises(ValueError, match=r"outside Region\('grid'"):
+            req(r, READ, Rect.make((0, 0), (5, 1)))
+        with pytest.raises(ValueError, match=r"is 1-d but Region\('grid'"):
+            req(r, READ, Rect.make((0,), (1,)))
+        with pytest.raises(ValueError, match="unknown privilege 'X'"):
+            req(r, "X")
+        with pytest.raises(ValueError, match="unknown reduction operator 'xor'"):
+            Reduce("xor")
+        with pytest.raises(TypeError, match="requirement 0 must be a Requirement"):
+            rt.launch(lambda v: None, r)
+        with pytest.raises(TypeError, match="must be callable"):
+            rt.launch(42)
+        part = r.partition((2, 1))
+        with pytest.raises(ValueError, match="projects to color \\(5,\\)"):
+            rt.index_launch(lambda v: None, part, req(part, READ, projection=lambda p: (5,)))
+        with pytest.raises(ValueError, match="overlap .* conflicting privileges"):
+            rt.launch(lambda a, b: None, req(r, READ), req(r, WRITE))
+        with pytest.raises(ValueError, match="attach: array of shape \\(3,\\) does not fit"):
+            rt.attach(r, np.zeros(3))
+        with pytest.raises(ValueError, match="processor index 9 out of range"):
+            rt.index_launch(lambda: None, 2, placement={(0,): 9})
+        assert rt._next_id == 0, "nothing may be issued by a launch that fails its checks"
+
+
+def test_writing_a_read_argument_fails():
+    with Runtime(cpus=1) as rt:
+        r = rt.region((3,))
+        rt.fill(r, 1.0)
+
+        def bad(v):
+            v[0] = 5
+
+        rt.launch(bad, req(r, READ))
+        with pytest.raises(TaskError, match="read-only"):
+            rt.wait()
+
+
+def test_task_error_surfaces_with_name_and_traceback_and_nothing_hangs():
+    rt = Runtime(cpus=2)
+    r = rt.region((8,))
+
+    def explode(ctx, v):
+        if ctx.point == (1,):
+            raise ZeroDivisionError("boom in tile 1")
+
+    fm = rt.index_launch(explode, r.partition((2,)), req(r.partition((2,)), WRITE))
+    later = rt.launch(lambda v: 1, req(r, READ))
+    t0 = time.perf_counter()
+    with pytest.raises(TaskError) as info:
+        rt.wait(timeout=10)
+    message = str(info.value)
+    assert "'explode' point [1]" in message and "boom in tile 1" in message
+    assert "Traceback" in message and "raise ZeroDivisionError" in message
+    with pytest.raises(TaskError):
+        later.get(timeout=10)
+    with pytest.raises(RuntimeError, match="stopped after a task failed"):
+        rt.launch(lambda: None)
+    rt.shutdown()
+    assert time.perf_counter() - t0 < 10
+    assert all(not t.is_alive() for t in rt.executor.threads)
+
+
+# ---- replay ---------------------------------------------------------------------------------
+def _jacobi_program(rt, steps, use_replay, mutate_at=None):
+    """A 1-d stencil with halos on 4 tiles: a real dependence pattern for replay."""
+    n = 32
+    a, b = rt.region((n,), "float64", "a"), rt.region((n,), "float64", "b")
+    rt.attach(a, np.sin(np.arange(n)))
+    rt.fill(b, 0.0)
+    tiles = a.partition((4,))
+    halo_a = Partition(a, {c: Rect.make((max(0, r.lo[0] - 1),), (min(n, r.hi[0] + 1),)) for c, r in tiles.rects.items()})
+    halo_b = Partition(b, halo_a.rects)
+    out_a, out_b = tiles, b.partition((4,))
+
+    def stencil(ctx, src, dst):
+        lo = ctx.rects[1].lo[0] - ctx.rects[0].lo[0]
+        padded = np.pad(src, 1, mode="edge")
+        smooth = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
+        dst[...] = smooth[lo:lo + dst.shape[0]]
+
+    for step in range(steps):
+        block = rt.replay("step") if use_replay else _Null()
+        with block:
+            rt.index_launch(stencil, out_b, req(halo_a, READ), req(out_b, WRITE))
+            if mutate_at == step:
+                rt.launch(lambda v: v.__iadd__(1.0), req(b, READ_WRITE))
+            rt.index_launch(stencil, out_a, req(halo_b, READ), req(out_a, WRITE))
+    return rt.read(a)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_replay_gives_the_dynamic_result(separate):
+    with Runtime(cpus=4, separate_memories=separate) as rt:
+        want = _jacobi_program(rt, 8, use_replay=False)
+    with Runtime(cpus=4, separate_memories=separate) as rt:
+        got = _jacobi_program(rt, 8, use_replay=True)
+        stats = dict(rt.replay_stats)
+    np.testing.assert_array_equal(got, want)
+    assert stats["replayed"] >= 5 and stats["mismatches"] == 0
+
+
+def test_replay_mismatch_warns_and_falls_back_correctly():
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        want = _jacobi_program(rt, 6, use_replay=False, mutate_at=4)
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        with pytest.warns(ReplayMismatch, match="launch #1 .* does not match the recording"):
+            got = _jacobi_program(rt, 6, use_replay=True, mutate_at=4)
+        assert rt.replay_stats["mismatches"] == 1
+    np.testing.assert_array_equal(got, want)
+
+
+def test_replay_of_a_shorter_block_falls_back():
+    with Runtime(cpus=2) as rt:
+        r = rt.region((4,), "int64")
+        rt.fill(r, 0)
+        inc = lambda v: v.__iadd__(1)  # noqa: E731
+        for k in range(3):
+            with rt.replay("b"):
+                rt.launch(inc, req(r, READ_WRITE))
+                rt.launch(inc, req(r, READ_WRITE))
+        with pytest.warns(ReplayMismatch, match="ended after 1 launches; the recording has 2"):
+            with rt.replay("b"):
+                rt.launch(inc, req(r, READ_WRITE))
+        assert rt.replay_stats["replayed"] == 3
+        with rt.replay("b"):
+            rt.launch(inc, req(r, READ_WRITE))
+        assert rt.read(r).tolist() == [8, 8, 8, 8]
+
+
+# ---- graphs without execution, traces --------------------------------------------------------
+def test_graph_is_built_without_executing():
+    ran = []
+    rt = Runtime(machine=Machine.build(1, 4, separate_memories=True), execute=False)
+    x = rt.region((8, 8))
+    part = x.partition((4, 1))
+    rt.index_launch(lambda v: ran.append(1), part, req(part, WRITE))
+    rt.launch(lambda v: ran.append(1), req(x, READ))
+    g = rt.graph
+    assert not ran
+    assert len(g.tasks()) == 5 and len(g.copies()) == 3
+    assert all(p < n for p, n in g.edges())
+    assert g.critical_path_length() == 3
+    with pytest.raises(RuntimeError, match="execute=False"):
+        rt.read(x)
+
+
+def test_trace_file_records_tasks_and_copies(tmp_path):
+    path = tmp_path / "run.trace.jsonl"
+    with Runtime(cpus=2, separate_memories=True, trace=str(path)) as rt:
+        x = rt.region((8,), "float32", "x")
+        rt.fill(x, 2.0)
+        part = x.partition((2,))
+        rt.index_launch(lambda v: None, part, req(part, READ), name="look")
+    from taskrt.tracing import read_trace
+    meta, events = read_trace(str(path))
+    assert meta["unit"] == "us" and meta["rank"] == 0
+    kinds = {e["kind"] for e in events}
+    assert kinds == {"task", "copy"}
+    look = [e for e in events if e["name"] == "look"]
+    assert len(look) == 2 and all(e["bytes"] == 16 for e in look)
+    copy = [e for e in events if e["kind"] == "copy"][0]
+    assert copy["proc"] == "r0.sys0->r0.sys1" and copy["bytes"] == 16
+    for e in events:
+        assert e["end"] >= e["start"] >= 0
+        assert set(e) >= {"name", "kind", "op", "rank", "proc", "start", "end", "bytes"}

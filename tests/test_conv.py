@@ -1,0 +1,267 @@
+"""Conv2d and Pool2d against PyTorch, finite differences and every tiling (halos included)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
+from ops.conv import (Conv2d, Pool2d, _col2im_cpu, _col2im_xp, _maxpool_scatter_cpu, _maxpool_scatter_xp,
+                      window_argmax)
+from taskrt.geometry import Rect
+from tests.opcheck import check_finite_differences, check_tiled, run_whole
+
+
+def spec(shape, dtype="float32", name="x"):
+    return TensorSpec(tuple(shape), dtype, name)
+
+
+def make_conv(shape, dtype="float32", **attrs):
+    return Conv2d("conv", [spec(shape, dtype)], **attrs)
+
+
+def conv_data(op, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    weights = {k: v.astype(dtype) for k, v in op.init_weights(rng).items()}
+    x = rng.standard_normal(op.inputs[0].shape).astype(dtype)
+    g = rng.standard_normal(op.outputs[0].shape).astype(dtype)
+    return x, weights, g
+
+
+def whole_grad_input(op, x, gx):
+    """The whole op's grad input covers only the input rect its windows read; zero elsewhere."""
+    full = np.zeros_like(x)
+    full[op.input_rects(Rect.from_shape(op.tile_shape))[0].slices()] = gx
+    return full
+
+
+def torch_conv_check(op, x, weights, g):
+    """Forward, grad input, grad weight and grad bias match F.conv2d in float32."""
+    outs, (gx,), gw, _ = run_whole(op, [x], weights, grad_outputs=[g])
+    gx = whole_grad_input(op, x, gx)
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(weights["weight"], requires_grad=True)
+    bt = torch.tensor(weights["bias"], requires_grad=True) if op.use_bias else None
+    yt = F.conv2d(xt, wt, bt, stride=op.stride, padding=op.padding, groups=op.groups)
+    yt.backward(torch.tensor(g))
+    assert outs[0].shape == op.outputs[0].shape == tuple(yt.shape) and outs[0].dtype == x.dtype
+    np.testing.assert_allclose(outs[0], yt.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gw["weight"], wt.grad.numpy(), rtol=1e-4, atol=1e-3)
+    if op.use_bias:
+        np.testing.assert_allclose(gw["bias"], bt.grad.numpy(), rtol=1e-4, atol=1e-3)
+    else:
+        assert "bias" not in gw
+
+
+CONV_CASES = [
+    dict(shape=(2, 3, 9, 7), out_channels=4, kernel=3, stride=1, padding=1, groups=1),
+    dict(shape=(3, 4, 11, 9), out_channels=6, kernel=(3, 2), stride=2, padding=(1, 0), groups=2),
+    dict(shape=(2, 6, 9, 10), out_channels=6, kernel=(2, 3), stride=(3, 2), padding=(2, 1), groups=3),
+    dict(shape=(2, 4, 7, 7), out_channels=4, kernel=2, stride=3, padding=3, groups=4, use_bias=False),
+    dict(shape=(1, 2, 5, 13), out_channels=3, kernel=(5, 1), stride=(1, 4), padding=(2, 0), groups=1),
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c['shape']}-k{c['kernel']}-s{c['stride']}-g{c['groups']}")
+def test_conv_matches_torch_finite_differences_and_tiles(case):
+    case = dict(case)
+    shape = case.pop("shape")
+    op = make_conv(shape, **case)
+    x, weights, g = conv_data(op)
+    torch_conv_check(op, x, weights, g)
+    check_tiled(op, [x], weights, [g], rtol=1e-4, atol=1e-5)
+    op64 = make_conv(shape, "float64", **case)
+    x64, w64, g64 = conv_data(op64, seed=1, dtype=np.float64)
+    check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
+    check_finite_differences(op64, [x64], w64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 3), groups=st.integers(1, 2), icpg=st.integers(1, 2), ocpg=st.integers(1, 3),
+       h=st.integers(3, 9), w=st.integers(3, 9), kh=st.integers(1, 4), kw=st.integers(1, 4),
+       sh=st.integers(1, 3), sw=st.integers(1, 3), ph=st.integers(0, 2), pw=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+def test_conv_any_geometry(n, groups, icpg, ocpg, h, w, kh, kw, sh, sw, ph, pw, seed):
+    assume(kh <= h + 2 * ph and kw <= w + 2 * pw)
+    op = make_conv((n, groups * icpg, h, w), out_channels=groups * ocpg, kernel=(kh, kw), stride=(sh, sw),
+                   padding=(ph, pw), groups=groups)
+    x, weights, g = conv_data(op, seed)
+    torch_conv_check(op, x, weights, g)
+    op64 = make_conv((n, groups * icpg, h, w), "float64", out_channels=groups * ocpg, kernel=(kh, kw),
+                     stride=(sh, sw), padding=(ph, pw), groups=groups)
+    x64, w64, g64 = conv_data(op64, seed, np.float64)
+    check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
+
+
+def test_conv_input_rects_include_the_halo_clipped_to_the_input():
+    op = make_conv((4, 8, 10, 10), out_channels=6, kernel=3, stride=1, padding=1)
+    # output rows 5..10 read input rows 4..11, clipped to 4..10; all input channels
+    assert op.input_rects(Rect((0, 2, 5, 0), (2, 4, 10, 4))) == [Rect((0, 0, 4, 0), (2, 8, 10, 5))]
+    assert op.weight_rects(Rect((0, 2, 5, 0), (2, 4, 10, 4))) == {
+        "weight": Rect((2, 0, 0, 0), (4, 8, 3, 3)), "bias": Rect((2,), (4,))}
+    strided = make_conv((1, 2, 11, 11), out_channels=2, kernel=3, stride=2, padding=0)
+    assert strided.input_rects(Rect((0, 0, 1, 2), (1, 2, 3, 4)))[0] == Rect((0, 0, 2, 4), (1, 2, 7, 9))
+
+
+def test_conv_group_tiles_read_only_their_groups():
+    op = make_conv((2, 6, 5, 5), out_channels=9, kernel=3, padding=1, groups=3)
+    # 3 out channels and 2 in channels per group; channels 4..7 belong to groups 1 and 2
+    assert op.input_rects(Rect((0, 4, 0, 0), (2, 7, 5, 5)))[0] == Rect((0, 2, 0, 0), (2, 6, 5, 5))
+    assert op.input_rects(Rect((0, 0, 0, 0), (2, 3, 5, 5)))[0] == Rect((0, 0, 0, 0), (2, 2, 5, 5))
+    assert op.weight_rects(Rect((0, 4, 0, 0), (2, 7, 5, 5)))["weight"] == Rect((4, 0, 0, 0), (7, 2, 3, 3))
+
+
+def test_conv_tile_that_reads_only_padding():
+    op = make_conv((1, 1, 4, 4), out_channels=1, kernel=2, stride=1, padding=3)
+    tile = Rect((0, 0, 0, 0), (1, 1, 2, 9))
+    (rect,) = op.input_rects(tile)
+    assert rect.shape[2] == 0
+    x, weights, g = conv_data(op)
+    (y,), _ = op.forward(np, tile, [x[rect.slices()]], [rect], weights)
+    np.testing.assert_allclose(y, np.broadcast_to(weights["bias"][:, None, None], tile.shape[1:])[None])
+
+
+def test_conv_split_dims_flops_weights_and_attrs():
+    op = make_conv((8, 6, 20, 20), out_channels=12, kernel=(3, 5), stride=2, padding=(1, 2), groups=3)
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, PARAMETER), (2, ATTRIBUTE), (3, ATTRIBUTE)]
+    assert op.outputs[0].shape == (8, 12, 10, 10)
+    assert op.weight_shapes() == {"weight": (12, 2, 3, 5), "bias": (12,)}
+    tile = Rect((0, 4, 0, 0), (4, 8, 5, 10))
+    assert op.flops(tile) == 2 * 4 * 4 * 5 * 10 * 2 * 3 * 5
+    assert op.bytes_moved(tile) > 0
+    assert op.attrs() == dict(out_channels=12, kernel=(3, 5), stride=(2, 2), padding=(1, 2), groups=3, use_bias=True)
+    assert Conv2d("conv", op.inputs, **op.attrs()).outputs == op.outputs
+    assert OP_REGISTRY["conv2d"] is Conv2d and OP_REGISTRY["pool2d"] is Pool2d
+
+
+def test_conv_init_is_pytorch_default():
+    op = make_conv((2, 4, 8, 8), out_channels=16, kernel=3, groups=2)
+    weights = op.init_weights(np.random.default_rng(0))
+    bound = 1 / np.sqrt(2 * 3 * 3)
+    assert weights["weight"].dtype == np.float32 and weights["weight"].shape == (16, 2, 3, 3)
+    assert np.abs(weights["weight"]).max() <= bound and np.abs(weights["weight"]).max() > 0.8 * bound
+    assert np.abs(weights["bias"]).max() <= bound
+
+
+def test_conv_bad_inputs_name_the_op():
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': kernel \(7, 7\) is bigger than the padded input \(6, 6\)"):
+        make_conv((1, 3, 4, 4), out_channels=2, kernel=7, padding=1)
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': in_channels 3 and out_channels 4 must both be divisible by groups 2"):
+        make_conv((1, 3, 8, 8), out_channels=4, kernel=3, groups=2)
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': expects an NCHW input \(4 dims\), got shape \(3, 8, 8\)"):
+        make_conv((3, 8, 8), out_channels=4, kernel=3)
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': stride must be 2 ints >= 1, got \(0, 0\)"):
+        make_conv((1, 3, 8, 8), out_channels=4, kernel=3, stride=0)
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': kernel must be 2 ints"):
+        make_conv((1, 3, 8, 8), out_channels=4, kernel=(3, 3, 3))
+
+
+def test_col2im_numba_and_array_paths_agree():
+    rng = np.random.default_rng(0)
+    cols = rng.standard_normal((2, 3, 3, 2, 4, 5))
+    for stride in [(1, 1), (2, 3)]:
+        shape = (2, 3, (4 - 1) * stride[0] + 3, (5 - 1) * stride[1] + 2)
+        a, b = np.zeros(shape), np.zeros(shape)
+        _col2im_cpu(cols, stride[0], stride[1], a)
+        _col2im_xp(np, cols, stride, b)
+        np.testing.assert_allclose(a, b, rtol=1e-14)
+        assert np.isclose(a.sum(), cols.sum())
+
+
+# ---- pooling ------------------------------------------------------------------------
+def make_pool(shape, dtype="float32", **attrs):
+    return Pool2d("pool", [spec(shape, dtype)], **attrs)
+
+
+def torch_pool(op, xt):
+    fn = F.max_pool2d if op.pool_type == "max" else F.avg_pool2d
+    return fn(xt, op.kernel, op.stride, op.padding)
+
+
+def pool_check(op, x, g):
+    """Forward and grad input match PyTorch; every tiling reproduces them."""
+    outs, (gx,), gw, _ = run_whole(op, [x], {}, grad_outputs=[g])
+    gx = whole_grad_input(op, x, gx)
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch_pool(op, xt)
+    yt.backward(torch.tensor(g))
+    assert outs[0].shape == op.outputs[0].shape == tuple(yt.shape) and gw == {}
+    np.testing.assert_allclose(outs[0], yt.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+    check_tiled(op, [x], {}, [g])
+
+
+@pytest.mark.parametrize("pool_type", ["max", "avg"])
+@pytest.mark.parametrize("geometry", [dict(kernel=2), dict(kernel=3, stride=2, padding=1),
+                                      dict(kernel=(3, 2), stride=(1, 2), padding=(1, 1)),
+                                      dict(kernel=(2, 4), stride=(3, 1), padding=(0, 2))])
+def test_pool_matches_torch_finite_differences_and_tiles(pool_type, geometry):
+    rng = np.random.default_rng(0)
+    shape = (2, 3, 9, 8)
+    op = make_pool(shape, pool_type=pool_type, **geometry)
+    x = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(op.outputs[0].shape).astype(np.float32)
+    pool_check(op, x, g)
+    check_finite_differences(op, [x], {})
+
+
+def test_max_pool_ties_go_to_the_first_maximum_like_torch():
+    rng = np.random.default_rng(3)
+    shape = (2, 2, 7, 7)
+    x = rng.integers(0, 3, shape).astype(np.float32)  # many ties in every window
+    for geometry in [dict(kernel=3, stride=2, padding=1), dict(kernel=2, stride=1)]:
+        op = make_pool(shape, pool_type="max", **geometry)
+        pool_check(op, x, rng.standard_normal(op.outputs[0].shape).astype(np.float32))
+
+
+def test_max_pool_scatter_numba_and_array_paths_agree():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 4, (2, 3, 9, 8)).astype(np.float64)  # windows cover the input exactly
+    kernel, stride = (3, 2), (2, 3)
+    (y,), _, _, _ = run_whole(make_pool(x.shape, "float64", kernel=kernel, stride=stride), [x], {})
+    arg = window_argmax(np, x, y, kernel, stride)
+    dy = rng.standard_normal(y.shape)
+    a, b = np.zeros_like(x), np.zeros_like(x)
+    _maxpool_scatter_cpu(dy, arg, stride[0], stride[1], kernel[1], a)
+    _maxpool_scatter_xp(np, dy, arg, kernel, stride, b)
+    np.testing.assert_allclose(a, b, rtol=1e-14)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 2), c=st.integers(1, 3), h=st.integers(2, 9), w=st.integers(2, 9),
+       kh=st.integers(1, 4), kw=st.integers(1, 4), sh=st.integers(1, 3), sw=st.integers(1, 3),
+       ph=st.integers(0, 2), pw=st.integers(0, 2), pool_type=st.sampled_from(["max", "avg"]),
+       seed=st.integers(0, 2**16))
+def test_pool_any_geometry(n, c, h, w, kh, kw, sh, sw, ph, pw, pool_type, seed):
+    assume(2 * ph <= kh and 2 * pw <= kw and kh <= h + 2 * ph and kw <= w + 2 * pw)
+    op = make_pool((n, c, h, w), kernel=(kh, kw), stride=(sh, sw), padding=(ph, pw), pool_type=pool_type)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    pool_check(op, x, rng.standard_normal(op.outputs[0].shape).astype(np.float32))
+
+
+def test_pool_rects_split_dims_flops_and_attrs():
+    op = make_pool((4, 6, 12, 12), kernel=3, stride=2, padding=1)
+    assert op.outputs[0].shape == (4, 6, 6, 6)
+    assert op.attrs() == dict(kernel=(3, 3), stride=(2, 2), padding=(1, 1), pool_type="max")
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, ATTRIBUTE), (3, ATTRIBUTE)]
+    assert op.weight_shapes() == {}
+    tile = Rect((1, 2, 3, 0), (2, 4, 6, 3))
+    # output rows 3..6 read rows 5..12 (clipped to 12); columns 0..3 read -1..6, clipped to 0..6
+    assert op.input_rects(tile) == [Rect((1, 2, 5, 0), (2, 4, 12, 6))]
+    assert op.flops(tile) == tile.volume * 9
+
+
+def test_pool_bad_inputs_name_the_op():
+    with pytest.raises(ShapeError, match=r"pool2d 'pool': padding \(2, 2\) must be at most half of kernel \(3, 3\)"):
+        make_pool((1, 1, 8, 8), kernel=3, padding=2)
+    with pytest.raises(ShapeError, match=r"pool2d 'pool': unknown pool_type 'min'"):
+        make_pool((1, 1, 8, 8), kernel=2, pool_type="min")
+    with pytest.raises(ShapeError, match=r"pool2d 'pool': kernel \(5, 5\) is bigger than the padded input \(4, 4\)"):
+        make_pool((1, 1, 4, 4), kernel=5)
+    with pytest.raises(ShapeError, match=r"pool2d 'pool': expects an NCHW input"):
+        make_pool((8, 8), kernel=2)

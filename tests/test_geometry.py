@@ -1,0 +1,73 @@
+"""Rect algebra properties, checked against explicit point sets."""
+from hypothesis import given
+from hypothesis import strategies as st
+
+from taskrt import Rect
+
+
+@st.composite
+def rects(draw, ndim=None):
+    n = ndim if ndim is not None else draw(st.integers(1, 3))
+    lo = [draw(st.integers(-3, 5)) for _ in range(n)]
+    hi = [draw(st.integers(-3, 8)) for _ in range(n)]
+    return Rect.make(lo, hi)
+
+
+@st.composite
+def rect_pairs(draw):
+    n = draw(st.integers(1, 3))
+    return draw(rects(n)), draw(rects(n))
+
+
+def points(r: Rect) -> set:
+    return set(r.points()) if not r.empty else set()
+
+
+@given(rect_pairs())
+def test_intersection_is_common_points(pair):
+    a, b = pair
+    assert points(a.intersect(b)) == points(a) & points(b)
+    assert a.overlaps(b) == bool(points(a) & points(b))
+
+
+@given(rect_pairs())
+def test_contains_matches_point_sets(pair):
+    a, b = pair
+    assert a.contains(b) == (points(b) <= points(a))
+
+
+@given(rects())
+def test_volume_counts_points(r):
+    assert r.volume == len(points(r))
+    assert r.empty == (r.volume == 0)
+
+
+@given(rect_pairs())
+def test_subtract_gives_disjoint_cover_of_difference(pair):
+    a, b = pair
+    pieces = a.subtract(b)
+    covered = [points(p) for p in pieces]
+    assert set().union(*covered) == points(a) - points(b)
+    assert sum(len(c) for c in covered) == len(points(a) - points(b))
+
+
+@given(rect_pairs())
+def test_union_bbox_holds_both(pair):
+    a, b = pair
+    box = a.union_bbox(b)
+    assert box.contains(a) and box.contains(b)
+
+
+def test_slices_relative_to_origin():
+    r = Rect.make((2, 3), (4, 7))
+    assert r.slices() == (slice(2, 4), slice(3, 7))
+    assert r.slices((2, 0)) == (slice(0, 2), slice(3, 7))
+    assert r.shape == (2, 4)
+
+
+def test_mismatched_dimensions_name_both_rects():
+    import pytest
+    with pytest.raises(ValueError, match=r"Rect\(0:2\).*Rect\(0:1, 0:1\)"):
+        Rect.make((0,), (2,)).intersect(Rect.make((0, 0), (1, 1)))
+    with pytest.raises(ValueError, match="different dimensions"):
+        Rect((0, 0), (1,))

@@ -1,0 +1,67 @@
+"""Regions and partitions: equal tilings cover exactly once; aliasing is computed."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from taskrt import Partition, Rect, Region
+
+
+@st.composite
+def shapes_and_degrees(draw):
+    n = draw(st.integers(1, 3))
+    shape = [draw(st.integers(1, 9)) for _ in range(n)]
+    degrees = [draw(st.integers(1, s)) for s in shape]
+    return shape, degrees
+
+
+@given(shapes_and_degrees())
+def test_equal_partition_covers_every_point_once(sd):
+    shape, degrees = sd
+    region = Region(shape)
+    part = Partition.equal(region, degrees)
+    count = np.zeros(shape, int)
+    for rect in part.rects.values():
+        assert not rect.empty
+        count[rect.slices()] += 1
+    assert (count == 1).all()
+    assert part.disjoint and part.complete
+    assert len(part) == int(np.prod(degrees))
+    sizes = {d: {r.shape[d] for r in part.rects.values()} for d in range(len(shape))}
+    assert all(max(s) - min(s) <= 1 for s in sizes.values())
+
+
+@given(shapes_and_degrees(), st.integers(1, 3))
+def test_halo_partitions_are_aliased(sd, halo):
+    shape, degrees = sd
+    region = Region(shape)
+    part = Partition.equal(region, degrees)
+    grown = {c: Rect.make([max(0, a - halo) for a in r.lo], [min(s, b + halo) for b, s in zip(r.hi, shape)])
+             for c, r in part.rects.items()}
+    aliased = Partition(region, grown)
+    expect_overlap = len(part) > 1
+    assert aliased.aliased == expect_overlap
+    assert aliased.complete
+
+
+def test_incomplete_partition_is_found():
+    region = Region((10,))
+    part = Partition.from_rects(region, [Rect.make((0,), (4,)), Rect.make((6,), (10,))])
+    assert part.disjoint and not part.complete
+
+
+def test_partition_errors_name_the_problem():
+    region = Region((4, 4), name="x")
+    with pytest.raises(ValueError, match="outside Region\\('x'"):
+        Partition.from_rects(region, [Rect.make((0, 0), (5, 4))])
+    with pytest.raises(ValueError, match="degree 5 in dim 0 does not fit extent 4"):
+        region.partition((5, 1))
+    with pytest.raises(ValueError, match="3-d"):
+        Partition.from_rects(region, [Rect.make((0, 0, 0), (1, 1, 1))])
+    with pytest.raises(KeyError, match="color \\(9,\\)"):
+        region.partition((2, 1))[9]
+
+
+def test_equal_partitions_are_cached():
+    region = Region((8,))
+    assert region.partition((4,)) is region.partition((4,))
