@@ -86,6 +86,7 @@ def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, trainin
                     assert t.shape == r.shape, f"{op.kind}: grad input shape {t.shape} != rect {r}"
                     full[r.slices()] += t
             for k, t in tg_w.items():
+                assert t.shape == wr[k].shape, f"{op.kind}: grad {k} shape {t.shape} != weight rect {wr[k]}"
                 gw[k][wr[k].slices()] += t
         for a, b in zip(outs, ref_outs):
             np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"{op.kind} forward, tiling {degrees}")

@@ -1,0 +1,146 @@
+"""LSTM against torch.nn.LSTM(batch_first=True), finite differences and every batch tiling."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops.base import OP_REGISTRY, SAMPLE, ShapeError, TensorSpec
+from ops.lstm import LSTM
+from taskrt.geometry import Rect
+from tests.opcheck import check_finite_differences, check_tiled, run_whole
+
+WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def spec(shape, dtype="float32", name="x"):
+    return TensorSpec(tuple(shape), dtype, name)
+
+
+def lstm_case(batch, seq, n_in, hidden, with_initial_state, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    inputs = [spec((batch, seq, n_in), np.dtype(dtype).name)]
+    if with_initial_state:
+        inputs += [spec((batch, hidden), np.dtype(dtype).name, "h0"), spec((batch, hidden), np.dtype(dtype).name, "c0")]
+    op = LSTM("rnn", inputs, hidden_size=hidden, with_initial_state=with_initial_state)
+    w = op.init_weights(rng)
+    xs = [rng.standard_normal(t.shape).astype(dtype) for t in op.inputs]
+    gs = [rng.standard_normal(t.shape).astype(dtype) for t in op.outputs]
+    return op, xs, w, gs
+
+
+def torch_lstm(op, xs, w, gs):
+    """Outputs, input grads and weight grads of torch.nn.LSTM with the same weights."""
+    n_in, hidden = op.inputs[0].shape[2], op.hidden_size
+    m = torch.nn.LSTM(n_in, hidden, batch_first=True)
+    if xs[0].dtype == np.float64:
+        m = m.double()
+    with torch.no_grad():
+        for k in WEIGHTS:
+            getattr(m, k + "_l0").copy_(torch.from_numpy(w[k]))
+    ts = [torch.tensor(a, requires_grad=True) for a in xs]
+    if op.with_initial_state:
+        y, (hn, cn) = m(ts[0], (ts[1][None], ts[2][None]))
+    else:
+        y, (hn, cn) = m(ts[0])
+    torch.autograd.backward([y, hn[0], cn[0]], [torch.from_numpy(g) for g in gs])
+    outs = [y.detach().numpy(), hn[0].detach().numpy(), cn[0].detach().numpy()]
+    return outs, [t.grad.numpy() for t in ts], {k: getattr(m, k + "_l0").grad.numpy() for k in WEIGHTS}
+
+
+def check_against_torch(op, xs, w, gs, rtol=1e-4, atol=1e-5):
+    outs, gin, gw, _ = run_whole(op, xs, w, grad_outputs=gs)
+    t_outs, t_gin, t_gw = torch_lstm(op, xs, w, gs)
+    assert len(outs) == 3 and len(gin) == len(xs)
+    for name, a, b in zip(("y", "h_n", "c_n"), outs, t_outs):
+        assert a.shape == b.shape and a.dtype == xs[0].dtype, name
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
+    for name, a, b in zip(("x", "h0", "c0"), gin, t_gin):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"grad {name}")
+    assert set(gw) == set(WEIGHTS)
+    for k in WEIGHTS:
+        np.testing.assert_allclose(gw[k], t_gw[k], rtol=rtol, atol=atol, err_msg=f"grad {k}")
+
+
+@pytest.mark.parametrize("with_initial_state", [False, True])
+def test_lstm_matches_torch_finite_differences_and_tiles(with_initial_state):
+    op, xs, w, gs = lstm_case(4, 5, 3, 6, with_initial_state)
+    check_against_torch(op, xs, w, gs)
+    check_finite_differences(op, xs, w)
+    op64, xs64, w64, gs64 = lstm_case(4, 5, 3, 6, with_initial_state, dtype=np.float64)
+    check_tiled(op64, xs64, w64, gs64)
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 4), seq=st.integers(1, 6), n_in=st.integers(1, 5), hidden=st.integers(1, 5),
+       with_initial_state=st.booleans(), seed=st.integers(0, 99))
+def test_lstm_any_shape(batch, seq, n_in, hidden, with_initial_state, seed):
+    op, xs, w, gs = lstm_case(batch, seq, n_in, hidden, with_initial_state, seed)
+    check_against_torch(op, xs, w, gs)
+    op64, xs64, w64, gs64 = lstm_case(batch, seq, n_in, hidden, with_initial_state, seed, np.float64)
+    check_tiled(op64, xs64, w64, gs64)
+
+
+def test_lstm_long_sequence_with_large_inputs_stays_accurate():
+    """Saturated gates (|pre-activation| >> 1) over 30 steps, against torch in float64."""
+    op, xs, w, gs = lstm_case(3, 30, 4, 8, True, seed=3, dtype=np.float64)
+    xs[0] *= 20
+    check_against_torch(op, xs, w, gs, rtol=1e-9, atol=1e-10)
+
+
+def test_lstm_rects_split_dims_and_flops():
+    op = LSTM("rnn", [spec((8, 5, 3)), spec((8, 4), name="h0"), spec((8, 4), name="c0")], hidden_size=4,
+              with_initial_state=True)
+    assert [t.shape for t in op.outputs] == [(8, 5, 4), (8, 4), (8, 4)]
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE)]
+    tile = Rect((2, 0, 0), (6, 5, 4))
+    assert op.input_rects(tile) == [Rect((2, 0, 0), (6, 5, 3)), Rect((2, 0), (6, 4)), Rect((2, 0), (6, 4))]
+    assert op.output_rects(tile) == [tile, Rect((2, 0), (6, 4)), Rect((2, 0), (6, 4))]
+    gemm = 2 * 4 * 5 * 16 * (3 + 4)
+    assert gemm < op.flops(tile) < 2 * gemm
+    assert op.weight_rects(tile)["weight_hh"] == Rect((0, 0), (16, 4))
+    assert OP_REGISTRY["lstm"] is LSTM
+    assert op.attrs() == {"hidden_size": 4, "with_initial_state": True}
+
+
+def test_lstm_init_is_torch_uniform():
+    op = LSTM("rnn", [spec((2, 3, 50))], hidden_size=100)
+    w = op.init_weights(np.random.default_rng(0))
+    shapes = {"weight_ih": (400, 50), "weight_hh": (400, 100), "bias_ih": (400,), "bias_hh": (400,)}
+    assert {k: v.shape for k, v in w.items()} == shapes
+    bound = 1 / math.sqrt(100)
+    for v in w.values():
+        assert v.dtype == np.float32 and bound * 0.9 < np.abs(v).max() <= bound
+
+
+def test_lstm_without_grads_for_final_states():
+    """grad_outputs of None for h_n and c_n mean zeros (only y is used downstream)."""
+    op, xs, w, gs = lstm_case(2, 4, 3, 5, True)
+    _, gin, gw, _ = run_whole(op, xs, w, grad_outputs=[gs[0], None, None])
+    _, gin0, gw0, _ = run_whole(op, xs, w, grad_outputs=[gs[0], np.zeros_like(gs[1]), np.zeros_like(gs[2])])
+    for a, b in zip(gin, gin0):
+        np.testing.assert_array_equal(a, b)
+    for k in gw:
+        np.testing.assert_array_equal(gw[k], gw0[k])
+
+
+@pytest.mark.parametrize("inputs,attrs,needle", [
+    ([spec((2, 3, 4))], dict(hidden_size=0), "hidden_size"),
+    ([spec((2, 4))], dict(hidden_size=5), r"\[batch, seq, in\]"),
+    ([spec((2, 0, 4))], dict(hidden_size=5), "seq >= 1"),
+    ([spec((2, 3, 4))], dict(hidden_size=5, with_initial_state=True), "takes 3 inputs"),
+    ([spec((2, 3, 4)), spec((2, 5)), spec((2, 5))], dict(hidden_size=5), "takes 1 input"),
+    ([spec((2, 3, 4)), spec((3, 5), name="h0"), spec((2, 5), name="c0")], dict(hidden_size=5, with_initial_state=True),
+     r"h0 must be \[batch, hidden\] = \(2, 5\)"),
+    ([spec((2, 3, 4)), spec((2, 5), name="h0"), spec((2, 4), name="c0")], dict(hidden_size=5, with_initial_state=True),
+     "c0 must be"),
+    ([spec((2, 3, 4), "int32")], dict(hidden_size=5), "floating point"),
+])
+def test_lstm_bad_inputs_name_the_op(inputs, attrs, needle):
+    with pytest.raises(ShapeError, match=needle) as err:
+        LSTM("enc", inputs, **attrs)
+    assert "lstm 'enc'" in str(err.value)
