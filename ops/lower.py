@@ -1,0 +1,520 @@
+"""Lowering: an operator graph under parallel configs becomes taskrt launches.
+
+A TileConfig is a tiling plus a placement: `degrees` cut an op's tile space
+(`op.tile_shape`) into a grid of tiles, and `devices` name the processor of each
+tile in row-major color order. Lowering gives every tensor a Region and builds, for
+every op, partitions whose colors are the tile grid's colors, from the op's own rect
+rules (`input_rects`, `weight_rects`, `output_rects`), so what a tile needs is
+defined once, in the op; the simulator reads the same launches.
+
+A lowered graph (class Lowering) holds:
+- values: tensor name -> Region        every model input, label and activation;
+- grads:  tensor name -> Region        float activations on the gradient path (to the loss);
+- params: "op.weight" -> ParamRegions  value, gradient and optimizer-state regions;
+- stats:  "op.running_mean" -> Region  state an op updates in training (batch_norm's running stats);
+- plans:  op name -> OpPlan            the op's config, tiles, partitions and requirement lists;
+- saved:  (op name, tile color) -> x   the side store: what a tile's forward keeps for its backward.
+
+Saved tensors: a forward task puts the op's `saved` object in `saved` under its op name
+and tile color; the backward task of the same tile pops it. Both launches place a tile
+on the same processor (the config's device), so on many ranks the entry is always on the
+rank that needs it; backward READs the outputs forward WROTE, so it runs after it.
+
+Gradients: at the start of a backward pass every grad region is filled with zeros (the
+loss's output grad with ones: the loss ops' backward then gives the gradient of the mean
+loss over the batch). Each backward task REDUCEs (sum) into its inputs' grad regions at
+its input rects, so the halos of neighbouring tiles and the consumers of a tensor used
+twice add up, and into the weight-grad regions at its weight rects, so sample-split tiles
+add up. The optimizer update is an index launch over a disjoint tiling of each weight.
+
+Replay: one training iteration (forward, fills, backward, updates) is issued inside
+`rt.replay("train_step:<tag>")`: the runtime analyzes it once (twice: the first entry
+finds the weights in host memory only) and replays the recorded nodes afterwards. Inputs
+and labels are attached before the block, so the block always starts from the same state.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ops.base import SAMPLE, Op, TensorSpec
+from taskrt import READ, READ_WRITE, WRITE, Partition, Reduce, Region, req
+from taskrt.geometry import Rect
+from taskrt.machine import Machine
+
+SUM = Reduce("sum")
+
+
+class ConfigError(ValueError):
+    """A parallel config that does not fit its op or the machine; the message names both."""
+
+
+# ---- parallel configs ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    """How an op runs: `degrees` tiles per dim of its tile space, and the processor of each tile.
+
+    `devices[i]` is the global processor index (machine.processors order) of the i-th tile in
+    row-major color order; None means tile i of n on compute processor i*P//n (see
+    `default_devices`). `str` is short for logs: "2x1x1x1 on [0, 1]".
+    """
+
+    degrees: tuple[int, ...]
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        degrees = _int_tuple("degrees", self.degrees)
+        if any(d < 1 for d in degrees):
+            raise ConfigError(f"TileConfig degrees must all be >= 1, got {degrees}")
+        object.__setattr__(self, "degrees", degrees)
+        if self.devices is not None:
+            devices = _int_tuple("devices", self.devices)
+            if len(devices) != self.num_tiles:
+                raise ConfigError(f"TileConfig {degrees} has {self.num_tiles} tiles but {len(devices)} devices "
+                                  f"{devices}")
+            if any(d < 0 for d in devices):
+                raise ConfigError(f"TileConfig devices must be processor indices >= 0, got {devices}")
+            object.__setattr__(self, "devices", devices)
+
+    def __str__(self) -> str:
+        grid = "x".join(str(d) for d in self.degrees) or "scalar"
+        return grid if self.devices is None else f"{grid} on {list(self.devices)}"
+
+    @property
+    def num_tiles(self) -> int:
+        return math.prod(self.degrees)
+
+    def colors(self) -> list[tuple[int, ...]]:
+        """Tile colors in row-major order (the order of `devices`)."""
+        return list(itertools.product(*(range(d) for d in self.degrees)))
+
+    def to_dict(self) -> dict:
+        return {"degrees": list(self.degrees), "devices": None if self.devices is None else list(self.devices)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "TileConfig":
+        return TileConfig(tuple(d["degrees"]), None if d.get("devices") is None else tuple(d["devices"]))
+
+
+def _int_tuple(what: str, value) -> tuple[int, ...]:
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ConfigError(f"TileConfig {what} must be a sequence of ints, got {value!r}") from None
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items):
+        raise ConfigError(f"TileConfig {what} must be ints, got {items!r}")
+    return tuple(int(v) for v in items)
+
+
+def compute_processors(machine: Machine) -> list[int]:
+    """Global indices of the processors tiles go to by default: the GPUs if any, else every CPU."""
+    gpus = [i for i, p in enumerate(machine.processors) if p.kind == "gpu"]
+    return gpus or list(range(len(machine.processors)))
+
+
+def default_devices(machine: Machine, num_tiles: int) -> tuple[int, ...]:
+    """Tile i of n on compute processor i*P//n: neighbouring tiles share a processor."""
+    procs = compute_processors(machine)
+    return tuple(procs[i * len(procs) // num_tiles] for i in range(num_tiles))
+
+
+def default_config(op: Op, machine: Machine) -> TileConfig:
+    """Data parallelism: the op's sample dim (if it declares one) split over the compute
+    processors, min(#processors, batch) ways; otherwise one tile."""
+    shape = op.tile_shape
+    degrees = [1] * len(shape)
+    sample = [s.dim for s in op.split_dims() if s.kind == SAMPLE]
+    if sample:
+        d = sample[0]
+        degrees[d] = max(1, min(len(compute_processors(machine)), shape[d]))
+    n = math.prod(degrees)
+    return TileConfig(tuple(degrees), default_devices(machine, n))
+
+
+def resolve_config(op: Op, config: TileConfig, machine: Machine) -> TileConfig:
+    """`config` checked against the op and the machine, with its devices filled in."""
+    where = f"{op.kind} {op.name!r}"
+    if not isinstance(config, TileConfig):
+        raise ConfigError(f"{where}: a config must be a TileConfig, got {type(config).__name__}: {config!r}")
+    shape = op.tile_shape
+    if len(config.degrees) != len(shape):
+        raise ConfigError(f"{where}: config {config} has {len(config.degrees)} degrees but the op's tile space "
+                          f"{tuple(shape)} has {len(shape)} dims")
+    kinds = {s.dim: s.kind for s in op.split_dims()}
+    splittable = ", ".join(f"dim {d} ({k})" for d, k in sorted(kinds.items())) or "none"
+    for d, deg in enumerate(config.degrees):
+        if deg > 1 and d not in kinds:
+            raise ConfigError(f"{where}: config {config} splits dim {d} {deg} ways, but dim {d} may not be split; "
+                              f"splittable dims: {splittable}")
+        if deg > max(shape[d], 1):
+            raise ConfigError(f"{where}: config {config} splits dim {d} ({kinds[d]}) {deg} ways, more than its "
+                              f"extent {shape[d]}")
+    devices = config.devices if config.devices is not None else default_devices(machine, config.num_tiles)
+    nprocs = len(machine.processors)
+    for i, dev in enumerate(devices):
+        if dev >= nprocs:
+            raise ConfigError(f"{where}: config {config} places tile {i} on processor {dev}, but {machine!r} has "
+                              f"processors 0..{nprocs - 1}")
+    return TileConfig(config.degrees, devices)
+
+
+def tile_rects(shape: Sequence[int], degrees: Sequence[int]) -> dict[tuple[int, ...], Rect]:
+    """The tile of each color: cuts at i*extent//degree per dim (Partition.equal's rule)."""
+    cuts = [[(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)] for ext, deg in zip(shape, degrees)]
+    out = {}
+    for color in itertools.product(*(range(d) for d in degrees)):
+        out[color] = Rect(tuple(cuts[d][c][0] for d, c in enumerate(color)),
+                          tuple(cuts[d][c][1] for d, c in enumerate(color)))
+    return out
+
+
+def reduce_rect(rect: Rect, shape: Sequence[int]) -> Rect:
+    """A REDUCE target for `rect`: itself, or for an empty rect one element next to it.
+
+    The runtime folds a pending reduction when a later access overlaps it; an empty rect
+    overlaps nothing, so its reduction would stay pending for ever. The task leaves that
+    element's private buffer at the identity (0), so folding it changes nothing.
+    """
+    if not rect.empty:
+        return rect
+    lo, hi = [], []
+    for a, b, s in zip(rect.lo, rect.hi, shape):
+        if b <= a:
+            a = max(0, min(a, s - 1))
+            b = a + 1
+        lo.append(a)
+        hi.append(b)
+    return Rect(tuple(lo), tuple(hi))
+
+
+def _is_float(spec: TensorSpec) -> bool:
+    return np.dtype(spec.dtype).kind == "f"
+
+
+# ---- per-op and per-parameter plans ---------------------------------------------------------
+@dataclass
+class ParamRegions:
+    """A trainable weight: its value, its gradient (None off the gradient path) and optimizer state."""
+
+    name: str
+    value: Region
+    grad: Region | None
+    state: dict[str, Region]
+
+
+class OpPlan:
+    """One op under one config: tiles, partitions, requirement lists and the task kernels.
+
+    A kernel gets its requirements' views in the order of the requirement list, then the
+    launch args. Forward: inputs, weights, states, outputs | (training, valid); states are
+    READ_WRITE in training and READ in inference (separate launch names). Backward:
+    inputs, weights, outputs, output grads (those with regions), then the REDUCE buffers of
+    input grads (inputs with regions) and weight grads.
+    """
+
+    def __init__(self, low: "Lowering", op: Op, config: TileConfig, backward: bool,
+                 summarize: Callable | None):
+        self.op = op
+        self.config = config
+        self.saved = low.saved
+        self.summarize = summarize
+        self.colors = config.colors()
+        self.tiles = tile_rects(op.tile_shape, config.degrees)
+        self.placement = dict(zip(self.colors, config.devices))
+        self.in_rects = {c: op.input_rects(t) for c, t in self.tiles.items()}
+        self.out_rects = {c: op.output_rects(t) for c, t in self.tiles.items()}
+        w_rects = {c: op.weight_rects(t) for c, t in self.tiles.items()}
+        self.weight_names = list(op.weight_shapes())
+        self.state_names = list(op.state_shapes())
+        self.weight_rects = {c: {k: r[k] for k in self.weight_names} for c, r in w_rects.items()}
+        name = op.name
+
+        def part(region: Region, rects: dict, label: str) -> Partition:
+            return Partition.from_rects(region, rects, name=f"{name}.{label}")
+
+        values = low.values
+        ins = [part(values[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"in{i}")
+               for i, t in enumerate(op.inputs)]
+        outs = [part(values[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"out{i}")
+                for i, t in enumerate(op.outputs)]
+        weights = [part(low.params[f"{name}.{k}"].value, {c: r[k] for c, r in w_rects.items()}, k)
+                   for k in self.weight_names]
+        states = [part(low.stats[f"{name}.{k}"], {c: r[k] for c, r in w_rects.items()}, k)
+                  for k in self.state_names]
+        self.fwd_reqs = {
+            True: ([req(p, READ) for p in ins + weights] + [req(p, READ_WRITE) for p in states]
+                   + [req(p, WRITE) for p in outs]),
+            False: [req(p, READ) for p in ins + weights + states] + [req(p, WRITE) for p in outs],
+        }
+        self.forward_fn = self._forward_task
+        self.backward_fn = self._backward_task
+        self.bwd_reqs = None
+        if not backward:
+            return
+        grads = low.grads
+        self.grad_outputs = [t.name in grads for t in op.outputs]
+        self.grad_inputs = [t.name in grads for t in op.inputs]
+        gouts = [part(grads[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"gout{i}")
+                 for i, t in enumerate(op.outputs) if t.name in grads]
+        gins = [part(grads[t.name], {c: reduce_rect(r[i], t.shape) for c, r in self.in_rects.items()}, f"gin{i}")
+                for i, t in enumerate(op.inputs) if t.name in grads]
+        gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in w_rects.items()}, f"{k}.grad")
+               for k in self.weight_names]
+        self.bwd_reqs = ([req(p, READ) for p in ins + weights + outs + gouts]
+                         + [req(p, SUM) for p in gins + gws])
+
+    def __repr__(self) -> str:
+        return f"OpPlan({self.op.kind} {self.op.name!r}, {self.config})"
+
+    def _fail(self, color, message: str) -> RuntimeError:
+        return RuntimeError(f"{self.op.kind} {self.op.name!r} tile {color} ({self.tiles[color]!r}): {message}")
+
+    # ---- kernels (run on worker threads) ---------------------------------------------------
+    def _forward_task(self, ctx, *views):
+        op, color = self.op, ctx.point
+        *views, training, valid = views
+        n_in, n_w, n_s = len(op.inputs), len(self.weight_names), len(self.state_names)
+        inputs = list(views[:n_in])
+        weights = dict(zip(self.weight_names, views[n_in:n_in + n_w]))
+        state = dict(zip(self.state_names, views[n_in + n_w:n_in + n_w + n_s])) or None
+        out_views = views[n_in + n_w + n_s:]
+        tile = self.tiles[color]
+        outputs, saved = op.forward(ctx.xp, tile, inputs, self.in_rects[color], weights, training=training,
+                                    state=state)
+        if len(outputs) != len(out_views):
+            raise self._fail(color, f"forward returned {len(outputs)} outputs, the op has {len(out_views)}")
+        for i, (view, arr) in enumerate(zip(out_views, outputs)):
+            if tuple(arr.shape) != view.shape:
+                raise self._fail(color, f"output {i} has shape {tuple(arr.shape)}, its rect "
+                                        f"{self.out_rects[color][i]!r} has shape {view.shape}")
+            view[...] = arr
+        if training:
+            self.saved[(op.name, color)] = saved
+        if self.summarize is not None:
+            return self.summarize(ctx.xp, tile, inputs, outputs, valid)
+        return None
+
+    def _backward_task(self, ctx, *views):
+        op, color = self.op, ctx.point
+        n_in, n_w, n_out = len(op.inputs), len(self.weight_names), len(op.outputs)
+        it = iter(views)
+        inputs = [next(it) for _ in range(n_in)]
+        weights = {k: next(it) for k in self.weight_names}
+        outputs = [next(it) for _ in range(n_out)]
+        grad_outputs = [next(it) if has else None for has in self.grad_outputs]
+        grad_in_bufs = [next(it) if has else None for has in self.grad_inputs]
+        grad_w_bufs = {k: next(it) for k in self.weight_names}
+        try:
+            saved = self.saved.pop((op.name, color))
+        except KeyError:
+            raise self._fail(color, "backward ran without a training forward before it "
+                                    "(call forward with training=True first)") from None
+        in_rects = self.in_rects[color]
+        grad_inputs, grad_weights = op.backward(ctx.xp, self.tiles[color], inputs, in_rects, weights, outputs,
+                                                grad_outputs, saved)
+        for i, buf in enumerate(grad_in_bufs):
+            g = grad_inputs[i]
+            if buf is None or g is None or in_rects[i].empty:
+                continue
+            if tuple(g.shape) != in_rects[i].shape:
+                raise self._fail(color, f"grad of input {i} has shape {tuple(g.shape)}, its rect "
+                                        f"{in_rects[i]!r} has shape {in_rects[i].shape}")
+            buf[...] = g
+        for k, buf in grad_w_bufs.items():
+            if k not in grad_weights:
+                raise self._fail(color, f"backward returned no gradient for weight {k!r}")
+            g = grad_weights[k]
+            if tuple(g.shape) != buf.shape:
+                raise self._fail(color, f"grad of weight {k!r} has shape {tuple(g.shape)}, its rect has "
+                                        f"shape {buf.shape}")
+            buf[...] = g
+
+
+class UpdatePlan:
+    """The optimizer update of one weight: an index launch over a disjoint tiling of it.
+
+    The tiling is the op's weight rects, deduplicated, with each piece on the processor of
+    the first tile that uses it; when those rects overlap without being equal (or leave
+    gaps), the whole weight is one piece on the op's first tile's processor.
+    """
+
+    def __init__(self, param: ParamRegions, plan: OpPlan, short: str, optimizer):
+        self.param = param
+        self.optimizer = optimizer
+        self.state_names = list(optimizer.state_names())
+        pieces: dict[Rect, int] = {}
+        for color in plan.colors:
+            r = plan.weight_rects[color][short]
+            if not r.empty and r not in pieces:
+                pieces[r] = plan.placement[color]
+        rects = list(pieces)
+        disjoint = all(not a.overlaps(b) for i, a in enumerate(rects) for b in rects[i + 1:])
+        if not disjoint or sum(r.volume for r in rects) != param.value.rect.volume:
+            pieces = {param.value.rect: plan.placement[plan.colors[0]]}
+        self.colors = [(i,) for i in range(len(pieces))]
+        rects = dict(zip(self.colors, pieces))
+        self.placement = dict(zip(self.colors, pieces.values()))
+        name = param.name
+
+        def part(region: Region, label: str) -> Partition:
+            return Partition.from_rects(region, rects, name=f"{name}.update.{label}")
+
+        self.reqs = ([req(part(param.value, "value"), READ_WRITE), req(part(param.grad, "grad"), READ)]
+                     + [req(part(param.state[s], s), READ_WRITE) for s in self.state_names])
+        self.fn = self._update_task
+
+    def _update_task(self, ctx, value, grad, *rest):
+        *states, step = rest
+        self.optimizer.update(ctx.xp, value, grad, dict(zip(self.state_names, states)), step)
+
+
+# ---- the lowered graph --------------------------------------------------------------------------
+class Lowering:
+    """A graph of ops (in topological order) lowered onto one runtime under one config per op.
+
+    `inputs` are the graph's source tensors (model inputs and labels); `loss` names the op
+    whose per-sample output is the loss (None: forward only); `summarize(xp, tile, inputs,
+    outputs, valid)` runs in the loss op's forward tasks and their futures carry its result.
+    """
+
+    def __init__(self, rt, ops: Sequence[Op], inputs: Sequence[TensorSpec], configs: dict[str, TileConfig],
+                 optimizer=None, loss: str | None = None, summarize: Callable | None = None, tag: str = "model"):
+        self.rt = rt
+        self.ops = list(ops)
+        self.optimizer = optimizer
+        self.loss = loss
+        self.tag = tag
+        self.saved: dict[tuple[str, tuple], Any] = {}
+        self.values: dict[str, Region] = {}
+        self.grads: dict[str, Region] = {}
+        self.params: dict[str, ParamRegions] = {}
+        self.stats: dict[str, Region] = {}
+        for t in inputs:
+            self.values[t.name] = Region(t.shape, t.dtype, t.name)
+        by_name = {op.name: op for op in self.ops}
+        if loss is not None and loss not in by_name:
+            raise ValueError(f"loss op {loss!r} is not in the graph; ops are {sorted(by_name)}")
+        self.loss_output = None if loss is None else by_name[loss].outputs[0].name
+        backward = self._gradient_path()
+        for op in self.ops:
+            for t in op.outputs:
+                self.values[t.name] = Region(t.shape, t.dtype, t.name)
+                if backward[op.name] and _is_float(t):
+                    self.grads[t.name] = Region(t.shape, t.dtype, f"{t.name}.grad")
+            for k, shape in op.weight_shapes().items():
+                full = f"{op.name}.{k}"
+                dtype = op.weight_dtype(k)
+                grad = Region(shape, dtype, f"{full}.grad") if backward[op.name] else None
+                state = {}
+                if grad is not None and optimizer is not None:
+                    state = {s: Region(shape, dtype, f"{full}.{s}") for s in optimizer.state_names()}
+                self.params[full] = ParamRegions(full, Region(shape, dtype, full), grad, state)
+            for k, shape in op.state_shapes().items():
+                self.stats[f"{op.name}.{k}"] = Region(shape, op.weight_dtype(k), f"{op.name}.{k}")
+        self.plans: dict[str, OpPlan] = {}
+        for op in self.ops:
+            self.plans[op.name] = OpPlan(self, op, configs[op.name], backward[op.name],
+                                         summarize if op.name == loss else None)
+        self.updates: list[UpdatePlan] = []
+        if optimizer is not None:
+            for op in self.ops:
+                for k in op.weight_shapes():
+                    p = self.params[f"{op.name}.{k}"]
+                    if p.grad is not None:
+                        self.updates.append(UpdatePlan(p, self.plans[op.name], k, optimizer))
+
+    def __repr__(self) -> str:
+        return f"Lowering({self.tag!r}, {len(self.ops)} ops, {len(self.params)} params)"
+
+    def _gradient_path(self) -> dict[str, bool]:
+        """op name -> whether its backward runs: it leads to the loss and has weights or inputs that
+        need a gradient (a float activation downstream of a weight)."""
+        needs = set()  # tensor names that carry a gradient
+        for op in self.ops:
+            if op.weight_shapes() or any(t.name in needs for t in op.inputs):
+                needs.update(t.name for t in op.outputs if _is_float(t))
+        reaches = set()  # tensor names the loss depends on
+        runs = {op.name: False for op in self.ops}
+        if self.loss is None:
+            return runs
+        for op in reversed(self.ops):
+            if op.name == self.loss or any(t.name in reaches for t in op.outputs):
+                reaches.update(t.name for t in op.inputs)
+                runs[op.name] = any(t.name in needs for t in op.outputs)
+        return runs
+
+    # ---- launches ------------------------------------------------------------------------
+    def forward(self, training: bool = True, ops: Sequence[str] | None = None, valid: int | None = None):
+        """Issue the forward launch of each op (all, or those named, in graph order). Returns the
+        loss op's FutureMap (its summaries) when the loss ran, else None."""
+        rt, result = self.rt, None
+        names = None if ops is None else set(ops)
+        for op in self.ops:
+            if names is not None and op.name not in names:
+                continue
+            plan = self.plans[op.name]
+            fm = rt.index_launch(plan.forward_fn, plan.colors, *plan.fwd_reqs[bool(training)],
+                                 args=(bool(training), valid), name=f"{op.name}.{'fwd' if training else 'infer'}",
+                                 placement=plan.placement, op=op.name)
+            if op.name == self.loss:
+                result = fm
+        return result
+
+    def backward(self) -> None:
+        """Fill every gradient (ones for the loss), then issue backward launches in reverse order."""
+        if self.loss is None:
+            raise RuntimeError("this graph was lowered without a loss: there is nothing to differentiate")
+        rt = self.rt
+        for name, region in self.grads.items():
+            rt.fill(region, 1.0 if name == self.loss_output else 0.0)
+        for p in self.params.values():
+            if p.grad is not None:
+                rt.fill(p.grad, 0.0)
+        for op in reversed(self.ops):
+            plan = self.plans[op.name]
+            if plan.bwd_reqs is None:
+                continue
+            rt.index_launch(plan.backward_fn, plan.colors, *plan.bwd_reqs, name=f"{op.name}.bwd",
+                            placement=plan.placement, op=op.name)
+
+    def update(self, step: int) -> None:
+        """The optimizer update of every trained weight; `step` is 1-based."""
+        for u in self.updates:
+            self.rt.index_launch(u.fn, u.colors, *u.reqs, args=(int(step),), name=f"{u.param.name}.update",
+                                 placement=u.placement, op=u.param.name.rsplit(".", 1)[0])
+
+    def train_step(self, step: int, valid: int | None = None):
+        """One iteration (forward, backward, update) in a replay block; returns the loss FutureMap."""
+        with self.rt.replay(f"train_step:{self.tag}"):
+            result = self.forward(training=True, valid=valid)
+            self.backward()
+            self.update(step)
+        return result
+
+    def infer_step(self, valid: int | None = None, with_loss: bool = False):
+        """Inference forward of the graph (with or without the loss op) in its own replay block."""
+        names = None if with_loss else [op.name for op in self.ops if op.name != self.loss]
+        with self.rt.replay(f"infer{'+loss' if with_loss else ''}:{self.tag}"):
+            return self.forward(training=False, ops=names, valid=valid)
+
+    # ---- data in and out (host arrays) -----------------------------------------------------------
+    def attach(self, region: Region, array) -> None:
+        self.rt.attach(region, array)
+
+    def read(self, region: Region, wait: bool = True):
+        return self.rt.read(region, wait=wait)
+
+    def init_values(self, params: dict, stats: dict) -> None:
+        """Attach initial weights and running stats; optimizer state starts from optimizer.init_state."""
+        for name, p in self.params.items():
+            self.attach(p.value, params[name])
+            if p.state:
+                init = self.optimizer.init_state(np, np.asarray(params[name]))
+                for s, region in p.state.items():
+                    self.attach(region, init[s])
+        for name, region in self.stats.items():
+            self.attach(region, stats[name])

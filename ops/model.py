@@ -1,0 +1,735 @@
+"""The model API: graph building in the style of FlexFlow and Keras, with PyTorch's layouts.
+
+    m = Model(seed=0)
+    x = m.input((8, 3, 16, 16))
+    y = m.softmax(m.dense(m.flat(m.relu(m.conv2d(x, 4, 3, padding=1))), 10))
+    m.compile(optimizer=SGD(lr=0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = m.fit(images, labels, epochs=3)
+
+Tensors are layout-only handles (ops.base.TensorSpec). Shapes include the batch, so a
+model runs batches of the size its inputs were declared with. Every op and parameter has
+a stable name: given, or `<method>_<i>` in creation order, and `<op>.<weight>` for its
+weights ('conv2d_0.weight'). Weights are initialized when an op is added (PyTorch's
+initializers, from the model's seeded generator); from `compile` on they live in the
+runtime's regions and every operator runs as taskrt tasks (ops/lower.py).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ops.activation import ElementUnary, Softmax
+from ops.attention import MultiHeadAttention
+from ops.base import OP_REGISTRY, Op, TensorSpec
+from ops.conv import Conv2d, Pool2d
+from ops.dropout import Dropout
+from ops.elementwise import ElementBinary
+from ops.embedding import Embedding
+from ops.linear import BatchMatmul, Dense
+from ops.loss import MeanSquaredError, SparseCategoricalCrossEntropy
+from ops.lower import Lowering, TileConfig, default_config, resolve_config
+from ops.lstm import LSTM
+from ops.norm import BatchNorm, LayerNorm
+from ops.optimizers import OPTIMIZERS, optimizer_from_dict
+from ops.shape import Concat, Flat, Reshape, Split, Transpose
+from taskrt import Runtime
+
+LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
+METRICS = ("accuracy",)
+FORMAT = 1
+
+
+@dataclass
+class History:
+    """What `fit` returns: the mean loss (and accuracy, when asked for) of every iteration and epoch."""
+
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    epoch_loss: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.loss)
+
+
+class _dualmethod:
+    """`Model.load(path)` builds a model from a file; `m.load(path)` loads a file into `m`."""
+
+    def __init__(self, on_class, on_instance):
+        self.on_class, self.on_instance = on_class, on_instance
+
+    def __get__(self, obj, cls):
+        if obj is None:
+            return functools.wraps(self.on_class)(functools.partial(self.on_class, cls))
+        return functools.wraps(self.on_instance)(functools.partial(self.on_instance, obj))
+
+
+class Model:
+    """A graph of operators, its weights, and (after `compile`) its lowering onto a taskrt Runtime."""
+
+    _instances = 0
+
+    def __init__(self, runtime: Runtime | None = None, seed: int = 0):
+        self.rt = runtime if runtime is not None else Runtime()
+        self._own_runtime = runtime is None
+        self.seed = int(seed)
+        self.inputs: list[TensorSpec] = []
+        self.ops: list[Op] = []
+        self.tensors: dict[str, TensorSpec] = {}
+        self._counters: dict[str, int] = {}
+        self._init_rng = np.random.default_rng(self.seed)
+        self._data_rng = np.random.default_rng([self.seed, 1])
+        self._values: dict[str, np.ndarray] = {}  # weights and running stats until compile
+        self._compiled: dict | None = None
+        self._low: Lowering | None = None
+        self._labels: TensorSpec | None = None
+        self._loss_op: Op | None = None
+        self._forward_done = False
+        self.step = 0
+        Model._instances += 1
+        self._tag = f"model{Model._instances}"
+
+    def __repr__(self) -> str:
+        state = f"compiled, step {self.step}" if self._low is not None else "not compiled"
+        return f"Model({len(self.inputs)} inputs, {len(self.ops)} ops, {len(self._param_names())} params, {state})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Shut the runtime down if this model made it."""
+        if self._own_runtime:
+            self.rt.shutdown()
+
+    # ---- graph building -------------------------------------------------------------------
+    def _name(self, prefix: str, name: str | None) -> str:
+        """`name` checked, or the next free `<prefix>_<i>` (the counter moves on when the op is added)."""
+        taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
+        if name is not None:
+            if not isinstance(name, str) or not name or name in taken:
+                raise ValueError(f"name {name!r} is empty, not a string, or already used in this model")
+            return name
+        i = self._counters.get(prefix, 0)
+        while f"{prefix}_{i}" in taken:
+            i += 1
+        return f"{prefix}_{i}"
+
+    def _count(self, prefix: str, name: str) -> None:
+        head, _, tail = name.rpartition("_")
+        if head == prefix and tail.isdigit():
+            self._counters[prefix] = max(self._counters.get(prefix, 0), int(tail) + 1)
+
+    def _tensor(self, t, what: str) -> TensorSpec:
+        if not isinstance(t, TensorSpec) or self.tensors.get(t.name) is not t:
+            raise TypeError(f"{what}: {t!r} is not a tensor of this model")
+        return t
+
+    def _check_open(self, what: str) -> None:
+        if self._low is not None:
+            raise RuntimeError(f"{what}: the model is compiled; build the whole graph before compile()")
+
+    def input(self, shape, dtype="float32", name: str | None = None) -> TensorSpec:
+        """A model input of `shape` (dim 0 is the batch) and `dtype`."""
+        self._check_open("input")
+        shape = tuple(int(s) for s in shape)
+        if len(shape) < 1 or any(s < 1 for s in shape):
+            raise ValueError(f"input shape must have at least 1 dim (the batch), all >= 1, got {shape}")
+        t = TensorSpec(shape, np.dtype(dtype).name, self._name("input", name))
+        self._count("input", t.name)
+        self.inputs.append(t)
+        self.tensors[t.name] = t
+        return t
+
+    def _add(self, cls, prefix: str, inputs, name: str | None, **attrs):
+        self._check_open(prefix)
+        specs = [self._tensor(t, f"{prefix} input {i}") for i, t in enumerate(inputs)]
+        op = cls(self._name(prefix, name), specs, **attrs)
+        self._insert(op)
+        self._count(prefix, op.name)
+        return op.outputs[0] if len(op.outputs) == 1 else list(op.outputs)
+
+    def _insert(self, op: Op) -> None:
+        """Add a built op: its outputs become tensors, its weights and state get initial values."""
+        values = op.init_weights(self._init_rng)
+        for k, shape in {**op.weight_shapes(), **op.state_shapes()}.items():
+            v = np.asarray(values[k])
+            if v.shape != tuple(shape):
+                raise ValueError(f"{op.kind} {op.name!r}: init_weights gave {k} shape {v.shape}, expected {shape}")
+            self._values[f"{op.name}.{k}"] = v.astype(op.weight_dtype(k))
+        self.ops.append(op)
+        for t in op.outputs:
+            self.tensors[t.name] = t
+
+    def conv2d(self, x, out_channels, kernel, stride=1, padding=0, groups=1, use_bias=True, name=None):
+        return self._add(Conv2d, "conv2d", [x], name, out_channels=out_channels, kernel=kernel, stride=stride,
+                         padding=padding, groups=groups, use_bias=use_bias)
+
+    def pool2d(self, x, kernel, stride=None, padding=0, pool_type="max", name=None):
+        return self._add(Pool2d, "pool2d", [x], name, kernel=kernel, stride=stride, padding=padding,
+                         pool_type=pool_type)
+
+    def batch_norm(self, x, eps=1e-5, momentum=0.1, relu=False, name=None):
+        return self._add(BatchNorm, "batch_norm", [x], name, eps=eps, momentum=momentum, relu=relu)
+
+    def layer_norm(self, x, normalized_shape=None, eps=1e-5, elementwise_affine=True, name=None):
+        shape = x.shape[-1:] if normalized_shape is None and isinstance(x, TensorSpec) else normalized_shape
+        return self._add(LayerNorm, "layer_norm", [x], name, normalized_shape=shape, eps=eps,
+                         elementwise_affine=elementwise_affine)
+
+    def dense(self, x, out_features, use_bias=True, activation=None, name=None):
+        return self._add(Dense, "dense", [x], name, out_features=out_features, use_bias=use_bias,
+                         activation=activation)
+
+    def embedding(self, x, num_embeddings, embedding_dim, name=None):
+        return self._add(Embedding, "embedding", [x], name, num_embeddings=num_embeddings,
+                         embedding_dim=embedding_dim)
+
+    def lstm(self, x, hidden_size, h0=None, c0=None, name=None):
+        """Returns (y [batch, seq, hidden], h_n, c_n); h0 and c0 come together or not at all."""
+        if (h0 is None) != (c0 is None):
+            raise ValueError("lstm: give both h0 and c0, or neither")
+        inputs = [x] if h0 is None else [x, h0, c0]
+        return tuple(self._add(LSTM, "lstm", inputs, name, hidden_size=hidden_size,
+                               with_initial_state=h0 is not None))
+
+    def multihead_attention(self, query, key=None, value=None, num_heads=1, use_bias=True, causal=False,
+                            name=None):
+        """Self-attention when key and value are omitted."""
+        key = query if key is None else key
+        value = key if value is None else value
+        return self._add(MultiHeadAttention, "multihead_attention", [query, key, value], name,
+                         num_heads=num_heads, use_bias=use_bias, causal=causal)
+
+    def batch_matmul(self, a, b, name=None):
+        return self._add(BatchMatmul, "batch_matmul", [a, b], name)
+
+    def softmax(self, x, axis=-1, name=None):
+        return self._add(Softmax, "softmax", [x], name, axis=axis)
+
+    def dropout(self, x, rate=0.5, seed=None, name=None):
+        seed = self.seed * 1_000_003 + len(self.ops) if seed is None else seed
+        return self._add(Dropout, "dropout", [x], name, rate=rate, seed=seed)
+
+    def concat(self, tensors, axis, name=None):
+        return self._add(Concat, "concat", list(tensors), name, axis=axis)
+
+    def split(self, x, sizes, axis, name=None) -> list[TensorSpec]:
+        """torch.split: `sizes` is a list of sizes, or one chunk size (the last chunk may be smaller)."""
+        if isinstance(sizes, (int, np.integer)) and not isinstance(sizes, bool) and isinstance(x, TensorSpec):
+            if sizes < 1:
+                raise ValueError(f"split: chunk size must be >= 1, got {sizes}")
+            extent = x.shape[axis]
+            sizes = [min(sizes, extent - a) for a in range(0, extent, sizes)]
+        out = self._add(Split, "split", [x], name, sizes=sizes, axis=axis)
+        return out if isinstance(out, list) else [out]
+
+    def flat(self, x, name=None):
+        return self._add(Flat, "flat", [x], name)
+
+    def reshape(self, x, shape, name=None):
+        return self._add(Reshape, "reshape", [x], name, shape=shape)
+
+    def transpose(self, x, perm, name=None):
+        return self._add(Transpose, "transpose", [x], name, perm=perm)
+
+    def _binary(self, fn, a, b, name):
+        return self._add(ElementBinary, fn, [a, b], name, fn=fn)
+
+    def add(self, a, b, name=None):
+        return self._binary("add", a, b, name)
+
+    def subtract(self, a, b, name=None):
+        return self._binary("subtract", a, b, name)
+
+    def multiply(self, a, b, name=None):
+        return self._binary("multiply", a, b, name)
+
+    def _unary(self, fn, x, name):
+        return self._add(ElementUnary, fn, [x], name, fn=fn)
+
+    def relu(self, x, name=None):
+        return self._unary("relu", x, name)
+
+    def sigmoid(self, x, name=None):
+        return self._unary("sigmoid", x, name)
+
+    def tanh(self, x, name=None):
+        return self._unary("tanh", x, name)
+
+    def gelu(self, x, name=None):
+        return self._unary("gelu", x, name)
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        """Op outputs that no op consumes, in creation order."""
+        used = {t.name for op in self.ops for t in op.inputs}
+        return [t for op in self.ops for t in op.outputs if t.name not in used]
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs[0].shape[0] if self.inputs else 0
+
+    # ---- compile --------------------------------------------------------------------------
+    def compile(self, optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=(), configs=None,
+                output=None) -> None:
+        """Choose optimizer, loss and metrics, and lower the graph onto the runtime.
+
+        optimizer: SGD(...), Adam(...), "sgd" or "adam". loss: "sparse_categorical_crossentropy"
+        (on a softmax output it reads probabilities, on anything else logits) or
+        "mean_squared_error". configs: op name -> TileConfig (default: ops.lower.default_config).
+        output: the tensor the loss applies to (default: the last op's first output).
+        """
+        if self._low is not None:
+            raise RuntimeError("compile: the model is already compiled")
+        if not self.ops:
+            raise ValueError("compile: the model has no operators")
+        opt = _make_optimizer(optimizer)
+        if not isinstance(loss, str) or loss not in LOSSES:
+            raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
+        metrics = list(metrics or ())
+        for mt in metrics:
+            if mt not in METRICS:
+                raise ValueError(f"compile: unknown metric {mt!r}; expected some of {list(METRICS)}")
+        if "accuracy" in metrics and loss != "sparse_categorical_crossentropy":
+            raise ValueError(f"compile: metric 'accuracy' needs loss 'sparse_categorical_crossentropy', got {loss!r}")
+        batches = {t.shape[0] for t in self.inputs}
+        if len(batches) > 1:
+            raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
+                             f"{[(t.name, t.shape) for t in self.inputs]}")
+        out = self.ops[-1].outputs[0] if output is None else self._tensor(output, "compile output")
+        if np.dtype(out.dtype).kind != "f" or out.name not in {t.name for op in self.ops for t in op.outputs}:
+            raise ValueError(f"compile: the loss needs a float op output, got {out!r}")
+        producer = next(op for op in self.ops if out in op.outputs)
+        taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
+        labels_name = _free_name("labels", taken)
+        if loss == "sparse_categorical_crossentropy":
+            labels = TensorSpec((out.shape[0],), "int64", labels_name)
+            loss_op = SparseCategoricalCrossEntropy(_free_name("loss", taken | {labels_name}), [out, labels],
+                                                    from_logits=producer.kind != "softmax")
+        else:
+            labels = TensorSpec(out.shape, out.dtype, labels_name)
+            loss_op = MeanSquaredError(_free_name("loss", taken | {labels_name}), [out, labels])
+        graph = self.ops + [loss_op]
+        configs = dict(configs or {})
+        known = {op.name: op for op in graph}
+        for k in configs:
+            if k not in known:
+                raise ValueError(f"compile: configs name op {k!r}, which is not in the model; ops are {sorted(known)}")
+        machine = self.rt.machine
+        resolved = {name: resolve_config(op, configs[name], machine) if name in configs
+                    else default_config(op, machine) for name, op in known.items()}
+        self._compiled = {"optimizer": opt.to_dict(), "loss": loss, "metrics": metrics, "output": out.name,
+                          "configs": {k: v.to_dict() for k, v in resolved.items()}}
+        self._labels, self._loss_op, self.optimizer = labels, loss_op, opt
+        classify = loss == "sparse_categorical_crossentropy"
+        self._low = Lowering(self.rt, graph, self.inputs + [labels], resolved, opt, loss=loss_op.name,
+                             summarize=functools.partial(_loss_summary, classify), tag=self._tag)
+        self._low.init_values(self._values, self._values)
+        self._values = {}
+
+    @property
+    def configs(self) -> dict[str, TileConfig]:
+        """The resolved config of every op (the loss included) after compile."""
+        self._need_compiled("configs")
+        return {k: plan.config for k, plan in self._low.plans.items()}
+
+    def _need_compiled(self, what: str) -> None:
+        if self._low is None:
+            raise RuntimeError(f"{what}: call compile() first")
+
+    # ---- data checks ------------------------------------------------------------------------
+    def _input_arrays(self, inputs, what: str, batch: bool = False) -> tuple[dict[str, np.ndarray], int]:
+        """Inputs as {name: array} (from one array, a list in input order, or a dict), checked."""
+        if isinstance(inputs, dict):
+            unknown = sorted(set(inputs) - {t.name for t in self.inputs})
+            if unknown:
+                raise ValueError(f"{what}: unknown inputs {unknown}; the model's inputs are "
+                                 f"{[t.name for t in self.inputs]}")
+            given = inputs
+        elif isinstance(inputs, (list, tuple)):
+            given = dict(zip((t.name for t in self.inputs), inputs))
+            if len(inputs) > len(self.inputs):
+                raise ValueError(f"{what}: {len(inputs)} input arrays for {len(self.inputs)} inputs")
+        else:
+            given = {self.inputs[0].name: inputs} if self.inputs else {}
+        missing = [t.name for t in self.inputs if t.name not in given]
+        if missing:
+            raise ValueError(f"{what}: missing inputs {missing}; give one array per input "
+                             f"{[t.name for t in self.inputs]}")
+        arrays, n = {}, None
+        for t in self.inputs:
+            a = np.asarray(given[t.name])
+            if a.shape[1:] != t.shape[1:] or a.ndim != len(t.shape):
+                raise ValueError(f"{what}: input {t.name!r} has shape {a.shape}, expected (N,) + {t.shape[1:]}")
+            if np.dtype(t.dtype).kind in "iu" and a.dtype.kind not in "iu":
+                raise ValueError(f"{what}: input {t.name!r} needs integers ({t.dtype}), got dtype {a.dtype}")
+            if n is not None and a.shape[0] != n:
+                raise ValueError(f"{what}: inputs have different sample counts ({n} and {a.shape[0]} for {t.name!r})")
+            n = a.shape[0]
+            arrays[t.name] = a
+        if batch and n != self.batch_size:
+            raise ValueError(f"{what}: expects one batch of {self.batch_size} samples, got {n}")
+        return arrays, n
+
+    def _label_array(self, labels, n: int, what: str) -> np.ndarray:
+        spec = self._labels
+        y = np.asarray(labels)
+        if self._compiled["loss"] == "sparse_categorical_crossentropy":
+            if y.ndim == 2 and y.shape[1] == 1:
+                y = y[:, 0]
+            if y.shape != (n,) or y.dtype.kind not in "iu":
+                raise ValueError(f"{what}: labels must be {n} integers (shape ({n},)), got shape {y.shape} "
+                                 f"dtype {y.dtype}")
+            classes = self._loss_op.inputs[0].shape[1]
+            if y.size and (y.min() < 0 or y.max() >= classes):
+                bad = y.min() if y.min() < 0 else y.max()
+                raise ValueError(f"{what}: label {bad} is out of range for {classes} classes")
+        elif y.shape != (n,) + spec.shape[1:]:
+            raise ValueError(f"{what}: targets must have shape {(n,) + spec.shape[1:]}, got {y.shape}")
+        return y
+
+    def _attach(self, arrays: dict[str, np.ndarray], labels=None) -> None:
+        low = self._low
+        for name, a in arrays.items():
+            low.attach(low.values[name], a)
+        if labels is not None:
+            low.attach(low.values[self._labels.name], labels)
+
+    # ---- training and inference ------------------------------------------------------------------
+    def fit(self, inputs, labels, iterations: int | None = None, epochs: int | None = None,
+            batch_size: int | None = None, shuffle: bool = True, verbose: bool = True, stream=None) -> History:
+        """Train on `inputs` and `labels` for `iterations` batches or `epochs` passes (default 1 epoch).
+
+        Batches have the model's batch size (its inputs' dim 0); an epoch is N // batch batches
+        (the remainder is dropped), in a fresh order from the model's generator when `shuffle`.
+        Shows one line per epoch, updated in place, unless verbose=False.
+        """
+        self._need_compiled("fit")
+        arrays, n = self._input_arrays(inputs, "fit")
+        y = self._label_array(labels, n, "fit")
+        b = self.batch_size
+        if batch_size is not None and batch_size != b:
+            raise ValueError(f"fit: batch_size={batch_size}, but the model was built for batches of {b} "
+                             f"(its input shapes); declare the inputs with batch {batch_size} instead")
+        if n < b:
+            raise ValueError(f"fit: {n} samples are fewer than one batch of {b}")
+        if iterations is not None and epochs is not None:
+            raise ValueError("fit: give iterations or epochs, not both")
+        per_epoch = n // b
+        total = per_epoch * (1 if epochs is None else int(epochs)) if iterations is None else int(iterations)
+        if total < 1:
+            raise ValueError(f"fit: nothing to do (iterations={iterations}, epochs={epochs})")
+        history = History()
+        progress = _Progress(stream or sys.stdout, verbose, total, per_epoch, "accuracy" in self._compiled["metrics"])
+        order, pending = None, None
+        for it in range(total):
+            k = it % per_epoch
+            if k == 0:
+                order = self._data_rng.permutation(n) if shuffle else np.arange(n)
+            idx = order[k * b:(k + 1) * b]
+            self._attach({name: a[idx] for name, a in arrays.items()}, y[idx])
+            self.step += 1
+            futures = self._low.train_step(self.step, valid=b)
+            if pending is not None:
+                self._record(history, progress, *pending)
+            pending = (it, futures)
+        self._record(history, progress, *pending)
+        self._forward_done = False
+        return history
+
+    def _record(self, history: History, progress: "_Progress", it: int, futures) -> None:
+        loss, correct, count = _total(futures)
+        history.loss.append(loss / count)
+        if progress.accuracy:
+            history.accuracy.append(correct / count)
+        epoch_end = progress.show(it, history)
+        if epoch_end is not None:
+            history.epoch_loss.append(epoch_end)
+
+    def _batches(self, arrays: dict[str, np.ndarray], n: int):
+        """(count, padded batch arrays) covering n samples in order; the last batch is zero-padded."""
+        b = self.batch_size
+        for start in range(0, n, b):
+            count = min(b, n - start)
+            yield count, {name: _padded(a[start:start + count], b) for name, a in arrays.items()}
+
+    def predict(self, inputs) -> np.ndarray:
+        """The compiled output for any number of samples, in inference mode (batches of the model's size)."""
+        self._need_compiled("predict")
+        arrays, n = self._input_arrays(inputs, "predict")
+        out = self._low.values[self._compiled["output"]]
+        parts = []
+        for count, batch in self._batches(arrays, n):
+            self._attach(batch)
+            self._low.infer_step()
+            parts.append((count, self._low.read(out, wait=False)))
+        return np.concatenate([f.get()[:count] for count, f in parts])
+
+    def evaluate(self, inputs, labels) -> dict[str, float]:
+        """Mean loss (and accuracy when compiled with it) over all samples, in inference mode."""
+        self._need_compiled("evaluate")
+        arrays, n = self._input_arrays(inputs, "evaluate")
+        y = self._label_array(labels, n, "evaluate")
+        futures = []
+        for start, (count, batch) in zip(range(0, n, self.batch_size), self._batches(arrays, n)):
+            self._attach(batch, _padded(y[start:start + count], self.batch_size))
+            futures.append(self._low.infer_step(valid=count, with_loss=True))
+        loss = correct = count = 0
+        for fm in futures:
+            a, c, k = _total(fm)
+            loss, correct, count = loss + a, correct + c, count + k
+        result = {"loss": loss / count}
+        if "accuracy" in self._compiled["metrics"]:
+            result["accuracy"] = correct / count
+        return result
+
+    def forward(self, inputs, training: bool = True, outputs=None) -> dict[str, np.ndarray]:
+        """Run one batch forward (training mode by default, ready for `backward`); returns
+        {tensor name: array} for `outputs` (tensors or names; default: self.outputs)."""
+        self._need_compiled("forward")
+        arrays, _ = self._input_arrays(inputs, "forward", batch=True)
+        wanted = self.outputs if outputs is None else outputs
+        names = [t.name if isinstance(t, TensorSpec) else t for t in wanted]
+        for name in names:
+            if name not in self._low.values:
+                raise ValueError(f"forward: unknown tensor {name!r}")
+        self._attach(arrays)
+        low = self._low
+        low.forward(training=training, ops=[op.name for op in self.ops])
+        self._forward_done = bool(training)
+        futures = {name: low.read(low.values[name], wait=False) for name in names}
+        return {name: f.get() for name, f in futures.items()}
+
+    def backward(self, labels) -> float:
+        """After forward(inputs): the loss on `labels` and every gradient (see `gradients`); returns the mean loss."""
+        self._need_compiled("backward")
+        if not self._forward_done:
+            raise RuntimeError("backward: call forward(inputs) (training mode) first")
+        y = self._label_array(labels, self.batch_size, "backward")
+        self._attach({}, y)
+        low = self._low
+        futures = low.forward(training=True, ops=[self._loss_op.name], valid=self.batch_size)
+        low.backward()
+        self._forward_done = False
+        loss, _, count = _total(futures)
+        return loss / count
+
+    # ---- weights --------------------------------------------------------------------------------
+    def _param_names(self) -> list[str]:
+        return [f"{op.name}.{k}" for op in self.ops for k in op.weight_shapes()]
+
+    def _stat_names(self) -> list[str]:
+        return [f"{op.name}.{k}" for op in self.ops for k in op.state_shapes()]
+
+    def _read_all(self, names: list[str], region_of) -> dict[str, np.ndarray]:
+        if self._low is None:
+            return {k: self._values[k].copy() for k in names}
+        futures = {k: self._low.read(region_of(k), wait=False) for k in names}
+        return {k: f.get() for k, f in futures.items()}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Trainable weights by name ('dense_0.weight'), as numpy copies."""
+        return self._read_all(self._param_names(), lambda k: self._low.params[k].value)
+
+    def stats(self) -> dict[str, np.ndarray]:
+        """Non-trained state by name ('batch_norm_0.running_mean')."""
+        return self._read_all(self._stat_names(), lambda k: self._low.stats[k])
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        """Gradients of the last backward pass (or training step), for weights on the path to the loss."""
+        self._need_compiled("gradients")
+        names = [k for k in self._param_names() if self._low.params[k].grad is not None]
+        futures = {k: self._low.read(self._low.params[k].grad, wait=False) for k in names}
+        return {k: f.get() for k, f in futures.items()}
+
+    def set_parameters(self, values: dict) -> None:
+        """Set weights and/or running stats by name; shapes must match exactly."""
+        shapes = {f"{op.name}.{k}": (s, op.weight_dtype(k)) for op in self.ops
+                  for k, s in {**op.weight_shapes(), **op.state_shapes()}.items()}
+        checked = {}
+        for k, v in values.items():
+            if k not in shapes:
+                raise KeyError(f"set_parameters: unknown parameter {k!r}; known: {sorted(shapes)}")
+            v = np.asarray(v)
+            if v.shape != tuple(shapes[k][0]):
+                raise ValueError(f"set_parameters: {k} has shape {v.shape}, expected {tuple(shapes[k][0])}")
+            checked[k] = v.astype(shapes[k][1])
+        for k, v in checked.items():
+            if self._low is None:
+                self._values[k] = v
+            else:
+                self._low.attach(self._low.params[k].value if k in self._low.params else self._low.stats[k], v)
+
+    # ---- saving and loading -------------------------------------------------------------------------
+    def _graph_dict(self) -> dict:
+        return {"format": FORMAT, "seed": self.seed,
+                "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
+                "ops": [{"kind": op.kind, "name": op.name, "inputs": [t.name for t in op.inputs],
+                         "attrs": op.attrs()} for op in self.ops],
+                "counters": self._counters}
+
+    def save(self, path) -> None:
+        """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
+        optimizer state, step count and data-order generator, so training resumes bit for bit."""
+        meta = {"graph": self._graph_dict(), "compiled": self._compiled, "step": self.step,
+                "data_rng": self._data_rng.bit_generator.state}
+        arrays = {f"param/{k}": v for k, v in self.parameters().items()}
+        arrays.update({f"stat/{k}": v for k, v in self.stats().items()})
+        if self._low is not None:
+            for p in self._low.params.values():
+                for s, region in p.state.items():
+                    arrays[f"opt/{p.name}/{s}"] = self._low.read(region)
+        meta_text = json.dumps(meta, default=_json_default)
+        with open(path, "wb") as f:
+            np.savez(f, meta=np.array(meta_text), **arrays)
+
+    def _load_new(cls, path, runtime: Runtime | None = None, configs: dict | None = None) -> "Model":
+        """Model.load(path, runtime=None, configs=None): rebuild, compile and restore a saved model.
+
+        It compiles with the saved configs (the same configs give the same rounding, so training
+        continues bit for bit) unless `configs` replaces them, e.g. for a machine with fewer processors."""
+        meta, arrays = _read_file(path)
+        graph = meta["graph"]
+        m = cls(runtime, seed=graph["seed"])
+        for t in graph["inputs"]:
+            m.input(t["shape"], t["dtype"], t["name"])
+        for d in graph["ops"]:
+            if d["kind"] not in OP_REGISTRY:
+                raise ValueError(f"load {path}: unknown operator kind {d['kind']!r}; known: {sorted(OP_REGISTRY)}")
+            op = OP_REGISTRY[d["kind"]](d["name"], [m.tensors[n] for n in d["inputs"]], **d["attrs"])
+            m._insert(op)
+        m._counters = dict(graph["counters"])
+        c = meta["compiled"]
+        if c is not None:
+            if configs is None:
+                configs = {k: TileConfig.from_dict(v) for k, v in c["configs"].items()}
+            m.compile(optimizer_from_dict(c["optimizer"]), c["loss"], c["metrics"], configs,
+                      output=m.tensors[c["output"]])
+        m._restore(meta, arrays)
+        return m
+
+    def _load_into(self, path) -> None:
+        """m.load(path): restore weights, stats (and optimizer state and step, if compiled) from a file
+        saved from a model with the same graph."""
+        meta, arrays = _read_file(path)
+        mine = json.loads(json.dumps(self._graph_dict(), default=_json_default))
+        theirs = meta["graph"]
+        if (mine["inputs"], mine["ops"]) != (theirs["inputs"], theirs["ops"]):
+            raise ValueError(f"load {path}: the file holds a different graph "
+                             f"({[o['name'] for o in theirs['ops']]}) than this model "
+                             f"({[o['name'] for o in mine['ops']]})")
+        self._restore(meta, arrays)
+
+    load = _dualmethod(_load_new, _load_into)
+
+    def _restore(self, meta: dict, arrays: dict) -> None:
+        values = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(("param/", "stat/"))}
+        self.set_parameters(values)
+        if self._low is not None and meta["compiled"] is not None:
+            for p in self._low.params.values():
+                for s, region in p.state.items():
+                    key = f"opt/{p.name}/{s}"
+                    if key not in arrays:
+                        raise ValueError(f"load: the file has no optimizer state {key!r} (saved with another "
+                                         f"optimizer?)")
+                    self._low.attach(region, arrays[key])
+            self.step = int(meta["step"])
+            self._data_rng.bit_generator.state = meta["data_rng"]
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _make_optimizer(optimizer):
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"compile: unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZERS)} "
+                             f"or an optimizer object (SGD(...), Adam(...))")
+        return OPTIMIZERS[optimizer]()
+    for attr in ("update", "state_names", "init_state", "to_dict"):
+        if not callable(getattr(optimizer, attr, None)):
+            raise TypeError(f"compile: optimizer must be 'sgd', 'adam' or an optimizer object, got {optimizer!r}")
+    return optimizer
+
+
+def _free_name(base: str, taken: set[str]) -> str:
+    if base not in taken:
+        return base
+    i = 0
+    while f"{base}_{i}" in taken:
+        i += 1
+    return f"{base}_{i}"
+
+
+def _loss_summary(classify: bool, xp, tile, inputs, outputs, valid):
+    """Run in each loss tile's forward: (sum of its valid samples' losses, correct predictions, count)."""
+    n = tile.shape[0]
+    keep = n if valid is None else max(0, min(n, valid - tile.lo[0]))
+    total = float(outputs[0][:keep].sum(dtype=np.float64))
+    correct = int((inputs[0][:keep].argmax(axis=-1) == inputs[1][:keep]).sum()) if classify else 0
+    return total, correct, keep
+
+
+def _padded(a: np.ndarray, rows: int) -> np.ndarray:
+    """`a` with zero rows appended up to `rows`."""
+    if a.shape[0] == rows:
+        return a
+    return np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)])
+
+
+def _total(futures) -> tuple[float, int, int]:
+    loss = correct = count = 0
+    for value in futures.get().values():
+        loss, correct, count = loss + value[0], correct + value[1], count + value[2]
+    return loss, correct, count
+
+
+def _json_default(v):
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    if isinstance(v, (tuple, set)):
+        return list(v)
+    raise TypeError(f"can't save {type(v).__name__} {v!r} as JSON")
+
+
+def _read_file(path) -> tuple[dict, dict[str, np.ndarray]]:
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    if meta.get("graph", {}).get("format") != FORMAT:
+        raise ValueError(f"load {path}: not a model file of format {FORMAT}")
+    return meta, arrays
+
+
+class _Progress:
+    """One line per epoch, rewritten in place (\\r) after every iteration; nothing when disabled."""
+
+    def __init__(self, stream, enabled: bool, total: int, per_epoch: int, accuracy: bool):
+        self.stream, self.enabled = stream, enabled
+        self.total, self.per_epoch, self.accuracy = total, per_epoch, accuracy
+        self.epochs = -(-total // per_epoch)
+        self.width = 0
+
+    def show(self, it: int, history: History) -> float | None:
+        """Show iteration `it` (0-based); returns the epoch's mean loss when it ends the epoch."""
+        epoch, k = divmod(it, self.per_epoch)
+        done = k + 1
+        losses = history.loss[it - k:it + 1]
+        mean = sum(losses) / len(losses)
+        last = it + 1 == self.total or done == self.per_epoch
+        if self.enabled:
+            line = f"\repoch {epoch + 1}/{self.epochs}  {done}/{self.per_epoch}  loss {mean:.4f}"
+            if self.accuracy:
+                accs = history.accuracy[it - k:it + 1]
+                line += f"  accuracy {sum(accs) / len(accs):.3f}"
+            self.width = max(self.width, len(line))
+            self.stream.write(line.ljust(self.width) + ("\n" if last else ""))
+            self.stream.flush()
+        return mean if last else None

@@ -1,0 +1,296 @@
+"""Lowering: parallel configs, the launches and partitions they make, and the semantics principle
+(any valid config computes what one tile on one processor computes)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from ops import SGD, Adam, ConfigError, Model, TileConfig, default_config
+from ops.base import OP_REGISTRY, TensorSpec
+from ops.conv import Conv2d
+from ops.linear import Dense
+from ops.lower import Lowering, default_devices, reduce_rect, resolve_config, tile_rects
+from ops.loss import SparseCategoricalCrossEntropy
+from ops.norm import BatchNorm
+from taskrt import Machine, Partition, Rect, Region, ReplayMismatch, Runtime, TaskNode
+
+MACHINE4 = Machine.build(1, 4)
+
+
+@pytest.fixture(scope="module")
+def rt1():
+    with Runtime(cpus=1) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def rt4():
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        yield rt
+
+
+def spec(shape, dtype="float32", name="x"):
+    return TensorSpec(tuple(shape), dtype, name)
+
+
+# ---- TileConfig and config rules ---------------------------------------------------------------
+def test_tile_config_reads_well_and_checks_itself():
+    c = TileConfig((2, 1, 1, 2), (0, 1, 2, 3))
+    assert repr(c) == "TileConfig(degrees=(2, 1, 1, 2), devices=(0, 1, 2, 3))"
+    assert str(c) == "2x1x1x2 on [0, 1, 2, 3]"
+    assert str(TileConfig([3, 1])) == "3x1" and TileConfig([3, 1]).degrees == (3, 1)
+    assert c.num_tiles == 4 and c.colors() == [(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1)]
+    assert TileConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ConfigError, match="degrees must all be >= 1"):
+        TileConfig((0, 1))
+    with pytest.raises(ConfigError, match="has 2 tiles but 3 devices"):
+        TileConfig((2, 1), (0, 1, 2))
+    with pytest.raises(ConfigError, match="processor indices >= 0"):
+        TileConfig((2,), (0, -1))
+    with pytest.raises(ConfigError, match="must be ints"):
+        TileConfig((1.5,))
+
+
+def test_resolve_config_names_op_dim_and_kind():
+    dense = Dense("fc", [spec((8, 16))], out_features=6)
+    bn = BatchNorm("bn", [spec((8, 4, 5, 5))])
+    with pytest.raises(ConfigError, match=r"batch_norm 'bn'.* splits dim 0 2 ways, but dim 0 may not be split; "
+                                          r"splittable dims: dim 1 \(parameter\)"):
+        resolve_config(bn, TileConfig((2, 1, 1, 1)), MACHINE4)
+    with pytest.raises(ConfigError, match=r"dense 'fc'.* splits dim 1 \(parameter\) 7 ways, more than its extent 6"):
+        resolve_config(dense, TileConfig((1, 7)), MACHINE4)
+    with pytest.raises(ConfigError, match=r"dense 'fc'.* has 3 degrees but the op's tile space \(8, 6\) has 2 dims"):
+        resolve_config(dense, TileConfig((1, 1, 1)), MACHINE4)
+    with pytest.raises(ConfigError, match=r"places tile 1 on processor 4, but .* has processors 0..3"):
+        resolve_config(dense, TileConfig((2, 1), (0, 4)), MACHINE4)
+    with pytest.raises(ConfigError, match="must be a TileConfig"):
+        resolve_config(dense, (2, 1), MACHINE4)
+    assert resolve_config(dense, TileConfig((2, 2)), MACHINE4).devices == (0, 1, 2, 3)
+
+
+def test_default_config_splits_the_sample_dim_over_the_compute_processors():
+    conv = Conv2d("c", [spec((8, 3, 6, 6))], out_channels=4, kernel=3)
+    assert default_config(conv, MACHINE4) == TileConfig((4, 1, 1, 1), (0, 1, 2, 3))
+    small = Conv2d("c", [spec((2, 3, 6, 6))], out_channels=4, kernel=3)
+    assert default_config(small, MACHINE4) == TileConfig((2, 1, 1, 1), (0, 2))
+    bn = BatchNorm("bn", [spec((8, 4, 5, 5))])  # no sample dim: one tile
+    assert default_config(bn, MACHINE4) == TileConfig((1, 1, 1, 1), (0,))
+    gpus = Machine.build(1, cpus_per_rank=2, gpus_per_rank=2)  # tiles go to the GPUs (indices 2, 3)
+    assert default_devices(gpus, 4) == (2, 2, 3, 3)
+
+
+def test_tiles_follow_partition_equal_and_empty_reductions_get_a_real_rect():
+    shape, degrees = (7, 5, 3), (3, 2, 1)
+    region = Region(shape)
+    assert tile_rects(shape, degrees) == Partition.equal(region, degrees).rects
+    assert reduce_rect(Rect.make((0, 2), (4, 2)), (4, 6)) == Rect.make((0, 2), (4, 3))
+    assert reduce_rect(Rect.make((0, 6), (4, 6)), (4, 6)) == Rect.make((0, 5), (4, 6))
+    assert reduce_rect(Rect.make((1, 1), (2, 3)), (4, 6)) == Rect.make((1, 1), (2, 3))
+
+
+# ---- what lowering launches ----------------------------------------------------------------------
+def test_lowering_builds_tile_partitions_halos_reductions_and_updates():
+    x, labels = spec((4, 2, 6, 6), name="x"), spec((4,), "int64", "labels")
+    conv = Conv2d("conv", [x], out_channels=3, kernel=3, padding=1)
+    from ops.shape import Flat
+    flat = Flat("flat", conv.outputs)
+    fc = Dense("fc", flat.outputs, out_features=4)
+    loss = SparseCategoricalCrossEntropy("loss", [fc.outputs[0], labels], from_logits=True)
+    ops = [conv, flat, fc, loss]
+    configs = {"conv": TileConfig((1, 1, 2, 1), (0, 1)), "flat": TileConfig((2, 1), (2, 3)),
+               "fc": TileConfig((1, 2), (1, 3)), "loss": TileConfig((2,), (0, 1))}
+    with Runtime(machine=MACHINE4, execute=False) as rt:
+        low = Lowering(rt, ops, [x, labels], configs, SGD(lr=0.1, momentum=0.9), loss="loss", tag="t")
+        plan = low.plans["conv"]
+        part = plan.fwd_reqs[True][0].partition
+        assert part.aliased and part.colors() == [(0, 0, 0, 0), (0, 0, 1, 0)]
+        assert part[(0, 0, 0, 0)] == Rect.make((0, 0, 0, 0), (4, 2, 4, 6))  # rows 0..2 plus a halo row
+        assert part[(0, 0, 1, 0)] == Rect.make((0, 0, 2, 0), (4, 2, 6, 6))
+        assert plan.placement == {(0, 0, 0, 0): 0, (0, 0, 1, 0): 1}
+        assert [r.privilege.mode for r in low.plans["fc"].bwd_reqs] == ["R"] * 5 + ["Reduce"] * 3
+        assert low.plans["conv"].grad_inputs == [False]  # no gradient for model inputs
+        # the parameter-split dense weight updates in two disjoint row blocks on its tiles' processors
+        fc_update = next(u for u in low.updates if u.param.name == "fc.weight")
+        assert list(fc_update.reqs[0].partition.rects.values()) == [Rect.make((0, 0), (2, 108)),
+                                                                     Rect.make((2, 0), (4, 108))]
+        assert list(fc_update.placement.values()) == [1, 3]
+        conv_update = next(u for u in low.updates if u.param.name == "conv.weight")
+        assert len(conv_update.colors) == 1 and [r.region.name for r in conv_update.reqs] == [
+            "conv.weight", "conv.weight.grad", "conv.weight.momentum"]
+        low.train_step(1, valid=4)
+        tasks = [n for n in rt.graph.nodes.values() if isinstance(n, TaskNode)]
+        names = {n.name for n in tasks}
+        assert {"conv.fwd", "conv.bwd", "fc.fwd", "fc.bwd", "loss.bwd", "conv.weight.update",
+                "fill:conv.out.grad"} <= names
+        assert "flat.bwd" in names and "x.grad" not in {r.name for r in low.grads.values()}
+        assert sorted(str(n.proc) for n in tasks if n.name == "fc.bwd") == ["r0.cpu1", "r0.cpu3"]
+        folds = [n for n in rt.graph.copies() if n.redop == "sum"]
+        assert {f.region.name for f in folds} >= {"conv.weight.grad", "flat.out.grad", "conv.out.grad"}
+
+
+def test_backward_needs_a_training_forward_and_consumes_what_it_saved(rt1):
+    m = _mlp(rt1, batch=4)
+    m.compile("sgd", "mean_squared_error")
+    x, y = np.ones((4, 5), np.float32), np.zeros((4, 3), np.float32)
+    m.forward(x)
+    assert len(m._low.saved) == 3 * 1  # three ops, one tile each on a 1-cpu runtime
+    m.backward(y)
+    rt1.wait()
+    assert m._low.saved == {}
+    with pytest.raises(RuntimeError, match="call forward"):
+        m.backward(y)
+
+
+# ---- the semantics principle ---------------------------------------------------------------------
+def _cnn(rt, batch=4, seed=3):
+    m = Model(rt, seed=seed)
+    x = m.input((batch, 2, 8, 8))
+    h = m.conv2d(x, 4, 3, padding=1)
+    h = m.batch_norm(h)
+    h = m.relu(h)
+    h = m.pool2d(h, 2)
+    h = m.flat(h)
+    h = m.dense(h, 6, activation="relu")
+    m.softmax(m.dense(h, 3))
+    return m
+
+
+def _mlp(rt, batch=4, seed=5):
+    m = Model(rt, seed=seed)
+    x = m.input((batch, 5))
+    m.dense(m.dense(m.dense(x, 8, activation="tanh"), 6, activation="relu"), 3)
+    return m
+
+
+def _run(m, inputs, labels, configs, loss="sparse_categorical_crossentropy", steps=0):
+    """Forward and gradients of one batch, then parameters after `steps` training steps.
+
+    (SGD, not Adam: a conv bias before batch_norm gets a gradient of zero plus rounding noise,
+    which Adam would scale up to full-size steps.)"""
+    m.compile(SGD(lr=0.1, momentum=0.9), loss, configs=configs)
+    outs = m.forward(inputs)
+    m.backward(labels)
+    grads = m.gradients()
+    stats = m.stats()
+    if steps:
+        m.fit(inputs, labels, iterations=steps, shuffle=False, verbose=False)
+    return outs, grads, stats, m.parameters()
+
+
+def _assert_same(a, b, what, rtol=2e-4, atol=2e-6):
+    for got, want in zip(a, b):
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol, err_msg=f"{what}: {k}")
+
+
+def _ones(m):
+    return {op.name: TileConfig((1,) * len(op.tile_shape), (0,)) for op in m.ops}
+
+
+CNN_CONFIGS = {
+    "sample split on 4 processors": lambda m: {op.name: TileConfig((4,) + (1,) * (len(op.tile_shape) - 1))
+                                               for op in m.ops if op.kind != "batch_norm"},
+    "conv height and width split with halos": lambda m: {
+        "conv2d_0": TileConfig((1, 1, 2, 2), (0, 1, 2, 3)), "relu_0": TileConfig((1, 1, 2, 2), (3, 2, 1, 0)),
+        "pool2d_0": TileConfig((1, 1, 2, 2), (1, 1, 2, 2)), "batch_norm_0": TileConfig((1, 2, 1, 1), (2, 3))},
+    "channel and parameter splits": lambda m: {
+        "conv2d_0": TileConfig((2, 2, 1, 1), (0, 1, 2, 3)), "dense_0": TileConfig((1, 3), (1, 2, 3)),
+        "dense_1": TileConfig((2, 3), (0, 1, 2, 3, 0, 1)), "softmax_0": TileConfig((4, 1), (3, 2, 1, 0))},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CNN_CONFIGS))
+def test_cnn_under_any_config_matches_one_tile(case, rt1, rt4):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 2, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, 4)
+    ref = _cnn(rt1)
+    want = _run(ref, x, y, _ones(ref), steps=2)
+    m = _cnn(rt4)
+    got = _run(m, x, y, CNN_CONFIGS[case](m), steps=2)
+    _assert_same(got, want, case)
+
+
+def test_mlp_with_parameter_split_dense_layers_matches_one_tile(rt1, rt4):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    y = rng.standard_normal((4, 3)).astype(np.float32)
+    ref = _mlp(rt1)
+    want = _run(ref, x, y, _ones(ref), "mean_squared_error", steps=2)
+    m = _mlp(rt4)
+    configs = {"dense_0": TileConfig((1, 4), (3, 2, 1, 0)), "dense_1": TileConfig((2, 3)),
+               "dense_2": TileConfig((1, 3), (1, 1, 2)), "loss": TileConfig((4,), (0, 1, 2, 3))}
+    got = _run(m, x, y, configs, "mean_squared_error", steps=2)
+    _assert_same(got, want, "mlp")
+
+
+def _every_op(rt, seed=7):
+    """A model using every operator of the model API once."""
+    m = Model(rt, seed=seed)
+    img = m.input((4, 2, 6, 6), name="img")
+    seq = m.input((4, 6, 8), name="seq")
+    idx = m.input((4, 6), "int64", name="idx")
+    a = m.add(seq, m.embedding(idx, 10, 8))
+    a = m.layer_norm(a)
+    att = m.gelu(m.multihead_attention(a, num_heads=2))
+    y, h, c = m.lstm(att, 8)
+    s1, s2 = m.split(m.concat([y, att], axis=2), [8, 8], axis=2)
+    t = m.transpose(m.multiply(s1, s2), [0, 2, 1])               # [4, 8, 6]
+    bm = m.batch_matmul(t, att)                                  # [4, 8, 8]
+    z = m.subtract(m.sigmoid(m.dropout(bm, 0.25)), m.tanh(bm))
+    z = m.reshape(z, [4, 64])
+    v = m.flat(m.pool2d(m.relu(m.batch_norm(m.conv2d(img, 3, 3, padding=1))), 2, pool_type="avg"))
+    z = m.concat([z, v, h], axis=1)
+    m.softmax(m.dense(z, 5, activation="gelu"))
+    return m
+
+
+def _split_everything(m, nprocs=4):
+    """Every declared split dim (of extent >= 2) cut in 2, tiles spread over the processors."""
+    configs = {}
+    for op in m.ops:
+        dims = {s.dim for s in op.split_dims()}
+        degrees = tuple(2 if d in dims and n >= 2 else 1 for d, n in enumerate(op.tile_shape))
+        configs[op.name] = TileConfig(degrees)
+    return configs
+
+
+def test_every_operator_under_every_split_matches_one_tile(rt1, rt4):
+    rng = np.random.default_rng(2)
+    inputs = {"img": rng.standard_normal((4, 2, 6, 6)).astype(np.float32),
+              "seq": rng.standard_normal((4, 6, 8)).astype(np.float32),
+              "idx": rng.integers(0, 10, (4, 6))}
+    y = rng.integers(0, 5, 4)
+    ref = _every_op(rt1)
+    assert {op.kind for op in ref.ops} == set(OP_REGISTRY) - {"sparse_categorical_crossentropy",
+                                                              "mean_squared_error"}
+    want = _run(ref, inputs, y, _ones(ref), steps=2)
+    m = _every_op(rt4)
+    configs = _split_everything(m)
+    assert configs["concat_0"].degrees == (2, 2, 2) and configs["conv2d_0"].degrees == (2, 2, 2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplayMismatch)
+        got = _run(m, inputs, y, configs, steps=2)
+        m.fit(inputs, y, iterations=2, shuffle=False, verbose=False)
+    _assert_same(got, want, "every op", rtol=1e-3, atol=1e-5)
+    # the concat split along its axis leaves tiles with empty input rects: no reduction may stay pending
+    assert all(not st.pending for st in rt4.analyzer.states.values())
+
+
+def test_training_steps_are_replayed(rt4):
+    m = _cnn(rt4, batch=8)
+    m.compile(SGD(lr=0.05, momentum=0.9), metrics=["accuracy"])
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((32, 2, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, 32)
+    before = dict(rt4.replay_stats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplayMismatch)
+        m.fit(x, y, epochs=3, verbose=False)
+    after = rt4.replay_stats
+    assert after["recorded"] - before["recorded"] <= 2
+    assert after["replayed"] - before["replayed"] >= 10
+    assert after["mismatches"] == before["mismatches"]

@@ -1,0 +1,300 @@
+"""The model API against PyTorch (same weights, same numbers), learning through fit, saving and
+loading bit for bit, and clear errors before any work."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops import SGD, Adam, ConfigError, History, Model, TileConfig
+from ops.base import ShapeError
+from taskrt import Runtime
+
+
+@pytest.fixture(scope="module")
+def rt():
+    with Runtime(cpus=2) as rt:
+        yield rt
+
+
+def torch_params(m):
+    return {k: torch.tensor(v, requires_grad=True) for k, v in m.parameters().items()}
+
+
+def assert_grads(m, params, rtol=1e-4, atol=1e-6):
+    got = m.gradients()
+    assert got.keys() == params.keys()
+    for k, p in params.items():
+        np.testing.assert_allclose(got[k], p.grad.numpy(), rtol=rtol, atol=atol, err_msg=k)
+
+
+# ---- against PyTorch ----------------------------------------------------------------------------
+def small_cnn(rt, batch=6, seed=0, classes=4):
+    m = Model(rt, seed=seed)
+    x = m.input((batch, 3, 8, 8))
+    h = m.conv2d(x, 5, 3, padding=1)
+    h = m.batch_norm(h)
+    h = m.relu(h)
+    h = m.pool2d(h, 2)
+    h = m.flat(h)
+    m.softmax(m.dense(h, classes))
+    return m
+
+
+def test_cnn_forward_and_gradients_match_pytorch(rt):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 4, 6)
+    m = small_cnn(rt)
+    m.compile(SGD(lr=0.1), "sparse_categorical_crossentropy")
+    p = torch_params(m)
+    running_mean, running_var = torch.zeros(5), torch.ones(5)
+    h = F.conv2d(torch.tensor(x), p["conv2d_0.weight"], p["conv2d_0.bias"], padding=1)
+    h = F.batch_norm(h, running_mean, running_var, p["batch_norm_0.weight"], p["batch_norm_0.bias"], training=True)
+    h = F.max_pool2d(F.relu(h), 2).flatten(1)
+    prob = torch.softmax(F.linear(h, p["dense_0.weight"], p["dense_0.bias"]), -1)
+    loss = F.nll_loss(torch.log(prob), torch.tensor(y))
+    loss.backward()
+
+    out = m.forward(x)
+    assert list(out) == ["softmax_0.out"]
+    np.testing.assert_allclose(out["softmax_0.out"], prob.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert m.backward(y) == pytest.approx(loss.item(), rel=1e-5)
+    assert_grads(m, p)
+    stats = m.stats()
+    np.testing.assert_allclose(stats["batch_norm_0.running_mean"], running_mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["batch_norm_0.running_var"], running_var.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def small_mlp(rt, batch=5, seed=1, out=3):
+    m = Model(rt, seed=seed)
+    x = m.input((batch, 7))
+    h = m.dense(x, 16, activation="relu")
+    h = m.tanh(m.dense(h, 8))
+    m.dense(h, out)
+    return m
+
+
+@pytest.mark.parametrize("loss", ["mean_squared_error", "sparse_categorical_crossentropy"])
+def test_mlp_forward_and_gradients_match_pytorch(rt, loss):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 7)).astype(np.float32)
+    m = small_mlp(rt)
+    m.compile("adam", loss)
+    p = torch_params(m)
+    h = F.relu(F.linear(torch.tensor(x), p["dense_0.weight"], p["dense_0.bias"]))
+    h = torch.tanh(F.linear(h, p["dense_1.weight"], p["dense_1.bias"]))
+    z = F.linear(h, p["dense_2.weight"], p["dense_2.bias"])
+    if loss == "mean_squared_error":
+        y = rng.standard_normal((5, 3)).astype(np.float32)
+        ref = F.mse_loss(z, torch.tensor(y))
+    else:  # not a softmax output: the loss reads logits
+        y = rng.integers(0, 3, 5)
+        ref = F.cross_entropy(z, torch.tensor(y))
+    ref.backward()
+    np.testing.assert_allclose(m.forward(x)["dense_2.out"], z.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert m.backward(y) == pytest.approx(ref.item(), rel=1e-5)
+    assert_grads(m, p)
+
+
+def test_training_steps_match_pytorch_adam(rt):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 7)).astype(np.float32)
+    y = rng.standard_normal((5, 3)).astype(np.float32)
+    m = small_mlp(rt)
+    m.compile(Adam(lr=0.01, weight_decay=0.01), "mean_squared_error")
+    p = torch_params(m)
+    opt = torch.optim.Adam(p.values(), lr=0.01, weight_decay=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        h = F.relu(F.linear(torch.tensor(x), p["dense_0.weight"], p["dense_0.bias"]))
+        h = torch.tanh(F.linear(h, p["dense_1.weight"], p["dense_1.bias"]))
+        F.mse_loss(F.linear(h, p["dense_2.weight"], p["dense_2.bias"]), torch.tensor(y)).backward()
+        opt.step()
+    history = m.fit(x, y, iterations=3, verbose=False)
+    assert isinstance(history, History) and len(history) == 3 and m.step == 3
+    for k, v in m.parameters().items():
+        np.testing.assert_allclose(v, p[k].detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+# ---- learning ---------------------------------------------------------------------------------------
+def test_small_cnn_learns_where_the_bright_spot_is(rt):
+    rng = np.random.default_rng(5)
+    n = 128
+    y = rng.integers(0, 2, n)
+    x = 0.3 * rng.standard_normal((n, 1, 8, 8)).astype(np.float32)
+    rows, cols = rng.integers(1, 7, n), rng.integers(0, 3, n) + 1 + 4 * y  # left half or right half
+    x[np.arange(n), 0, rows, cols] += 3.0
+    m = Model(rt, seed=2)
+    h = m.input((16, 1, 8, 8))
+    h = m.relu(m.batch_norm(m.conv2d(h, 4, 3, padding=1)))
+    h = m.flat(m.pool2d(h, 2))
+    m.softmax(m.dense(h, 2))
+    m.compile(Adam(lr=0.02), metrics=["accuracy"])
+    history = m.fit(x, y, epochs=6, verbose=False)
+    assert history.epoch_loss[-1] < 0.3 * history.loss[0]
+    assert m.evaluate(x, y)["accuracy"] > 0.9
+
+
+def test_small_lstm_learns_the_sign_of_a_sum(rt):
+    rng = np.random.default_rng(6)
+    n = 256
+    x = rng.standard_normal((n, 5, 2)).astype(np.float32)
+    y = (x[:, :, 0].sum(axis=1) > 0).astype(np.int64)
+    m = Model(rt, seed=3)
+    seq = m.input((32, 5, 2))
+    _, h, _ = m.lstm(seq, 12)
+    m.softmax(m.dense(h, 2))
+    m.compile(Adam(lr=0.03), metrics=["accuracy"])
+    history = m.fit(x, y, epochs=8, verbose=False)
+    assert history.epoch_loss[-1] < 0.5 * history.loss[0]
+    assert m.evaluate(x, y)["accuracy"] > 0.85
+
+
+def test_fit_shows_one_line_per_epoch_and_can_be_quiet(rt):
+    m = small_mlp(rt, batch=4)
+    m.compile("sgd", "mean_squared_error")
+    x, y = np.ones((12, 7), np.float32), np.zeros((12, 3), np.float32)
+    out = io.StringIO()
+    history = m.fit(x, y, epochs=2, stream=out)
+    text = out.getvalue()
+    assert text.count("\n") == 2 and text.count("\r") == 6
+    assert "epoch 2/2  3/3  loss" in text and len(history.epoch_loss) == 2 and len(history.loss) == 6
+    quiet = io.StringIO()
+    m.fit(x, y, iterations=4, stream=quiet, verbose=False)
+    assert quiet.getvalue() == ""
+
+
+def test_predict_and_evaluate_handle_a_partial_last_batch(rt):
+    rng = np.random.default_rng(7)
+    m = small_mlp(rt, batch=4)
+    m.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    x = rng.standard_normal((10, 7)).astype(np.float32)
+    y = rng.integers(0, 3, 10)
+    logits = m.predict(x)
+    assert logits.shape == (10, 3)
+    np.testing.assert_allclose(logits[:4], m.forward(x[:4], training=False)["dense_2.out"], rtol=1e-6)
+    z = logits - logits.max(axis=1, keepdims=True)
+    nll = np.log(np.exp(z).sum(axis=1)) - z[np.arange(10), y]
+    result = m.evaluate(x, y)
+    assert result["loss"] == pytest.approx(nll.mean(), rel=1e-5)
+    assert result["accuracy"] == pytest.approx((logits.argmax(axis=1) == y).mean())
+
+
+# ---- saving and loading ------------------------------------------------------------------------------
+def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((24, 3, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 4, 24)
+    a = small_cnn(rt, batch=6, seed=11)
+    a.compile(Adam(lr=0.01), metrics=["accuracy"], configs={"dense_0": TileConfig((1, 2))})
+    a.fit(x, y, iterations=3, verbose=False)
+    path = tmp_path / "cnn.npz"
+    a.save(path)
+    want = a.fit(x, y, iterations=5, verbose=False)
+
+    b = Model.load(path, runtime=rt)
+    assert [op.name for op in b.ops] == [op.name for op in a.ops] and b.step == 3
+    assert b.configs == a.configs
+    got = b.fit(x, y, iterations=5, verbose=False)
+    assert got.loss == want.loss
+    for k, v in a.parameters().items():
+        assert np.array_equal(b.parameters()[k], v), k
+    for k, v in a.stats().items():
+        assert np.array_equal(b.stats()[k], v), k
+    # new names continue where the saved model's left off
+    assert b._name("conv2d", None) == "conv2d_1"
+
+    # loading into a model with the same graph restores weights, state, optimizer and step
+    c = small_cnn(rt, batch=6, seed=99)
+    c.compile(Adam(lr=0.01), metrics=["accuracy"], configs={"dense_0": TileConfig((1, 2))})
+    c.load(path)
+    assert c.step == 3
+    c.fit(x, y, iterations=5, verbose=False)
+    for k, v in a.parameters().items():
+        assert np.array_equal(c.parameters()[k], v), k
+    other = small_mlp(rt)
+    with pytest.raises(ValueError, match="different graph"):
+        other.load(path)
+    # the saved configs place tiles on processor 1; a 1-cpu runtime needs configs of its own
+    with Runtime(cpus=1) as one:
+        with pytest.raises(ConfigError, match=r"places tile 1 on processor 1, but .* has processors 0..0"):
+            Model.load(path, runtime=one)
+        d = Model.load(path, runtime=one, configs={})
+        saved = Model.load(path, runtime=rt)
+        np.testing.assert_allclose(d.predict(x), saved.predict(x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_uncompiled_model_saves_and_loads_its_graph_and_weights(rt, tmp_path):
+    m = small_mlp(rt, seed=4)
+    m.save(tmp_path / "mlp.npz")
+    back = Model.load(tmp_path / "mlp.npz", runtime=rt)
+    assert repr(back).endswith("not compiled)")
+    for k, v in m.parameters().items():
+        assert np.array_equal(back.parameters()[k], v)
+
+
+# ---- names and errors ------------------------------------------------------------------------------
+def test_names_are_stable_and_given_names_are_checked(rt):
+    m = Model(rt)
+    x = m.input((2, 4))
+    assert x.name == "input_0"
+    d = m.dense(x, 3)
+    m.dense(d, 3, name="head")
+    assert [op.name for op in m.ops] == ["dense_0", "head"]
+    assert list(m.parameters()) == ["dense_0.weight", "dense_0.bias", "head.weight", "head.bias"]
+    with pytest.raises(ValueError, match="'head' is empty, not a string, or already used"):
+        m.relu(d, name="head")
+    with pytest.raises(TypeError, match="not a tensor of this model"):
+        Model(rt).relu(x)
+    with pytest.raises(ShapeError, match=r"concat 'concat_0': input 1 has shape \(2, 5\)"):
+        m.concat([x, m.input((2, 5))], axis=0)
+    assert m.relu(x).name == "relu_0.out" and m.concat([x, x], axis=1).name == "concat_0.out"
+    parts = m.split(m.input((2, 7)), 3, axis=1)
+    assert [t.shape for t in parts] == [(2, 3), (2, 3), (2, 1)]
+
+
+def test_errors_come_before_any_work(rt):
+    m = small_mlp(rt, batch=4)
+    for bad, match in [(dict(loss="hinge"), "unknown loss 'hinge'"),
+                       (dict(optimizer="rmsprop"), "unknown optimizer 'rmsprop'"),
+                       (dict(metrics=["f1"]), "unknown metric 'f1'"),
+                       (dict(loss="mean_squared_error", metrics=["accuracy"]), "'accuracy' needs loss"),
+                       (dict(configs={"nope": TileConfig((1, 1))}), "configs name op 'nope'")]:
+        issued = rt._next_id
+        with pytest.raises(ValueError, match=match):
+            m.compile(**bad)
+        assert rt._next_id == issued
+    with pytest.raises(ConfigError, match=r"dense 'dense_1'.* splits dim 1 \(parameter\) 9 ways"):
+        m.compile(configs={"dense_1": TileConfig((1, 9))})
+    with pytest.raises(RuntimeError, match="fit: call compile"):
+        m.fit(np.ones((4, 7)), np.zeros(4, np.int64))
+    m.compile(SGD(lr=0.1), metrics=["accuracy"])
+    x, y = np.ones((8, 7), np.float32), np.zeros(8, np.int64)
+    issued = rt._next_id
+    for call, match in [(lambda: m.fit({}, y), r"missing inputs \['input_0'\]"),
+                        (lambda: m.fit({"input_0": x, "extra": x}, y), r"unknown inputs \['extra'\]"),
+                        (lambda: m.fit(np.ones((8, 6)), y), r"shape \(8, 6\), expected \(N,\) \+ \(7,\)"),
+                        (lambda: m.fit(x, np.zeros((8, 3))), r"labels must be 8 integers"),
+                        (lambda: m.fit(x, np.full(8, 3)), "label 3 is out of range for 3 classes"),
+                        (lambda: m.fit(x, y, batch_size=2), "built for batches of 4"),
+                        (lambda: m.fit(x[:3], y[:3]), "fewer than one batch"),
+                        (lambda: m.fit(x, y, epochs=1, iterations=2), "not both"),
+                        (lambda: m.forward(x), "expects one batch of 4 samples, got 8"),
+                        (lambda: m.evaluate(x, y[:5]), r"shape \(5,\)")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert rt._next_id == issued
+    with pytest.raises(RuntimeError, match="call forward"):
+        m.backward(y[:4])
+    with pytest.raises(RuntimeError, match="already compiled"):
+        m.compile()
+    with pytest.raises(RuntimeError, match="build the whole graph before compile"):
+        m.relu(m.outputs[0])
+    with pytest.raises(KeyError, match="unknown parameter 'dense_9.weight'"):
+        m.set_parameters({"dense_9.weight": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"dense_0.bias has shape \(2,\), expected \(16,\)"):
+        m.set_parameters({"dense_0.bias": np.zeros(2)})
