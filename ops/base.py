@@ -79,6 +79,9 @@ class Op:
     kind: ClassVar[str] = ""
     #: True for ops whose forward differs between training and inference (dropout, batch_norm)
     has_training_mode: ClassVar[bool] = False
+    #: True for ops whose forward takes `step=` (the training iteration), so that their
+    #: randomness changes from one iteration to the next (dropout)
+    uses_step: ClassVar[bool] = False
 
     def __init__(self, name: str, inputs: Sequence[TensorSpec], **attrs: Any):
         self.name = name
@@ -157,7 +160,8 @@ class Op:
 
         Returns (outputs, saved): `outputs` is a list of arrays, one per output rect;
         `saved` is anything backward needs (or None). `state` holds mutable state
-        tiles (running stats) to update in place when training.
+        tiles (running stats) to update in place when training. Ops with `uses_step`
+        also take `step=` (the training iteration).
         """
         raise NotImplementedError(f"{type(self).__name__}.forward")
 

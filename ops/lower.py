@@ -172,25 +172,6 @@ def tile_rects(shape: Sequence[int], degrees: Sequence[int]) -> dict[tuple[int, 
     return out
 
 
-def reduce_rect(rect: Rect, shape: Sequence[int]) -> Rect:
-    """A REDUCE target for `rect`: itself, or for an empty rect one element next to it.
-
-    The runtime folds a pending reduction when a later access overlaps it; an empty rect
-    overlaps nothing, so its reduction would stay pending for ever. The task leaves that
-    element's private buffer at the identity (0), so folding it changes nothing.
-    """
-    if not rect.empty:
-        return rect
-    lo, hi = [], []
-    for a, b, s in zip(rect.lo, rect.hi, shape):
-        if b <= a:
-            a = max(0, min(a, s - 1))
-            b = a + 1
-        lo.append(a)
-        hi.append(b)
-    return Rect(tuple(lo), tuple(hi))
-
-
 def _is_float(spec: TensorSpec) -> bool:
     return np.dtype(spec.dtype).kind == "f"
 
@@ -260,7 +241,7 @@ class OpPlan:
         self.grad_inputs = [t.name in grads for t in op.inputs]
         gouts = [part(grads[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"gout{i}")
                  for i, t in enumerate(op.outputs) if t.name in grads]
-        gins = [part(grads[t.name], {c: reduce_rect(r[i], t.shape) for c, r in self.in_rects.items()}, f"gin{i}")
+        gins = [part(grads[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"gin{i}")
                 for i, t in enumerate(op.inputs) if t.name in grads]
         gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in w_rects.items()}, f"{k}.grad")
                for k in self.weight_names]
@@ -276,15 +257,16 @@ class OpPlan:
     # ---- kernels (run on worker threads) ---------------------------------------------------
     def _forward_task(self, ctx, *views):
         op, color = self.op, ctx.point
-        *views, training, valid = views
+        *views, training, valid, step = views
         n_in, n_w, n_s = len(op.inputs), len(self.weight_names), len(self.state_names)
         inputs = list(views[:n_in])
         weights = dict(zip(self.weight_names, views[n_in:n_in + n_w]))
         state = dict(zip(self.state_names, views[n_in + n_w:n_in + n_w + n_s])) or None
         out_views = views[n_in + n_w + n_s:]
         tile = self.tiles[color]
+        extra = {"step": step} if op.uses_step else {}
         outputs, saved = op.forward(ctx.xp, tile, inputs, self.in_rects[color], weights, training=training,
-                                    state=state)
+                                    state=state, **extra)
         if len(outputs) != len(out_views):
             raise self._fail(color, f"forward returned {len(outputs)} outputs, the op has {len(out_views)}")
         for i, (view, arr) in enumerate(zip(out_views, outputs)):
@@ -448,9 +430,11 @@ class Lowering:
         return runs
 
     # ---- launches ------------------------------------------------------------------------
-    def forward(self, training: bool = True, ops: Sequence[str] | None = None, valid: int | None = None):
-        """Issue the forward launch of each op (all, or those named, in graph order). Returns the
-        loss op's FutureMap (its summaries) when the loss ran, else None."""
+    def forward(self, training: bool = True, ops: Sequence[str] | None = None, valid: int | None = None,
+                step: int = 0):
+        """Issue the forward launch of each op (all, or those named, in graph order); `step` is the
+        training iteration (dropout draws a new mask each one). Returns the loss op's FutureMap
+        (its summaries) when the loss ran, else None."""
         rt, result = self.rt, None
         names = None if ops is None else set(ops)
         for op in self.ops:
@@ -458,7 +442,7 @@ class Lowering:
                 continue
             plan = self.plans[op.name]
             fm = rt.index_launch(plan.forward_fn, plan.colors, *plan.fwd_reqs[bool(training)],
-                                 args=(bool(training), valid), name=f"{op.name}.{'fwd' if training else 'infer'}",
+                                 args=(bool(training), valid, int(step)), name=f"{op.name}.{'fwd' if training else 'infer'}",
                                  placement=plan.placement, op=op.name)
             if op.name == self.loss:
                 result = fm
@@ -490,7 +474,7 @@ class Lowering:
     def train_step(self, step: int, valid: int | None = None):
         """One iteration (forward, backward, update) in a replay block; returns the loss FutureMap."""
         with self.rt.replay(f"train_step:{self.tag}"):
-            result = self.forward(training=True, valid=valid)
+            result = self.forward(training=True, valid=valid, step=step)
             self.backward()
             self.update(step)
         return result

@@ -9,6 +9,7 @@ For every region the analysis keeps one RegionState:
            node). Rects in no piece were never written: they read as zeros everywhere;
 - pending: [(rect, redop, buffer, memory, node id)]  reductions not yet folded.
 
+An empty rect touches nothing and orders nothing.
 A task's preds are the conflicting users that overlap it, plus the producers of the data
 it uses in its own memory; when that data is valid only elsewhere, a CopyNode brings it
 in first; pending reductions are folded (a CopyNode with redop) before any access that
@@ -75,6 +76,8 @@ class Analyzer:
         mem = proc.memory
         preds = set(extra_preds)
         for region, rect, priv in reqs:
+            if rect.empty:
+                continue
             st = self.state(region)
             if st.pending:
                 self._flush(st, region, rect, priv, mem, preds, launch, op)
@@ -88,6 +91,8 @@ class Analyzer:
             future.node_id = node.id
         self.emit(node, preds)
         for i, (region, rect, priv) in enumerate(reqs):
+            if rect.empty:
+                continue
             st = self.state(region)
             self._record_user(st, rect, priv, node.id)
             if priv.writes:

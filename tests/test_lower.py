@@ -11,7 +11,7 @@ from ops import SGD, Adam, ConfigError, Model, TileConfig, default_config
 from ops.base import OP_REGISTRY, TensorSpec
 from ops.conv import Conv2d
 from ops.linear import Dense
-from ops.lower import Lowering, default_devices, reduce_rect, resolve_config, tile_rects
+from ops.lower import Lowering, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
 from ops.norm import BatchNorm
 from taskrt import Machine, Partition, Rect, Region, ReplayMismatch, Runtime, TaskNode
@@ -81,13 +81,10 @@ def test_default_config_splits_the_sample_dim_over_the_compute_processors():
     assert default_devices(gpus, 4) == (2, 2, 3, 3)
 
 
-def test_tiles_follow_partition_equal_and_empty_reductions_get_a_real_rect():
+def test_tiles_follow_partition_equal():
     shape, degrees = (7, 5, 3), (3, 2, 1)
     region = Region(shape)
     assert tile_rects(shape, degrees) == Partition.equal(region, degrees).rects
-    assert reduce_rect(Rect.make((0, 2), (4, 2)), (4, 6)) == Rect.make((0, 2), (4, 3))
-    assert reduce_rect(Rect.make((0, 6), (4, 6)), (4, 6)) == Rect.make((0, 5), (4, 6))
-    assert reduce_rect(Rect.make((1, 1), (2, 3)), (4, 6)) == Rect.make((1, 1), (2, 3))
 
 
 # ---- what lowering launches ----------------------------------------------------------------------

@@ -450,3 +450,14 @@ def test_trace_file_records_tasks_and_copies(tmp_path):
     for e in events:
         assert e["end"] >= e["start"] >= 0
         assert set(e) >= {"name", "kind", "op", "rank", "proc", "start", "end", "bytes"}
+
+
+def test_empty_rects_order_nothing_and_leave_no_pending_reduction():
+    with Runtime(cpus=2) as rt:
+        r = rt.region((4,), "int64")
+        rt.fill(r, 1)
+        empty = Partition.from_rects(r, [Rect.make((2,), (2,)), Rect.make((0,), (4,))])
+        rt.index_launch(lambda buf: buf.__iadd__(5), empty, req(empty, Reduce("+")))
+        assert rt.read(r).tolist() == [6, 6, 6, 6]
+        assert not rt.analyzer.state(r).pending
+        assert not rt.store.buffers
