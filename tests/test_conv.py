@@ -31,17 +31,10 @@ def conv_data(op, seed=0, dtype=np.float32):
     return x, weights, g
 
 
-def whole_grad_input(op, x, gx):
-    """The whole op's grad input covers only the input rect its windows read; zero elsewhere."""
-    full = np.zeros_like(x)
-    full[op.input_rects(Rect.from_shape(op.tile_shape))[0].slices()] = gx
-    return full
-
-
 def torch_conv_check(op, x, weights, g):
     """Forward, grad input, grad weight and grad bias match F.conv2d in float32."""
     outs, (gx,), gw, _ = run_whole(op, [x], weights, grad_outputs=[g])
-    gx = whole_grad_input(op, x, gx)
+    assert gx.shape == x.shape  # the whole op's rect is the whole input, unread rows included
     xt = torch.tensor(x, requires_grad=True)
     wt = torch.tensor(weights["weight"], requires_grad=True)
     bt = torch.tensor(weights["bias"], requires_grad=True) if op.use_bias else None
@@ -105,6 +98,10 @@ def test_conv_input_rects_include_the_halo_clipped_to_the_input():
         "weight": Rect((2, 0, 0, 0), (4, 8, 3, 3)), "bias": Rect((2,), (4,))}
     strided = make_conv((1, 2, 11, 11), out_channels=2, kernel=3, stride=2, padding=0)
     assert strided.input_rects(Rect((0, 0, 1, 2), (1, 2, 3, 4)))[0] == Rect((0, 0, 2, 4), (1, 2, 7, 9))
+    # the last tile also takes the trailing row and column that no window reaches
+    uneven = make_conv((1, 1, 9, 9), out_channels=1, kernel=2, stride=2)
+    assert uneven.input_rects(Rect((0, 0, 2, 0), (1, 1, 4, 2)))[0] == Rect((0, 0, 4, 0), (1, 1, 9, 4))
+    assert uneven.input_rects(Rect.from_shape(uneven.tile_shape))[0] == Rect.from_shape((1, 1, 9, 9))
 
 
 def test_conv_group_tiles_read_only_their_groups():
@@ -150,7 +147,8 @@ def test_conv_init_is_pytorch_default():
 def test_conv_bad_inputs_name_the_op():
     with pytest.raises(ShapeError, match=r"conv2d 'conv': kernel \(7, 7\) is bigger than the padded input \(6, 6\)"):
         make_conv((1, 3, 4, 4), out_channels=2, kernel=7, padding=1)
-    with pytest.raises(ShapeError, match=r"conv2d 'conv': in_channels 3 and out_channels 4 must both be divisible by groups 2"):
+    with pytest.raises(ShapeError,
+                       match=r"conv2d 'conv': in_channels 3 and out_channels 4 must both be divisible by groups 2"):
         make_conv((1, 3, 8, 8), out_channels=4, kernel=3, groups=2)
     with pytest.raises(ShapeError, match=r"conv2d 'conv': expects an NCHW input \(4 dims\), got shape \(3, 8, 8\)"):
         make_conv((3, 8, 8), out_channels=4, kernel=3)
@@ -172,6 +170,42 @@ def test_col2im_numba_and_array_paths_agree():
         assert np.isclose(a.sum(), cols.sum())
 
 
+class ArrayCodePath:
+    """numpy under another identity: `xp is np` fails, so kernels take their GPU (cupy) code paths."""
+
+    __name__ = "numpy"
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def run_both_paths(op, x, weights, g):
+    """Forward and backward of the whole op with numpy and with the array-code (GPU) path."""
+    tile = Rect.from_shape(op.tile_shape)
+    rects = op.input_rects(tile)
+    results = []
+    for xp in (np, ArrayCodePath()):
+        outs, saved = op.forward(xp, tile, [x], rects, weights)
+        results.append((outs, *op.backward(xp, tile, [x], rects, weights, outs, [g], saved)))
+    (o1, gi1, gw1), (o2, gi2, gw2) = results
+    np.testing.assert_allclose(o1[0], o2[0], rtol=1e-12)
+    np.testing.assert_allclose(gi1[0], gi2[0], rtol=1e-12)
+    for k in gw1:
+        np.testing.assert_allclose(gw1[k], gw2[k], rtol=1e-12)
+
+
+def test_gpu_code_paths_match_the_cpu_ones():
+    for case in CONV_CASES[1:3]:
+        case = dict(case)
+        op = make_conv(case.pop("shape"), "float64", **case)
+        run_both_paths(op, *conv_data(op, dtype=np.float64))
+    rng = np.random.default_rng(0)
+    for pool_type in ("max", "avg"):
+        op = make_pool((2, 3, 9, 8), "float64", kernel=3, stride=2, padding=1, pool_type=pool_type)
+        x = rng.integers(0, 3, (2, 3, 9, 8)).astype(np.float64)  # with ties
+        run_both_paths(op, x, {}, rng.standard_normal(op.outputs[0].shape))
+
+
 # ---- pooling ------------------------------------------------------------------------
 def make_pool(shape, dtype="float32", **attrs):
     return Pool2d("pool", [spec(shape, dtype)], **attrs)
@@ -185,7 +219,7 @@ def torch_pool(op, xt):
 def pool_check(op, x, g):
     """Forward and grad input match PyTorch; every tiling reproduces them."""
     outs, (gx,), gw, _ = run_whole(op, [x], {}, grad_outputs=[g])
-    gx = whole_grad_input(op, x, gx)
+    assert gx.shape == x.shape  # the whole op's rect is the whole input, unread rows included
     xt = torch.tensor(x, requires_grad=True)
     yt = torch_pool(op, xt)
     yt.backward(torch.tensor(g))
@@ -216,6 +250,18 @@ def test_max_pool_ties_go_to_the_first_maximum_like_torch():
     for geometry in [dict(kernel=3, stride=2, padding=1), dict(kernel=2, stride=1)]:
         op = make_pool(shape, pool_type="max", **geometry)
         pool_check(op, x, rng.standard_normal(op.outputs[0].shape).astype(np.float32))
+
+
+def test_max_pool_routes_nan_windows_like_torch():
+    x = np.arange(2 * 6 * 6, dtype=np.float32).reshape(1, 2, 6, 6)
+    x[0, 0, 1, 1] = x[0, 0, 2, 2] = x[0, 1, 0, 3] = np.nan
+    op = make_pool(x.shape, kernel=3, stride=1)
+    (y,), (gx,), _, _ = run_whole(op, [x], {}, grad_outputs=[np.ones(op.outputs[0].shape, np.float32)])
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch_pool(op, xt)
+    yt.backward(torch.ones_like(yt))
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(gx, xt.grad.numpy())
 
 
 def test_max_pool_scatter_numba_and_array_paths_agree():

@@ -1,0 +1,171 @@
+"""BatchNorm and LayerNorm against PyTorch, finite differences and every tiling."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
+from ops.norm import BatchNorm, LayerNorm
+from taskrt.geometry import Rect
+from tests.opcheck import check_finite_differences, check_tiled, run_whole
+
+
+def spec(shape, dtype="float32", name="x"):
+    return TensorSpec(tuple(shape), dtype, name)
+
+
+def bn_data(op, seed=0, dtype=np.float32):
+    """Random gamma/beta, running stats away from their defaults, and an input with a non-zero mean."""
+    rng = np.random.default_rng(seed)
+    c = op.inputs[0].shape[1]
+    weights = {"weight": rng.standard_normal(c), "bias": rng.standard_normal(c)}
+    state = {"running_mean": rng.standard_normal(c), "running_var": rng.uniform(0.5, 2.0, c)}
+    x = 2 * rng.standard_normal(op.inputs[0].shape) + 1
+    g = rng.standard_normal(op.inputs[0].shape)
+    cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+    return x.astype(dtype), cast(weights), cast(state), g.astype(dtype)
+
+
+def torch_bn(op, x, weights, state, g, training):
+    """Output, grads and updated running stats from F.batch_norm (+ relu)."""
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(weights["weight"], requires_grad=True)
+    bt = torch.tensor(weights["bias"], requires_grad=True)
+    rm, rv = torch.tensor(state["running_mean"]), torch.tensor(state["running_var"])
+    yt = F.batch_norm(xt, rm, rv, wt, bt, training=training, momentum=op.momentum, eps=op.eps)
+    if op.relu:
+        yt = torch.relu(yt)
+    yt.backward(torch.tensor(g))
+    return yt.detach().numpy(), xt.grad.numpy(), wt.grad.numpy(), bt.grad.numpy(), rm.numpy(), rv.numpy()
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (7, 5), (2, 5, 3, 1)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_matches_torch_finite_differences_and_tiles(shape, relu, training):
+    op = BatchNorm("bn", [spec(shape)], relu=relu, momentum=0.2)
+    x, weights, state, g = bn_data(op)
+    st_ = {k: v.copy() for k, v in state.items()}
+    (y,), (gx,), gw, new_state = run_whole(op, [x], weights, [g], training=training, state=st_)
+    ty, tgx, tgw, tgb, trm, trv = torch_bn(op, x, weights, state, g, training)
+    assert y.dtype == np.float32 and y.shape == shape
+    np.testing.assert_allclose(y, ty, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gx, tgx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gw["weight"], tgw, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gw["bias"], tgb, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new_state["running_mean"], trm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_state["running_var"], trv, rtol=1e-5, atol=1e-6)
+    check_tiled(op, [x], weights, [g], rtol=1e-5, atol=1e-5, training=training, state=state)
+    # without a state the running stats come from the weights (inference) or are not updated (training)
+    check_finite_differences(op, [x], weights if training else {**weights, **state}, training=training)
+
+
+def test_batch_norm_running_stats_update_in_place_and_only_in_training():
+    op = BatchNorm("bn", [spec((6, 2, 3, 3))], momentum=0.1)
+    x, weights, state, g = bn_data(op, seed=2)
+    tile = Rect.from_shape(op.tile_shape)
+    st_ = {k: v.copy() for k, v in state.items()}
+    before = {k: v for k, v in st_.items()}
+    op.forward(np, tile, [x], [tile], weights, training=True, state=st_)
+    assert all(st_[k] is before[k] for k in st_)  # updated in place
+    n = x.size // 2
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3)) * n / (n - 1)
+    np.testing.assert_allclose(st_["running_mean"], 0.9 * state["running_mean"] + 0.1 * mean, rtol=1e-5)
+    np.testing.assert_allclose(st_["running_var"], 0.9 * state["running_var"] + 0.1 * var, rtol=1e-5)
+    frozen = {k: v.copy() for k, v in state.items()}
+    op.forward(np, tile, [x], [tile], weights, training=False, state=frozen)
+    for k in state:
+        np.testing.assert_array_equal(frozen[k], state[k])
+
+
+def test_batch_norm_rules_and_init():
+    op = BatchNorm("bn", [spec((8, 6, 4, 4))], relu=True)
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(1, PARAMETER)]
+    tile = Rect((0, 2, 0, 0), (8, 5, 4, 4))
+    assert op.input_rects(tile) == [tile]
+    assert op.weight_rects(tile) == {k: Rect((2,), (5,)) for k in ("weight", "bias", "running_mean", "running_var")}
+    init = op.init_weights(np.random.default_rng(0))
+    np.testing.assert_array_equal(init["weight"], np.ones(6, np.float32))
+    np.testing.assert_array_equal(init["bias"], np.zeros(6, np.float32))
+    np.testing.assert_array_equal(init["running_mean"], np.zeros(6, np.float32))
+    np.testing.assert_array_equal(init["running_var"], np.ones(6, np.float32))
+    assert op.weight_shapes() == {"weight": (6,), "bias": (6,)}
+    assert op.state_shapes() == {"running_mean": (6,), "running_var": (6,)}
+    assert op.has_training_mode and op.attrs() == {"eps": 1e-5, "momentum": 0.1, "relu": True}
+    assert op.flops(tile) == 8 * tile.volume and op.bytes_moved(tile) > 0
+    assert OP_REGISTRY["batch_norm"] is BatchNorm and OP_REGISTRY["layer_norm"] is LayerNorm
+
+
+def test_batch_norm_bad_inputs_name_the_op():
+    with pytest.raises(ShapeError, match=r"batch_norm 'bn': expects an \[N, C\] or NCHW input, got shape \(2, 3, 4\)"):
+        BatchNorm("bn", [spec((2, 3, 4))])
+    op = BatchNorm("bn", [spec((1, 3))])
+    x = np.ones((1, 3), np.float32)
+    with pytest.raises(ShapeError, match=r"batch_norm 'bn': needs more than 1 value per channel in training"):
+        run_whole(op, [x], {"weight": np.ones(3, np.float32), "bias": np.zeros(3, np.float32)})
+
+
+def ln_data(shape, normalized_shape, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    weights = {"weight": rng.standard_normal(normalized_shape).astype(dtype),
+               "bias": rng.standard_normal(normalized_shape).astype(dtype)}
+    return (3 * rng.standard_normal(shape) - 1).astype(dtype), weights, rng.standard_normal(shape).astype(dtype)
+
+
+def ln_check(shape, normalized_shape, affine=True, seed=0):
+    op = LayerNorm("ln", [spec(shape)], normalized_shape=normalized_shape, elementwise_affine=affine)
+    x, weights, g = ln_data(shape, op.normalized_shape, seed)
+    if not affine:
+        weights = {}
+    (y,), (gx,), gw, _ = run_whole(op, [x], weights, [g])
+    xt = torch.tensor(x, requires_grad=True)
+    wt = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
+    yt = F.layer_norm(xt, op.normalized_shape, wt.get("weight"), wt.get("bias"), eps=op.eps)
+    yt.backward(torch.tensor(g))
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-4, atol=1e-4)
+    assert set(gw) == set(wt)
+    for k in gw:
+        np.testing.assert_allclose(gw[k], wt[k].grad.numpy(), rtol=1e-4, atol=1e-4)
+    check_tiled(op, [x], weights, [g], rtol=1e-5, atol=1e-5)
+    return op, x, weights
+
+
+@pytest.mark.parametrize("shape,normalized_shape", [((4, 7), 7), ((3, 4, 6), (6,)), ((2, 3, 4, 5), (4, 5)),
+                                                    ((2, 3, 5), (3, 5))])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_matches_torch_finite_differences_and_tiles(shape, normalized_shape, affine):
+    op, x, weights = ln_check(shape, normalized_shape, affine)
+    check_finite_differences(op, [x], weights)
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple), data=st.data())
+def test_layer_norm_any_shape(shape, data):
+    k = data.draw(st.integers(1, len(shape) - 1))
+    # over a single element x - mean is exactly 0 here but rounding noise (times 1/sqrt(eps)) in torch
+    assume(np.prod(shape[len(shape) - k:]) > 1)
+    ln_check(shape, shape[len(shape) - k:], seed=data.draw(st.integers(0, 2**16)))
+
+
+def test_layer_norm_rules():
+    op = LayerNorm("ln", [spec((4, 5, 6, 7))], normalized_shape=(6, 7))
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE)]
+    assert op.weight_shapes() == {"weight": (6, 7), "bias": (6, 7)}
+    tile = Rect((1, 2, 0, 0), (3, 5, 6, 7))
+    assert op.input_rects(tile) == [tile]
+    assert op.weight_rects(tile) == {"weight": Rect.from_shape((6, 7)), "bias": Rect.from_shape((6, 7))}
+    assert op.attrs() == {"normalized_shape": (6, 7), "eps": 1e-5, "elementwise_affine": True}
+    assert op.flops(tile) == 8 * tile.volume
+
+
+def test_layer_norm_bad_inputs_name_the_op():
+    with pytest.raises(ShapeError,
+                       match=r"layer_norm 'ln': normalized_shape \(5,\) is not the trailing dims of shape \(4, 6\)"):
+        LayerNorm("ln", [spec((4, 6))], normalized_shape=5)
+    with pytest.raises(ShapeError, match=r"layer_norm 'ln': normalized_shape \(2, 3, 4\) is not the trailing dims"):
+        LayerNorm("ln", [spec((3, 4))], normalized_shape=(2, 3, 4))
