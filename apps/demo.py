@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--trace", default="traces/demo.trace.jsonl")
-    parser.add_argument("--iterations", type=int, default=60, help="CNN training iterations")
+    parser.add_argument("--iterations", type=int, default=40, help="CNN training iterations")
     args = parser.parse_args(argv)
     out = run(args.cpus, args.size, args.steps, args.trace)
     tasks = sum(e["kind"] == "task" for e in out["events"])

@@ -171,19 +171,9 @@ def _is_int_list(v) -> bool:
                                                 for s in v)
 
 
-@register_op
-class Flat(Op):
-    """[N, d1, d2, ...] -> [N, d1 * d2 * ...] (torch.flatten(x, 1)); only the batch may be split."""
-
-    kind = "flat"
-
-    def infer_shapes(self, in_shapes):
-        if len(in_shapes) != 1:
-            raise self.fail(f"takes 1 input, got {len(in_shapes)}")
-        (shape,) = in_shapes
-        if len(shape) < 2:
-            raise self.fail(f"needs at least 2 dims [N, ...], got shape {shape}")
-        return [(shape[0], math.prod(shape[1:]))]
+class _BatchRowReshape(Op):
+    """A row-major reshape that keeps dim 0: sample rows map to sample rows, so only the
+    batch may be split, and a tile reads the same rows of the input."""
 
     def split_dims(self):
         return (SplitDim(0, SAMPLE),)
@@ -202,7 +192,22 @@ class Flat(Op):
 
 
 @register_op
-class Reshape(Op):
+class Flat(_BatchRowReshape):
+    """[N, d1, d2, ...] -> [N, d1 * d2 * ...] (torch.flatten(x, 1)); only the batch may be split."""
+
+    kind = "flat"
+
+    def infer_shapes(self, in_shapes):
+        if len(in_shapes) != 1:
+            raise self.fail(f"takes 1 input, got {len(in_shapes)}")
+        (shape,) = in_shapes
+        if len(shape) < 2:
+            raise self.fail(f"needs at least 2 dims [N, ...], got shape {shape}")
+        return [(shape[0], math.prod(shape[1:]))]
+
+
+@register_op
+class Reshape(_BatchRowReshape):
     """x.reshape(shape) that keeps dim 0 (the batch): shape[0] must resolve to N.
 
     One entry of `shape` may be -1 (inferred, as in NumPy). Only the batch may be
@@ -240,21 +245,6 @@ class Reshape(Op):
             raise self.fail(f"reshape must keep dim 0 (the batch, {src[0]}), but {tuple(want)} "
                             f"gives {out[0]}")
         return [tuple(out)]
-
-    def split_dims(self):
-        return (SplitDim(0, SAMPLE),)
-
-    def input_rects(self, tile: Rect) -> list[Rect]:
-        return [_batch_rect(tile, self.inputs[0].shape)]
-
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
-        return [inputs[0].reshape(tile.shape)], None
-
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
-        return [grad_outputs[0].reshape(in_rects[0].shape)], {}
-
-    def flops(self, tile: Rect) -> int:
-        return 0
 
 
 @register_op
