@@ -185,6 +185,9 @@ class Analyzer:
             fold = CopyNode(self.new_id(), region, prect, rmem, mem, redop=redop, buffer=buffer, launch=launch, op=op)
             self.emit(fold, fold_preds)
             self._set_valid(st, prect, {mem: fold.id})
+            # the fold writes prect in mem: later writers elsewhere must follow it too, or a
+            # copy back into mem could land before the fold's stale write (WAW in mem)
+            self._record_user(st, prect, _FOLD_TARGET, fold.id)
             preds.add(fold.id)
         st.pending = keep
 

@@ -7,8 +7,16 @@ Run state, all guarded by one lock:
 A ready node goes to the queue of its worker: one thread per local processor (tasks)
 and one per local memory (copies and folds into it). Workers call `run_task` /
 `run_copy`, then `_finish`, which releases the dependents. Hooks get (node, start, end).
+A run may return PENDING instead: it has started something (an MPI message) that ends
+later, and whoever sees it end calls `complete(node, start)` (or `fail`), from any thread,
+or `resume(node)` to run it again on its worker. Nodes of a type in `inline_types` whose
+`inline` is true (cheap to start: posting a message) run in the thread that makes them
+ready instead of waiting for their worker. `idle`, when set, is called by a worker whose
+queue is empty (it may make progress on messages); it returns False when the worker
+should block on its queue.
 The executor does not know what a task computes, nor whether a copy crosses ranks:
 `transport` (taskrt/mpi.py on many ranks) handles nodes that touch another rank.
+`on_error`, when set, is called with the TaskError of the first failure.
 """
 from __future__ import annotations
 
@@ -18,7 +26,10 @@ import time
 import traceback
 from typing import Callable
 
-from .taskgraph import CopyNode, TaskNode
+from .taskgraph import TaskNode
+
+#: returned by run_task / run_copy for a node that finishes later, through Executor.complete
+PENDING = object()
 
 
 class TaskError(RuntimeError):
@@ -48,6 +59,10 @@ class Executor:
         self.run_copy = run_copy
         self.hooks = hooks or []
         self.rank = rank
+        self.on_error: Callable[[TaskError], None] | None = None
+        self.inline_types: frozenset = frozenset()
+        self.idle: Callable[[], bool] | None = None
+        self._inline = threading.local()
         self.queues: dict[object, queue.SimpleQueue] = {}
         self.threads: list[threading.Thread] = []
         for w in workers:
@@ -71,6 +86,44 @@ class Executor:
             if count:
                 self.waiting[node.id] = count
                 return
+        if self.inline_types:
+            self._ready(node)
+        else:
+            self.queues[node.where].put(node)
+
+    def _ready(self, node) -> None:
+        if self.inline_types and type(node) in self.inline_types and node.inline:
+            # a loop, not recursion: an inline node that finishes at once may ready another
+            local = self._inline
+            pending = getattr(local, "pending", None)
+            if pending is not None:
+                pending.append(node)
+                return
+            local.pending = pending = [node]
+            try:
+                while pending:
+                    self._run_inline(pending.pop())
+            finally:
+                local.pending = None
+        else:
+            self.queues[node.where].put(node)
+
+    def _run_inline(self, node) -> None:
+        if self.error is None:
+            start = time.perf_counter()
+            try:
+                if self.run_copy(node) is PENDING:
+                    return
+            except BaseException as exc:
+                self._fail(node, exc, traceback.format_exc())
+            if self.hooks:
+                end = time.perf_counter()
+                for h in self.hooks:
+                    h(node, start, end)
+        self._finish(node)
+
+    def resume(self, node) -> None:
+        """Run a PENDING node again, on its worker (its run knows where it left off)."""
         self.queues[node.where].put(node)
 
     def is_done(self, node_id: int) -> bool:
@@ -89,37 +142,69 @@ class Executor:
                     ready.append(self.unfinished[s])
             if self.sleepers:
                 self.cond.notify_all()
-        for n in ready:
-            self.queues[n.where].put(n)
+        if self.inline_types:
+            for n in ready:
+                self._ready(n)
+        else:
+            for n in ready:
+                self.queues[n.where].put(n)
 
     def _worker(self, where, q: queue.SimpleQueue, setup) -> None:
         if setup is not None:
             setup(where)
         run_task, run_copy, hooks = self.run_task, self.run_copy, self.hooks
         while True:
-            node = q.get()
+            idle = self.idle
+            if idle is None:
+                node = q.get()
+            else:
+                try:
+                    node = q.get_nowait()
+                except queue.Empty:
+                    if idle():
+                        continue
+                    node = q.get()
             if node is None:
                 return
             if self.error is None:
                 start = time.perf_counter()
                 try:
                     if type(node) is TaskNode:
-                        run_task(node)
+                        result = run_task(node)
                     else:
-                        run_copy(node)
+                        result = run_copy(node)
+                    if result is PENDING:
+                        continue
                 except BaseException as exc:  # the task's error is reported at wait(), never lost
-                    self._fail(node, exc)
+                    self._fail(node, exc, traceback.format_exc())
                 if hooks:
                     end = time.perf_counter()
                     for h in hooks:
                         h(node, start, end)
             self._finish(node)
 
-    def _fail(self, node, exc: BaseException) -> None:
+    def complete(self, node, start: float) -> None:
+        """Finish a node whose run returned PENDING; `start` is when its run began."""
+        if self.hooks:
+            end = time.perf_counter()
+            for h in self.hooks:
+                h(node, start, end)
+        self._finish(node)
+
+    def fail(self, node, exc: BaseException, tb: str) -> None:
+        """Finish a PENDING node that failed (after the failure is recorded)."""
+        self._fail(node, exc, tb)
+        self._finish(node)
+
+    def _fail(self, node, exc: BaseException, tb: str) -> None:
+        first = False
         with self.lock:
             if self.error is None:
-                self.error = TaskError(node, exc, traceback.format_exc(), self.rank)
+                self.error = TaskError(node, exc, tb, self.rank)
+                first = True
             self.cond.notify_all()
+        if first and self.on_error is not None:
+            self.on_error(self.error)
 
     # ---- waiting ---------------------------------------------------------------------
     def wait_node(self, node_id: int, timeout: float | None = None) -> None:

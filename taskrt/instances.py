@@ -56,7 +56,8 @@ class InstanceStore:
         else:
             with xp.cuda.Device(self.gpu_devices[memory]):
                 buf = xp.full(rect.shape, reduction_identity(redop, region.dtype), region.dtype)
-        self.buffers[key] = buf
+        if rect.volume:
+            self.buffers[key] = buf
         return buf
 
     def copy(self, region: Region, rect: Rect, src: Memory, dst: Memory) -> None:
@@ -69,13 +70,24 @@ class InstanceStore:
 
     def fold(self, region: Region, rect: Rect, dst: Memory, buffer_key: tuple[int, int], redop: str) -> None:
         """dst[rect] op= the task's reduction buffer, then free the buffer."""
-        buf = self.buffers.pop(buffer_key)
+        self.fold_array(region, rect, dst, self.buffers.pop(buffer_key), redop)
+
+    def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str) -> None:
+        """dst[rect] op= buf (a reduction buffer, or one that came from another rank)."""
         dst_view = self.instance(region, dst)[rect.slices()]
         if dst.kind != "sys" or not isinstance(buf, np.ndarray):
             staged = self.xp(dst).empty(rect.shape, region.dtype) if dst.kind != "sys" else np.empty(rect.shape, region.dtype)
             gpu.copy(staged, buf, self.gpu_devices.get(dst))
             buf = staged
         fold(self.xp(dst), redop, dst_view, buf)
+
+    def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray) -> None:
+        """dst[rect] = a host array (data that came from another rank)."""
+        dst_view = self.instance(region, dst)[rect.slices()]
+        if dst.kind == "sys":
+            np.copyto(dst_view, array)
+        else:
+            gpu.copy(dst_view, array, self.gpu_devices[dst])
 
     def drop_region(self, region: Region) -> None:
         for key in [k for k in self.instances if k[0] == region.uid]:

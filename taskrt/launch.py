@@ -67,27 +67,33 @@ def req(target, privilege, rect: Rect | None = None, projection: Callable | None
 
 
 class Future:
-    """The result of one point task; `get()` waits for it and re-raises the task's error."""
+    """The result of one point task; `get()` waits for it and re-raises the task's error.
+    `rank` is the rank whose processor runs the task: on any other rank `get()` asks that
+    rank for the value (taskrt/mpi.py). `_replicated` is false for a future that only its
+    own rank holds (a rank's point of `Runtime.read`): nobody else will ask for it."""
 
-    __slots__ = ("_runtime", "node_id", "_value", "_has_value")
+    __slots__ = ("_runtime", "node_id", "rank", "_value", "_has_value", "_replicated", "__weakref__")
 
-    def __init__(self, runtime, node_id: int):
+    def __init__(self, runtime, node_id: int, rank: int = 0):
         self._runtime = runtime
         self.node_id = node_id
+        self.rank = rank
         self._has_value = False
         self._value = None
+        self._replicated = True
 
     def _set(self, value) -> None:
         self._value = value
         self._has_value = True
 
     def done(self) -> bool:
-        return self._has_value or self._runtime._node_done(self.node_id)
+        """The value is here (for a task of another rank: has arrived; asking starts it)."""
+        return self._has_value or self._runtime._future_done(self)
 
     def get(self, timeout: float | None = None):
         if not self._has_value:
             self._runtime._wait_node(self.node_id, timeout)
-            self._runtime._resolve_future(self)
+        self._runtime._resolve_future(self)
         return self._value
 
     def wait(self, timeout: float | None = None) -> None:
@@ -113,6 +119,8 @@ class FutureMap:
         return len(self.futures)
 
     def get(self, timeout: float | None = None) -> dict[tuple, object]:
+        if self.futures:
+            next(iter(self.futures.values()))._runtime._prefetch(self.futures.values())
         return {p: f.get(timeout) for p, f in self.futures.items()}
 
     def wait(self, timeout: float | None = None) -> None:

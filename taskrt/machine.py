@@ -1,4 +1,4 @@
-"""The machine: ranks, processors and memories, discovered at start-up or built by hand."""
+"""The machine: ranks, processors and memories, discovered at start-up (from MPI and cupy) or built by hand."""
 from __future__ import annotations
 
 import os
@@ -39,6 +39,14 @@ class Processor:
 
 
 @dataclass(frozen=True)
+class RankSpec:
+    """What one rank brings: its CPU workers and the device numbers of its GPUs."""
+
+    cpus: int
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Machine:
     """All processors and memories of all ranks; every rank holds the same Machine."""
 
@@ -57,24 +65,33 @@ class Machine:
               separate_memories: bool = False, hosts=None) -> "Machine":
         """A machine of identical ranks. `separate_memories` gives every CPU its own memory,
         which exercises every copy path of the runtime without a GPU."""
-        if cpus_per_rank < 1:
-            raise ValueError(f"cpus_per_rank must be >= 1, got {cpus_per_rank}")
+        ranks = [RankSpec(cpus_per_rank, tuple(range(gpus_per_rank))) for _ in range(num_ranks)]
+        return Machine.from_ranks(ranks, hosts, separate_memories)
+
+    @staticmethod
+    def from_ranks(ranks: "list[RankSpec]", hosts=None, separate_memories: bool = False) -> "Machine":
+        """A machine whose rank r has ranks[r].cpus CPU workers and the GPUs ranks[r].gpus
+        (device numbers on its node); each GPU gets its own memory."""
         procs, mems = [], []
-        for rank in range(num_ranks):
+        for rank, spec in enumerate(ranks):
+            if spec.cpus < 1:
+                raise ValueError(f"cpus_per_rank must be >= 1, got {spec.cpus} (rank {rank})")
             host_mem = Memory("sys", rank, 0)
             mems.append(host_mem)
-            for i in range(cpus_per_rank):
+            for i in range(spec.cpus):
                 mem = host_mem
                 if separate_memories and i > 0:
                     mem = Memory("sys", rank, i)
                     mems.append(mem)
                 procs.append(Processor("cpu", rank, i, mem))
-            for g in range(gpus_per_rank):
+            for g, device in enumerate(spec.gpus):
                 mem = Memory("gpu", rank, g)
                 mems.append(mem)
-                procs.append(Processor("gpu", rank, g, mem, device=g))
-        hosts = tuple(hosts) if hosts else tuple("localhost" for _ in range(num_ranks))
-        return Machine(tuple(procs), tuple(mems), num_ranks, hosts)
+                procs.append(Processor("gpu", rank, g, mem, device=device))
+        hosts = tuple(hosts) if hosts else tuple("localhost" for _ in ranks)
+        if len(hosts) != len(ranks):
+            raise ValueError(f"{len(hosts)} host names for {len(ranks)} ranks")
+        return Machine(tuple(procs), tuple(mems), len(ranks), hosts)
 
     @staticmethod
     def local(cpus: int | None = None, gpus: int | None = None, separate_memories: bool = False) -> "Machine":
@@ -85,6 +102,36 @@ class Machine:
         if gpus is None:
             gpus = count_gpus()
         return Machine.build(1, cpus, gpus, separate_memories, hosts=[socket.gethostname()])
+
+    @staticmethod
+    def discover(comm=None, cpus_per_rank: int | None = None, gpus: int | None = None,
+                 separate_memories: bool = False) -> "Machine":
+        """The machine of all ranks of an MPI communicator (COMM_WORLD by default); collective.
+
+        Nodes are told apart by host name. A rank's CPU workers: `cpus_per_rank`, else
+        TASKRT_CPUS, else its node's cores shared evenly among the node's ranks. GPUs: with
+        `gpus` None, one per local rank (local rank i takes device i) where cupy sees one;
+        `gpus=k` gives every rank k devices (local rank i takes i*k .. i*k+k-1); 0: none."""
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        host = socket.gethostname()
+        hosts = comm.allgather(host)
+        local_rank = hosts[:comm.rank].count(host)
+        local_size = hosts.count(host)
+        if cpus_per_rank is None:
+            env = os.environ.get("TASKRT_CPUS")
+            cpus_per_rank = int(env) if env else max(1, (os.cpu_count() or 1) // local_size)
+        visible = count_gpus() if gpus != 0 else 0
+        if gpus is None:
+            devices = (local_rank,) if local_rank < visible else ()
+        else:
+            devices = tuple(range(local_rank * gpus, (local_rank + 1) * gpus))
+            if devices and devices[-1] >= visible:
+                raise ValueError(f"rank {comm.rank} (local rank {local_rank} on {host}) needs GPUs {list(devices)} "
+                                 f"for gpus={gpus} per rank, but cupy sees {visible} on this node")
+        ranks = comm.allgather(RankSpec(int(cpus_per_rank), devices))
+        return Machine.from_ranks(ranks, hosts, separate_memories)
 
     def rank_processors(self, rank: int) -> list[Processor]:
         return [p for p in self.processors if p.rank == rank]
@@ -104,6 +151,18 @@ class Machine:
         if not 0 <= index < len(self.processors):
             raise ValueError(f"processor index {index} out of range: the machine has {len(self.processors)}")
         return self.processors[index]
+
+
+def mpi_world_size_from_env() -> int:
+    """The number of ranks mpiexec (MPICH/hydra, Open MPI, MVAPICH, Slurm PMI) started, from
+    the environment, without initializing MPI; 1 outside mpiexec or with TASKRT_MPI=0."""
+    if os.environ.get("TASKRT_MPI", "") == "0":
+        return 1
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 1
 
 
 def count_gpus() -> int:

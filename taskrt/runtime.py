@@ -4,6 +4,11 @@ A program calls `launch` / `index_launch` in sequential order; each call is chec
 mapped (the mapper picks processors), analyzed into graph nodes (taskrt/analysis.py)
 and handed to the executor, and returns futures at once. With `execute=False` the same
 calls only build the TaskGraph, which is what the simulator consumes.
+
+On many MPI ranks (`Runtime.from_mpi()`, or any `Runtime()` started by mpiexec with more
+than one rank) every rank runs the program and builds the whole graph; the transport
+(taskrt/mpi.py) runs this rank's share and moves data between ranks. Attach and fill
+run once, on rank 0's host processor, so that every rank builds the same graph.
 """
 from __future__ import annotations
 
@@ -19,13 +24,13 @@ from .executor import Executor, TaskError
 from .geometry import Rect
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req
-from .machine import Machine, Processor
+from .machine import Machine, Processor, mpi_world_size_from_env
 from .mapper import DefaultMapper, Mapper
 from .privilege import READ, WRITE
 from .region import Partition, Region
 from .replay import ReplayBlock
 from .taskgraph import CopyNode, TaskGraph, TaskNode
-from .tracing import TraceRecorder
+from .tracing import TraceRecorder, rank_trace_path
 
 
 @dataclass
@@ -60,11 +65,20 @@ class LaunchSpec:
 
 
 class Runtime:
-    """One rank's runtime. See README.md for a tour; `with Runtime() as rt:` shuts down at exit."""
+    """One rank's runtime. See README.md for a tour; `with Runtime() as rt:` shuts down at exit.
+
+    Under mpiexec with more than one rank (and no `machine` or `transport` given, and
+    TASKRT_MPI not 0) `Runtime()` is `Runtime.from_mpi()`: see docs/mpi.md."""
 
     def __init__(self, machine: Machine | None = None, mapper: Mapper | None = None, *, cpus: int | None = None,
                  separate_memories: bool = False, execute: bool = True, keep_graph: bool | None = None,
                  trace: str | bool | None = None, rank: int = 0, transport=None):
+        if machine is None and transport is None and execute and mpi_world_size_from_env() > 1:
+            from .mpi import connect
+            machine, transport = connect(cpus=cpus, separate_memories=separate_memories)
+            rank = transport.rank
+        if transport is not None and not execute:
+            raise ValueError("a transport runs graphs; a Runtime with execute=False only builds them")
         self.machine = machine or Machine.local(cpus, separate_memories=separate_memories)
         self.mapper = mapper or DefaultMapper()
         self.rank = rank
@@ -81,8 +95,11 @@ class Runtime:
         gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
         self.store = InstanceStore(gpu_devices)
         self.host = self.machine.host_processor(rank)
+        self.home = self.machine.host_processor(0)
         trace = os.environ.get("TASKRT_TRACE") if trace is None else trace
         self.trace_path = trace if isinstance(trace, str) and trace else None
+        if self.trace_path and transport is not None:
+            self.trace_path = rank_trace_path(self.trace_path, rank)
         self.tracer = TraceRecorder(rank) if trace else None
         self.transport = transport
         self.executor = None
@@ -92,6 +109,26 @@ class Runtime:
             self.executor = Executor(local + mems, self._run_task, self._run_copy,
                                      [self.tracer] if self.tracer else [], self._setup_worker, rank)
         self._closed = False
+        if transport is not None:
+            transport.bind(self)
+
+    @classmethod
+    def from_mpi(cls, comm=None, *, cpus: int | None = None, gpus: int | None = None,
+                 separate_memories: bool = False, mapper: Mapper | None = None, trace: str | bool | None = None,
+                 timeout: float | None = None) -> "Runtime":
+        """This rank's runtime of a program that every rank of `comm` (COMM_WORLD) runs;
+        collective. The machine comes from Machine.discover (cpus per rank: `cpus`, else
+        TASKRT_CPUS, else the node's cores shared; one GPU per local rank where cupy sees
+        one). `timeout`: seconds of no progress anywhere before a waiting rank aborts
+        (TASKRT_MPI_TIMEOUT, default 60; 0 never). See docs/mpi.md."""
+        from .mpi import connect
+        machine, transport = connect(comm, cpus=cpus, gpus=gpus, separate_memories=separate_memories,
+                                     timeout=timeout)
+        return cls(machine, mapper, trace=trace, rank=transport.rank, transport=transport)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.machine.num_ranks
 
     def __repr__(self) -> str:
         return f"Runtime(rank {self.rank}, {self.machine!r}, {self._next_id} nodes issued)"
@@ -100,6 +137,8 @@ class Runtime:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and self.transport is not None and not self._closed:
+            self.transport.abort_on_exception(exc_type, exc, tb)
         self.shutdown(wait=exc_type is None)
         return False
 
@@ -108,25 +147,47 @@ class Runtime:
         return Region(shape, dtype, name)
 
     def attach(self, region: Region, array, rect: Rect | None = None) -> Future:
-        """Copy a numpy array into `rect` of the region (whole by default), in program order."""
+        """Copy a numpy array into `rect` of the region (whole by default), in program order.
+        On many ranks every rank passes the same array and rank 0's is used."""
         rect = region.rect if rect is None else rect
         region.check_rect(rect)
         array = np.asarray(array)
         if array.shape != rect.shape:
             raise ValueError(f"attach: array of shape {array.shape} does not fit {region!r}{rect!r} "
                              f"of shape {rect.shape}")
-        array = array.astype(region.dtype, copy=True)
+        if self.home.rank == self.rank:
+            array = array.astype(region.dtype, copy=True)
+        else:
+            array = None  # the attach runs on rank 0; this rank never reads the array
         return self.launch(_attach_kernel, req(region, WRITE, rect), args=(array,), name=f"attach:{region.name}",
-                           proc=self.host)
+                           proc=self.home)
 
     def fill(self, region: Region, value, rect: Rect | None = None) -> Future:
         return self.launch(_fill_kernel, req(region, WRITE, rect), args=(value,), name=f"fill:{region.name}",
-                           proc=self.host)
+                           proc=self.home)
 
-    def read(self, region: Region, rect: Rect | None = None, wait: bool = True):
-        """A copy of `rect` of the region as a numpy array (a Future if wait=False)."""
-        fut = self.launch(_read_kernel, req(region, READ, rect), name=f"read:{region.name}", proc=self.host)
-        return fut.get() if wait else fut
+    def read(self, region: Region, rect: Rect | None = None, wait: bool = True, rank: int | None = None):
+        """A copy of `rect` of the region as a numpy array (a Future if wait=False).
+        On many ranks every rank gets the array; with `rank=k` only rank k does (the
+        others get None, or a Future that asks rank k for it)."""
+        name = f"read:{region.name}"
+        if rank is not None or self.machine.num_ranks == 1:
+            proc = self.machine.host_processor(rank or 0)
+            fut = self.launch(_read_kernel, req(region, READ, rect), name=name, proc=proc)
+            if not wait:
+                return fut
+            return self._local_value(fut) if proc.rank == self.rank else None
+        hosts = {(r,): self.machine.host_processor(r) for r in range(self.machine.num_ranks)}
+        fm = self.index_launch(_read_kernel, list(hosts), req(region, READ, rect), name=name, placement=hosts)
+        fut = fm[(self.rank,)]
+        fut._replicated = False  # every rank reads its own point: no rank asks another for it
+        return self._local_value(fut) if wait else fut
+
+    def _local_value(self, fut: Future):
+        """The value of a task of this rank, without holding it for other ranks."""
+        if not fut._has_value:
+            self._wait_node(fut.node_id)
+        return fut._value
 
     # ---- launches -----------------------------------------------------------------------
     def launch(self, fn: Callable, *reqs: Requirement, args: tuple = (), name: str | None = None,
@@ -174,7 +235,9 @@ class Runtime:
         extra = [tuple(a.node_id for a in pa if isinstance(a, Future)) for pa in all_args]
         spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op)
         self._launch_count += 1
-        spec.futures = [Future(self, None) for _ in points]
+        spec.futures = [Future(self, None, proc.rank) for proc in procs]
+        if self.transport is not None:
+            self.transport.on_launch(spec)
         return spec
 
     def _issue(self, spec: LaunchSpec) -> None:
@@ -220,14 +283,18 @@ class Runtime:
 
     def _emit_fence(self, name: str) -> int:
         """A no-op node after everything issued so far; returns its id."""
-        node = TaskNode(self._new_id(), name, self.host, None, ())
+        node = TaskNode(self._new_id(), name, self.home, None, ())
         live = [s for s in self._sinks if not self._is_done(s)]
         self._sinks.clear()
         self._emit(node, live)
         return node.id
 
     def _is_done(self, node_id: int) -> bool:
-        return self.executor.is_done(node_id) if self.executor is not None else False
+        if self.executor is None:
+            return False
+        if self.transport is not None:
+            return self.transport.is_done(node_id)
+        return self.executor.is_done(node_id)
 
     # ---- running nodes (on worker threads) ----------------------------------------------
     def _setup_worker(self, where) -> None:
@@ -260,7 +327,9 @@ class Runtime:
         if node.future is not None:
             node.future._set(result)
 
-    def _run_copy(self, node: CopyNode) -> None:
+    def _run_copy(self, node: CopyNode):
+        if type(node) is not CopyNode:
+            return node.run()  # a transport's node (taskrt/mpi.py): posts messages, may finish later
         if node.redop is None:
             self.store.copy(node.region, node.rect, node.src, node.dst)
         else:
@@ -270,20 +339,38 @@ class Runtime:
     def _node_done(self, node_id) -> bool:
         return node_id is not None and self._is_done(node_id)
 
+    def _future_done(self, future: Future) -> bool:
+        if self.transport is not None and future.rank != self.rank:
+            return self.transport.values.arrived(future)
+        return self._node_done(future.node_id)
+
     def _wait_node(self, node_id: int | None, timeout=None) -> None:
         if self.executor is None:
             raise RuntimeError("this runtime was built with execute=False: it builds task graphs and runs nothing")
-        self.executor.wait_node(node_id, timeout)
+        if self.transport is None:
+            self.executor.wait_node(node_id, timeout)
+        else:
+            self.transport.wait_local(lambda t: self.executor.wait_node(node_id, t), timeout, f"node #{node_id}")
 
     def _resolve_future(self, future: Future) -> None:
-        """A finished task whose future was not set ran elsewhere (another rank) or failed."""
-        if not future._has_value and self.transport is not None:
+        """After a wait: a task that ran on another rank sends its value (taskrt/mpi.py)."""
+        if self.transport is not None:
             self.transport.fetch_future(future)
 
+    def _prefetch(self, futures) -> None:
+        if self.transport is not None:
+            self.transport.prefetch(futures)
+
     def wait(self, timeout: float | None = None) -> None:
-        """Block until everything issued so far has run; raise the first task error."""
-        if self.executor is not None:
+        """Block until everything issued so far has run; raise the first task error.
+        On many ranks: until this rank's share has run (not a barrier)."""
+        if self.executor is None:
+            return
+        if self.transport is None:
             self.executor.wait_all(timeout)
+        else:
+            self.transport.checkpoint("wait")
+            self.transport.wait_local(self.executor.wait_all, timeout, "this rank's tasks and copies")
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -299,11 +386,19 @@ class Runtime:
         return path
 
     def shutdown(self, wait: bool = True) -> None:
+        """Wait for everything (unless wait=False), stop the workers, write the trace.
+        On many ranks this is collective: it ends with a barrier that compares every
+        rank's launches (docs/mpi.md); wait=False there aborts all ranks."""
         if self._closed:
             return
+        if self.transport is not None and not wait:
+            self.transport.abort_on_exception(RuntimeError, RuntimeError(
+                "Runtime.shutdown(wait=False) on one rank of a replicated program"), None)
         try:
             if wait and self.executor is not None and self.executor.error is None:
                 self.wait()
+                if self.transport is not None:
+                    self.transport.close()
         finally:
             self._closed = True
             if self.executor is not None:

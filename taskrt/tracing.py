@@ -7,14 +7,26 @@ import time
 from .taskgraph import TaskNode
 
 
+def rank_trace_path(path: str, rank: int) -> str:
+    """Where rank `rank` of a multi-rank run writes the trace named `path`:
+    run.jsonl -> run.rank3.jsonl, run -> run.rank3.jsonl."""
+    base = path[:-len(".jsonl")] if path.endswith(".jsonl") else path
+    return f"{base}.rank{rank}.jsonl"
+
+
 class TraceRecorder:
-    """An executor hook collecting (node, start, end) as small tuples; `write` makes JSON lines."""
+    """An executor hook collecting (node, start, end) as small tuples; `write` makes JSON lines.
+
+    Times are microseconds since `origin` plus `clock_offset`; on many ranks the MPI
+    transport sets the offset at start-up so that every rank's times count from rank 0's
+    origin (ping-pongs against rank 0, minimum round trip kept; `clock_sync` in the meta)."""
 
     def __init__(self, rank: int = 0, clock_offset: float = 0.0):
         self.rank = rank
         self.origin = time.perf_counter()
         self.wall_origin = time.time()
         self.clock_offset = clock_offset
+        self.meta: dict = {}
         self.events: list[tuple] = []
 
     def __call__(self, node, start: float, end: float) -> None:
@@ -40,7 +52,7 @@ class TraceRecorder:
 
     def write(self, path: str) -> None:
         meta = {"kind": "meta", "rank": self.rank, "wall_origin": self.wall_origin,
-                "clock_offset_us": self.clock_offset, "unit": "us", "events": len(self.events)}
+                "clock_offset_us": self.clock_offset, "unit": "us", "events": len(self.events), **self.meta}
         with open(path, "w") as f:
             f.write(json.dumps(meta) + "\n")
             for rec in self.records():

@@ -1,0 +1,174 @@
+"""Bandwidth of the runtime's cross-rank copy against raw mpi4py Send/Recv, same run.
+
+    mpiexec -n 2 python bench/copy_bandwidth.py [--max-mib 64] [--trials 3] [--tiles 4]
+
+(`python bench/copy_bandwidth.py` alone, as `make bench` runs it, starts itself that way
+with the mpiexec next to the Python.)
+
+For each tile size, regions of that many bytes live on rank 0. One repetition is a task
+on rank 0 that writes a tile (touching one byte, so the writer costs nothing) and a task
+on rank 1 that reads it: the runtime copies the whole tile from rank 0 to rank 1 every
+repetition, through a replayed block (`with rt.replay(...)`). Two ways:
+
+- chain: one tile, so repetition i+1's write waits for repetition i's send to finish
+  (write -> copy -> read -> write ...): one copy in flight, latency-bound;
+- stream: `--tiles` tiles in turn, so up to that many copies are in flight, as when a
+  program moves many tiles (the usual case): the copy path's bandwidth.
+
+All repetitions are issued first, behind a gate task on rank 0; after a barrier the gate
+opens and rank 1 times until its last reader is done, so the time is copies and their
+dependences, not issuing. The raw peer is mpi4py's blocking Send/Recv of one numpy buffer
+of the same size, repeated as often. Best of `--trials` for each. Rank 0 prints a table
+and, as the last line, one JSON object: `ratio_*` are stream / raw, `chain_ratio_*` are
+chain / raw.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+from taskrt.machine import mpi_world_size_from_env
+
+if __name__ == "__main__" and mpi_world_size_from_env() == 1:
+    # started alone: run on 2 ranks (before mpi4py makes this process an MPI singleton)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SystemExit("bench/copy_bandwidth.py needs mpiexec (pip install mpich mpi4py)")
+    sys.exit(subprocess.call([mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__), *sys.argv[1:]]))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from taskrt import READ, READ_WRITE, Runtime, req  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def label(size: int) -> str:
+    return f"{size // MiB}MiB" if size >= MiB else f"{size // KiB}KiB"
+
+
+def repetitions(size: int) -> int:
+    return int(min(1000, max(20, (256 * MiB) // size)))
+
+
+def raw_seconds(comm, size: int, reps: int) -> float:
+    buf = np.ones(size, np.uint8)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        if comm.rank == 0:
+            comm.Send([buf, MPI.BYTE], 1, 11)
+        elif comm.rank == 1:
+            comm.Recv([buf, MPI.BYTE], 0, 11)
+    t = time.perf_counter() - t0
+    comm.Barrier()
+    return t
+
+
+def touch(view):
+    view[:1] += 1  # an array op: wraps around silently
+
+
+def look(view):
+    return int(view[0])
+
+
+def make_tiles(rt, size: int, ntiles: int) -> list:
+    tiles = [rt.region((size,), "uint8", f"tile{size}_{k}") for k in range(ntiles)]
+    for tile in tiles:
+        rt.fill(tile, 0)
+    return tiles
+
+
+def runtime_seconds(rt, comm, tiles: list, reps: int, stream: bool) -> float:
+    """Time `reps` write-on-rank-0 / read-on-rank-1 repetitions over `tiles` in turn
+    (replayed blocks for the chain; plain launches for the stream, since a replay fence
+    would order each block after everything before it)."""
+    rank0, rank1 = rt.machine.host_processor(0), rt.machine.host_processor(1)
+    rt.wait()
+    comm.Barrier()
+    gate = threading.Event()
+    rt.launch(lambda *views: gate.wait(), *[req(t, READ_WRITE) for t in tiles], proc=rank0, name="gate")
+    before = {k: None for k in range(len(tiles))}
+    last = {}
+    for i in range(reps):
+        k = i % len(tiles)
+        if k not in last:
+            before[k] = rt.launch(look, req(tiles[k], READ), proc=rank1, name="start_value")
+        block = _Null() if stream else rt.replay(f"chain{tiles[0].name}")
+        with block:
+            rt.launch(touch, req(tiles[k], READ_WRITE), proc=rank0, name="write_on_rank0")
+            last[k] = rt.launch(look, req(tiles[k], READ), proc=rank1, name="read_on_rank1")
+    comm.Barrier()
+    t0 = time.perf_counter()
+    gate.set()
+    rt.wait()
+    t = time.perf_counter() - t0
+    if rt.rank == 1:
+        for k, fut in last.items():
+            writes = len(range(k, reps, len(tiles)))
+            want = (before[k].get() + writes) % 256
+            assert fut.get() == want, f"rank 1 saw {fut.get()} after {writes} writes of tile {k}, not {want}"
+    comm.Barrier()
+    return t
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--tiles", type=int, default=4, help="tiles in turn in the stream measurement")
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    if comm.size != 2:
+        raise SystemExit(f"run with mpiexec -n 2 (got {comm.size} ranks)")
+    sizes = [KiB << (2 * k) for k in range(12) if KiB << (2 * k) <= args.max_mib * MiB]
+    results = {}
+    with Runtime.from_mpi(comm, cpus=1) as rt:
+        for size in sizes:
+            reps = repetitions(size)
+            tiles = make_tiles(rt, size, max(1, args.tiles))
+            raw_seconds(comm, size, 2)  # warm up: touch every page once
+            runtime_seconds(rt, comm, tiles, len(tiles), stream=True)
+            raw, chain, stream = [], [], []
+            for t in range(args.trials):  # interleaved, so that slow spells of the machine hit all three
+                raw.append(raw_seconds(comm, size, reps))
+                chain.append(runtime_seconds(rt, comm, tiles[:1], reps, stream=False))
+                stream.append(runtime_seconds(rt, comm, tiles, reps, stream=True))
+            # rank 1 finishes last in all three: its clock is the one that counts
+            raw, chain, stream = comm.bcast((min(raw), min(chain), min(stream)) if comm.rank == 1 else None, root=1)
+            gbps = lambda sec: round(size * reps / sec / 1e9, 4)  # noqa: E731
+            results[label(size)] = {"bytes": size, "reps": reps, "raw_GBps": gbps(raw), "stream_GBps": gbps(stream),
+                                    "chain_GBps": gbps(chain), "ratio": round(raw / stream, 3),
+                                    "chain_ratio": round(raw / chain, 3)}
+    if comm.rank == 0:
+        print(f"{'tile':>7} {'reps':>5} {'raw GB/s':>9} {'stream GB/s':>12} {'ratio':>6} {'chain GB/s':>11} {'ratio':>6}")
+        for name, r in results.items():
+            print(f"{name:>7} {r['reps']:>5} {r['raw_GBps']:>9.3f} {r['stream_GBps']:>12.3f} {r['ratio']:>6.2f} "
+                  f"{r['chain_GBps']:>11.3f} {r['chain_ratio']:>6.2f}")
+        summary = {"bench": "copy_bandwidth", "ranks": comm.size, "stream_tiles": args.tiles,
+                   "ratio_1MiB": results.get("1MiB", {}).get("ratio"),
+                   "ratio_64MiB": results.get("64MiB", {}).get("ratio"),
+                   "chain_ratio_1MiB": results.get("1MiB", {}).get("chain_ratio"),
+                   "chain_ratio_64MiB": results.get("64MiB", {}).get("chain_ratio"), "sizes": results}
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

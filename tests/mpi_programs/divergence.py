@@ -1,0 +1,73 @@
+"""A program whose launches depend on the rank: every rank must stop with an error that
+names where the ranks diverged, instead of waiting for each other forever.
+
+mpiexec -n N python divergence.py MODE (N >= 2), MODE one of:
+  extra   - rank 1 makes one launch more, in the middle of the program;
+  fewer   - rank 1 stops launching early (its last launches are missing);
+  other   - rank 1 makes a different launch (same number of launches);
+  wait    - rank 1 makes an extra launch that moves no data, then every rank calls wait();
+  end     - rank 1 makes an extra launch that moves no data just before shutting down.
+Never prints "OK".
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from taskrt import READ, READ_WRITE, Runtime, req
+
+
+def double(v):
+    v *= 2
+
+
+def only_on_rank_1(v):
+    v += 100
+
+
+def everyone(v):
+    v += 1
+
+
+def quiet(mode):
+    """Divergences no copy header can show: only the checkpoints at wait() and shutdown do."""
+    with Runtime.from_mpi(cpus=1) as rt:
+        mine = rt.region((4,), "float64", "mine")
+        here = rt.machine.host_processor(1)
+        rt.launch(everyone, req(mine, READ_WRITE), proc=here)
+        if rt.rank == 1:
+            rt.launch(only_on_rank_1, req(mine, READ_WRITE), proc=here)
+        if mode == "wait":
+            rt.wait()
+            rt.launch(everyone, req(mine, READ_WRITE), proc=here)
+            rt.wait()
+    print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
+
+
+def main():
+    mode = sys.argv[1]
+    if mode in ("wait", "end"):
+        return quiet(mode)
+    with Runtime.from_mpi(cpus=1) as rt:
+        n = rt.num_ranks
+        x = rt.region((4 * n,), "float64", "x")
+        rt.attach(x, np.arange(4.0 * n))
+        part = x.partition((n,))
+        rt.index_launch(double, part, req(part, READ_WRITE))
+        if mode == "extra" and rt.rank == 1:
+            rt.launch(only_on_rank_1, req(x, READ_WRITE))
+        if mode == "other" and rt.rank == 1:
+            rt.index_launch(only_on_rank_1, part, req(part, READ_WRITE))
+        else:
+            rt.index_launch(everyone, part, req(part, READ_WRITE))
+        if not (mode == "fewer" and rt.rank == 1):
+            rt.launch(lambda v: float(v.sum()), req(x, READ), proc=rt.machine.host_processor(n - 1))
+            rt.index_launch(everyone, part, req(part, READ_WRITE))
+        got = rt.read(x)
+        print(f"rank {rt.rank} read {got}", flush=True)
+    print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
