@@ -16,11 +16,12 @@ class Mapper:
 
 class DefaultMapper(Mapper):
     """Block distribution: point i of n goes to processor i*P//n of the preferred kind
-    (GPUs when there are any), so neighbouring tiles share a processor; single tasks
-    rotate over processors."""
+    (GPUs when there are any), so neighbouring tiles share a processor. Single tasks go
+    to the first of them, as Legion's default mapper keeps them on the local processor:
+    a chain of small tasks then runs without a thread hand-off per task, and the
+    parallelism of a program comes from its index launches."""
 
     def __init__(self):
-        self._next_single = 0
         self._procs: dict[Machine, list[Processor]] = {}
 
     def select_processor(self, machine, launch_name, point, domain, index):
@@ -29,7 +30,5 @@ class DefaultMapper(Mapper):
             procs = [p for p in machine.processors if p.kind == "gpu"] or list(machine.processors)
             self._procs[machine] = procs
         if len(domain) <= 1:
-            proc = procs[self._next_single % len(procs)]
-            self._next_single += 1
-            return proc
+            return procs[0]
         return procs[index * len(procs) // len(domain)]
