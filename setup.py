@@ -11,6 +11,7 @@ setup(
         "numba>=0.58",
         "mpi4py>=3.1.4",
         "mpich>=4.1",
+        "threadpoolctl>=3.1",
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.80", "dask>=2023.1", "torch>=2.0"],

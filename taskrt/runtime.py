@@ -72,7 +72,7 @@ class Runtime:
 
     def __init__(self, machine: Machine | None = None, mapper: Mapper | None = None, *, cpus: int | None = None,
                  separate_memories: bool = False, execute: bool = True, keep_graph: bool | None = None,
-                 trace: str | bool | None = None, rank: int = 0, transport=None):
+                 trace: str | bool | None = None, rank: int = 0, transport=None, blas_threads: int | None = None):
         if machine is None and transport is None and execute and mpi_world_size_from_env() > 1:
             from .mpi import connect
             machine, transport = connect(cpus=cpus, separate_memories=separate_memories)
@@ -109,6 +109,9 @@ class Runtime:
             self.executor = Executor(local + mems, self._run_task, self._run_copy,
                                      [self.tracer] if self.tracer else [], self._setup_worker, rank)
         self._closed = False
+        self._blas_limit = None
+        if self.executor is not None:
+            self._blas_limit = limit_blas_threads(self.machine, rank, blas_threads)
         if transport is not None:
             transport.bind(self)
 
@@ -403,8 +406,34 @@ class Runtime:
             self._closed = True
             if self.executor is not None:
                 self.executor.shutdown()
+            if self._blas_limit is not None:
+                self._blas_limit.restore_original_limits()
             if self.trace_path:
                 self.write_trace()
+
+
+def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
+    """Give each CPU processor of this rank its share of the cores for BLAS (numpy's matmul):
+    P workers each running a BLAS that starts one thread per core oversubscribe the machine
+    many times over, and OpenBLAS's spinning threads then slow everything down. `threads`
+    overrides the share (TASKRT_BLAS_THREADS too). Returns the limiter (restored at
+    shutdown), or None when nothing is limited."""
+    cpus = sum(1 for p in machine.processors if p.rank == rank and p.kind == "cpu")
+    if threads is None:
+        env = os.environ.get("TASKRT_BLAS_THREADS")
+        if env:
+            threads = int(env)
+        elif cpus <= 1:
+            return None
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            host = machine.hosts[rank] if rank < len(machine.hosts) else None
+            ranks_here = max(1, sum(1 for h in machine.hosts if h == host))
+            threads = max(1, cores // (ranks_here * cpus))
+    if threads < 1:
+        raise ValueError(f"blas_threads must be >= 1, got {threads}")
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=threads, user_api="blas")
 
 
 def _attach_kernel(view, array):
