@@ -16,7 +16,6 @@ runtime's regions and every operator runs as taskrt tasks (ops/lower.py).
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from dataclasses import dataclass, field
 
@@ -24,7 +23,8 @@ import numpy as np
 
 from ops.activation import ElementUnary, Softmax
 from ops.attention import MultiHeadAttention
-from ops.base import OP_REGISTRY, Op, TensorSpec
+from ops import checkpoint
+from ops.base import Op, TensorSpec
 from ops.conv import Conv2d, Pool2d
 from ops.dropout import Dropout
 from ops.elementwise import ElementBinary
@@ -34,13 +34,12 @@ from ops.loss import MeanSquaredError, SparseCategoricalCrossEntropy
 from ops.lower import Lowering, TileConfig, default_config, resolve_config
 from ops.lstm import LSTM
 from ops.norm import BatchNorm, LayerNorm
-from ops.optimizers import OPTIMIZERS, optimizer_from_dict
+from ops.optimizers import OPTIMIZERS
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from taskrt import Runtime
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
-FORMAT = 1
 
 
 @dataclass
@@ -567,81 +566,25 @@ class Model:
             else:
                 self._low.attach(self._low.params[k].value if k in self._low.params else self._low.stats[k], v)
 
-    # ---- saving and loading -------------------------------------------------------------------------
-    def _graph_dict(self) -> dict:
-        return {"format": FORMAT, "seed": self.seed,
-                "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
-                "ops": [{"kind": op.kind, "name": op.name, "inputs": [t.name for t in op.inputs],
-                         "attrs": op.attrs()} for op in self.ops],
-                "counters": self._counters}
-
+    # ---- saving and loading (ops/checkpoint.py) -----------------------------------------------
     def save(self, path) -> None:
         """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
         optimizer state, step count and data-order generator, so training resumes bit for bit."""
-        meta = {"graph": self._graph_dict(), "compiled": self._compiled, "step": self.step,
-                "data_rng": self._data_rng.bit_generator.state}
-        arrays = {f"param/{k}": v for k, v in self.parameters().items()}
-        arrays.update({f"stat/{k}": v for k, v in self.stats().items()})
-        if self._low is not None:
-            for p in self._low.params.values():
-                for s, region in p.state.items():
-                    arrays[f"opt/{p.name}/{s}"] = self._low.read(region)
-        meta_text = json.dumps(meta, default=_json_default)
-        with open(path, "wb") as f:
-            np.savez(f, meta=np.array(meta_text), **arrays)
+        checkpoint.save(self, path)
 
     def _load_new(cls, path, runtime: Runtime | None = None, configs: dict | None = None) -> "Model":
         """Model.load(path, runtime=None, configs=None): rebuild, compile and restore a saved model.
 
         It compiles with the saved configs (the same configs give the same rounding, so training
         continues bit for bit) unless `configs` replaces them, e.g. for a machine with fewer processors."""
-        meta, arrays = _read_file(path)
-        graph = meta["graph"]
-        m = cls(runtime, seed=graph["seed"])
-        for t in graph["inputs"]:
-            m.input(t["shape"], t["dtype"], t["name"])
-        for d in graph["ops"]:
-            if d["kind"] not in OP_REGISTRY:
-                raise ValueError(f"load {path}: unknown operator kind {d['kind']!r}; known: {sorted(OP_REGISTRY)}")
-            op = OP_REGISTRY[d["kind"]](d["name"], [m.tensors[n] for n in d["inputs"]], **d["attrs"])
-            m._insert(op)
-        m._counters = dict(graph["counters"])
-        c = meta["compiled"]
-        if c is not None:
-            if configs is None:
-                configs = {k: TileConfig.from_dict(v) for k, v in c["configs"].items()}
-            m.compile(optimizer_from_dict(c["optimizer"]), c["loss"], c["metrics"], configs,
-                      output=m.tensors[c["output"]])
-        m._restore(meta, arrays)
-        return m
+        return checkpoint.load_new(cls, path, runtime, configs)
 
     def _load_into(self, path) -> None:
         """m.load(path): restore weights, stats (and optimizer state and step, if compiled) from a file
         saved from a model with the same graph."""
-        meta, arrays = _read_file(path)
-        mine = json.loads(json.dumps(self._graph_dict(), default=_json_default))
-        theirs = meta["graph"]
-        if (mine["inputs"], mine["ops"]) != (theirs["inputs"], theirs["ops"]):
-            raise ValueError(f"load {path}: the file holds a different graph "
-                             f"({[o['name'] for o in theirs['ops']]}) than this model "
-                             f"({[o['name'] for o in mine['ops']]})")
-        self._restore(meta, arrays)
+        checkpoint.load_into(self, path)
 
     load = _dualmethod(_load_new, _load_into)
-
-    def _restore(self, meta: dict, arrays: dict) -> None:
-        values = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(("param/", "stat/"))}
-        self.set_parameters(values)
-        if self._low is not None and meta["compiled"] is not None:
-            for p in self._low.params.values():
-                for s, region in p.state.items():
-                    key = f"opt/{p.name}/{s}"
-                    if key not in arrays:
-                        raise ValueError(f"load: the file has no optimizer state {key!r} (saved with another "
-                                         f"optimizer?)")
-                    self._low.attach(region, arrays[key])
-            self.step = int(meta["step"])
-            self._data_rng.bit_generator.state = meta["data_rng"]
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -687,25 +630,6 @@ def _total(futures) -> tuple[float, int, int]:
     for value in futures.get().values():
         loss, correct, count = loss + value[0], correct + value[1], count + value[2]
     return loss, correct, count
-
-
-def _json_default(v):
-    if isinstance(v, np.integer):
-        return int(v)
-    if isinstance(v, np.floating):
-        return float(v)
-    if isinstance(v, (tuple, set)):
-        return list(v)
-    raise TypeError(f"can't save {type(v).__name__} {v!r} as JSON")
-
-
-def _read_file(path) -> tuple[dict, dict[str, np.ndarray]]:
-    with np.load(path, allow_pickle=False) as f:
-        arrays = {k: f[k] for k in f.files}
-    meta = json.loads(str(arrays.pop("meta")))
-    if meta.get("graph", {}).get("format") != FORMAT:
-        raise ValueError(f"load {path}: not a model file of format {FORMAT}")
-    return meta, arrays
 
 
 class _Progress:

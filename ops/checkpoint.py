@@ -1,0 +1,113 @@
+"""Saving and loading models: one .npz with the graph as JSON and every array, so that a
+reloaded model continues training bit for bit (weights, running stats, optimizer state,
+step count, the data-order generator and the resolved tile configs)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ops.base import OP_REGISTRY
+from ops.lower import TileConfig
+from ops.optimizers import optimizer_from_dict
+
+FORMAT = 1
+
+
+def graph_dict(model) -> dict:
+    """The model's inputs and operators (kinds, names, attrs) as plain JSON-able values."""
+    return {"format": FORMAT, "seed": model.seed,
+            "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in model.inputs],
+            "ops": [{"kind": op.kind, "name": op.name, "inputs": [t.name for t in op.inputs],
+                     "attrs": op.attrs()} for op in model.ops],
+            "counters": model._counters}
+
+
+def save(model, path) -> None:
+    """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
+    optimizer state, step count and data-order generator, so training resumes bit for bit."""
+    meta = {"graph": graph_dict(model), "compiled": model._compiled, "step": model.step,
+            "data_rng": model._data_rng.bit_generator.state}
+    arrays = {f"param/{k}": v for k, v in model.parameters().items()}
+    arrays.update({f"stat/{k}": v for k, v in model.stats().items()})
+    if model._low is not None:
+        for p in model._low.params.values():
+            for s, region in p.state.items():
+                arrays[f"opt/{p.name}/{s}"] = model._low.read(region)
+    meta_text = json.dumps(meta, default=_json_default)
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.array(meta_text), **arrays)
+
+
+def load_new(cls, path, runtime=None, configs: dict | None = None):
+    """Model.load(path, runtime=None, configs=None): rebuild, compile and restore a saved model.
+
+    It compiles with the saved configs (the same configs give the same rounding, so training
+    continues bit for bit) unless `configs` replaces them, e.g. for a machine with fewer processors."""
+    meta, arrays = _read_file(path)
+    graph = meta["graph"]
+    m = cls(runtime, seed=graph["seed"])
+    for t in graph["inputs"]:
+        m.input(t["shape"], t["dtype"], t["name"])
+    for d in graph["ops"]:
+        if d["kind"] not in OP_REGISTRY:
+            raise ValueError(f"load {path}: unknown operator kind {d['kind']!r}; known: {sorted(OP_REGISTRY)}")
+        op = OP_REGISTRY[d["kind"]](d["name"], [m.tensors[n] for n in d["inputs"]], **d["attrs"])
+        m._insert(op)
+    m._counters = dict(graph["counters"])
+    c = meta["compiled"]
+    if c is not None:
+        if configs is None:
+            configs = {k: TileConfig.from_dict(v) for k, v in c["configs"].items()}
+        m.compile(optimizer_from_dict(c["optimizer"]), c["loss"], c["metrics"], configs,
+                  output=m.tensors[c["output"]])
+    restore(m, meta, arrays)
+    return m
+
+
+def load_into(model, path) -> None:
+    """m.load(path): restore weights, stats (and optimizer state and step, if compiled) from a file
+    saved from a model with the same graph."""
+    meta, arrays = _read_file(path)
+    mine = json.loads(json.dumps(graph_dict(model), default=_json_default))
+    theirs = meta["graph"]
+    if (mine["inputs"], mine["ops"]) != (theirs["inputs"], theirs["ops"]):
+        raise ValueError(f"load {path}: the file holds a different graph "
+                         f"({[o['name'] for o in theirs['ops']]}) than this model "
+                         f"({[o['name'] for o in mine['ops']]})")
+    restore(model, meta, arrays)
+
+
+def restore(model, meta: dict, arrays: dict) -> None:
+    """Put a file's arrays (and, when compiled, optimizer state, step and data order) into `model`."""
+    values = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(("param/", "stat/"))}
+    model.set_parameters(values)
+    if model._low is not None and meta["compiled"] is not None:
+        for p in model._low.params.values():
+            for s, region in p.state.items():
+                key = f"opt/{p.name}/{s}"
+                if key not in arrays:
+                    raise ValueError(f"load: the file has no optimizer state {key!r} (saved with another "
+                                     f"optimizer?)")
+                model._low.attach(region, arrays[key])
+        model.step = int(meta["step"])
+        model._data_rng.bit_generator.state = meta["data_rng"]
+
+
+def _json_default(v):
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    if isinstance(v, (tuple, set)):
+        return list(v)
+    raise TypeError(f"can't save {type(v).__name__} {v!r} as JSON")
+
+
+def _read_file(path) -> tuple[dict, dict[str, np.ndarray]]:
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    if meta.get("graph", {}).get("format") != FORMAT:
+        raise ValueError(f"load {path}: not a model file of format {FORMAT}")
+    return meta, arrays
