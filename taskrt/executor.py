@@ -218,9 +218,8 @@ class Executor:
         with self.cond:
             self.sleepers += 1
             try:
+                # after an error the remaining nodes drain without running, so this ends too
                 while not done():
-                    if self.error is not None and not self._progress_possible():
-                        break
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"{len(self.unfinished)} nodes still unfinished after {timeout} s")
@@ -229,10 +228,6 @@ class Executor:
                 self.sleepers -= 1
         if self.error is not None:
             raise self.error
-
-    def _progress_possible(self) -> bool:
-        """After an error, nodes still drain (skipped) so that workers end idle; wait for that."""
-        return bool(self.unfinished)
 
     def shutdown(self) -> None:
         for q in self.queues.values():
