@@ -89,7 +89,7 @@ def train_cnn(cpus: int, iterations: int, trace: str) -> dict:
     h = m.conv2d(x, 8, 3, padding=1, name="conv1")
     h = m.pool2d(m.relu(m.batch_norm(h, name="bn1")), 2, name="pool1")
     h = m.relu(m.conv2d(h, 16, 3, padding=1, name="conv2"))
-    y = m.softmax(m.dense(m.flat(h), 4, name="fc"))
+    m.softmax(m.dense(m.flat(h), 4, name="fc"))
     split = min(cpus, 2)
     configs = {"conv1": TileConfig((split, 1, 2, 1)), "conv2": TileConfig((split, 1, 2, 1))}
     m.compile(optimizer=SGD(lr=0.1, momentum=0.9), loss="sparse_categorical_crossentropy",

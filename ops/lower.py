@@ -282,7 +282,7 @@ class OpPlan:
 
     def _backward_task(self, ctx, *views):
         op, color = self.op, ctx.point
-        n_in, n_w, n_out = len(op.inputs), len(self.weight_names), len(op.outputs)
+        n_in, n_out = len(op.inputs), len(op.outputs)
         it = iter(views)
         inputs = [next(it) for _ in range(n_in)]
         weights = {k: next(it) for k in self.weight_names}

@@ -357,7 +357,7 @@ class MPITransport:
         return False
 
     def _received(self, op: Op) -> None:
-        half, (header, target, in_place) = op.node, op.keep
+        half, (header, _, in_place) = op.node, op.keep
         try:
             if not self._header_ok(half, header):
                 return

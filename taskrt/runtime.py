@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .analysis import Analyzer
-from .executor import Executor, TaskError
+from .executor import Executor
 from .geometry import Rect
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req

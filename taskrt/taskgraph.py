@@ -7,7 +7,7 @@ the simulator replays the same graph against a cost model; nothing here executes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from .geometry import Rect
 from .machine import Memory, Processor

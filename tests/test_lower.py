@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from ops import SGD, Adam, ConfigError, Model, TileConfig, default_config
+from ops import SGD, ConfigError, Model, TileConfig, default_config
 from ops.base import OP_REGISTRY, TensorSpec
 from ops.conv import Conv2d
 from ops.linear import Dense

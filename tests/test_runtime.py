@@ -322,7 +322,7 @@ def test_task_error_surfaces_with_name_and_traceback_and_nothing_hangs():
         if ctx.point == (1,):
             raise ZeroDivisionError("boom in tile 1")
 
-    fm = rt.index_launch(explode, r.partition((2,)), req(r.partition((2,)), WRITE))
+    rt.index_launch(explode, r.partition((2,)), req(r.partition((2,)), WRITE))
     later = rt.launch(lambda v: 1, req(r, READ))
     t0 = time.perf_counter()
     with pytest.raises(TaskError) as info:

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from taskrt import READ, READ_WRITE, WRITE, Partition, Rect, Reduce, Runtime, req
+from taskrt import READ, WRITE, Partition, Rect, Reduce, Runtime, req
 
 
 def host(rt, r):
