@@ -9,8 +9,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
-from ops.conv import (Conv2d, Pool2d, _col2im_cpu, _col2im_xp, _maxpool_scatter_cpu, _maxpool_scatter_xp,
-                      window_argmax)
+from ops.conv import (Conv2d, Pool2d, _col2im_cpu, _col2im_xp, _maxpool_cpu, _maxpool_scatter_cpu,
+                      _maxpool_scatter_xp, window_argmax)
+from ops.cpu_layout import flat_rows
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole
 
@@ -264,17 +265,69 @@ def test_max_pool_routes_nan_windows_like_torch():
     np.testing.assert_array_equal(gx, xt.grad.numpy())
 
 
-def test_max_pool_scatter_numba_and_array_paths_agree():
+def test_max_pool_numba_argmax_and_scatter_match_the_array_code():
     rng = np.random.default_rng(1)
-    x = rng.integers(0, 4, (2, 3, 9, 8)).astype(np.float64)  # windows cover the input exactly
+    x = rng.integers(0, 4, (2, 3, 9, 8)).astype(np.float64)  # ties; windows cover the input exactly
     kernel, stride = (3, 2), (2, 3)
-    (y,), _, _, _ = run_whole(make_pool(x.shape, "float64", kernel=kernel, stride=stride), [x], {})
-    arg = window_argmax(np, x, y, kernel, stride)
+    y, arg = np.empty((2, 3, 4, 3)), np.empty((2, 3, 4, 3), np.int32)
+    _maxpool_cpu(flat_rows(x), x.shape, kernel, stride, (0, 0), y, arg)
+    k = window_argmax(np, x, y, kernel, stride)  # index in the window, i*KW + j
+    oh, ow = np.indices(y.shape[2:])
+    np.testing.assert_array_equal(arg, (oh * stride[0] + k // kernel[1]) * x.shape[3] + ow * stride[1] + k % kernel[1])
     dy = rng.standard_normal(y.shape)
     a, b = np.zeros_like(x), np.zeros_like(x)
-    _maxpool_scatter_cpu(dy, arg, stride[0], stride[1], kernel[1], a)
-    _maxpool_scatter_xp(np, dy, arg, kernel, stride, b)
+    _maxpool_scatter_cpu(flat_rows(dy), arg, a.reshape(2, 3, -1))
+    _maxpool_scatter_xp(np, dy, k, kernel, stride, b)
     np.testing.assert_allclose(a, b, rtol=1e-14)
+
+
+def special_values(kind, shape, rng):
+    """NaNs among normals; +0 and -0 ties among -1s; or mostly -inf."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "nan":
+        x[rng.random(shape) < 0.15] = np.nan
+    elif kind == "signed zeros":
+        x = np.where(rng.random(shape) < 0.5, np.float32(0.0), np.float32(-0.0))
+        x[rng.random(shape) < 0.3] = -1
+    else:
+        x[rng.random(shape) < 0.8] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("kind", ["nan", "signed zeros", "-inf"])
+@pytest.mark.parametrize("geometry", [dict(kernel=3, stride=2, padding=1),
+                                      dict(kernel=(2, 3), stride=1, padding=(1, 1))])
+def test_max_pool_special_values_like_torch(kind, geometry):
+    """Values (signs of zeros too) and the routing of gradients, on the whole op and every tiling."""
+    rng = np.random.default_rng(5)
+    x = special_values(kind, (2, 3, 9, 8), rng)
+    op = make_pool(x.shape, pool_type="max", **geometry)
+    g = rng.standard_normal(op.outputs[0].shape).astype(np.float32)
+    (y,), (gx,), _, _ = run_whole(op, [x], {}, grad_outputs=[g])
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch_pool(op, xt)
+    yt.backward(torch.tensor(g))
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(np.signbit(y), np.signbit(yt.detach().numpy()))
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-6, atol=1e-7)
+    check_tiled(op, [x], {}, [g])
+
+
+def test_flat_rows_views_a_tile_as_contiguous_rows():
+    a = np.arange(2 * 5 * 4 * 6, dtype=np.float32).reshape(2, 5, 4, 6)
+    tile = a[:, 1:4, 1:3, 2:5]
+    flat, *strides = flat_rows(tile)
+    assert strides == [120, 24, 6] and np.shares_memory(flat, a)
+    assert flat.flags.c_contiguous and not flat.flags.writeable
+    for idx in np.ndindex(tile.shape[:-1]):
+        start = sum(i * s for i, s in zip(idx, strides))
+        np.testing.assert_array_equal(flat[start:start + 3], tile[idx])
+    out, *_ = flat_rows(a[1:], writable=True)
+    assert out.flags.writeable and np.shares_memory(out, a)
+    flipped, *_ = flat_rows(a[..., ::-1])  # rows that are not contiguous: a copy
+    assert not np.shares_memory(flipped, a) and flipped[0] == 5
+    with pytest.raises(ValueError, match=r"flat_rows: output of shape \(2, 5, 4, 3\) has strides"):
+        flat_rows(a[..., ::2], writable=True)
 
 
 @settings(max_examples=25, deadline=None)

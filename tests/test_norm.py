@@ -12,6 +12,7 @@ from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, Tens
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole
+from tests.test_conv import ArrayCodePath
 
 
 def spec(shape, dtype="float32", name="x"):
@@ -80,6 +81,39 @@ def test_batch_norm_running_stats_update_in_place_and_only_in_training():
     op.forward(np, tile, [x], [tile], weights, training=False, state=frozen)
     for k in state:
         np.testing.assert_array_equal(frozen[k], state[k])
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_numba_kernels_match_the_array_code(relu, training):
+    """The CPU kernels and the array code (the GPU path), on a channel tile of a bigger read-only array."""
+    shape = (3, 4, 5, 6)
+    op = BatchNorm("bn", [spec(shape, "float64")], relu=relu)
+    x, weights, state, g = bn_data(op, seed=3, dtype=np.float64)
+    wide = np.zeros((shape[0], shape[1] + 2, *shape[2:]))
+    wide[:, 1:-1] = x
+    wide = wide[:, 1:-1]  # a channel tile of a bigger array: not contiguous
+    wide.flags.writeable = False  # as the runtime passes inputs
+    tile = Rect.from_shape(shape)
+    results = []
+    for xp in (np, ArrayCodePath()):
+        st_ = {k: v.copy() for k, v in state.items()}
+        (y,), saved = op.forward(xp, tile, [wide], [tile], weights, training=training, state=st_)
+        (gx,), gw = op.backward(xp, tile, [wide], [tile], weights, [y], [g], saved)
+        results.append([y, gx, gw["weight"], gw["bias"], *st_.values()])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_norm_variance_stays_accurate_with_a_large_mean():
+    op = BatchNorm("bn", [spec((8, 3, 6, 6), "float64")], momentum=1.0)
+    rng = np.random.default_rng(4)
+    x = 1e7 + rng.standard_normal(op.inputs[0].shape)
+    weights = {"weight": np.ones(3), "bias": np.zeros(3)}
+    state = {"running_mean": np.zeros(3), "running_var": np.ones(3)}
+    (y,), _, _, st_ = run_whole(op, [x], weights, state=state)
+    np.testing.assert_allclose(st_["running_var"], x.var(axis=(0, 2, 3), ddof=1), rtol=1e-9)
+    np.testing.assert_allclose(y.std(axis=(0, 2, 3)), 1, rtol=1e-5)
 
 
 def test_batch_norm_rules_and_init():

@@ -1,0 +1,36 @@
+"""Tiles as numba kernels like them: rows contiguous, one specialization per dtype.
+
+A tile of a bigger array is a strided view; handing it to a numba kernel as is makes one
+compiled specialization per layout and slow, non-contiguous inner loops. `flat_rows` hands
+it over as a flat view plus element strides instead, with no copy.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+def flat_rows(a, writable: bool = False):
+    """`a` for a numba kernel as (flat, s0, ..., s[d-2]): a 1-D contiguous view that starts at
+    a's first element, and the element strides of all dims but the last, so that
+    a[i, j, ..., :] is flat[i*s0 + j*s1 + ...:][:a.shape[-1]].
+
+    A tile of a bigger array (its rows contiguous, its other dims not) then runs contiguous,
+    vectorized inner loops, and a kernel has one specialization per dtype whatever the layout
+    of its arguments. Inputs come read-only (as the runtime passes them), outputs writable.
+    An array whose last dim is not contiguous is copied (an output cannot be)."""
+    item = a.itemsize
+    if min(a.strides, default=0) < 0 or (a.shape[-1] > 1 and a.strides[-1] != item):
+        if writable:
+            raise ValueError(f"flat_rows: output of shape {a.shape} has strides {a.strides}, its rows are "
+                             f"not contiguous")
+        a = np.ascontiguousarray(a)
+    strides = tuple(s // item for s in a.strides[:-1])
+    span = sum((n - 1) * s for n, s in zip(a.shape, strides)) + a.shape[-1] if a.size else 0
+    return (np.lib.stride_tricks.as_strided(a, (span,), (item,), writeable=writable), *strides)
+
+
+@numba.njit(nogil=True, inline="always")
+def flat_row(rows, start, length):
+    """The contiguous row of `length` elements at element offset `start` of flat_rows' view."""
+    return rows[0][start:start + length]
