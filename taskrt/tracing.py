@@ -15,7 +15,7 @@ def rank_trace_path(path: str, rank: int) -> str:
 
 
 class TraceRecorder:
-    """An executor hook collecting (node, start, end) as small tuples; `write` makes JSON lines.
+    """An executor hook keeping each node's facts and times as a small tuple; `write` makes JSON lines.
 
     Times are microseconds since `origin` plus `clock_offset`; on many ranks the MPI
     transport sets the offset at start-up so that every rank's times count from rank 0's
@@ -30,25 +30,29 @@ class TraceRecorder:
         self.events: list[tuple] = []
 
     def __call__(self, node, start: float, end: float) -> None:
-        self.events.append((node, start, end))
+        # keep the facts, not the node: a node holds its task's arguments (arrays, say)
+        if type(node) is TaskNode:
+            self.events.append((node.id, node.name, node.kind, node.op, node.proc, None, start, end, node.nbytes,
+                                node.point))
+        else:
+            self.events.append((node.id, node.name, node.kind, node.op, node.src, node.dst, start, end, node.nbytes,
+                                None))
 
-    def records(self) -> list[dict]:
-        out = []
-        for node, start, end in self.events:
-            is_task = type(node) is TaskNode
-            out.append({
-                "id": node.id,
-                "name": node.name,
-                "kind": node.kind,
-                "op": node.op,
+    def records(self):
+        """The events as dicts, one at a time (the file format of README.md)."""
+        for nid, name, kind, op, where, dst, start, end, nbytes, point in self.events:
+            yield {
+                "id": nid,
+                "name": name,
+                "kind": kind,
+                "op": op,
                 "rank": self.rank,
-                "proc": str(node.proc) if is_task else f"{node.src}->{node.dst}",
+                "proc": str(where) if dst is None else f"{where}->{dst}",
                 "start": round((start - self.origin) * 1e6 + self.clock_offset, 3),
                 "end": round((end - self.origin) * 1e6 + self.clock_offset, 3),
-                "bytes": node.nbytes,
-                "point": list(node.point) if is_task else None,
-            })
-        return out
+                "bytes": nbytes,
+                "point": None if point is None else list(point),
+            }
 
     def write(self, path: str) -> None:
         meta = {"kind": "meta", "rank": self.rank, "wall_origin": self.wall_origin,
