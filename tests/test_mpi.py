@@ -35,7 +35,8 @@ def run_mpi(n: int, program: str, *args, timeout: float = 60, env: dict | None =
     full_env = {**os.environ, "TASKRT_MPI_TIMEOUT": "20", "PYTHONPATH": str(ROOT), **(env or {})}
     cmd = [_mpiexec(), "-n", str(n), sys.executable, str(PROGRAMS / program), *map(str, args)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
     return proc, time.monotonic() - t0
 
 
@@ -142,7 +143,7 @@ def test_benchmark_prints_its_json_last(tmp_path):
     """bench/copy_bandwidth.py runs on 2 ranks and ends with one JSON line (numbers unchecked)."""
     cmd = [_mpiexec(), "-n", "2", sys.executable, str(ROOT / "bench" / "copy_bandwidth.py"), "--max-mib", "1",
            "--trials", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, output(proc)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
