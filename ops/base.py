@@ -13,6 +13,7 @@ arrays passed in hold exactly those rects. `xp` is numpy or cupy.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -68,8 +69,8 @@ def register_op(cls: type["Op"]) -> type["Op"]:
     return cls
 
 
-class Op:
-    """Base class. Subclasses set `kind` and implement the methods marked 'required'.
+class Op(ABC):
+    """Base class. Subclasses set `kind` and implement the abstract methods.
 
     Construction validates the inputs (raise ShapeError naming the op and shapes)
     and stores plain attributes; `attrs()` returns them so that graphs can be saved
@@ -110,9 +111,9 @@ class Op:
         return ShapeError(f"{self.kind} {self.name!r}: {message} (input shapes {shapes})")
 
     # ---- shapes and parameters -------------------------------------------------
+    @abstractmethod
     def infer_shapes(self, in_shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """Required: output shapes from input shapes; raise self.fail(...) if they don't fit."""
-        raise NotImplementedError(f"{type(self).__name__}.infer_shapes")
+        """Output shapes from input shapes; raise self.fail(...) if they don't fit."""
 
     def output_dtypes(self) -> list[str]:
         """Dtype of each output; by default that of input 0."""
@@ -136,17 +137,17 @@ class Op:
         """The space that tiles partition: output 0's shape."""
         return self.outputs[0].shape
 
+    @abstractmethod
     def split_dims(self) -> tuple[SplitDim, ...]:
-        """Required: the dimensions of the tile space that may be split, with their SOAP kind."""
-        raise NotImplementedError(f"{type(self).__name__}.split_dims")
+        """The dimensions of the tile space that may be split, with their SOAP kind."""
 
     def output_rects(self, tile: Rect) -> list[Rect]:
         """The rect of each output that a tile produces (one output: the tile itself)."""
         return [tile]
 
+    @abstractmethod
     def input_rects(self, tile: Rect) -> list[Rect]:
-        """Required: for each input, the rect a tile reads (a conv tile: with its halo)."""
-        raise NotImplementedError(f"{type(self).__name__}.input_rects")
+        """For each input, the rect a tile reads (a conv tile: with its halo)."""
 
     def weight_rects(self, tile: Rect) -> dict[str, Rect]:
         """For each weight and state, the rect a tile uses. Default: all of every weight."""
@@ -154,26 +155,26 @@ class Op:
         return {k: Rect.from_shape(s) for k, s in shapes.items()}
 
     # ---- kernels -----------------------------------------------------------------
+    @abstractmethod
     def forward(self, xp, tile: Rect, inputs: list, in_rects: list[Rect], weights: dict,
                 training: bool = True, state: dict | None = None) -> tuple[list, Any]:
-        """Required: compute output tiles.
+        """Compute output tiles.
 
         Returns (outputs, saved): `outputs` is a list of arrays, one per output rect;
         `saved` is anything backward needs (or None). `state` holds mutable state
         tiles (running stats) to update in place when training. Ops with `uses_step`
         also take `step=` (the training iteration).
         """
-        raise NotImplementedError(f"{type(self).__name__}.forward")
 
+    @abstractmethod
     def backward(self, xp, tile: Rect, inputs: list, in_rects: list[Rect], weights: dict,
                  outputs: list, grad_outputs: list, saved: Any) -> tuple[list, dict]:
-        """Required for ops on the gradient path: (grad_inputs, grad_weights).
+        """Gradients of a tile: (grad_inputs, grad_weights).
 
         grad_inputs[i] has the shape of in_rects[i] (None for integer inputs such as
         labels or indices); grad_weights[k] has the shape of weight_rects(tile)[k].
         Contributions of overlapping tiles are summed by the runtime (REDUCE sum).
         """
-        raise NotImplementedError(f"{type(self).__name__}.backward")
 
     # ---- costs for the analytic model ----------------------------------------------
     def flops(self, tile: Rect) -> int:

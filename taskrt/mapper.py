@@ -1,17 +1,19 @@
 """Mappers decide which processor runs each point task, and so where its data lives."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Sequence
 
 from .machine import Machine, Processor
 
 
-class Mapper:
+class Mapper(ABC):
     """Interface: pick a processor for point `point` of a launch over `domain` (a list of colors)."""
 
+    @abstractmethod
     def select_processor(self, machine: Machine, launch_name: str, point: tuple, domain: Sequence[tuple],
                          index: int) -> Processor:
-        raise NotImplementedError(f"{type(self).__name__}.select_processor")
+        """The processor for point `point`, the `index`-th of `domain`, of launch `launch_name`."""
 
 
 class DefaultMapper(Mapper):

@@ -419,9 +419,7 @@ class MPITransport:
             with self.vlock:
                 self._released = True
                 self.vlock.notify_all()
-        elif kind == "alive":
-            pass
-        else:
+        elif kind != "alive":  # a heartbeat only refreshes last_heard, above
             self._fatal(f"taskrt: rank {self.rank} got an unknown control message {kind!r} from rank {src}")
 
     def checkpoint(self, kind: str) -> None:

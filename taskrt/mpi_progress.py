@@ -194,11 +194,14 @@ def precise_sleeps() -> None:
     """Cut this thread's timer slack to 1 us (Linux prctl PR_SET_TIMERSLACK), so that a 5 us
     sleep is not a 55 us one; elsewhere a no-op."""
     if sys.platform.startswith("linux"):
+        import ctypes
         try:
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+            libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            return
+        prctl = getattr(libc, "prctl", None)
+        if prctl is not None:
+            prctl(29, 1000, 0, 0, 0)
 
 
 def wait_request(request) -> None:

@@ -29,11 +29,11 @@ class SummedLoss:
 
 
 class SummedCE(SummedLoss, SparseCategoricalCrossEntropy):
-    pass
+    """Cross-entropy whose backward is the gradient of the summed loss."""
 
 
 class SummedMSE(SummedLoss, MeanSquaredError):
-    pass
+    """Mean squared error whose backward is the gradient of the summed loss."""
 
 
 def ce_case(rng, n, c, from_logits, dtype=np.float32):
