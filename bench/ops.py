@@ -17,16 +17,18 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# run as a script, this file's folder comes first on sys.path, and bench/ops.py would
+# shadow the ops package: look in the repository root instead
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from ops.attention import MultiHeadAttention  # noqa: E402
-from ops.base import TensorSpec  # noqa: E402
-from ops.conv import Conv2d, Pool2d  # noqa: E402
-from ops.embedding import Embedding  # noqa: E402
-from ops.linear import Dense  # noqa: E402
-from ops.lstm import LSTM  # noqa: E402
-from ops.norm import BatchNorm  # noqa: E402
-from taskrt.geometry import Rect  # noqa: E402
+from ops.attention import MultiHeadAttention
+from ops.base import TensorSpec
+from ops.conv import Conv2d, Pool2d
+from ops.embedding import Embedding
+from ops.linear import Dense
+from ops.lstm import LSTM
+from ops.norm import BatchNorm
+from taskrt.geometry import Rect
 
 MATRIX_BOUND = {"conv_alexnet1", "conv_resnet3x3", "dense_4096", "lstm_1024x40", "attention_512"}
 

@@ -8,21 +8,13 @@ Last line: one JSON object.
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-
 import json
-import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from taskrt import READ, READ_WRITE, Runtime, req  # noqa: E402
+from taskrt import READ, READ_WRITE, Runtime, req
 
 N_SINGLE = 4000
 LAUNCHES, POINTS = 60, 64
@@ -112,7 +104,7 @@ def dask_graphs(cpus: int):
 # ---- parallel speedup -------------------------------------------------------------------
 def tiled_matmul_time(cpus: int, tiles: int = 8, rows: int = 1024, n: int = 384, reps: int = 6) -> float:
     rng = np.random.default_rng(0)
-    with Runtime(cpus=cpus) as rt:
+    with Runtime(cpus=cpus, blas_threads=1) as rt:
         a = rt.region((tiles * rows, n), "float64", "a")
         c = rt.region((tiles * rows, n), "float64", "c")
         b = rt.region((n, n), "float64", "b")
@@ -156,7 +148,8 @@ def raw_threads_speedup(tiles: int = 8, rows: int = 1024, n: int = 384, reps: in
         for t in ts:
             t.join()
 
-    return best(lambda: work(range(tiles))) / best(two_threads)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return best(lambda: work(range(tiles))) / best(two_threads)
 
 
 def main():
@@ -171,7 +164,10 @@ def main():
     raw = raw_threads_speedup()
     print(f"tiled matmul: 1 proc {t1 * 1e3:.1f} ms, 2 procs {t2 * 1e3:.1f} ms, speedup {t1 / t2:.2f} "
           f"(two plain threads on the same work: {raw:.2f})")
-    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+
+    def mean(d):
+        return sum(d.values()) / len(d)
+
     result = {
         "bench": "task_overhead",
         "taskrt_us": round(mean(ours), 2),

@@ -10,17 +10,14 @@ Usage: mpiexec -n N python random_programs.py [examples]
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import test_runtime as tr  # noqa: E402  (the generator and the sequential reference)
-
-from taskrt import Runtime  # noqa: E402
+from taskrt import Runtime
+from tests import test_runtime as tr  # the program generator and the sequential reference
 
 
 def draw_programs(count: int) -> list:
