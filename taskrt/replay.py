@@ -5,8 +5,9 @@ entry differs from the recording's) the block is analyzed normally and recorded:
 launches' keys, its nodes with their preds inside the block, and the analysis state of
 every region it touched at entry (without node ids) and at exit. Later entries whose
 state matches replay the nodes without any dependence analysis: a fence node stands for
-everything issued before the block, every root of the block waits on it, and the exit
-state is installed with the block's fresh node ids. A launch that differs from the
+every node the touched regions' states refer to (all that the block could depend on from
+outside it), every root of the block waits on it, and the exit state is installed with
+the block's fresh node ids. A launch that differs from the
 recording stops the replay with a ReplayMismatch warning: the launches replayed so far
 are re-analyzed (without making nodes again) and the block goes on dynamically.
 """
@@ -88,7 +89,14 @@ class ReplayBlock:
         if rec is not None and rec.replayable and all(_abstract(rt, uid) == rec.begin_abstract[uid] for uid in rec.regions):
             self.mode = "replaying"
             self.recording = rec
-            self.fence_id = rt._emit_fence(f"replay-fence:{self.name}")
+            # the fence stands for every node of the touched regions' states: all that the
+            # block's nodes could depend on from outside it (futures are added per node)
+            outside = set()
+            for uid in rec.regions:
+                st = rt.analyzer.states.get(uid)
+                if st is not None:
+                    outside |= st.node_ids()
+            self.fence_id = rt._emit_fence(f"replay-fence:{self.name}", outside)
             rt.replay_stats["replayed"] += 1
         else:
             self.mode = "recording"
@@ -134,7 +142,12 @@ class ReplayBlock:
         keys = self.recording.launch_keys
         if k >= len(keys) or keys[k] != spec.key():
             what = f"launch #{k} {spec.name!r}"
-            recorded = "nothing" if k >= len(keys) else f"a different launch ({keys[k][1]!r})"
+            if k >= len(keys):
+                recorded = "nothing"
+            else:
+                parts = ("task function", "name", "launch domain", "requirements", "processors")
+                differ = [p for p, a, b in zip(parts, keys[k], spec.key()) if a != b]
+                recorded = f"{keys[k][1]!r} with another {', '.join(differ)}"
             self._fall_back(f"{what} does not match the recording, which has {recorded} there")
             rt._analyze(spec)
             return

@@ -147,11 +147,12 @@ class _FakeRegion:
         return getattr(self._r, name)
 
 
-def run_runtime(rt, shapes, parts, steps, replay_twice=False):
+def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
+    """The program on a runtime: `repeat` times over, each time in a replay block if asked."""
     regions, partitions = build(lambda s: rt.region(s, "int64"), shapes, parts)
     for region, shape in zip(regions, shapes):
         rt.attach(region, np.arange(np.prod(shape), dtype=np.int64).reshape(shape) % 13)
-    futures = []
+    launches = []
     for kind, r, p, src, k in steps:
         part = partitions[r][p]
         reqs = [req(part, PRIVS[kind])]
@@ -162,7 +163,12 @@ def run_runtime(rt, shapes, parts, steps, replay_twice=False):
         if len(reqs) == 2 and reqs[1].region is reqs[0].region and PRIVS[kind] is not READ:
             # a task may not read and write overlapping data of one region: read a copy instead
             reqs = reqs[:1]
-        futures.append(rt.index_launch(KERNELS[kind], part, *reqs, args=(k,)))
+        launches.append((KERNELS[kind], part, reqs, k))
+    futures = []
+    for _ in range(repeat):
+        with (rt.replay("program") if replay else _Null()):
+            for fn, part, reqs, k in launches:
+                futures.append(rt.index_launch(fn, part, *reqs, args=(k,)))
     arrays = [rt.read(region) for region in regions]
     return arrays, [fm.get() for fm in futures]
 
@@ -189,6 +195,40 @@ def test_random_programs_match_sequential(cpus, separate, prog):
     for got, want in zip(got_arrays, want_arrays):
         np.testing.assert_array_equal(got, want)
     assert got_results == want_results
+
+
+@pytest.mark.parametrize("cpus,separate", [(2, False), (4, True)])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prog=programs())
+def test_replayed_random_programs_match_sequential(cpus, separate, prog):
+    """Repeating a random program in a replay block gives the same arrays and futures as
+    running it that many times in program order on one thread."""
+    shapes, parts, steps = prog
+    steps = _same_steps(steps, shapes, parts)
+    want_arrays, want_results = run_sequential(shapes, parts, steps * 4)
+    with Runtime(cpus=cpus, separate_memories=separate) as rt:
+        got_arrays, got_results = run_runtime(rt, shapes, parts, steps, repeat=4, replay=True)
+        assert rt.replay_stats["mismatches"] == 0
+    for got, want in zip(got_arrays, want_arrays):
+        np.testing.assert_array_equal(got, want)
+    assert got_results == want_results
+
+
+def test_replay_fence_waits_only_for_the_regions_the_block_touches():
+    rt = Runtime(machine=Machine.build(1, 2), execute=False)
+    a, b = rt.region((4,), "int64", "a"), rt.region((4,), "int64", "b")
+    def touch(v):
+        return None
+
+    busy = rt.launch(touch, req(b, WRITE))
+    for _ in range(3):
+        with rt.replay("only-a"):
+            rt.launch(touch, req(a, READ_WRITE))
+    assert rt.replay_stats == {"recorded": 2, "replayed": 1, "mismatches": 0}
+    fences = [n for n in rt.graph.nodes.values() if n.name.startswith("replay-fence")]
+    assert fences, "the third entry replays behind a fence"
+    for f in fences:
+        assert busy.node_id not in rt.graph.preds[f.id]
 
 
 # ---- reductions ---------------------------------------------------------------------------
@@ -390,7 +430,8 @@ def test_replay_mismatch_warns_and_falls_back_correctly():
     with Runtime(cpus=4, separate_memories=True) as rt:
         want = _jacobi_program(rt, 6, use_replay=False, mutate_at=4)
     with Runtime(cpus=4, separate_memories=True) as rt:
-        with pytest.warns(ReplayMismatch, match="launch #1 .* does not match the recording"):
+        with pytest.warns(ReplayMismatch, match="launch #1 .* does not match the recording, which has "
+                                                "'stencil' with another task function, name"):
             got = _jacobi_program(rt, 6, use_replay=True, mutate_at=4)
         assert rt.replay_stats["mismatches"] == 1
     np.testing.assert_array_equal(got, want)
