@@ -43,13 +43,6 @@ class RegionState:
         pending = tuple((r, op, m) for r, op, _, m, _ in self.pending)
         return pieces, pending
 
-    def node_ids(self) -> set[int]:
-        """Every node this state refers to: all that a new access to the region could wait for."""
-        ids = {n for lst in self.users.values() for _, n in lst}
-        ids.update(n for v in self.pieces.values() for n in v.values() if n is not None)
-        ids.update(n for *_, n in self.pending)
-        return ids
-
     def remap(self, f: Callable[[int | None], int | None]) -> "RegionState":
         """A copy with every node id passed through f."""
         return RegionState(

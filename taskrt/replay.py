@@ -5,9 +5,11 @@ entry differs from the recording's) the block is analyzed normally and recorded:
 launches' keys, its nodes with their preds inside the block, and the analysis state of
 every region it touched at entry (without node ids) and at exit. Later entries whose
 state matches replay the nodes without any dependence analysis: a fence node stands for
-every node the touched regions' states refer to (all that the block could depend on from
-outside it), every root of the block waits on it, and the exit state is installed with
-the block's fresh node ids. A launch that differs from the
+everything issued before the block, every root of the block waits on it, and the exit
+state is installed with the block's fresh node ids. (A fence on just the nodes that the
+touched regions' states name would let blocks on other regions overlap, but those sets
+are not transitively reduced, and on many ranks each remote node's local frontier then
+grows with every block issued before the first one runs.) A launch that differs from the
 recording stops the replay with a ReplayMismatch warning: the launches replayed so far
 are re-analyzed (without making nodes again) and the block goes on dynamically.
 """
@@ -89,14 +91,7 @@ class ReplayBlock:
         if rec is not None and rec.replayable and all(_abstract(rt, uid) == rec.begin_abstract[uid] for uid in rec.regions):
             self.mode = "replaying"
             self.recording = rec
-            # the fence stands for every node of the touched regions' states: all that the
-            # block's nodes could depend on from outside it (futures are added per node)
-            outside = set()
-            for uid in rec.regions:
-                st = rt.analyzer.states.get(uid)
-                if st is not None:
-                    outside |= st.node_ids()
-            self.fence_id = rt._emit_fence(f"replay-fence:{self.name}", outside)
+            self.fence_id = rt._emit_fence(f"replay-fence:{self.name}")
             rt.replay_stats["replayed"] += 1
         else:
             self.mode = "recording"

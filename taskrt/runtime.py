@@ -85,6 +85,8 @@ class Runtime:
         self.graph = TaskGraph(keep=(not execute) if keep_graph is None else keep_graph)
         self._next_id = 0
         self._launch_count = 0
+        self._sinks: set[int] = set()
+        self._sink_limit = 1024
         self._replay: ReplayBlock | None = None
         self._recordings = {}
         self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0}
@@ -267,6 +269,13 @@ class Runtime:
     def _emit(self, node, preds) -> None:
         preds = tuple(preds)
         self.graph.add(node, preds)
+        sinks = self._sinks
+        for p in preds:
+            sinks.discard(p)
+        sinks.add(node.id)
+        if len(sinks) > self._sink_limit:
+            self._sinks = {s for s in sinks if not self._is_done(s)}
+            self._sink_limit = max(1024, 2 * len(self._sinks))
         if self._replay is not None:
             self._replay.on_emit(node, preds)
         if self.executor is not None:
@@ -275,10 +284,12 @@ class Runtime:
             else:
                 self.executor.submit(node, preds)
 
-    def _emit_fence(self, name: str, preds) -> int:
-        """A node that runs nothing, after `preds` (those not yet done); returns its id."""
+    def _emit_fence(self, name: str) -> int:
+        """A no-op node after everything issued so far; returns its id."""
         node = TaskNode(self._new_id(), name, self.home, None, ())
-        self._emit(node, [p for p in preds if not self._is_done(p)])
+        live = [s for s in self._sinks if not self._is_done(s)]
+        self._sinks.clear()
+        self._emit(node, live)
         return node.id
 
     def _is_done(self, node_id: int) -> bool:

@@ -214,23 +214,6 @@ def test_replayed_random_programs_match_sequential(cpus, separate, prog):
     assert got_results == want_results
 
 
-def test_replay_fence_waits_only_for_the_regions_the_block_touches():
-    rt = Runtime(machine=Machine.build(1, 2), execute=False)
-    a, b = rt.region((4,), "int64", "a"), rt.region((4,), "int64", "b")
-    def touch(v):
-        return None
-
-    busy = rt.launch(touch, req(b, WRITE))
-    for _ in range(3):
-        with rt.replay("only-a"):
-            rt.launch(touch, req(a, READ_WRITE))
-    assert rt.replay_stats == {"recorded": 2, "replayed": 1, "mismatches": 0}
-    fences = [n for n in rt.graph.nodes.values() if n.name.startswith("replay-fence")]
-    assert fences, "the third entry replays behind a fence"
-    for f in fences:
-        assert busy.node_id not in rt.graph.preds[f.id]
-
-
 # ---- reductions ---------------------------------------------------------------------------
 @pytest.mark.parametrize("op,ufunc", [("sum", np.add), ("prod", np.multiply), ("max", np.maximum),
                                       ("min", np.minimum)])
