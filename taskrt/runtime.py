@@ -24,7 +24,8 @@ from .executor import Executor
 from .geometry import Rect
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req
-from .machine import Machine, Processor, mpi_world_size_from_env
+from .backends import gpu
+from .machine import Machine, Memory, Processor, mpi_world_size_from_env
 from .mapper import DefaultMapper, Mapper
 from .privilege import READ, WRITE
 from .region import Partition, Region
@@ -301,9 +302,12 @@ class Runtime:
 
     # ---- running nodes (on worker threads) ----------------------------------------------
     def _setup_worker(self, where) -> None:
+        """A GPU processor's thread, and the thread of copies into a GPU memory, issue their
+        work on that device and on a stream of their own."""
         if isinstance(where, Processor) and where.kind == "gpu":
-            import cupy
-            cupy.cuda.Device(where.device).use()
+            gpu.use_device(where.device)
+        elif isinstance(where, Memory) and where.kind == "gpu":
+            gpu.use_device(self.store.gpu_devices[where])
 
     def _run_task(self, node: TaskNode) -> None:
         fn = node.fn
@@ -327,6 +331,8 @@ class Runtime:
             result = fn(ctx, *views, *args)
         else:
             result = fn(*views, *args)
+        if node.proc.kind == "gpu":
+            gpu.synchronize()  # finished means the data is there for other threads and streams
         if node.future is not None:
             node.future._set(result)
 
@@ -337,6 +343,8 @@ class Runtime:
             self.store.copy(node.region, node.rect, node.src, node.dst)
         else:
             self.store.fold(node.region, node.rect, node.dst, node.buffer, node.redop)
+        if node.src.kind == "gpu" or node.dst.kind == "gpu":
+            gpu.synchronize()
 
     # ---- waiting and shutting down --------------------------------------------------------
     def _node_done(self, node_id) -> bool:

@@ -16,6 +16,18 @@ def module():
     return _cupy()
 
 
+def use_device(device: int) -> None:
+    """Make `device` current in this thread, with a non-blocking stream of the thread's own."""
+    cp = _cupy()
+    cp.cuda.Device(device).use()
+    cp.cuda.Stream(non_blocking=True).use()
+
+
+def synchronize() -> None:
+    """Wait for the work this thread issued on its current stream."""
+    _cupy().cuda.get_current_stream().synchronize()
+
+
 def allocate(shape, dtype, device: int):
     cp = _cupy()
     with cp.cuda.Device(device):
