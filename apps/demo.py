@@ -20,7 +20,7 @@ import numpy as np
 
 from taskrt import READ, WRITE, Partition, Rect, Runtime, req
 from tools.trace_summary import format_summary, summarize
-from taskrt.tracing import read_trace
+from taskrt.tracing import rank_trace_path, read_trace
 
 
 def heat_step_numpy(u: np.ndarray) -> np.ndarray:
@@ -63,13 +63,16 @@ def run(cpus: int, size: int, steps: int, trace: str) -> dict:
                 rt.index_launch(stencil, tb, req(hb, READ), req(ta, WRITE), name="stencil_ba")
         result = rt.read(a)
         stats = dict(rt.replay_stats)
+        rank, ranks = rt.rank, rt.num_ranks
     elapsed = time.perf_counter() - t0
     want = u0
     for _ in range(2 * (steps // 2)):
         want = heat_step_numpy(want)
     err = float(np.abs(result - want).max())
-    _, events = read_trace(trace)
-    return {"elapsed_s": elapsed, "max_error": err, "replay": stats, "events": events}
+    path = rank_trace_path(trace, rank) if ranks > 1 else trace
+    _, events = read_trace(path)
+    return {"elapsed_s": elapsed, "max_error": err, "replay": stats, "events": events, "trace": path,
+            "rank": rank, "ranks": ranks}
 
 
 def train_cnn(cpus: int, iterations: int, trace: str) -> dict:
@@ -98,10 +101,12 @@ def train_cnn(cpus: int, iterations: int, trace: str) -> dict:
     history = m.fit(images, labels, iterations=iterations, verbose=False)
     elapsed = time.perf_counter() - t0
     stats = dict(rt.replay_stats)
+    rank, ranks = rt.rank, rt.num_ranks
     m.close()
     rt.shutdown()
     return {"loss_first": history.loss[0], "loss_last": history.loss[-1], "accuracy": history.accuracy[-1],
-            "elapsed_s": elapsed, "replay": stats, "iterations": iterations}
+            "elapsed_s": elapsed, "replay": stats, "iterations": iterations,
+            "trace": rank_trace_path(trace, rank) if ranks > 1 else trace}
 
 
 def main(argv=None) -> None:
@@ -113,23 +118,26 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=40, help="CNN training iterations")
     args = parser.parse_args(argv)
     out = run(args.cpus, args.size, args.steps, args.trace)
+    # under mpiexec every rank runs the demo; rank 0 reports (its own rank's trace)
+    say = print if out["rank"] == 0 else (lambda *a, **k: None)
     tasks = sum(e["kind"] == "task" for e in out["events"])
-    copies = sum(e["kind"] == "copy" for e in out["events"])
-    print(f"heat stencil {args.size}x{args.size}, {args.steps} steps on {args.cpus} CPU processors "
-          f"with separate memories: {out['elapsed_s']:.2f} s")
-    print(f"max |runtime - numpy| = {out['max_error']:.2e}; {tasks} tasks, {copies} copies; replay {out['replay']}")
-    print(format_summary(summarize(out["events"])))
-    print(f"trace written to {args.trace}")
+    copies = sum(e["kind"] != "task" for e in out["events"])
+    where = f"{args.cpus} CPU processors" + (f" on each of {out['ranks']} ranks" if out["ranks"] > 1 else "")
+    say(f"heat stencil {args.size}x{args.size}, {args.steps} steps on {where} with separate memories: "
+        f"{out['elapsed_s']:.2f} s")
+    say(f"max |runtime - numpy| = {out['max_error']:.2e}; {tasks} tasks, {copies} copies; replay {out['replay']}")
+    say(format_summary(summarize(out["events"])))
+    say(f"trace written to {out['trace']}")
     if out["max_error"] > 1e-12:
         raise SystemExit("demo result differs from NumPy")
     cnn_trace = args.trace.replace(".trace.jsonl", "") + ".cnn.trace.jsonl"
     cnn = train_cnn(args.cpus, args.iterations, cnn_trace)
-    print(f"\nsmall CNN, {cnn['iterations']} iterations of batch 32 on {args.cpus} CPU processors: "
-          f"{cnn['elapsed_s']:.2f} s; loss {cnn['loss_first']:.3f} -> {cnn['loss_last']:.3f}, "
-          f"accuracy {cnn['accuracy']:.2f}; replay {cnn['replay']}")
-    _, events = read_trace(cnn_trace)
-    print(format_summary(summarize(events)))
-    print(f"trace written to {cnn_trace}")
+    say(f"\nsmall CNN, {cnn['iterations']} iterations of batch 32 on {where}: "
+        f"{cnn['elapsed_s']:.2f} s; loss {cnn['loss_first']:.3f} -> {cnn['loss_last']:.3f}, "
+        f"accuracy {cnn['accuracy']:.2f}; replay {cnn['replay']}")
+    _, events = read_trace(cnn["trace"])
+    say(format_summary(summarize(events)))
+    say(f"trace written to {cnn['trace']}")
     if not cnn["loss_last"] < 0.5 * cnn["loss_first"]:
         raise SystemExit("the CNN did not learn")
 
