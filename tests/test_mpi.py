@@ -76,6 +76,12 @@ def test_futures_of_tasks_on_other_ranks(n):
     assert_every_rank_ok(proc, n)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_model_split_across_ranks_trains_like_one_process(n):
+    proc, _ = run_mpi(n, "model.py", timeout=120)
+    assert_every_rank_ok(proc, n)
+
+
 def test_each_rank_writes_its_trace_with_clock_offsets(tmp_path):
     n = 2
     proc, _ = run_mpi(n, "traces.py", tmp_path / "run.jsonl")

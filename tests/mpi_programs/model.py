@@ -1,0 +1,62 @@
+"""A model trained on every rank of an MPI run gives the numbers of a one-process run.
+
+The same small CNN is trained for a few iterations twice: on the replicated runtime, with
+its convolutions split over batch and height so that neighbouring tiles (and their halos
+and gradient reductions) live on different ranks, and on a plain single-process runtime
+made inside rank 0 (a Machine given, so it does not join the MPI run). Losses and
+parameters must agree to float32 rounding (reductions may fold in another order).
+
+mpiexec -n N (N >= 2); prints "OK rank R" at the end.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ops import SGD, Model, TileConfig
+from taskrt import Machine, Runtime
+
+
+def build_and_train(rt, configs, images, labels, iterations):
+    m = Model(runtime=rt, seed=3)
+    x = m.input((8, 1, 8, 8), name="images")
+    h = m.relu(m.batch_norm(m.conv2d(x, 4, 3, padding=1, name="conv1"), name="bn1"))
+    h = m.relu(m.conv2d(h, 4, 3, padding=1, name="conv2"))
+    m.softmax(m.dense(m.flat(m.pool2d(h, 2)), 3, name="fc"))
+    m.compile(optimizer=SGD(lr=0.05, momentum=0.9), loss="sparse_categorical_crossentropy", configs=configs)
+    history = m.fit(images, labels, iterations=iterations, verbose=False, shuffle=False)
+    params = m.parameters()
+    m.close()
+    return history.loss, params
+
+
+def main():
+    rng = np.random.default_rng(7)
+    images = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 3, 32)
+    with Runtime(cpus=1) as rt:
+        n = rt.num_ranks
+        assert rt.transport is not None and n >= 2, f"Runtime() under mpiexec: {rt!r}"
+        # 2 x 2 tiles: tile i on processor i*n//4, so the tiles of one conv span every rank
+        configs = {"conv1": TileConfig((2, 1, 2, 1)), "conv2": TileConfig((2, 1, 2, 1)),
+                   "fc": TileConfig((1, min(3, n)))}
+        losses, params = build_and_train(rt, configs, images, labels, iterations=6)
+        rank = rt.rank
+    everyone = MPI.COMM_WORLD.allgather((losses, params))
+    for r, (other_losses, other_params) in enumerate(everyone):
+        assert other_losses == losses, f"rank {r} saw losses {other_losses}, rank {rank} {losses}"
+        for k in params:
+            assert np.array_equal(other_params[k], params[k]), f"rank {r} reads another {k}"
+    if rank == 0:
+        local = Runtime(machine=Machine.build(1, 2, separate_memories=True))
+        want_losses, want_params = build_and_train(local, {"conv1": TileConfig((2, 1, 2, 1))}, images, labels,
+                                                   iterations=6)
+        local.shutdown()
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+        for k in want_params:
+            np.testing.assert_allclose(params[k], want_params[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    print(f"OK rank {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
