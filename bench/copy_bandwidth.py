@@ -33,20 +33,20 @@ import sys
 import threading
 import time
 
+import numpy as np
+
+from taskrt import READ, READ_WRITE, Runtime, req
 from taskrt.machine import mpi_world_size_from_env
 
-if __name__ == "__main__" and mpi_world_size_from_env() == 1:
-    # started alone: run on 2 ranks (before mpi4py makes this process an MPI singleton)
+
+def relaunch_on_two_ranks() -> None:
+    """Started alone (as `make bench` does): run again under mpiexec -n 2 and exit. Importing
+    mpi4py first would make this process an MPI singleton, so main() imports it."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
     if mpiexec is None:
         raise SystemExit("bench/copy_bandwidth.py needs mpiexec (pip install mpich mpi4py)")
     sys.exit(subprocess.call([mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__), *sys.argv[1:]]))
-
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from taskrt import READ, READ_WRITE, Runtime, req  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -65,9 +65,9 @@ def raw_seconds(comm, size: int, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
         if comm.rank == 0:
-            comm.Send([buf, MPI.BYTE], 1, 11)
+            comm.Send(buf, 1, 11)
         elif comm.rank == 1:
-            comm.Recv([buf, MPI.BYTE], 0, 11)
+            comm.Recv(buf, 0, 11)
     t = time.perf_counter() - t0
     comm.Barrier()
     return t
@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--tiles", type=int, default=4, help="tiles in turn in the stream measurement")
     args = ap.parse_args()
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     if comm.size != 2:
         raise SystemExit(f"run with mpiexec -n 2 (got {comm.size} ranks)")
@@ -153,7 +155,10 @@ def main() -> None:
                 stream.append(runtime_seconds(rt, comm, tiles, reps, stream=True))
             # rank 1 finishes last in all three: its clock is the one that counts
             raw, chain, stream = comm.bcast((min(raw), min(chain), min(stream)) if comm.rank == 1 else None, root=1)
-            gbps = lambda sec: round(size * reps / sec / 1e9, 4)  # noqa: E731
+
+            def gbps(sec):
+                return round(size * reps / sec / 1e9, 4)
+
             results[label(size)] = {"bytes": size, "reps": reps, "raw_GBps": gbps(raw), "stream_GBps": gbps(stream),
                                     "chain_GBps": gbps(chain), "ratio": round(raw / stream, 3),
                                     "chain_ratio": round(raw / chain, 3)}
@@ -171,4 +176,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if mpi_world_size_from_env() == 1:
+        relaunch_on_two_ranks()
     main()

@@ -27,8 +27,9 @@ def bn_data(op, seed=0, dtype=np.float32):
     state = {"running_mean": rng.standard_normal(c), "running_var": rng.uniform(0.5, 2.0, c)}
     x = 2 * rng.standard_normal(op.inputs[0].shape) + 1
     g = rng.standard_normal(op.inputs[0].shape)
-    cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
-    return x.astype(dtype), cast(weights), cast(state), g.astype(dtype)
+    weights = {k: v.astype(dtype) for k, v in weights.items()}
+    state = {k: v.astype(dtype) for k, v in state.items()}
+    return x.astype(dtype), weights, state, g.astype(dtype)
 
 
 def torch_bn(op, x, weights, state, g, training):
