@@ -86,12 +86,10 @@ class Executor:
             if count:
                 self.waiting[node.id] = count
                 return
-        if self.inline_types:
-            self._ready(node)
-        else:
-            self.queues[node.where].put(node)
+        self._ready(node)
 
     def _ready(self, node) -> None:
+        """Queue a node whose preds have all finished (or post an inline one right here)."""
         if self.inline_types and type(node) in self.inline_types and node.inline:
             # a loop, not recursion: an inline node that finishes at once may ready another
             local = self._inline
@@ -102,25 +100,11 @@ class Executor:
             local.pending = pending = [node]
             try:
                 while pending:
-                    self._run_inline(pending.pop())
+                    self._run(pending.pop(), self.run_copy)
             finally:
                 local.pending = None
         else:
             self.queues[node.where].put(node)
-
-    def _run_inline(self, node) -> None:
-        if self.error is None:
-            start = time.perf_counter()
-            try:
-                if self.run_copy(node) is PENDING:
-                    return
-            except BaseException as exc:
-                self._fail(node, exc, traceback.format_exc())
-            if self.hooks:
-                end = time.perf_counter()
-                for h in self.hooks:
-                    h(node, start, end)
-        self._finish(node)
 
     def resume(self, node) -> None:
         """Run a PENDING node again, on its worker (its run knows where it left off)."""
@@ -142,17 +126,13 @@ class Executor:
                     ready.append(self.unfinished[s])
             if self.sleepers:
                 self.cond.notify_all()
-        if self.inline_types:
-            for n in ready:
-                self._ready(n)
-        else:
-            for n in ready:
-                self.queues[n.where].put(n)
+        for n in ready:
+            self._ready(n)
 
     def _worker(self, where, q: queue.SimpleQueue, setup) -> None:
         if setup is not None:
             setup(where)
-        run_task, run_copy, hooks = self.run_task, self.run_copy, self.hooks
+        run_task, run_copy = self.run_task, self.run_copy
         while True:
             idle = self.idle
             if idle is None:
@@ -166,22 +146,20 @@ class Executor:
                     node = q.get()
             if node is None:
                 return
-            if self.error is None:
-                start = time.perf_counter()
-                try:
-                    if type(node) is TaskNode:
-                        result = run_task(node)
-                    else:
-                        result = run_copy(node)
-                    if result is PENDING:
-                        continue
-                except BaseException as exc:  # the task's error is reported at wait(), never lost
-                    self._fail(node, exc, traceback.format_exc())
-                if hooks:
-                    end = time.perf_counter()
-                    for h in hooks:
-                        h(node, start, end)
+            self._run(node, run_task if type(node) is TaskNode else run_copy)
+
+    def _run(self, node, run: Callable) -> None:
+        """Run a node (skipped after an error); finish it unless it returned PENDING."""
+        if self.error is not None:
             self._finish(node)
+            return
+        start = time.perf_counter()
+        try:
+            if run(node) is PENDING:
+                return
+        except BaseException as exc:  # the task's error is reported at wait(), never lost
+            self._fail(node, exc, traceback.format_exc())
+        self.complete(node, start)
 
     def complete(self, node, start: float) -> None:
         """Finish a node whose run returned PENDING; `start` is when its run began."""

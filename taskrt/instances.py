@@ -50,12 +50,13 @@ class InstanceStore:
 
     def new_buffer(self, key: tuple[int, int], region: Region, rect: Rect, memory: Memory, redop: str):
         """A private reduction buffer for a task's requirement, filled with the operator's identity."""
-        xp = self.xp(memory)
+        identity = reduction_identity(redop, region.dtype)
         if memory.kind == "sys":
-            buf = np.full(rect.shape, reduction_identity(redop, region.dtype), region.dtype)
+            buf = np.full(rect.shape, identity, region.dtype)
         else:
-            with xp.cuda.Device(self.gpu_devices[memory]):
-                buf = xp.full(rect.shape, reduction_identity(redop, region.dtype), region.dtype)
+            cp = gpu.module()
+            with cp.cuda.Device(self.gpu_devices[memory]):
+                buf = cp.full(rect.shape, identity, region.dtype)
         if rect.volume:
             self.buffers[key] = buf
         return buf
@@ -73,12 +74,14 @@ class InstanceStore:
         self.fold_array(region, rect, dst, self.buffers.pop(buffer_key), redop)
 
     def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str) -> None:
-        """dst[rect] op= buf (a reduction buffer, or one that came from another rank)."""
+        """dst[rect] op= buf (a reduction buffer, or one that came from another rank), first
+        moving buf into dst's memory when it lives elsewhere."""
         dst_view = self.instance(region, dst)[rect.slices()]
-        if dst.kind != "sys" or not isinstance(buf, np.ndarray):
-            staged = self.xp(dst).empty(rect.shape, region.dtype) if dst.kind != "sys" else np.empty(rect.shape, region.dtype)
-            gpu.copy(staged, buf, self.gpu_devices.get(dst))
-            buf = staged
+        if dst.kind == "sys":
+            if not isinstance(buf, np.ndarray):
+                buf = gpu.to_numpy(buf)
+        else:
+            buf = gpu.to_device(buf, self.gpu_devices[dst])
         fold(self.xp(dst), redop, dst_view, buf)
 
     def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray) -> None:
@@ -88,7 +91,3 @@ class InstanceStore:
             np.copyto(dst_view, array)
         else:
             gpu.copy(dst_view, array, self.gpu_devices[dst])
-
-    def drop_region(self, region: Region) -> None:
-        for key in [k for k in self.instances if k[0] == region.uid]:
-            del self.instances[key]

@@ -20,11 +20,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .analysis import Analyzer
+from .backends import gpu
 from .executor import Executor
 from .geometry import Rect
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req
-from .backends import gpu
 from .machine import Machine, Memory, Processor, mpi_world_size_from_env
 from .mapper import DefaultMapper, Mapper
 from .privilege import READ, WRITE
@@ -95,7 +95,6 @@ class Runtime:
         self.analyzer = Analyzer(self._new_id, self._emit, self._is_done)
         gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
         self.store = InstanceStore(gpu_devices)
-        self.host = self.machine.host_processor(rank)
         self.home = self.machine.host_processor(0)
         trace = os.environ.get("TASKRT_TRACE") if trace is None else trace
         self.trace_path = trace if isinstance(trace, str) and trace else None
@@ -321,7 +320,7 @@ class Runtime:
             else:
                 views.append(store.view(r.region, r.rect, r.memory, r.privilege.writes))
         args = node.args
-        if node.future is not None and any(isinstance(a, Future) for a in args):
+        if args and node.future is not None and any(isinstance(a, Future) for a in args):
             args = tuple(a.get() if isinstance(a, Future) else a for a in args)
         wants_ctx = self._ctx_fns.get(fn)
         if wants_ctx is None:

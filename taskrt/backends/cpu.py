@@ -3,16 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-xp = np
-
 
 def allocate(shape, dtype):
     # np.zeros maps fresh pages lazily, so a full-size instance only costs what is touched
     return np.zeros(shape, dtype)
-
-
-def to_numpy(array) -> np.ndarray:
-    return np.asarray(array)
 
 
 def read_only(view):

@@ -43,20 +43,26 @@ def read_only(view):
     return view
 
 
+def to_device(array, device: int):
+    """`array` (numpy, or cupy on any device) as a cupy array on `device`, copied only if needed."""
+    cp = _cupy()
+    if isinstance(array, np.ndarray):
+        with cp.cuda.Device(device):
+            return cp.asarray(array)
+    if array.device.id == device:
+        return array
+    with cp.cuda.Device(array.device.id):
+        src = cp.ascontiguousarray(array)
+    with cp.cuda.Device(device):
+        staged = cp.empty(src.shape, src.dtype)
+        staged.data.copy_from_device(src.data, src.nbytes)
+    return staged
+
+
 def copy(dst_view, src_view, dst_device: int | None) -> None:
     """dst[...] = src across host and devices: host to device, device to host, or peer to peer."""
-    cp = _cupy()
     if dst_device is None:
-        dst_view[...] = cp.asnumpy(src_view)
+        dst_view[...] = to_numpy(src_view)
         return
-    with cp.cuda.Device(dst_device):
-        if isinstance(src_view, np.ndarray):
-            dst_view[...] = cp.asarray(src_view)
-        elif src_view.device.id == dst_device:
-            dst_view[...] = src_view
-        else:
-            with cp.cuda.Device(src_view.device.id):
-                src = cp.ascontiguousarray(src_view)
-            staged = cp.empty(src.shape, src.dtype)
-            staged.data.copy_from_device(src.data, src.nbytes)
-            dst_view[...] = staged
+    with _cupy().cuda.Device(dst_device):
+        dst_view[...] = to_device(src_view, dst_device)
