@@ -3,7 +3,9 @@
 Run state, all guarded by one lock:
 - unfinished: node id -> node, for every node submitted and not yet finished;
 - waiting:    node id -> number of unfinished preds, for nodes not yet ready;
-- dependents: node id -> ids waiting on it.
+- dependents: node id -> ids waiting on it;
+- watched:    what threads in `wait_node` / `wait_all` wait for (a node id, or ALL) -> how
+              many of them, so that a finish wakes a waiter only when it is what it waits for.
 A ready node goes to the queue of its worker: one thread per local processor (tasks)
 and one per local memory (copies and folds into it). Workers call `run_task` /
 `run_copy`, then `_finish`, which releases the dependents. Hooks get (node, start, end).
@@ -11,9 +13,7 @@ A run may return PENDING instead: it has started something (an MPI message) that
 later, and whoever sees it end calls `complete(node, start)` (or `fail`), from any thread,
 or `resume(node)` to run it again on its worker. Nodes of a type in `inline_types` whose
 `inline` is true (cheap to start: posting a message) run in the thread that makes them
-ready instead of waiting for their worker. `idle`, when set, is called by a worker whose
-queue is empty (it may make progress on messages); it returns False when the worker
-should block on its queue.
+ready instead of waiting for their worker.
 The executor does not know what a task computes, nor whether a copy crosses ranks:
 `transport` (taskrt/mpi.py on many ranks) handles nodes that touch another rank.
 `on_error`, when set, is called with the TaskError of the first failure.
@@ -30,6 +30,8 @@ from .taskgraph import TaskNode
 
 #: returned by run_task / run_copy for a node that finishes later, through Executor.complete
 PENDING = object()
+#: what `wait_all` watches for in Executor.watched
+ALL = "all"
 
 
 class TaskError(RuntimeError):
@@ -54,14 +56,13 @@ class Executor:
         self.waiting: dict[int, int] = {}
         self.dependents: dict[int, list[int]] = {}
         self.error: TaskError | None = None
-        self.sleepers = 0
+        self.watched: dict[object, int] = {}
         self.run_task = run_task
         self.run_copy = run_copy
         self.hooks = hooks or []
         self.rank = rank
         self.on_error: Callable[[TaskError], None] | None = None
         self.inline_types: frozenset = frozenset()
-        self.idle: Callable[[], bool] | None = None
         self._inline = threading.local()
         self.queues: dict[object, queue.SimpleQueue] = {}
         self.threads: list[threading.Thread] = []
@@ -124,7 +125,8 @@ class Executor:
                 else:
                     del self.waiting[s]
                     ready.append(self.unfinished[s])
-            if self.sleepers:
+            watched = self.watched
+            if watched and (node.id in watched or (ALL in watched and not self.unfinished)):
                 self.cond.notify_all()
         for n in ready:
             self._ready(n)
@@ -134,16 +136,7 @@ class Executor:
             setup(where)
         run_task, run_copy = self.run_task, self.run_copy
         while True:
-            idle = self.idle
-            if idle is None:
-                node = q.get()
-            else:
-                try:
-                    node = q.get_nowait()
-                except queue.Empty:
-                    if idle():
-                        continue
-                    node = q.get()
+            node = q.get()
             if node is None:
                 return
             self._run(node, run_task if type(node) is TaskNode else run_copy)
@@ -186,15 +179,15 @@ class Executor:
 
     # ---- waiting ---------------------------------------------------------------------
     def wait_node(self, node_id: int, timeout: float | None = None) -> None:
-        self._wait(lambda: node_id not in self.unfinished, timeout)
+        self._wait(node_id, lambda: node_id not in self.unfinished, timeout)
 
     def wait_all(self, timeout: float | None = None) -> None:
-        self._wait(lambda: not self.unfinished, timeout)
+        self._wait(ALL, lambda: not self.unfinished, timeout)
 
-    def _wait(self, done: Callable[[], bool], timeout: float | None) -> None:
+    def _wait(self, what, done: Callable[[], bool], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            self.sleepers += 1
+            self.watched[what] = self.watched.get(what, 0) + 1
             try:
                 # after an error the remaining nodes drain without running, so this ends too
                 while not done():
@@ -203,7 +196,9 @@ class Executor:
                         raise TimeoutError(f"{len(self.unfinished)} nodes still unfinished after {timeout} s")
                     self.cond.wait(left if left is not None else 1.0)
             finally:
-                self.sleepers -= 1
+                left = self.watched.pop(what) - 1
+                if left:
+                    self.watched[what] = left
         if self.error is not None:
             raise self.error
 

@@ -1,23 +1,29 @@
-"""MPI progress: the requests in flight, and the threads that test them.
+"""MPI progress: the requests in flight, and the thread that waits on them.
 
-MPI moves a message only inside MPI calls, and Python threads that spin on the GIL starve
-each other (a thread that drops and retakes the GIL at once keeps a woken worker waiting
-for up to the 5 ms switch interval). So:
+MPI moves a message only inside an MPI call, and between ranks of one node MPICH moves a
+large message by one copy that the *receiver* makes inside such a call (CMA). So a rank
+that receives must be inside MPI as soon as the message is there, while its workers keep
+running Python. The progress thread therefore waits in one blocking `Waitsome`, which
+runs without the GIL: the copy goes on while workers compute, and the GIL is taken only
+to finish what ended. A sender has no copy to make, so it only polls.
 
-- whoever posts requests hands them over with `post(op, *requests)`; an Op counts its
-  requests and runs `op.done(op)` when the last one ends;
-- `poll()` tests every request in flight once (Testsome) and runs the done callbacks, in
-  the calling thread. Only one thread polls at a time (a lock, never waited for);
-- an idle worker calls `idle()` between tasks: while something happened in the last
-  SPIN_S it polls, so that a message that ends and the task it unblocks run in one thread;
-- the progress thread polls too (unless a worker polled in the last BACKUP_S), runs the
-  owner's `tick()` (control messages, heartbeats), and naps with real sleeps: SPIN_NAP_S
-  right after activity (timer slack cut to 1 us), doubling to MAX_NAP_S after SPIN_S of
-  quiet, and waits on an Event when nothing is in flight.
+- Whoever posts requests hands them over with `post(op, *requests)`; an Op counts its
+  requests and runs `op.done(op)` on the progress thread when the last one ends.
+- The progress thread's turn: take what was posted, run the owner's `tick()` (control
+  messages, heartbeats), then wait in one of three ways:
+  - receives in flight and something happened in the last SPIN_S: blocked in Waitsome
+    over the requests in flight plus a wake-up receive. A post during the wait sends the
+    wake-up (a message to self, on a communicator of its own), so that new requests join
+    the wait; the alarm thread sends it once the wait has been quiet for SPIN_S, so that
+    control messages are read and a long wait for a busy peer stops spinning a core;
+  - otherwise a Testsome, then a nap that a post cuts short: SPIN_NAP_S while there is
+    activity, doubling to MAX_NAP_S after SPIN_S of quiet;
+  - with nothing in flight: on an Event, with IDLE_TICK_S turns for control messages.
 
-Run state, under `lock` while polling: `reqs` and `ops` (parallel lists), `incoming` (a
-deque the posting threads append to), `last_activity`; under `count_lock`: `in_flight`
-(Ops of nodes posted and not ended) and `completions`.
+Run state: `incoming` (a deque the posting threads append to), `reqs` and `ops` (parallel
+lists, progress thread only), `receiving` (Ops with a receive among `ops`),
+`last_activity`, `blocked` (the progress thread is inside Waitsome); under `count_lock`,
+`in_flight` (Ops of nodes posted and not ended) and `completions`.
 """
 from __future__ import annotations
 
@@ -28,63 +34,77 @@ import traceback
 from collections import deque
 from typing import Callable
 
+import numpy as np
 from mpi4py import MPI
 
-SPIN_NAP_S = 5e-6
 SPIN_S = 0.002
+SPIN_NAP_S = 5e-6
 MAX_NAP_S = 0.001
-BACKUP_S = 1e-4
-IDLE_POLL_S = 0.002
+IDLE_TICK_S = 0.002
+WAKE_TAG = 0
 
 
 class Op:
     """Requests in flight for one thing (`node`, or None for a control message);
-    `done(op)` runs in the polling thread when all of them have ended."""
+    `done(op)` runs in the progress thread when all of them have ended. `receives`: some
+    of them are receives (the progress thread then waits inside MPI, see the module doc)."""
 
-    __slots__ = ("node", "start", "left", "keep", "done")
+    __slots__ = ("node", "start", "left", "keep", "done", "receives")
 
-    def __init__(self, node, start: float, keep=(), done: Callable | None = None):
+    def __init__(self, node, start: float, keep=(), done: Callable | None = None, receives: bool = False):
         self.node = node
         self.start = start
         self.left = 0
         self.keep = keep
         self.done = done
+        self.receives = receives
 
 
 class Progress:
-    """Tests the requests posted to it (see the module doc). `tick()` runs on the progress
+    """Waits on the requests posted to it (see the module doc). `tick()` runs on the progress
     thread every turn and returns whether it did something; `failed(reqs, ops)` is called
-    when Testsome raises; `fatal(text)` when the thread itself breaks."""
+    when an MPI call on the requests raises; `fatal(text)` when the thread itself breaks."""
 
     def __init__(self, name: str, tick: Callable[[], bool], failed: Callable, fatal: Callable[[str], None]):
         self.name = name
         self.tick = tick
         self.failed = failed
         self.fatal = fatal
-        self.lock = threading.Lock()
         self.incoming: deque = deque()
         self.reqs: list = []
         self.ops: list[Op] = []
         self.wake = threading.Event()
         self.last_activity = time.monotonic()
-        self.last_worker_poll = 0.0
+        self.blocked = False
+        self.receiving = 0
         self.in_flight = 0
         self.count_lock = threading.Lock()
         self.completions = 0
         self.stopping = False
-        self._slack = threading.local()
-        self._thread: threading.Thread | None = None
+        self._wake_comm = MPI.COMM_SELF.Dup()
+        self._wake_out = np.zeros(1, np.uint8)
+        self._wake_in = np.zeros(1, np.uint8)
+        self._wake_req = self._wake_comm.Irecv(self._wake_in, 0, WAKE_TAG)
+        self._armed = threading.Event()
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
+        for target, suffix in ((self._run, ""), (self._alarm, "-alarm")):
+            t = threading.Thread(target=target, name=self.name + suffix, daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def stop(self) -> None:
-        """Return once everything posted has ended and the thread is gone."""
+        """Return once everything posted has ended and the threads are gone."""
         self.stopping = True
         self.wake.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._armed.set()
+        self._interrupt()
+        for t in self._threads:
+            t.join()
+        self._wake_req.Cancel()
+        self._wake_req.Wait()
+        self._wake_comm.Free()
 
     def post(self, op: Op, *requests) -> None:
         op.left = len(requests)
@@ -93,69 +113,20 @@ class Progress:
                 self.in_flight += 1
         self.incoming.append((op, requests))
         self.last_activity = time.monotonic()
-        self.wake.set()
+        if self.blocked:
+            self._interrupt()
+        else:
+            self.wake.set()
 
-    def poll(self) -> bool | None:
-        """Test the requests in flight once and finish what ended, in this thread. None:
-        nothing in flight, or another thread is polling; False: nothing ended; True: some did."""
-        if not self.lock.acquire(blocking=False):
-            return None
-        finished = []
-        try:
-            reqs, ops = self.reqs, self.ops
-            while self.incoming:
-                op, rs = self.incoming.popleft()
-                reqs.extend(rs)
-                ops.extend([op] * len(rs))
-            if not reqs:
-                return None
-            try:
-                idx = MPI.Request.Testsome(reqs)
-            except MPI.Exception:
-                idx = None
-                self.failed(reqs, ops)
-            if idx:
-                done = set(idx)
-                for i in idx:
-                    op = ops[i]
-                    op.left -= 1
-                    if op.left == 0:
-                        finished.append(op)
-                self.reqs = [r for i, r in enumerate(reqs) if i not in done]
-                self.ops = [o for i, o in enumerate(ops) if i not in done]
-        finally:
-            self.lock.release()
-        if not finished:
-            return False
-        self.last_activity = time.monotonic()
-        for op in finished:
-            if op.node is not None:
-                with self.count_lock:
-                    self.in_flight -= 1
-                    self.completions += 1
-            if op.done is not None:
-                op.done(op)
-        return True
-
-    def idle(self) -> bool:
-        """An idle worker's turn (Executor.idle). False: block on your queue instead."""
-        if time.monotonic() - self.last_activity > SPIN_S:
-            return False
-        ended = self.poll()
-        if ended is None:
-            return False
-        self.last_worker_poll = time.monotonic()
-        if not ended:
-            if not getattr(self._slack, "set", False):
-                precise_sleeps()
-                self._slack.set = True
-            time.sleep(SPIN_NAP_S)
-        return True
+    def _interrupt(self) -> None:
+        """End the progress thread's Waitsome (a message to self)."""
+        self._wake_comm.Isend(self._wake_out, 0, WAKE_TAG).Free()
 
     @property
     def pending(self) -> bool:
         return bool(self.reqs or self.incoming)
 
+    # ---- the progress thread -----------------------------------------------------------------
     def _run(self) -> None:
         precise_sleeps()
         try:
@@ -164,30 +135,110 @@ class Progress:
             self.fatal(f"taskrt: the MPI progress thread {self.name} failed\n{traceback.format_exc()}")
 
     def _loop(self) -> None:
-        nap = 0.0
-        last_busy = time.monotonic()
+        nap = SPIN_NAP_S
         while True:
             self.wake.clear()
-            # while an idle worker polls, this thread only minds the tick
-            ended = self.poll() if time.monotonic() - self.last_worker_poll > BACKUP_S else None
-            busy = self.tick() or bool(ended)
-            now = time.monotonic()
-            pending = self.pending
-            if self.stopping and not pending:
-                return
-            last_busy = max(last_busy, self.last_activity)
-            if busy:
-                last_busy = now
+            self._take_posted()
+            busy = self.tick()
+            if not self.reqs:
+                if self.stopping and not self.incoming:
+                    return
+                if not busy and not self.incoming:
+                    self.wake.wait(IDLE_TICK_S)
+                continue
+            recent = time.monotonic() - self.last_activity < SPIN_S
+            if recent and self.receiving and not self.stopping:
+                self._wait_blocked()
+            elif self._test() or busy:
                 nap = SPIN_NAP_S
-                time.sleep(nap)
-            elif now - self.last_worker_poll < BACKUP_S:
-                time.sleep(BACKUP_S)
-            elif pending:
-                if now - last_busy > SPIN_S:
-                    nap = min(MAX_NAP_S, nap * 2)
-                time.sleep(nap)
             else:
-                self.wake.wait(IDLE_POLL_S)
+                self.wake.wait(nap)
+                if not recent:
+                    nap = min(MAX_NAP_S, nap * 2)
+
+    def _take_posted(self) -> None:
+        incoming, reqs, ops = self.incoming, self.reqs, self.ops
+        while incoming:
+            op, rs = incoming.popleft()
+            reqs.extend(rs)
+            ops.extend([op] * len(rs))
+            self.receiving += op.receives
+
+    def _wait_blocked(self) -> None:
+        """Waitsome over the requests in flight and the wake-up receive, without the GIL."""
+        self.blocked = True
+        if not self._armed.is_set():
+            self._armed.set()
+        if self.incoming or self.stopping:  # posted before `blocked` was seen: take it first
+            self.blocked = False
+            return
+        reqs = self.reqs
+        reqs.append(self._wake_req)
+        try:
+            idx = MPI.Request.Waitsome(reqs)
+        except MPI.Exception:
+            idx = None
+        finally:
+            self.blocked = False
+            reqs.pop()
+        if idx is None:
+            self.failed(reqs, self.ops)
+            return
+        if idx and idx[-1] == len(reqs):  # Waitsome gives indices in increasing order
+            idx.pop()
+            self._wake_req = self._wake_comm.Irecv(self._wake_in, 0, WAKE_TAG)
+        if idx:
+            self._ended(idx)
+
+    def _test(self) -> bool:
+        """One Testsome over the requests in flight; whether some ended."""
+        try:
+            idx = MPI.Request.Testsome(self.reqs)
+        except MPI.Exception:
+            self.failed(self.reqs, self.ops)
+            return False
+        if not idx:
+            return False
+        self._ended(idx)
+        return True
+
+    def _ended(self, idx: list[int]) -> None:
+        """Drop the ended requests; run the done callbacks of the Ops whose last one ended."""
+        ops = self.ops
+        finished = []
+        for i in idx:
+            op = ops[i]
+            op.left -= 1
+            if op.left == 0:
+                finished.append(op)
+        done = set(idx)
+        self.reqs = [r for i, r in enumerate(self.reqs) if i not in done]
+        self.ops = [o for i, o in enumerate(ops) if i not in done]
+        self.last_activity = time.monotonic()
+        for op in finished:
+            self.receiving -= op.receives
+            if op.node is not None:
+                with self.count_lock:
+                    self.in_flight -= 1
+                    self.completions += 1
+            if op.done is not None:
+                op.done(op)
+
+    # ---- the alarm thread --------------------------------------------------------------------
+    def _alarm(self) -> None:
+        """End a blocked wait that has been quiet for SPIN_S. It checks every SPIN_S while
+        the progress thread spins, and parks once it has stopped spinning."""
+        while not self.stopping:
+            quiet = time.monotonic() - self.last_activity
+            if self.blocked and quiet >= SPIN_S:
+                self._interrupt()
+                time.sleep(SPIN_S)
+            elif quiet < SPIN_S:
+                time.sleep(SPIN_S - quiet)
+            else:
+                self._armed.clear()
+                if not self.blocked:
+                    self._armed.wait()
 
 
 def precise_sleeps() -> None:
