@@ -82,6 +82,12 @@ def test_a_model_split_across_ranks_trains_like_one_process(n):
     assert_every_rank_ok(proc, n)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_waiting_for_a_busy_peer_does_not_spin(n):
+    proc, _ = run_mpi(n, "waiting.py")
+    assert_every_rank_ok(proc, n)
+
+
 def test_each_rank_writes_its_trace_with_clock_offsets(tmp_path):
     n = 2
     proc, _ = run_mpi(n, "traces.py", tmp_path / "run.jsonl")
