@@ -104,6 +104,8 @@ class Progress:
             t.join()
         self._wake_req.Cancel()
         self._wake_req.Wait()
+        while self._wake_comm.Iprobe(0, WAKE_TAG):  # wake-ups sent after the last wait ended
+            self._wake_comm.Recv(self._wake_in, 0, WAKE_TAG)
         self._wake_comm.Free()
 
     def post(self, op: Op, *requests) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from taskrt import READ, WRITE, Runtime, req
 
