@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-
 from taskrt import READ, WRITE, Runtime, req
 
 WAIT_S = 1.5
