@@ -21,9 +21,10 @@ is two messages with that tag: a 4-int header on `hdr` (copy id, launch number, 
 launch hash, bytes), checked on receipt (taskrt/replication.py), and the payload on
 `data`, sent from the instance itself when the rect is contiguous (else from a packed
 copy) and received in place when it can be. A half posts its requests from whichever
-thread makes it ready and returns PENDING; a small message that has already ended (an
-eager one) finishes at once, the others through the progress engine
-(taskrt/mpi_progress.py), whose thread waits inside MPI while receives are in flight.
+thread makes it ready and returns PENDING (a large receive is posted by the progress
+thread, which makes MPI's copy); a small message that has already ended (an eager one)
+finishes at once, the others through the progress engine (taskrt/mpi_progress.py),
+whose thread waits inside MPI while receives are in flight.
 Future values travel as control messages (taskrt/mpi_futures.py).
 
 Control messages (pickled, on `ctl`, one tag): checkpoints, value requests and values,
@@ -63,8 +64,9 @@ HEARTBEAT_S = 2.0
 #: between printing a fatal error and MPI_Abort, so that mpiexec forwards the message
 ABORT_GRACE_S = 0.2
 DEFAULT_TIMEOUT_S = 60.0
-#: a receive at least this large is left to the progress thread at once: testing it here
-#: would make this worker do MPI's copy (CMA reads it in the receiver's MPI call)
+#: a receive at least this large is posted by the progress thread: MPI makes its copy (CMA
+#: reads it from the sender) inside the receiver's calls, posting included, and a worker
+#: that made it would hold up its tasks for the whole copy
 COPY_IN_PROGRESS_BYTES = 64 * 1024
 
 
@@ -334,9 +336,16 @@ class MPITransport:
             target = np.empty(node.rect.shape, node.region.dtype)
         header = np.zeros(4, np.int64)
         op = Op(half, start, (header, target, in_place), self._received, receives=True)
-        requests = (self.hdr.Irecv([header, MPI.INT64_T], half.peer, half.tag),
+
+        def post():
+            return (self.hdr.Irecv([header, MPI.INT64_T], half.peer, half.tag),
                     self.data.Irecv([target, MPI.BYTE], half.peer, half.tag))
-        if node.nbytes < COPY_IN_PROGRESS_BYTES and MPI.Request.Testall(requests):
+
+        if node.nbytes >= COPY_IN_PROGRESS_BYTES:
+            self.progress.post_later(op, post)
+            return PENDING
+        requests = post()
+        if MPI.Request.Testall(requests):
             # the message was here already (sent eagerly): finish in this thread
             if not self._header_ok(half, header):
                 return PENDING  # never finishes: the divergence report aborts

@@ -7,8 +7,9 @@ running Python. The progress thread therefore waits in one blocking `Waitsome`, 
 runs without the GIL: the copy goes on while workers compute, and the GIL is taken only
 to finish what ended. A sender has no copy to make, so it only polls.
 
-- Whoever posts requests hands them over with `post(op, *requests)`; an Op counts its
-  requests and runs `op.done(op)` on the progress thread when the last one ends.
+- Whoever posts requests hands them over with `post(op, *requests)`, or has the progress
+  thread post them with `post_later(op, make)` (a large receive: see there); an Op counts
+  its requests and runs `op.done(op)` on the progress thread when the last one ends.
 - The progress thread's turn: take what was posted, run the owner's `tick()` (control
   messages, heartbeats), then wait in one of three ways:
   - receives in flight and something happened in the last SPIN_S: blocked in Waitsome
@@ -109,7 +110,17 @@ class Progress:
         self._wake_comm.Free()
 
     def post(self, op: Op, *requests) -> None:
+        """Hand over `requests`, posted already, for `op`."""
         op.left = len(requests)
+        self._hand_over(op, requests)
+
+    def post_later(self, op: Op, make: Callable[[], tuple]) -> None:
+        """Have the progress thread post `op`'s requests (`make()` returns them): a receive
+        whose message is already there does MPI's copy inside the very call that posts it,
+        and that copy belongs on this thread, not on a worker."""
+        self._hand_over(op, make)
+
+    def _hand_over(self, op: Op, requests) -> None:
         if op.node is not None:
             with self.count_lock:
                 self.in_flight += 1
@@ -162,6 +173,9 @@ class Progress:
         incoming, reqs, ops = self.incoming, self.reqs, self.ops
         while incoming:
             op, rs = incoming.popleft()
+            if callable(rs):
+                rs = rs()
+                op.left = len(rs)
             reqs.extend(rs)
             ops.extend([op] * len(rs))
             self.receiving += op.receives
