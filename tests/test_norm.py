@@ -182,9 +182,15 @@ def test_layer_norm_matches_torch_finite_differences_and_tiles(shape, normalized
 @given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple), data=st.data())
 def test_layer_norm_any_shape(shape, data):
     k = data.draw(st.integers(1, len(shape) - 1))
+    normalized = shape[len(shape) - k:]
     # over a single element x - mean is exactly 0 here but rounding noise (times 1/sqrt(eps)) in torch
-    assume(np.prod(shape[len(shape) - k:]) > 1)
-    ln_check(shape, shape[len(shape) - k:], seed=data.draw(st.integers(0, 2**16)))
+    assume(np.prod(normalized) > 1)
+    seed = data.draw(st.integers(0, 2**16))
+    # a row whose values nearly agree divides float32 rounding of x - mean by a tiny std, in
+    # torch and here alike, so the two gradients differ by noise, not by a bug
+    x = ln_data(shape, normalized, seed)[0].astype(np.float64)
+    assume(x.reshape(-1, int(np.prod(normalized))).std(axis=1).min() > 0.05)
+    ln_check(shape, normalized, seed=seed)
 
 
 def test_layer_norm_rules():
