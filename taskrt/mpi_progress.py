@@ -111,7 +111,6 @@ class Progress:
 
     def post(self, op: Op, *requests) -> None:
         """Hand over `requests`, posted already, for `op`."""
-        op.left = len(requests)
         self._hand_over(op, requests)
 
     def post_later(self, op: Op, make: Callable[[], tuple]) -> None:
@@ -134,10 +133,6 @@ class Progress:
     def _interrupt(self) -> None:
         """End the progress thread's Waitsome (a message to self)."""
         self._wake_comm.Isend(self._wake_out, 0, WAKE_TAG).Free()
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.reqs or self.incoming)
 
     # ---- the progress thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -175,7 +170,7 @@ class Progress:
             op, rs = incoming.popleft()
             if callable(rs):
                 rs = rs()
-                op.left = len(rs)
+            op.left = len(rs)
             reqs.extend(rs)
             ops.extend([op] * len(rs))
             self.receiving += op.receives
