@@ -96,9 +96,11 @@ class Machine:
     @staticmethod
     def local(cpus: int | None = None, gpus: int | None = None, separate_memories: bool = False) -> "Machine":
         """This process alone: `cpus` workers (flag, else TASKRT_CPUS, else the core count)
-        and every visible GPU (through cupy) unless `gpus` says otherwise."""
+        and `gpus` GPUs (flag, else TASKRT_GPUS, else every GPU that cupy sees)."""
         if cpus is None:
             cpus = int(os.environ.get("TASKRT_CPUS", os.cpu_count() or 1))
+        if gpus is None:
+            gpus = gpus_from_env()
         if gpus is None:
             gpus = count_gpus()
         return Machine.build(1, cpus, gpus, separate_memories, hosts=[socket.gethostname()])
@@ -109,9 +111,9 @@ class Machine:
         """The machine of all ranks of an MPI communicator (COMM_WORLD by default); collective.
 
         Nodes are told apart by host name. A rank's CPU workers: `cpus_per_rank`, else
-        TASKRT_CPUS, else its node's cores shared evenly among the node's ranks. GPUs: with
-        `gpus` None, one per local rank (local rank i takes device i) where cupy sees one;
-        `gpus=k` gives every rank k devices (local rank i takes i*k .. i*k+k-1); 0: none."""
+        TASKRT_CPUS, else its node's cores shared evenly among the node's ranks. GPUs: `gpus`,
+        else TASKRT_GPUS; `k` gives every rank k devices (local rank i takes i*k .. i*k+k-1),
+        0 none; unset, one per local rank (local rank i takes device i) where cupy sees one."""
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
@@ -122,6 +124,8 @@ class Machine:
         if cpus_per_rank is None:
             env = os.environ.get("TASKRT_CPUS")
             cpus_per_rank = int(env) if env else max(1, (os.cpu_count() or 1) // local_size)
+        if gpus is None:
+            gpus = gpus_from_env()
         visible = count_gpus() if gpus != 0 else 0
         if gpus is None:
             devices = (local_rank,) if local_rank < visible else ()
@@ -163,6 +167,16 @@ def mpi_world_size_from_env() -> int:
         if value and value.isdigit():
             return int(value)
     return 1
+
+
+def gpus_from_env() -> int | None:
+    """TASKRT_GPUS as a count of GPUs (per rank); None when unset or empty."""
+    value = os.environ.get("TASKRT_GPUS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"TASKRT_GPUS must be a count of GPUs (0, 1, ...), got {value!r}")
+    return int(value)
 
 
 def count_gpus() -> int:

@@ -30,9 +30,14 @@ def _mpiexec() -> str:
     return found
 
 
+def python_path() -> str:
+    """The repository first, then whatever PYTHONPATH the test run had."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def run_mpi(n: int, program: str, *args, timeout: float = 60, env: dict | None = None):
     """Run tests/mpi_programs/<program> on n ranks; (CompletedProcess, seconds)."""
-    full_env = {**os.environ, "TASKRT_MPI_TIMEOUT": "20", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "TASKRT_MPI_TIMEOUT": "20", "PYTHONPATH": python_path(), **(env or {})}
     cmd = [_mpiexec(), "-n", str(n), sys.executable, str(PROGRAMS / program), *map(str, args)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT,
@@ -156,7 +161,7 @@ def test_benchmark_prints_its_json_last(tmp_path):
     cmd = [_mpiexec(), "-n", "2", sys.executable, str(ROOT / "bench" / "copy_bandwidth.py"), "--max-mib", "1",
            "--trials", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": python_path()})
     assert proc.returncode == 0, output(proc)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "copy_bandwidth" and set(summary["sizes"]) >= {"1KiB", "1MiB"}

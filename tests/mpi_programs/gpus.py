@@ -1,0 +1,70 @@
+"""GPU tiles across ranks: copies, reductions and a model whose tiles live on GPUs and CPUs of
+different ranks give the sequential (or one-process) numbers.
+
+Local rank 0 of the node takes GPU 0 (Machine.discover's default, one GPU per local rank
+where cupy sees one), so on a one-GPU machine rank 0 has a GPU and the others only CPUs.
+A mapper that deals point i to processor i mod P puts neighbouring tiles in GPU memory on
+one rank and host memory on another: every copy between them goes GPU -> host -> MPI ->
+host (-> GPU). Run by tests/test_gpu.py; needs a GPU.
+
+mpiexec -n N (N >= 2); prints "OK rank R" at the end.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model import build_and_train  # noqa: E402  (tests/mpi_programs/model.py)
+from random_programs import draw_programs  # noqa: E402
+
+from ops import TileConfig  # noqa: E402
+from taskrt import Machine, Runtime  # noqa: E402
+from taskrt.mapper import Mapper  # noqa: E402
+from tests import test_runtime as tr  # noqa: E402
+
+
+class Spread(Mapper):
+    def select_processor(self, machine, launch_name, point, domain, index):
+        return machine.processors[index % len(machine.processors)]
+
+
+def main() -> None:
+    comm = MPI.COMM_WORLD
+    programs = comm.bcast(draw_programs(12) if comm.rank == 0 else None, root=0)
+    with Runtime.from_mpi(cpus=1, separate_memories=True, mapper=Spread()) as rt:
+        kinds = [(p.rank, p.kind) for p in rt.machine.processors]
+        assert (0, "gpu") in kinds, f"rank 0 has no GPU: {rt.machine!r} {kinds}"
+        for shapes, parts, steps in programs:
+            steps = tr._same_steps(steps, shapes, parts)
+            want_arrays, want_results = tr.run_sequential(shapes, parts, steps)
+            got_arrays, got_results = tr.run_runtime(rt, shapes, parts, steps)
+            for i, (got, want) in enumerate(zip(got_arrays, want_arrays)):
+                assert np.array_equal(got, want), f"rank {rt.rank}: region {i} of {(shapes, parts, steps)}"
+            assert got_results == want_results, f"rank {rt.rank}: results of {(shapes, parts, steps)}"
+
+        rng = np.random.default_rng(7)
+        images = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
+        labels = rng.integers(0, 3, 32)
+        n = len(rt.machine.processors)
+        # tile i of each split op on processor i mod P: GPU and CPU tiles on different ranks
+        configs = {name: TileConfig(degrees, tuple(i % n for i in range(int(np.prod(degrees)))))
+                   for name, degrees in [("conv1", (2, 1, 2, 1)), ("conv2", (2, 1, 2, 1)), ("fc", (1, 3))]}
+        losses, params = build_and_train(rt, configs, images, labels, iterations=4)
+        rank = rt.rank
+    if rank == 0:
+        local = Runtime(machine=Machine.build(1, 2, separate_memories=True))
+        want_losses, want_params = build_and_train(local, {}, images, labels, iterations=4)
+        local.shutdown()
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-6)
+        for k in want_params:
+            np.testing.assert_allclose(params[k], want_params[k], rtol=1e-3, atol=1e-5, err_msg=k)
+    print(f"OK rank {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

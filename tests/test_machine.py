@@ -1,0 +1,32 @@
+"""Machine building and the environment variables that size it."""
+from __future__ import annotations
+
+import pytest
+
+from taskrt import Machine
+from taskrt.machine import gpus_from_env
+
+
+def test_build_gives_each_rank_its_processors_and_memories():
+    m = Machine.build(2, cpus_per_rank=2, gpus_per_rank=1, separate_memories=True)
+    assert [(p.rank, p.kind) for p in m.processors] == [(0, "cpu"), (0, "cpu"), (0, "gpu"),
+                                                        (1, "cpu"), (1, "cpu"), (1, "gpu")]
+    assert len({p.memory for p in m.processors}) == 6
+    assert m.host_processor(1) == m.processors[3]
+
+
+@pytest.mark.parametrize("value,want", [("", None), (" ", None), ("0", 0), ("2", 2)])
+def test_taskrt_gpus_is_a_count_or_unset(monkeypatch, value, want):
+    monkeypatch.setenv("TASKRT_GPUS", value)
+    assert gpus_from_env() == want
+
+
+def test_a_bad_taskrt_gpus_names_the_value(monkeypatch):
+    monkeypatch.setenv("TASKRT_GPUS", "all")
+    with pytest.raises(ValueError, match="TASKRT_GPUS .*'all'"):
+        Machine.local(cpus=1)
+
+
+def test_taskrt_gpus_zero_gives_a_cpu_machine(monkeypatch):
+    monkeypatch.setenv("TASKRT_GPUS", "0")
+    assert {p.kind for p in Machine.local(cpus=2).processors} == {"cpu"}
