@@ -21,10 +21,12 @@ is two messages with that tag: a 4-int header on `hdr` (copy id, launch number, 
 launch hash, bytes), checked on receipt (taskrt/replication.py), and the payload on
 `data`, sent from the instance itself when the rect is contiguous (else from a packed
 copy) and received in place when it can be. A half posts its requests from whichever
-thread makes it ready and returns PENDING (a large receive is posted by the progress
-thread, which makes MPI's copy); a small message that has already ended (an eager one)
-finishes at once, the others through the progress engine (taskrt/mpi_progress.py),
-whose thread waits inside MPI while receives are in flight.
+thread makes it ready and returns PENDING. A large receive is posted and tested by a
+compiled loop that holds no GIL (taskrt/mpi_native.py), which makes MPI's copy while
+the workers run Python; where that loop cannot run, by the progress thread. A small
+message that has already ended (an eager one) finishes at once, the others through the
+progress engine (taskrt/mpi_progress.py), whose thread waits inside MPI while receives
+are in flight.
 Future values travel as control messages (taskrt/mpi_futures.py).
 
 Control messages (pickled, on `ctl`, one tag): checkpoints, value requests and values,
@@ -51,7 +53,9 @@ from mpi4py import MPI
 
 from .backends import gpu
 from .executor import PENDING
+from . import mpi_native
 from .mpi_futures import RemoteValues
+from .mpi_native import NativeReceives
 from .mpi_progress import Op, Progress, wait_request
 from .replication import LaunchLog, ReplicationCheck, launch_signature
 from .taskgraph import TaskNode
@@ -173,6 +177,9 @@ class MPITransport:
                                    self.vlock)
         self.executor.on_error = self._task_failed
         self.executor.inline_types = frozenset({SendHalf, RecvHalf})
+        self.native_off = mpi_native.available()
+        self.native = None if self.native_off else NativeReceives(
+            f"taskrt-mpi-r{self.rank}", self.hdr, self.data, self.progress.finish, self._op_failed, self._fatal)
         self.progress.start()
 
     def _sync_clocks(self, tracer, rounds: int = 8) -> None:
@@ -342,7 +349,10 @@ class MPITransport:
                     self.data.Irecv([target, MPI.BYTE], half.peer, half.tag))
 
         if node.nbytes >= COPY_IN_PROGRESS_BYTES:
-            self.progress.post_later(op, post)
+            native = self.native
+            if native is None or not self.progress.post_outside(
+                    op, lambda: native.post(op, header, target, half.peer, half.tag)):
+                self.progress.post_later(op, post)
             return PENDING
         requests = post()
         if MPI.Request.Testall(requests):
@@ -472,15 +482,19 @@ class MPITransport:
             try:
                 r.Test()
             except MPI.Exception as exc:
-                node = op.node
-                if isinstance(node, _Half):
-                    self._diverged(node.peer, self.check.agreed.get(node.peer, 0), node.check[0] + 1,
-                                   f"the message for copy #{node.id} ({node.name} {node.copy.rect!r}, "
-                                   f"{node.nbytes} bytes) from rank {node.peer} did not fit: {exc}")
-                else:
-                    self._fatal(f"taskrt: rank {self.rank}: MPI error on {node!r}: {exc}")
+                self._op_failed(op, exc.Get_error_code())
                 return
         self._fatal(f"taskrt: rank {self.rank}: MPI error while testing {len(reqs)} requests")
+
+    def _op_failed(self, op: Op, code: int) -> None:
+        """MPI error `code` ended `op`: a copy's message did not fit (the graphs differ), or worse."""
+        node, text = op.node, MPI.Get_error_string(code)
+        if isinstance(node, _Half):
+            self._diverged(node.peer, self.check.agreed.get(node.peer, 0), node.check[0] + 1,
+                           f"the message for copy #{node.id} ({node.name} {node.copy.rect!r}, "
+                           f"{node.nbytes} bytes) from rank {node.peer} did not fit: {text}")
+        else:
+            self._fatal(f"taskrt: rank {self.rank}: MPI error on {node!r}: {text}")
 
     def _busy(self) -> bool:
         """Running something itself (not only waiting for messages)."""
@@ -609,6 +623,8 @@ class MPITransport:
         else:
             self._block(lambda: self._released, "rank 0 to release the shutdown")
         self._hold_if_diverged()
+        if self.native is not None:
+            self.native.stop()
         self.progress.stop()
         for c in (self.data, self.hdr, self.ctl):
             c.Free()

@@ -119,6 +119,26 @@ class Progress:
         and that copy belongs on this thread, not on a worker."""
         self._hand_over(op, make)
 
+    def post_outside(self, op: Op, hand_over: Callable[[], bool]) -> bool:
+        """Count `op` in flight and give it to another engine (taskrt/mpi_native.py), which
+        calls `finish(op)` when it ends; False, with nothing counted, if `hand_over()` declines."""
+        with self.count_lock:
+            self.in_flight += 1
+        if hand_over():
+            return True
+        with self.count_lock:
+            self.in_flight -= 1
+        return False
+
+    def finish(self, op: Op) -> None:
+        """An Op given away by `post_outside` has ended (on that engine's thread)."""
+        with self.count_lock:
+            self.in_flight -= 1
+            self.completions += 1
+        self.last_activity = time.monotonic()
+        if op.done is not None:
+            op.done(op)
+
     def _hand_over(self, op: Op, requests) -> None:
         if op.node is not None:
             with self.count_lock:

@@ -1,0 +1,24 @@
+"""The GIL-free receive loop (taskrt/mpi_native.py) under mpiexec, and the runtime with it
+turned off (TASKRT_MPI_NATIVE=0: large receives go back to the Python progress thread)."""
+from __future__ import annotations
+
+import pytest
+
+from taskrt import mpi_native
+from tests.test_mpi import assert_every_rank_ok, run_mpi
+
+
+def test_the_loop_copies_every_size_reports_a_truncation_and_naps_while_waiting():
+    proc, _ = run_mpi(2, "native.py", timeout=120)
+    assert_every_rank_ok(proc, 2)
+
+
+@pytest.mark.parametrize("program,args", [("random_programs.py", (12,)), ("waiting.py", ())])
+def test_the_runtime_without_the_loop(program, args):
+    proc, _ = run_mpi(2, program, *args, timeout=120, env={"TASKRT_MPI_NATIVE": "0"})
+    assert_every_rank_ok(proc, 2)
+
+
+def test_turning_it_off_is_reported(monkeypatch):
+    monkeypatch.setenv("TASKRT_MPI_NATIVE", "0")
+    assert mpi_native.available() == "TASKRT_MPI_NATIVE=0"
