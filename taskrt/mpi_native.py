@@ -243,6 +243,11 @@ class NativeReceives:
         self.lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._taken = 0
+        self._args = (self.fns, self.comms, self.handles, self.at, self.hdr_addr, self.data_addr, self.nbytes,
+                      self.peer, self.tag, self.left, self.posted, self.done, self.ctl, self.statuses, self.indices,
+                      self.outcount, self.sems, SPIN_S, SPIN_NAP_S, MAX_NAP_S, MPI.UNDEFINED, self.byte)
+        # compiled (or loaded from numba's cache) now, at start-up, not in the middle of a run
+        receive_loop.compile(tuple(numba.typeof(a) for a in self._args))
 
     def _start(self) -> None:
         """Start the loop and the finisher (at the first post: a program without large
@@ -282,9 +287,7 @@ class NativeReceives:
             t.join()
 
     def _loop(self) -> None:
-        receive_loop(self.fns, self.comms, self.handles, self.at, self.hdr_addr, self.data_addr, self.nbytes, self.peer,
-                     self.tag, self.left, self.posted, self.done, self.ctl, self.statuses, self.indices,
-                     self.outcount, self.sems, SPIN_S, SPIN_NAP_S, MAX_NAP_S, MPI.UNDEFINED, self.byte)
+        receive_loop(*self._args)
 
     def _finisher(self) -> None:
         try:
