@@ -23,7 +23,8 @@ launch hash, bytes), checked on receipt (taskrt/replication.py), and the payload
 copy) and received in place when it can be. A half posts its requests from whichever
 thread makes it ready and returns PENDING. A large receive is posted and tested by a
 compiled loop that holds no GIL (taskrt/mpi_native.py), which makes MPI's copy while
-the workers run Python; where that loop cannot run, by the progress thread. A small
+the workers run Python; where that loop cannot run, by the progress thread. (Sends stay
+with the progress thread: through the loop they measured slower, 16 cores or 2.) A small
 message that has already ended (an eager one) finishes at once, the others through the
 progress engine (taskrt/mpi_progress.py), whose thread waits inside MPI while receives
 are in flight.
@@ -179,7 +180,8 @@ class MPITransport:
         self.executor.inline_types = frozenset({SendHalf, RecvHalf})
         self.native_off = mpi_native.available()
         self.native = None if self.native_off else NativeReceives(
-            f"taskrt-mpi-r{self.rank}", self.hdr, self.data, self.progress.finish, self._op_failed, self._fatal)
+            f"taskrt-mpi-r{self.rank}", self.hdr, self.data, self.progress.finish, self._op_failed, self._fatal,
+            spin=_cores_to_spare(runtime.machine, self.rank))
         self.progress.start()
 
     def _sync_clocks(self, tracer, rounds: int = 8) -> None:
@@ -351,7 +353,7 @@ class MPITransport:
         if node.nbytes >= COPY_IN_PROGRESS_BYTES:
             native = self.native
             if native is None or not self.progress.post_outside(
-                    op, lambda: native.post(op, header, target, half.peer, half.tag)):
+                    op, lambda: native.receive(op, header, target, half.peer, half.tag)):
                 self.progress.post_later(op, post)
             return PENDING
         requests = post()
@@ -656,6 +658,15 @@ def _abort_on_uncaught_exceptions(world) -> None:
 
     hook._taskrt = True
     sys.excepthook = hook
+
+
+def _cores_to_spare(machine, rank: int) -> bool:
+    """Whether this node has a core for every worker and receive loop of its ranks, so that
+    the receive loop may spin while messages come (else it naps and leaves cores to workers)."""
+    host = machine.hosts[rank]
+    local = [r for r in range(machine.num_ranks) if machine.hosts[r] == host]
+    busy = sum(1 + sum(p.kind == "cpu" for p in machine.rank_processors(r)) for r in local)
+    return (os.cpu_count() or 1) >= busy
 
 
 def _contiguous(rect, shape) -> bool:

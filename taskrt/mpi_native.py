@@ -1,23 +1,25 @@
-"""Large receives completed by a compiled loop that holds no GIL.
+"""Large receives posted and completed by a compiled loop that holds no GIL.
 
 Between ranks of one node, MPICH copies a large message inside an MPI call that the
 *receiver* makes (CMA), so that call should be made as soon as the message is there. A
 Python progress thread needs the GIL after every copy and competes with the workers for
 it; this loop, compiled by numba with `nogil=True`, posts the receives and tests them by
 calling the MPI library's C functions directly, so copies go on while the workers run
-Python. Python only hands a receive over (`post`) and finishes it (`op.done(op)`, on the
-finisher thread, woken by a POSIX semaphore).
+Python. Python only hands a receive over (`receive`) and finishes it (`op.done(op)`, on
+the finisher thread, woken by a POSIX semaphore).
 
 Shared state, numpy arrays the loop and Python both see:
-- a slot per receive in flight (`K` of them): header and data buffers, peer, tag, and two
-  request handles; `ops[slot]` is the Op that Python finishes;
+- a slot per receive in flight (SLOTS of them): header and payload buffers, peer, tag;
+  `ops[slot]` is the Op that Python finishes;
+- the active receives' request handles, packed (see `receive_loop`);
 - `posted`, a ring of slots that Python appends to (under `lock`) and the loop takes;
 - `done`, a ring of slots that the loop appends to and the finisher takes;
-- `ctl`: stop flag, ring heads and tails, the MPI error code (the loop stops on one).
-The loop spins in Testsome while messages arrived in the last SPIN_S, then naps (5 us
-doubling to 1 ms) like the Python engine, and sleeps on a semaphore when nothing is in
-flight. Used where mpi4py's MPI is loaded from a shared library on x86-64 (ordered stores);
-`TASKRT_MPI_NATIVE=0` turns it off.
+- `ctl`: stop flag, ring heads and tails, the MPI error (the loop stops on one).
+While messages keep coming the loop spins between tests where the node has a core for it,
+else naps 5 us; after SPIN_S without one its naps double up to 1 ms, like the Python
+engine's, and with nothing in flight it sleeps on a semaphore. Used where mpi4py's MPI is
+a shared library this process can call and the processor is x86-64 (stores are seen in
+order by other threads); `TASKRT_MPI_NATIVE=0` turns it off.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from mpi4py import MPI
 from numba import types
 from numba.extending import intrinsic
 
-from .mpi_progress import MAX_NAP_S, SPIN_NAP_S, SPIN_S
+from .mpi_progress import MAX_NAP_S, SPIN_NAP_S, SPIN_S, precise_sleeps
 
 SLOTS = 128  # receives in flight at once; Testsome scans every slot's handles, so not many
 MAX_BYTES = 2**31 - 1  # an MPI count is a C int
@@ -78,13 +80,16 @@ def _now(fns, ts) -> float:
 
 @numba.njit(nogil=True, cache=True)
 def receive_loop(fns, comms, handles, at, hdr_addr, data_addr, nbytes, peer, tag, left, posted, done, ctl,
-                 statuses, indices, outcount, sems, spin_s, nap_s, max_nap_s, undefined, byte):
-    """Post the receives Python hands over, test them until they end, hand ended slots back.
+                 statuses, indices, outcount, sems, spin, spin_s, nap_s, max_nap_s, undefined, byte):
+    """Post the receives Python hands over (a header and a payload each), test them until
+    they end, hand ended slots back.
 
     The requests in flight are kept packed: active receive k (k < ctl[ACTIVE]) is slot at[k]
-    with its header and data requests at handles[2k], handles[2k+1], so that Testsome scans
-    only those. fns: MPI_Irecv, MPI_Testsome, sem_post, sem_wait, clock_gettime, nanosleep;
-    comms: the header and data communicators; sems: the post and done semaphores."""
+    with its header and payload requests at handles[2k], handles[2k+1], so that Testsome
+    scans only those. fns: MPI_Irecv, MPI_Testsome, sem_post, sem_wait, clock_gettime,
+    nanosleep; comms: the header and payload communicators; sems: the post and done semaphores. While messages came in
+    the last `spin_s`, the loop spins if `spin`, else naps `nap_s` between tests; after
+    that its naps double up to `max_nap_s`."""
     irecv, testsome, sem_post, sem_wait, nanosleep = fns[0], fns[1], fns[2], fns[3], fns[5]
     ring = posted.shape[0]
     ts = np.zeros(2, np.int64)
@@ -144,12 +149,13 @@ def receive_loop(fns, comms, handles, at, hdr_addr, data_addr, nbytes, peer, tag
             ctl[ACTIVE] = active
             last = _now(fns, ts)
             nap = nap_s
-        elif _now(fns, ts) - last <= spin_s:
-            c_call(fns[6], ())  # sched_yield: a thread of this node that has work goes first
         else:
-            nap_ts[1] = np.int64(nap * 1e9)
-            c_call(nanosleep, (nap_ts.ctypes.data, np.int64(0)))
-            nap = min(max_nap_s, nap * 2)
+            quiet = _now(fns, ts) - last > spin_s
+            if quiet or not spin:
+                nap_ts[1] = np.int64(nap * 1e9)
+                c_call(nanosleep, (nap_ts.ctypes.data, np.int64(0)))
+            if quiet:
+                nap = min(max_nap_s, nap * 2)
     ctl[EXITED] = 1
     c_call(sem_post, (sems[1],))
 
@@ -196,10 +202,11 @@ class NativeReceives:
     """Receives of a header and a data buffer, posted and tested by `receive_loop` on a thread
     of its own; `finish(op)` (the Progress engine's) runs on the finisher thread as each ends.
     On an MPI error the loop stops: `failed(op, error_code)` for each receive that failed,
-    or `fatal(text)` when it cannot tell which."""
+    or `fatal(text)` when it cannot tell which. `spin`: spin between tests while messages
+    come (the node has a core for the loop), rather than nap."""
 
     def __init__(self, name: str, hdr_comm, data_comm, finish: Callable, failed: Callable,
-                 fatal: Callable[[str], None]):
+                 fatal: Callable[[str], None], spin: bool = True):
         self.name = name
         self.finish = finish
         self.failed = failed
@@ -207,12 +214,12 @@ class NativeReceives:
         lib, libc = _libmpi(), ctypes.CDLL(None)
         self.sem_wait = libc.sem_wait
         self.sem_wait.argtypes, self.sem_wait.restype = [ctypes.c_void_p], ctypes.c_int
-        self.sem_post = libc.sem_post
+        # sem_post never blocks: called keeping the GIL (PyDLL), so the caller does not queue for it again
+        self.sem_post = ctypes.PyDLL(None).sem_post
         self.sem_post.argtypes, self.sem_post.restype = [ctypes.c_void_p], ctypes.c_int
         address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
         self.fns = np.array([address(lib.MPI_Irecv), address(lib.MPI_Testsome), address(libc.sem_post),
-                             address(libc.sem_wait), address(libc.clock_gettime), address(libc.nanosleep),
-                             address(libc.sched_yield)],
+                             address(libc.sem_wait), address(libc.clock_gettime), address(libc.nanosleep)],
                             np.int64)
         self.comms = _handles([hdr_comm.handle, data_comm.handle])
         self.byte = _handles([MPI.BYTE.handle, MPI.INT64_T.handle])
@@ -245,7 +252,7 @@ class NativeReceives:
         self._taken = 0
         self._args = (self.fns, self.comms, self.handles, self.at, self.hdr_addr, self.data_addr, self.nbytes,
                       self.peer, self.tag, self.left, self.posted, self.done, self.ctl, self.statuses, self.indices,
-                      self.outcount, self.sems, SPIN_S, SPIN_NAP_S, MAX_NAP_S, MPI.UNDEFINED, self.byte)
+                      self.outcount, self.sems, spin, SPIN_S, SPIN_NAP_S, MAX_NAP_S, MPI.UNDEFINED, self.byte)
         # compiled (or loaded from numba's cache) now, at start-up, not in the middle of a run
         receive_loop.compile(tuple(numba.typeof(a) for a in self._args))
 
@@ -257,7 +264,7 @@ class NativeReceives:
             t.start()
             self._threads.append(t)
 
-    def post(self, op, header: np.ndarray, target: np.ndarray, peer: int, tag: int) -> bool:
+    def receive(self, op, header: np.ndarray, target: np.ndarray, peer: int, tag: int) -> bool:
         """Hand over a receive of `header` (4 int64) and `target` from `peer` with `tag`;
         False when every slot is taken (the caller posts it another way)."""
         if target.nbytes > MAX_BYTES:
@@ -287,6 +294,7 @@ class NativeReceives:
             t.join()
 
     def _loop(self) -> None:
+        precise_sleeps()
         receive_loop(*self._args)
 
     def _finisher(self) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from taskrt import mpi_native
+from taskrt import Machine, mpi_native
+from taskrt.machine import RankSpec
+from taskrt.mpi import _cores_to_spare
 from tests.test_mpi import assert_every_rank_ok, run_mpi
 
 
@@ -22,3 +24,11 @@ def test_the_runtime_without_the_loop(program, args):
 def test_turning_it_off_is_reported(monkeypatch):
     monkeypatch.setenv("TASKRT_MPI_NATIVE", "0")
     assert mpi_native.available() == "TASKRT_MPI_NATIVE=0"
+
+
+def test_the_loop_spins_only_where_the_node_has_a_core_for_every_busy_thread(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    two_nodes = Machine.from_ranks([RankSpec(3, ())] * 4, ["a", "a", "b", "b"])
+    assert _cores_to_spare(two_nodes, 0)  # node a: 2 ranks x (3 workers + the loop) = 8 cores
+    crowded = Machine.from_ranks([RankSpec(3, ())] * 3, ["a", "a", "a"])
+    assert not _cores_to_spare(crowded, 2)  # 12 busy threads on 8 cores: nap
