@@ -64,6 +64,7 @@ def run(cpus: int, size: int, steps: int, trace: str) -> dict:
         result = rt.read(a)
         stats = dict(rt.replay_stats)
         rank, ranks = rt.rank, rt.num_ranks
+        processors = describe_processors(rt.machine, rank)
     elapsed = time.perf_counter() - t0
     want = u0
     for _ in range(2 * (steps // 2)):
@@ -72,7 +73,15 @@ def run(cpus: int, size: int, steps: int, trace: str) -> dict:
     path = rank_trace_path(trace, rank) if ranks > 1 else trace
     _, events = read_trace(path)
     return {"elapsed_s": elapsed, "max_error": err, "replay": stats, "events": events, "trace": path,
-            "rank": rank, "ranks": ranks}
+            "rank": rank, "ranks": ranks, "processors": processors}
+
+
+def describe_processors(machine, rank: int) -> str:
+    """'4 CPU processors', or '4 CPU processors and 1 GPU' where the rank has GPUs (tiles go to those)."""
+    procs = machine.rank_processors(rank)
+    cpus, gpus = sum(p.kind == "cpu" for p in procs), sum(p.kind == "gpu" for p in procs)
+    text = f"{cpus} CPU processor{'s' * (cpus != 1)}"
+    return text + (f" and {gpus} GPU{'s' * (gpus != 1)}" if gpus else "")
 
 
 def train_cnn(cpus: int, iterations: int, trace: str) -> dict:
@@ -122,7 +131,7 @@ def main(argv=None) -> None:
     say = print if out["rank"] == 0 else (lambda *a, **k: None)
     tasks = sum(e["kind"] == "task" for e in out["events"])
     copies = sum(e["kind"] != "task" for e in out["events"])
-    where = f"{args.cpus} CPU processors" + (f" on each of {out['ranks']} ranks" if out["ranks"] > 1 else "")
+    where = out["processors"] + (f" on each of {out['ranks']} ranks" if out["ranks"] > 1 else "")
     say(f"heat stencil {args.size}x{args.size}, {args.steps} steps on {where} with separate memories: "
         f"{out['elapsed_s']:.2f} s")
     say(f"max |runtime - numpy| = {out['max_error']:.2e}; {tasks} tasks, {copies} copies; replay {out['replay']}")

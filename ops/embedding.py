@@ -1,7 +1,7 @@
 """Embedding lookup: rows of a [num_embeddings, embedding_dim] table picked by integer indices.
 
 Backward is a scatter-add of the output gradient into the table's rows: a numba loop
-on the CPU (np.add.at is an order of magnitude slower), cupyx.scatter_add on a GPU.
+on the CPU (np.add.at is an order of magnitude slower), cupy's add.at on a GPU.
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ def scatter_add_rows(xp, out, idx, src) -> None:
     if xp is np:
         _scatter_add_rows_cpu(out, idx, src)
     else:
-        import cupyx
-        cupyx.scatter_add(out, idx, src)
+        xp.add.at(out, idx, src)
 
 
 @register_op
