@@ -257,8 +257,8 @@ class NativeReceives:
         receive_loop.compile(tuple(numba.typeof(a) for a in self._args))
 
     def _start(self) -> None:
-        """Start the loop and the finisher (at the first post: a program without large
-        receives never loads the compiled loop)."""
+        """Start the loop and the finisher, at the first receive: a program without large
+        receives runs no extra threads."""
         for target, suffix in ((self._loop, "-native"), (self._finisher, "-finish")):
             t = threading.Thread(target=target, name=self.name + suffix, daemon=True)
             t.start()
