@@ -190,6 +190,11 @@ def available() -> str | None:
     return None
 
 
+def _address(function) -> int:
+    """Where a ctypes function's C code starts, for `c_call`."""
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 def _handles(values) -> np.ndarray:
     """MPI handles as the C library holds them: 32-bit ints (MPICH) or pointers; mpi4py
     gives them as unsigned Python ints, some sign-extended to 64 bits."""
@@ -217,10 +222,8 @@ class NativeReceives:
         # sem_post never blocks: called keeping the GIL (PyDLL), so the caller does not queue for it again
         self.sem_post = ctypes.PyDLL(None).sem_post
         self.sem_post.argtypes, self.sem_post.restype = [ctypes.c_void_p], ctypes.c_int
-        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
-        self.fns = np.array([address(lib.MPI_Irecv), address(lib.MPI_Testsome), address(libc.sem_post),
-                             address(libc.sem_wait), address(libc.clock_gettime), address(libc.nanosleep)],
-                            np.int64)
+        self.fns = np.array([_address(f) for f in (lib.MPI_Irecv, lib.MPI_Testsome, libc.sem_post, libc.sem_wait,
+                                                    libc.clock_gettime, libc.nanosleep)], np.int64)
         self.comms = _handles([hdr_comm.handle, data_comm.handle])
         self.byte = _handles([MPI.BYTE.handle, MPI.INT64_T.handle])
         self.null = _handles([MPI.REQUEST_NULL.handle])[0]

@@ -11,21 +11,15 @@ mpiexec -n N (N >= 2); prints "OK rank R" at the end.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from model import build_and_train  # noqa: E402  (tests/mpi_programs/model.py)
-from random_programs import draw_programs  # noqa: E402
-
-from ops import TileConfig  # noqa: E402
-from taskrt import Machine, Runtime  # noqa: E402
-from taskrt.mapper import Mapper  # noqa: E402
-from tests import test_runtime as tr  # noqa: E402
+from ops import TileConfig
+from taskrt import Machine, Runtime
+from taskrt.mapper import Mapper
+from tests import test_runtime as tr
+from tests.mpi_programs.model import build_and_train
+from tests.mpi_programs.random_programs import draw_programs
 
 
 class Spread(Mapper):
