@@ -36,7 +36,7 @@ def best(fn, repeats=REPEATS):
 
 # ---- taskrt -----------------------------------------------------------------------------
 def taskrt_graphs(cpus: int, replay: bool):
-    rt = Runtime(cpus=cpus)
+    rt = Runtime(cpus=cpus, gpus=0)
     chain_region = rt.region((1,), "float64", "chain")
     tiles = rt.region((POINTS, 4), "float64", "tiles")
     part = tiles.partition((POINTS, 1))
@@ -104,7 +104,7 @@ def dask_graphs(cpus: int):
 # ---- parallel speedup -------------------------------------------------------------------
 def tiled_matmul_time(cpus: int, tiles: int = 8, rows: int = 1024, n: int = 384, reps: int = 6) -> float:
     rng = np.random.default_rng(0)
-    with Runtime(cpus=cpus, blas_threads=1) as rt:
+    with Runtime(cpus=cpus, gpus=0, blas_threads=1) as rt:
         a = rt.region((tiles * rows, n), "float64", "a")
         c = rt.region((tiles * rows, n), "float64", "c")
         b = rt.region((n, n), "float64", "b")

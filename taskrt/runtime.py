@@ -72,15 +72,16 @@ class Runtime:
     TASKRT_MPI not 0) `Runtime()` is `Runtime.from_mpi()`: see docs/mpi.md."""
 
     def __init__(self, machine: Machine | None = None, mapper: Mapper | None = None, *, cpus: int | None = None,
-                 separate_memories: bool = False, execute: bool = True, keep_graph: bool | None = None,
-                 trace: str | bool | None = None, rank: int = 0, transport=None, blas_threads: int | None = None):
+                 gpus: int | None = None, separate_memories: bool = False, execute: bool = True,
+                 keep_graph: bool | None = None, trace: str | bool | None = None, rank: int = 0, transport=None,
+                 blas_threads: int | None = None):
         if machine is None and transport is None and execute and mpi_world_size_from_env() > 1:
             from .mpi import connect
-            machine, transport = connect(cpus=cpus, separate_memories=separate_memories)
+            machine, transport = connect(cpus=cpus, gpus=gpus, separate_memories=separate_memories)
             rank = transport.rank
         if transport is not None and not execute:
             raise ValueError("a transport runs graphs; a Runtime with execute=False only builds them")
-        self.machine = machine or Machine.local(cpus, separate_memories=separate_memories)
+        self.machine = machine or Machine.local(cpus, gpus, separate_memories=separate_memories)
         self.mapper = mapper or DefaultMapper()
         self.rank = rank
         self.graph = TaskGraph(keep=(not execute) if keep_graph is None else keep_graph)
