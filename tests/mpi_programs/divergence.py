@@ -6,7 +6,9 @@ mpiexec -n N python divergence.py MODE (N >= 2), MODE one of:
   fewer   - rank 1 stops launching early (its last launches are missing);
   other   - rank 1 makes a different launch (same number of launches);
   wait    - rank 1 makes an extra launch that moves no data, then every rank calls wait();
-  end     - rank 1 makes an extra launch that moves no data just before shutting down.
+  end     - rank 1 makes an extra launch that moves no data just before shutting down;
+  size    - rank 1 makes its region half as long: the tiles rank 0 sends it (64 KiB and
+            more, so through the compiled receive loop) do not fit.
 Never prints "OK".
 """
 from __future__ import annotations
@@ -51,8 +53,9 @@ def main():
         return quiet(mode)
     with Runtime.from_mpi(cpus=1) as rt:
         n = rt.num_ranks
-        x = rt.region((4 * n,), "float64", "x")
-        rt.attach(x, np.arange(4.0 * n))
+        length = 4 * n if mode != "size" else (8192 if rt.rank == 1 else 16384) * n
+        x = rt.region((length,), "float64", "x")
+        rt.attach(x, np.arange(float(length)))
         part = x.partition((n,))
         rt.index_launch(double, part, req(part, READ_WRITE))
         if mode == "extra" and rt.rank == 1:
