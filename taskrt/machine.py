@@ -140,6 +140,14 @@ class Machine:
     def rank_processors(self, rank: int) -> list[Processor]:
         return [p for p in self.processors if p.rank == rank]
 
+    def threads_fit_node(self, rank: int, extra_per_rank: int = 0) -> bool:
+        """Whether the node (host) of `rank` has a core for every CPU worker of its ranks
+        and `extra_per_rank` more threads of each (a busy loop, say)."""
+        host = self.hosts[rank]
+        local = [r for r in range(self.num_ranks) if self.hosts[r] == host]
+        busy = sum(extra_per_rank + sum(p.kind == "cpu" for p in self.rank_processors(r)) for r in local)
+        return (os.cpu_count() or 1) >= busy
+
     def host_memory(self, rank: int = 0) -> Memory:
         return Memory("sys", rank, 0)
 

@@ -69,9 +69,9 @@ HEARTBEAT_S = 2.0
 #: between printing a fatal error and MPI_Abort, so that mpiexec forwards the message
 ABORT_GRACE_S = 0.2
 DEFAULT_TIMEOUT_S = 60.0
-#: a receive at least this large is posted by the progress thread: MPI makes its copy (CMA
-#: reads it from the sender) inside the receiver's calls, posting included, and a worker
-#: that made it would hold up its tasks for the whole copy
+#: a receive at least this large goes to the receive loop (or, without it, the progress
+#: thread): MPI makes its copy (CMA reads it from the sender) inside the receiver's calls,
+#: posting included, and a worker that made it would hold up its tasks for the whole copy
 COPY_IN_PROGRESS_BYTES = 64 * 1024
 
 
@@ -178,10 +178,10 @@ class MPITransport:
                                    self.vlock)
         self.executor.on_error = self._task_failed
         self.executor.inline_types = frozenset({SendHalf, RecvHalf})
-        self.native_off = mpi_native.available()
-        self.native = None if self.native_off else NativeReceives(
+        # the receive loop spins only where the node has a core for it and for every worker
+        self.native = None if mpi_native.available() else NativeReceives(
             f"taskrt-mpi-r{self.rank}", self.hdr, self.data, self.progress.finish, self._op_failed, self._fatal,
-            spin=_cores_to_spare(runtime.machine, self.rank))
+            spin=runtime.machine.threads_fit_node(self.rank, extra_per_rank=1))
         self.progress.start()
 
     def _sync_clocks(self, tracer, rounds: int = 8) -> None:
@@ -312,7 +312,7 @@ class MPITransport:
         self.frontier.pop(node_id, None)
         return True
 
-    # ---- copies between ranks (worker threads post, the progress thread completes) ------------
+    # ---- copies between ranks (workers post; the progress thread or receive loop completes) --
     def post_send(self, half: SendHalf):
         start = time.perf_counter()
         node = half.copy
@@ -658,15 +658,6 @@ def _abort_on_uncaught_exceptions(world) -> None:
 
     hook._taskrt = True
     sys.excepthook = hook
-
-
-def _cores_to_spare(machine, rank: int) -> bool:
-    """Whether this node has a core for every worker and receive loop of its ranks, so that
-    the receive loop may spin while messages come (else it naps and leaves cores to workers)."""
-    host = machine.hosts[rank]
-    local = [r for r in range(machine.num_ranks) if machine.hosts[r] == host]
-    busy = sum(1 + sum(p.kind == "cpu" for p in machine.rank_processors(r)) for r in local)
-    return (os.cpu_count() or 1) >= busy
 
 
 def _contiguous(rect, shape) -> bool:

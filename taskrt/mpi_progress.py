@@ -132,10 +132,15 @@ class Progress:
 
     def finish(self, op: Op) -> None:
         """An Op given away by `post_outside` has ended (on that engine's thread)."""
-        with self.count_lock:
-            self.in_flight -= 1
-            self.completions += 1
         self.last_activity = time.monotonic()
+        self._done(op)
+
+    def _done(self, op: Op) -> None:
+        """`op` has ended: count it (a node's), then run its callback."""
+        if op.node is not None:
+            with self.count_lock:
+                self.in_flight -= 1
+                self.completions += 1
         if op.done is not None:
             op.done(op)
 
@@ -248,12 +253,7 @@ class Progress:
         self.last_activity = time.monotonic()
         for op in finished:
             self.receiving -= op.receives
-            if op.node is not None:
-                with self.count_lock:
-                    self.in_flight -= 1
-                    self.completions += 1
-            if op.done is not None:
-                op.done(op)
+            self._done(op)
 
     # ---- the alarm thread --------------------------------------------------------------------
     def _alarm(self) -> None:

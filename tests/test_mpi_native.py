@@ -1,12 +1,12 @@
 """The GIL-free receive loop (taskrt/mpi_native.py) under mpiexec, and the runtime with it
-turned off (TASKRT_MPI_NATIVE=0: large receives go back to the Python progress thread)."""
+turned off (TASKRT_MPI_NATIVE=0: large receives go back to the Python progress thread).
+Nothing here imports mpi4py: this process must not become an MPI process itself."""
 from __future__ import annotations
 
 import pytest
 
-from taskrt import Machine, mpi_native
+from taskrt import Machine
 from taskrt.machine import RankSpec
-from taskrt.mpi import _cores_to_spare
 from tests.test_mpi import assert_every_rank_ok, run_mpi
 
 
@@ -21,14 +21,9 @@ def test_the_runtime_without_the_loop(program, args):
     assert_every_rank_ok(proc, 2)
 
 
-def test_turning_it_off_is_reported(monkeypatch):
-    monkeypatch.setenv("TASKRT_MPI_NATIVE", "0")
-    assert mpi_native.available() == "TASKRT_MPI_NATIVE=0"
-
-
 def test_the_loop_spins_only_where_the_node_has_a_core_for_every_busy_thread(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     two_nodes = Machine.from_ranks([RankSpec(3, ())] * 4, ["a", "a", "b", "b"])
-    assert _cores_to_spare(two_nodes, 0)  # node a: 2 ranks x (3 workers + the loop) = 8 cores
+    assert two_nodes.threads_fit_node(0, extra_per_rank=1)  # node a: 2 ranks x (3 workers + the loop) = 8 cores
     crowded = Machine.from_ranks([RankSpec(3, ())] * 3, ["a", "a", "a"])
-    assert not _cores_to_spare(crowded, 2)  # 12 busy threads on 8 cores: nap
+    assert not crowded.threads_fit_node(2, extra_per_rank=1)  # 12 busy threads on 8 cores: nap

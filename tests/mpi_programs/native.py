@@ -8,11 +8,13 @@
    without a core to spare): the loop stops on MPI's error, and `failed` gets the Op it
    belongs to and the error, as the transport's divergence report needs.
 3. A receive whose message comes late: while waiting, the loop naps rather than spins.
+Also: TASKRT_MPI_NATIVE=0 turns the loop off, and `available()` says so.
 
 mpiexec -n 2; prints "OK rank R" at the end.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -126,6 +128,9 @@ def main() -> None:
     assert comm.size == 2, "run on 2 ranks"
     why = mpi_native.available()
     assert why is None, f"the native loop cannot run here: {why}"
+    os.environ["TASKRT_MPI_NATIVE"] = "0"
+    assert mpi_native.available() == "TASKRT_MPI_NATIVE=0", "turning it off is not reported"
+    del os.environ["TASKRT_MPI_NATIVE"]
     for case in (many_sizes, too_long, naps_while_waiting):
         case()
         comm.Barrier()
