@@ -5,17 +5,12 @@ The element-wise math lives in ops.functions, shared with ops that fuse an activ
 """
 from __future__ import annotations
 
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, register_op
+from ops.base import Op, register_op, sample_split_dims
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from taskrt.geometry import Rect
 
 #: rough forward flops per element of each activation, for the analytic cost model
 _UNARY_FLOPS = {"relu": 1, "sigmoid": 4, "tanh": 6, "gelu": 10}
-
-
-def _split_kinds(ndim: int, dims) -> tuple[SplitDim, ...]:
-    """Dim 0 is the sample dimension, any other splittable dim an attribute."""
-    return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in dims)
 
 
 @register_op
@@ -42,7 +37,7 @@ class Softmax(Op):
         return [shape]
 
     def split_dims(self):
-        return _split_kinds(len(self.tile_shape), range(len(self.tile_shape) - 1))
+        return sample_split_dims(len(self.tile_shape) - 1)
 
     def input_rects(self, tile: Rect) -> list[Rect]:
         return [tile]
@@ -80,7 +75,7 @@ class ElementUnary(Op):
         return [in_shapes[0]]
 
     def split_dims(self):
-        return _split_kinds(len(self.tile_shape), range(len(self.tile_shape)))
+        return sample_split_dims(len(self.tile_shape))
 
     def input_rects(self, tile: Rect) -> list[Rect]:
         return [tile]

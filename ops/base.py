@@ -201,15 +201,11 @@ class Op(ABC):
         return "float32"
 
 
-def clip_rect(rect: Rect, shape: Sequence[int]) -> Rect:
-    """`rect` clipped to the box [0, shape)."""
-    return rect.intersect(Rect.from_shape(shape))
+def sample_split_dims(count: int) -> tuple[SplitDim, ...]:
+    """Dims 0..count-1 splittable: dim 0 is the sample dimension, the others attributes."""
+    return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in range(count))
 
 
-def xp_of(array) -> Any:
-    """numpy or cupy, whichever owns `array`."""
-    mod = type(array).__module__
-    if mod.startswith("cupy"):
-        import cupy
-        return cupy
-    return np
+def batch_rect(tile: Rect, shape: Sequence[int]) -> Rect:
+    """Rows tile.lo[0]:tile.hi[0] of a tensor of `shape`, all of every other dim."""
+    return Rect((tile.lo[0],) + (0,) * (len(shape) - 1), (tile.hi[0],) + tuple(shape[1:]))

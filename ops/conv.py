@@ -12,13 +12,12 @@ on the GPU it is array code over the padded input.
 from __future__ import annotations
 
 import importlib
-import math
-
 import numba
 import numpy as np
 
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
 from ops.cpu_layout import flat_row, flat_rows
+from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
 
 #: im2col works on batches of samples whose columns take about this many bytes (fits in L3)
@@ -168,9 +167,8 @@ class Conv2d(Op):
 
     def init_weights(self, rng):
         """kaiming_uniform(a=sqrt(5)) for the weight and U(+-1/sqrt(fan_in)) for the bias, as PyTorch."""
-        bound = 1.0 / math.sqrt(self._per_group[0] * self.kernel[0] * self.kernel[1])
-        dtype = self.weight_dtype("weight")
-        return {k: rng.uniform(-bound, bound, s).astype(dtype) for k, s in self.weight_shapes().items()}
+        fan_in = self._per_group[0] * self.kernel[0] * self.kernel[1]
+        return {k: torch_linear_init(rng, s, fan_in, self.weight_dtype(k)) for k, s in self.weight_shapes().items()}
 
     def split_dims(self):
         return (SplitDim(0, SAMPLE), SplitDim(1, PARAMETER), SplitDim(2, ATTRIBUTE), SplitDim(3, ATTRIBUTE))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, register_op
+from ops.base import Op, register_op, sample_split_dims
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -72,7 +72,7 @@ class Dropout(Op):
         return [in_shapes[0]]
 
     def split_dims(self):
-        return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in range(len(self.tile_shape)))
+        return sample_split_dims(len(self.tile_shape))
 
     def input_rects(self, tile):
         return [tile]
@@ -91,10 +91,10 @@ class Dropout(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, step: int = 0):
         (x,) = inputs
         if not training or self.rate == 0.0:
-            return [x.copy()], None
+            return [x], None  # the runtime copies outputs into their regions
         mult = self._multiplier(xp, tile, x.dtype, step)
         return [x * mult], mult
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         (dy,) = grad_outputs
-        return [dy.copy() if saved is None else dy * saved], {}
+        return [dy if saved is None else dy * saved], {}

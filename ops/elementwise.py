@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, register_op
+from ops.base import Op, register_op, sample_split_dims
 from taskrt.geometry import Rect
 
 BINARY_FNS = ("add", "subtract", "multiply")
@@ -72,7 +72,7 @@ class ElementBinary(Op):
         return [np.result_type(*(np.dtype(t.dtype) for t in self.inputs)).name]
 
     def split_dims(self):
-        return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in range(len(self.tile_shape)))
+        return sample_split_dims(len(self.tile_shape))
 
     def input_rects(self, tile: Rect) -> list[Rect]:
         return [broadcast_rect(tile, t.shape, self.tile_shape) for t in self.inputs]

@@ -80,7 +80,7 @@ class Embedding(Op):
     def weight_rects(self, tile: Rect) -> dict[str, Rect]:
         return {"weight": Rect((0, tile.lo[-1]), (int(self.num_embeddings), tile.hi[-1]))}
 
-    def _flat_indices(self, xp, idx):
+    def _flat_indices(self, idx):
         flat = idx.reshape(-1)
         if flat.size:
             lo, hi = int(flat.min()), int(flat.max())
@@ -93,14 +93,14 @@ class Embedding(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         (idx,) = inputs
         w = weights["weight"]
-        flat = self._flat_indices(xp, idx)
+        flat = self._flat_indices(idx)
         out = xp.take(w, flat, axis=0)
         return [out.reshape(idx.shape + (w.shape[1],))], None
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         (idx,), (dy,) = inputs, grad_outputs
         w = weights["weight"]
-        flat = self._flat_indices(xp, idx)
+        flat = self._flat_indices(idx)
         gw = xp.zeros(w.shape, dtype=w.dtype)
         scatter_add_rows(xp, gw, flat, dy.reshape(flat.size, w.shape[1]))
         return [None], {"weight": gw}

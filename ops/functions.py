@@ -40,11 +40,11 @@ def activation_forward(xp, name: str, x):
 
 
 def activation_backward(xp, name: str, x, y, dy):
-    """dL/dx from the input x, output y and dL/dy."""
+    """dL/dx from the input x, output y and dL/dy (gelu alone reads x)."""
     if name is None:
         return dy
     if name == "relu":
-        return dy * (x > 0)
+        return dy * (y > 0)  # y > 0 exactly where x > 0
     if name == "sigmoid":
         return dy * y * (1 - y)
     if name == "tanh":

@@ -101,12 +101,7 @@ class Dense(Op):
         w = weights["weight"]
         n_out = w.shape[0]
         y2, dy2 = y.reshape(-1, n_out), dy.reshape(-1, n_out)
-        if self.activation is None:
-            dz = dy2
-        elif self.activation == "relu":
-            dz = activation_backward(xp, "relu", y2, y2, dy2)  # y > 0 exactly where z > 0
-        else:
-            dz = activation_backward(xp, self.activation, saved, y2, dy2)
+        dz = activation_backward(xp, self.activation, saved, y2, dy2)
         x2 = x.reshape(-1, x.shape[-1])
         dx = (dz @ w).reshape(x.shape)
         grads = {"weight": dz.T @ x2}

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ops.base import SAMPLE, Op, SplitDim, register_op
+from ops.base import SAMPLE, Op, SplitDim, batch_rect, register_op
 from taskrt.geometry import Rect
 
 
@@ -22,10 +22,6 @@ def _sample_weights(xp, grad_outputs, n: int, dtype):
     """The incoming per-sample gradient, ones when the runtime passes None."""
     g = grad_outputs[0] if grad_outputs else None
     return xp.ones(n, dtype=dtype) if g is None else g
-
-
-def _batch_rect(tile: Rect, shape: tuple[int, ...]) -> Rect:
-    return Rect((tile.lo[0],) + (0,) * (len(shape) - 1), (tile.hi[0],) + tuple(shape[1:]))
 
 
 @register_op
@@ -64,9 +60,9 @@ class SparseCategoricalCrossEntropy(Op):
         return (SplitDim(0, SAMPLE),)
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        return [_batch_rect(tile, self.inputs[0].shape), tile]
+        return [batch_rect(tile, self.inputs[0].shape), tile]
 
-    def _check_labels(self, xp, labels, num_classes: int) -> None:
+    def _check_labels(self, labels, num_classes: int) -> None:
         bad = (labels < 0) | (labels >= num_classes)
         if bool(bad.any()):
             first = int(labels[bad][0])
@@ -76,7 +72,7 @@ class SparseCategoricalCrossEntropy(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         x, labels = inputs
         n, c = x.shape
-        self._check_labels(xp, labels, c)
+        self._check_labels(labels, c)
         rows = xp.arange(n)
         if self.from_logits:
             m = x.max(axis=1, keepdims=True)
@@ -135,7 +131,7 @@ class MeanSquaredError(Op):
         return (SplitDim(0, SAMPLE),)
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        r = _batch_rect(tile, self.inputs[0].shape)
+        r = batch_rect(tile, self.inputs[0].shape)
         return [r, r]
 
     @property

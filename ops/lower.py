@@ -492,13 +492,14 @@ class Lowering:
     def read(self, region: Region, wait: bool = True):
         return self.rt.read(region, wait=wait)
 
-    def init_values(self, params: dict, stats: dict) -> None:
-        """Attach initial weights and running stats; optimizer state starts from optimizer.init_state."""
+    def init_values(self, values: dict) -> None:
+        """Attach initial weights and running stats (by name); optimizer state starts from
+        optimizer.init_state."""
         for name, p in self.params.items():
-            self.attach(p.value, params[name])
+            self.attach(p.value, values[name])
             if p.state:
-                init = self.optimizer.init_state(np, np.asarray(params[name]))
+                init = self.optimizer.init_state(np, np.asarray(values[name]))
                 for s, region in p.state.items():
                     self.attach(region, init[s])
         for name, region in self.stats.items():
-            self.attach(region, stats[name])
+            self.attach(region, values[name])

@@ -11,11 +11,10 @@ Gates, per step t, in PyTorch's order (i, f, g, o):
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ops.base import SAMPLE, Op, SplitDim, register_op
+from ops.base import SAMPLE, Op, SplitDim, batch_rect, register_op
+from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
 
 
@@ -67,21 +66,17 @@ class LSTM(Op):
         return {"weight_ih": (4 * h, n_in), "weight_hh": (4 * h, h), "bias_ih": (4 * h,), "bias_hh": (4 * h,)}
 
     def init_weights(self, rng):
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        return {k: rng.uniform(-bound, bound, size=s).astype(self.weight_dtype(k))
+        return {k: torch_linear_init(rng, s, int(self.hidden_size), self.weight_dtype(k))
                 for k, s in self.weight_shapes().items()}
 
     def split_dims(self):
         return (SplitDim(0, SAMPLE),)
 
-    def _batch_rect(self, tile: Rect, shape) -> Rect:
-        return Rect((tile.lo[0],) + (0,) * (len(shape) - 1), (tile.hi[0],) + tuple(shape[1:]))
-
     def input_rects(self, tile: Rect) -> list[Rect]:
-        return [self._batch_rect(tile, t.shape) for t in self.inputs]
+        return [batch_rect(tile, t.shape) for t in self.inputs]
 
     def output_rects(self, tile: Rect) -> list[Rect]:
-        return [self._batch_rect(tile, t.shape) for t in self.outputs]
+        return [batch_rect(tile, t.shape) for t in self.outputs]
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         x = inputs[0]

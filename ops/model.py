@@ -84,7 +84,6 @@ class Model:
         self._values: dict[str, np.ndarray] = {}  # weights and running stats until compile
         self._compiled: dict | None = None
         self._low: Lowering | None = None
-        self._labels: TensorSpec | None = None
         self._loss_op: Op | None = None
         self._forward_done = False
         self.step = 0
@@ -326,11 +325,11 @@ class Model:
                     else default_config(op, machine) for name, op in known.items()}
         self._compiled = {"optimizer": opt.to_dict(), "loss": loss, "metrics": metrics, "output": out.name,
                           "configs": {k: v.to_dict() for k, v in resolved.items()}}
-        self._labels, self._loss_op, self.optimizer = labels, loss_op, opt
+        self._loss_op, self.optimizer = loss_op, opt
         classify = loss == "sparse_categorical_crossentropy"
         self._low = Lowering(self.rt, graph, self.inputs + [labels], resolved, opt, loss=loss_op.name,
                              summarize=functools.partial(_loss_summary, classify), tag=self._tag)
-        self._low.init_values(self._values, self._values)
+        self._low.init_values(self._values)
         self._values = {}
 
     @property
@@ -376,6 +375,11 @@ class Model:
         if batch and n != self.batch_size:
             raise ValueError(f"{what}: expects one batch of {self.batch_size} samples, got {n}")
         return arrays, n
+
+    @property
+    def _labels(self) -> TensorSpec:
+        """The loss's second input: the labels (or targets) tensor."""
+        return self._loss_op.inputs[1]
 
     def _label_array(self, labels, n: int, what: str) -> np.ndarray:
         spec = self._labels
@@ -545,8 +549,7 @@ class Model:
         """Gradients of the last backward pass (or training step), for weights on the path to the loss."""
         self._need_compiled("gradients")
         names = [k for k in self._param_names() if self._low.params[k].grad is not None]
-        futures = {k: self._low.read(self._low.params[k].grad, wait=False) for k in names}
-        return {k: f.get() for k, f in futures.items()}
+        return self._read_all(names, lambda k: self._low.params[k].grad)
 
     def set_parameters(self, values: dict) -> None:
         """Set weights and/or running stats by name; shapes must match exactly."""

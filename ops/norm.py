@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
+from ops.base import PARAMETER, Op, SplitDim, register_op, sample_split_dims
 from ops.cpu_layout import flat_row, flat_rows
 from taskrt.geometry import Rect
 
@@ -307,8 +307,7 @@ class LayerNorm(Op):
         return {"weight": np.ones(self.normalized_shape, dtype), "bias": np.zeros(self.normalized_shape, dtype)}
 
     def split_dims(self):
-        lead = len(self.tile_shape) - len(self.normalized_shape)
-        return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in range(lead))
+        return sample_split_dims(len(self.tile_shape) - len(self.normalized_shape))
 
     def input_rects(self, tile):
         return [tile]

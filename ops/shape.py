@@ -11,12 +11,8 @@ import math
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op, sample_split_dims
 from taskrt.geometry import Rect
-
-
-def _all_dims(ndim: int) -> tuple[SplitDim, ...]:
-    return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in range(ndim))
 
 
 def _normalize_axis(op: Op, axis, ndim: int) -> int:
@@ -34,11 +30,6 @@ def _piece_rect(tile: Rect, axis: int, start: int, size: int) -> Rect:
     lo = min(max(tile.lo[axis] - start, 0), size)
     hi = max(min(tile.hi[axis] - start, size), lo)
     return Rect(tile.lo[:axis] + (lo,) + tile.lo[axis + 1:], tile.hi[:axis] + (hi,) + tile.hi[axis + 1:])
-
-
-def _batch_rect(tile: Rect, shape: tuple[int, ...]) -> Rect:
-    """Rows tile.lo[0]:tile.hi[0] of a tensor of `shape`, all of every other dim."""
-    return Rect((tile.lo[0],) + (0,) * (len(shape) - 1), (tile.hi[0],) + tuple(shape[1:]))
 
 
 @register_op
@@ -76,7 +67,7 @@ class Concat(Op):
         return [np.result_type(*(np.dtype(t.dtype) for t in self.inputs)).name]
 
     def split_dims(self):
-        return _all_dims(len(self.tile_shape))
+        return sample_split_dims(len(self.tile_shape))
 
     def input_rects(self, tile: Rect) -> list[Rect]:
         return [_piece_rect(tile, self._axis, start, t.shape[self._axis])
@@ -138,7 +129,7 @@ class Split(Op):
         return self.inputs[0].shape
 
     def split_dims(self):
-        return _all_dims(len(self.tile_shape))
+        return sample_split_dims(len(self.tile_shape))
 
     def output_rects(self, tile: Rect) -> list[Rect]:
         return [_piece_rect(tile, self._axis, start, size) for start, size in zip(self._offsets, self.sizes)]
@@ -151,7 +142,7 @@ class Split(Op):
         outs, at = [], 0
         for r in self.output_rects(tile):
             n = r.shape[self._axis]
-            outs.append(x[(slice(None),) * self._axis + (slice(at, at + n),)].copy())
+            outs.append(x[(slice(None),) * self._axis + (slice(at, at + n),)])
             at += n
         return outs, None
 
@@ -179,7 +170,7 @@ class _BatchRowReshape(Op):
         return (SplitDim(0, SAMPLE),)
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        return [_batch_rect(tile, self.inputs[0].shape)]
+        return [batch_rect(tile, self.inputs[0].shape)]
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         return [inputs[0].reshape(tile.shape)], None
@@ -280,11 +271,11 @@ class Transpose(Op):
         return [Rect(tuple(lo), tuple(hi))]
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
-        return [xp.ascontiguousarray(xp.transpose(inputs[0], tuple(self.perm)))], None
+        return [xp.transpose(inputs[0], tuple(self.perm))], None
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         inverse = tuple(int(i) for i in np.argsort(self.perm))
-        return [xp.ascontiguousarray(xp.transpose(grad_outputs[0], inverse))], {}
+        return [xp.transpose(grad_outputs[0], inverse)], {}
 
     def flops(self, tile: Rect) -> int:
         return 0
