@@ -44,6 +44,7 @@ import numpy as np
 from ops.base import SAMPLE, Op, TensorSpec
 from taskrt import READ, READ_WRITE, WRITE, Partition, Reduce, Region, req
 from taskrt.geometry import Rect
+from taskrt.geometry import equal_rects as tile_rects  # the tile of each color: Partition.equal's rule
 from taskrt.machine import Machine
 
 SUM = Reduce("sum")
@@ -160,16 +161,6 @@ def resolve_config(op: Op, config: TileConfig, machine: Machine) -> TileConfig:
             raise ConfigError(f"{where}: config {config} places tile {i} on processor {dev}, but {machine!r} has "
                               f"processors 0..{nprocs - 1}")
     return TileConfig(config.degrees, devices)
-
-
-def tile_rects(shape: Sequence[int], degrees: Sequence[int]) -> dict[tuple[int, ...], Rect]:
-    """The tile of each color: cuts at i*extent//degree per dim (Partition.equal's rule)."""
-    cuts = [[(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)] for ext, deg in zip(shape, degrees)]
-    out = {}
-    for color in itertools.product(*(range(d) for d in degrees)):
-        out[color] = Rect(tuple(cuts[d][c][0] for d, c in enumerate(color)),
-                          tuple(cuts[d][c][1] for d, c in enumerate(color)))
-    return out
 
 
 def _is_float(spec: TensorSpec) -> bool:

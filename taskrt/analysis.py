@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .geometry import Rect
+from .geometry import Rect, pairwise_disjoint
 from .machine import Memory, Processor
 from .privilege import Privilege
 from .region import Region
@@ -119,24 +119,24 @@ class Analyzer:
         users = st.users
         if priv.writes:
             # a writer orders everything after it: users it covers need not be remembered
-            doomed = [r for r, _ in self._overlapping_users(st, rect) if r != rect and rect.contains(r)]
+            over = [r for r, _ in self._overlapping_users(st, rect)]
+            doomed = [r for r in over if r != rect and rect.contains(r)]
             for r in doomed:
                 del users[r]
             if doomed and not st.users_disjoint:
-                st.users_disjoint = _pairwise_disjoint(list(users))
-            if rect not in users and st.users_disjoint and any(r.overlaps(rect) for r in users):
-                st.users_disjoint = False
-            users[rect] = [(priv, node_id)]
-            return
-        lst = users.get(rect)
-        if lst is None:
-            if st.users_disjoint and any(r.overlaps(rect) for r in users):
-                st.users_disjoint = False
-            users[rect] = [(priv, node_id)]
-            return
-        lst.append((priv, node_id))
-        if len(lst) > USER_LIST_PRUNE_AT:
-            lst[:] = [(p, n) for p, n in lst if not self.is_done(n)] or lst[-1:]
+                st.users_disjoint = pairwise_disjoint(users)
+            overlaps_others = len(over) > len(doomed)  # (counts rect itself when it is a user already)
+        else:
+            lst = users.get(rect)
+            if lst is not None:
+                lst.append((priv, node_id))
+                if len(lst) > USER_LIST_PRUNE_AT:
+                    lst[:] = [(p, n) for p, n in lst if not self.is_done(n)] or lst[-1:]
+                return
+            overlaps_others = st.users_disjoint and any(r.overlaps(rect) for r in users)
+        if rect not in users and st.users_disjoint and overlaps_others:
+            st.users_disjoint = False
+        users[rect] = [(priv, node_id)]
 
     # ---- coherence: where valid data lives ---------------------------------------------
     def _overlapping_pieces(self, st: RegionState, rect: Rect):
@@ -201,9 +201,3 @@ def choose_source(valid: dict[Memory, int | None], dst: Memory) -> Memory:
     return min(valid, key=lambda m: (m.rank != dst.rank, m.rank, m.kind != "sys", m.index))
 
 
-def _pairwise_disjoint(rects: list[Rect]) -> bool:
-    for i, a in enumerate(rects):
-        for b in rects[i + 1:]:
-            if a.overlaps(b):
-                return False
-    return True

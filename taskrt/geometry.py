@@ -115,3 +115,24 @@ class Rect:
     def _check_dims(self, other: "Rect") -> None:
         if self.ndim != other.ndim:
             raise ValueError(f"cannot combine {self!r} ({self.ndim}-d) with {other!r} ({other.ndim}-d)")
+
+
+def pairwise_disjoint(rects) -> bool:
+    """No two of `rects` share a point (empty rects share nothing): sorted by lo, each rect
+    is compared only with those that start before it ends in dim 0."""
+    rects = sorted((r for r in rects if not r.empty), key=lambda r: r.lo)
+    for i, a in enumerate(rects):
+        for b in rects[i + 1:]:
+            if a.ndim and b.lo[0] >= a.hi[0]:
+                break
+            if a.overlaps(b):
+                return False
+    return True
+
+
+def equal_rects(shape, degrees) -> dict[tuple[int, ...], Rect]:
+    """`degrees[d]` near-equal pieces per dim (cuts at i*extent//degree), by color in row-major order."""
+    cuts = [[(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)] for ext, deg in zip(shape, degrees)]
+    return {color: Rect(tuple(cuts[d][c][0] for d, c in enumerate(color)),
+                        tuple(cuts[d][c][1] for d, c in enumerate(color)))
+            for color in itertools.product(*(range(d) for d in degrees))}

@@ -54,6 +54,18 @@ class Machine:
     memories: tuple[Memory, ...]
     num_ranks: int = 1
     hosts: tuple[str, ...] = field(default=("localhost",))
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # the default mapper looks machines up per point: hash the tuples once
+        object.__setattr__(self, "_hash", hash((self.processors, self.memories, self.num_ranks, self.hosts)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt, not restored: string hashes differ between processes
+        return Machine, (self.processors, self.memories, self.num_ranks, self.hosts)
 
     def __repr__(self) -> str:
         cpus = sum(p.kind == "cpu" for p in self.processors)
@@ -143,10 +155,14 @@ class Machine:
     def threads_fit_node(self, rank: int, extra_per_rank: int = 0) -> bool:
         """Whether the node (host) of `rank` has a core for every CPU worker of its ranks
         and `extra_per_rank` more threads of each (a busy loop, say)."""
-        host = self.hosts[rank]
-        local = [r for r in range(self.num_ranks) if self.hosts[r] == host]
-        busy = sum(extra_per_rank + sum(p.kind == "cpu" for p in self.rank_processors(r)) for r in local)
+        busy = sum(extra_per_rank + sum(p.kind == "cpu" for p in self.rank_processors(r))
+                   for r in self.ranks_on_host(rank))
         return (os.cpu_count() or 1) >= busy
+
+    def ranks_on_host(self, rank: int) -> list[int]:
+        """The ranks whose host is `rank`'s (itself included)."""
+        host = self.hosts[rank] if rank < len(self.hosts) else None
+        return [r for r, h in enumerate(self.hosts) if h == host]
 
     def host_memory(self, rank: int = 0) -> Memory:
         return Memory("sys", rank, 0)

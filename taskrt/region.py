@@ -7,7 +7,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .geometry import Rect
+from .geometry import Rect, equal_rects, pairwise_disjoint
 
 Color = tuple[int, ...]
 
@@ -80,15 +80,7 @@ class Partition:
         for d, (deg, ext) in enumerate(zip(degrees, region.shape)):
             if deg < 1 or deg > max(ext, 1):
                 raise ValueError(f"degree {deg} in dim {d} does not fit extent {ext} of {region!r}")
-        bounds = []
-        for deg, ext in zip(degrees, region.shape):
-            bounds.append([(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)])
-        rects = {}
-        for color in itertools.product(*(range(d) for d in degrees)):
-            lo = tuple(bounds[d][c][0] for d, c in enumerate(color))
-            hi = tuple(bounds[d][c][1] for d, c in enumerate(color))
-            rects[color] = Rect(lo, hi)
-        return Partition(region, rects, name=f"{region.name}.equal{list(degrees)}")
+        return Partition(region, equal_rects(region.shape, degrees), name=f"{region.name}.equal{list(degrees)}")
 
     @staticmethod
     def from_rects(region: Region, rects: Mapping[Color, Rect] | Iterable[Rect], name: str | None = None) -> "Partition":
@@ -117,15 +109,7 @@ class Partition:
     @cached_property
     def disjoint(self) -> bool:
         """No two sub-rects share a point (empty sub-rects share nothing)."""
-        rects = [r for r in self.rects.values() if not r.empty]
-        rects.sort(key=lambda r: r.lo)
-        for i, a in enumerate(rects):
-            for b in rects[i + 1:]:
-                if b.lo[0] >= a.hi[0] if a.ndim else False:
-                    break
-                if a.overlaps(b):
-                    return False
-        return True
+        return pairwise_disjoint(self.rects.values())
 
     @property
     def aliased(self) -> bool:

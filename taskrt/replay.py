@@ -36,7 +36,6 @@ class Recording:
     templates: list[list[tuple]] = field(default_factory=list)
     regions: set[int] = field(default_factory=set)
     end_states: dict = field(default_factory=dict)
-    num_nodes: int = 0
     replayable: bool = True
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
@@ -57,7 +56,6 @@ class Recording:
                     # folds a reduction made before the block: its buffer differs every time
                     self.replayable = False
             self.templates[by_launch[node.launch]].append((node, inner, external, slot))
-        self.num_nodes = len(self.emitted)
 
         def encode(nid):
             if nid is None:

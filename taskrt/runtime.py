@@ -13,6 +13,7 @@ run once, on rank 0's host processor, so that every rank builds the same graph.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -105,7 +106,7 @@ class Runtime:
         self.transport = transport
         self.executor = None
         if execute:
-            local = [p for p in self.machine.processors if p.rank == rank]
+            local = self.machine.rank_processors(rank)
             mems = sorted({p.memory for p in local}, key=str)
             self.executor = Executor(local + mems, self._run_task, self._run_copy,
                                      [self.tracer] if self.tracer else [], self._setup_worker, rank)
@@ -426,7 +427,7 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
     many times over, and OpenBLAS's spinning threads then slow everything down. `threads`
     overrides the share (TASKRT_BLAS_THREADS too). Returns the limiter (restored at
     shutdown), or None when nothing is limited."""
-    cpus = sum(1 for p in machine.processors if p.rank == rank and p.kind == "cpu")
+    cpus = sum(p.kind == "cpu" for p in machine.rank_processors(rank))
     if threads is None:
         env = os.environ.get("TASKRT_BLAS_THREADS")
         if env:
@@ -435,8 +436,7 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
             return None
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            host = machine.hosts[rank] if rank < len(machine.hosts) else None
-            ranks_here = max(1, sum(1 for h in machine.hosts if h == host))
+            ranks_here = max(1, len(machine.ranks_on_host(rank)))
             threads = max(1, cores // (ranks_here * cpus))
     if threads < 1:
         raise ValueError(f"blas_threads must be >= 1, got {threads}")
@@ -453,10 +453,7 @@ def _fill_kernel(view, value):
 
 
 def _read_kernel(view):
-    if isinstance(view, np.ndarray):
-        return np.array(view)
-    import cupy
-    return cupy.asnumpy(view)
+    return np.array(view) if isinstance(view, np.ndarray) else gpu.to_numpy(view)
 
 
 def _first_param(fn) -> str | None:
@@ -483,12 +480,14 @@ def _check_interference(name: str, reqs: Sequence[Requirement], rects: list[list
     for i, r in enumerate(reqs):
         by_region.setdefault(r.region.uid, []).append(i)
     for idx in by_region.values():
-        if len(idx) < 2:
+        # the pairs whose privileges conflict do so at every point: find them once
+        pairs = [(a, b) for a, b in itertools.combinations(idx, 2)
+                 if reqs[a].privilege.conflicts(reqs[b].privilege)]
+        if not pairs:
             continue
         for point_rects in rects:
-            for a in idx:
-                for b in idx:
-                    if a < b and reqs[a].privilege.conflicts(reqs[b].privilege) and point_rects[a].overlaps(point_rects[b]):
-                        raise ValueError(f"launch {name!r}: requirements {a} ({reqs[a]!r}) and {b} ({reqs[b]!r}) "
-                                         f"overlap at {point_rects[a].intersect(point_rects[b])!r} with conflicting "
-                                         f"privileges")
+            for a, b in pairs:
+                if point_rects[a].overlaps(point_rects[b]):
+                    raise ValueError(f"launch {name!r}: requirements {a} ({reqs[a]!r}) and {b} ({reqs[b]!r}) "
+                                     f"overlap at {point_rects[a].intersect(point_rects[b])!r} with conflicting "
+                                     f"privileges")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _cupy():
+def module():
+    """cupy, or a clear error where it is not installed."""
     try:
         import cupy
     except ImportError as e:
@@ -12,30 +13,26 @@ def _cupy():
     return cupy
 
 
-def module():
-    return _cupy()
-
-
 def use_device(device: int) -> None:
     """Make `device` current in this thread, with a non-blocking stream of the thread's own."""
-    cp = _cupy()
+    cp = module()
     cp.cuda.Device(device).use()
     cp.cuda.Stream(non_blocking=True).use()
 
 
 def synchronize() -> None:
     """Wait for the work this thread issued on its current stream."""
-    _cupy().cuda.get_current_stream().synchronize()
+    module().cuda.get_current_stream().synchronize()
 
 
 def allocate(shape, dtype, device: int):
-    cp = _cupy()
+    cp = module()
     with cp.cuda.Device(device):
         return cp.zeros(shape, dtype)
 
 
 def to_numpy(array) -> np.ndarray:
-    return _cupy().asnumpy(array)
+    return module().asnumpy(array)
 
 
 def read_only(view):
@@ -45,7 +42,7 @@ def read_only(view):
 
 def to_device(array, device: int):
     """`array` (numpy, or cupy on any device) as a cupy array on `device`, copied only if needed."""
-    cp = _cupy()
+    cp = module()
     if isinstance(array, np.ndarray):
         with cp.cuda.Device(device):
             return cp.asarray(array)
@@ -64,5 +61,5 @@ def copy(dst_view, src_view, dst_device: int | None) -> None:
     if dst_device is None:
         dst_view[...] = to_numpy(src_view)
         return
-    with _cupy().cuda.Device(dst_device):
+    with module().cuda.Device(dst_device):
         dst_view[...] = to_device(src_view, dst_device)
