@@ -31,8 +31,7 @@ def heat_step_numpy(u: np.ndarray) -> np.ndarray:
 def stencil(ctx, src, dst):
     """One step on a tile: `src` is the tile with its halo (rects[0]), `dst` the tile (rects[1])."""
     halo, tile = ctx.rects
-    p = np.pad(src, 1, mode="edge")
-    full = src + 0.2 * (p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:] - 4 * src)
+    full = heat_step_numpy(src)
     off = [t - h for t, h in zip(tile.lo, halo.lo)]
     dst[...] = full[off[0]:off[0] + dst.shape[0], off[1]:off[1] + dst.shape[1]]
 

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -106,7 +107,7 @@ def runtime_seconds(rt, comm, tiles: list, reps: int, stream: bool) -> float:
         k = i % len(tiles)
         if k not in last:
             before[k] = rt.launch(look, req(tiles[k], READ), proc=rank1, name="start_value")
-        block = _Null() if stream else rt.replay(f"chain{tiles[0].name}")
+        block = nullcontext() if stream else rt.replay(f"chain{tiles[0].name}")
         with block:
             rt.launch(touch, req(tiles[k], READ_WRITE), proc=rank0, name="write_on_rank0")
             last[k] = rt.launch(look, req(tiles[k], READ), proc=rank1, name="read_on_rank1")
@@ -122,14 +123,6 @@ def runtime_seconds(rt, comm, tiles: list, reps: int, stream: bool) -> float:
             assert fut.get() == want, f"rank 1 saw {fut.get()} after {writes} writes of tile {k}, not {want}"
     comm.Barrier()
     return t
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ def ours_fwd_bwd(op, inputs, weights, state=None):
     return step
 
 
-def torch_fwd_bwd(module_fn, inputs, grads_like):
+def torch_fwd_bwd(module_fn, inputs):
     import torch
 
     def step():
@@ -92,7 +92,7 @@ def cases(quick: bool):
     x = arr(shape)
     out.append(("conv_alexnet1", op, [x], w, None,
                 lambda x=x, w=w: torch_fwd_bwd(lambda a, ww, bb: F.conv2d(a, ww, bb, stride=4, padding=2),
-                                               [t(x), t(w["weight"]), t(w["bias"])], None)))
+                                               [t(x), t(w["weight"]), t(w["bias"])])))
     # a ResNet 3x3 convolution
     shape = (32 // s, 64, 56, 56)
     op = Conv2d("res3x3", [spec(shape)], out_channels=64, kernel=(3, 3), stride=(1, 1), padding=(1, 1),
@@ -101,14 +101,14 @@ def cases(quick: bool):
     x = arr(shape)
     out.append(("conv_resnet3x3", op, [x], w, None,
                 lambda x=x, w=w: torch_fwd_bwd(lambda a, ww: F.conv2d(a, ww, padding=1),
-                                               [t(x), t(w["weight"])], None)))
+                                               [t(x), t(w["weight"])])))
     # dense 4096 x 4096 at batch 64
     op = Dense("fc", [spec((64, 4096))], out_features=4096)
     w = op.init_weights(rng)
     x = arr((64, 4096))
     out.append(("dense_4096", op, [x], w, None,
                 lambda x=x, w=w: torch_fwd_bwd(lambda a, ww, bb: F.linear(a, ww, bb),
-                                               [t(x), t(w["weight"]), t(w["bias"])], None)))
+                                               [t(x), t(w["weight"]), t(w["bias"])])))
     # LSTM of 1024 units over 40 steps, batch 64
     b = 64 // s
     op = LSTM("lstm", [spec((b, 40, 1024))], hidden_size=1024)
@@ -119,13 +119,13 @@ def cases(quick: bool):
         for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
             getattr(lstm, f"{name}_l0").copy_(t(w[name]))
     out.append(("lstm_1024x40", op, [x], w, None,
-                lambda x=x, lstm=lstm: torch_fwd_bwd(lambda a: lstm(a)[0], [t(x)], None)))
+                lambda x=x, lstm=lstm: torch_fwd_bwd(lambda a: lstm(a)[0], [t(x)])))
     # embedding of 50k x 1024, batch 64 x 40 tokens
     op = Embedding("emb", [spec((64, 40), "int64")], num_embeddings=50000, embedding_dim=1024)
     w = op.init_weights(rng)
     idx = rng.integers(0, 50000, (64, 40))
     out.append(("embedding_50k", op, [idx], w, None,
-                lambda idx=idx, w=w: torch_fwd_bwd(lambda ww: F.embedding(t(idx), ww), [t(w["weight"])], None)))
+                lambda idx=idx, w=w: torch_fwd_bwd(lambda ww: F.embedding(t(idx), ww), [t(w["weight"])])))
     # multi-head attention at 512 tokens, E = 512, 8 heads, batch 8
     b = 8 // s if not quick else 2
     op = MultiHeadAttention("mha", [spec((b, 512, 512))] * 3, num_heads=8)
@@ -139,13 +139,13 @@ def cases(quick: bool):
         mha.out_proj.bias.copy_(t(w["out_proj_bias"]))
     out.append(("attention_512", op, [q, q, q], w, None,
                 lambda q=q, mha=mha: torch_fwd_bwd(lambda a, k, v: mha(a, k, v, need_weights=False)[0],
-                                                   [t(q), t(q), t(q)], None)))
+                                                   [t(q), t(q), t(q)])))
     # max pooling 3x3 stride 2 (AlexNet/ResNet style)
     shape = (32 // s, 64, 112, 112)
     op = Pool2d("pool", [spec(shape)], kernel=(3, 3), stride=(2, 2), padding=(1, 1), pool_type="max")
     x = arr(shape)
     out.append(("maxpool_3x3", op, [x], {}, None,
-                lambda x=x: torch_fwd_bwd(lambda a: F.max_pool2d(a, 3, 2, 1), [t(x)], None)))
+                lambda x=x: torch_fwd_bwd(lambda a: F.max_pool2d(a, 3, 2, 1), [t(x)])))
     # batch norm in training mode
     shape = (32 // s, 64, 56, 56)
     op = BatchNorm("bn", [spec(shape)])
@@ -155,7 +155,7 @@ def cases(quick: bool):
     out.append(("batch_norm", op, [x], w, state,
                 lambda x=x, w=w: torch_fwd_bwd(
                     lambda a, g, bb: F.batch_norm(a, torch.zeros(64), torch.ones(64), g, bb, training=True),
-                    [t(x), t(w["weight"]), t(w["bias"])], None)))
+                    [t(x), t(w["weight"]), t(w["bias"])])))
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -44,21 +45,21 @@ def taskrt_graphs(cpus: int, replay: bool):
 
     def independent():
         for start in range(0, N_SINGLE, block or N_SINGLE):
-            with (rt.replay("independent") if replay else _nothing()):
+            with (rt.replay("independent") if replay else nullcontext()):
                 for _ in range(block or N_SINGLE):
                     rt.launch(noop)
         rt.wait()
 
     def chain():
         for start in range(0, N_SINGLE, block or N_SINGLE):
-            with (rt.replay("chain") if replay else _nothing()):
+            with (rt.replay("chain") if replay else nullcontext()):
                 for _ in range(block or N_SINGLE):
                     rt.launch(noop, req(chain_region, READ_WRITE))
         rt.wait()
 
     def index():
         for _ in range(LAUNCHES // 2 if replay else 1):
-            with (rt.replay("index") if replay else _nothing()):
+            with (rt.replay("index") if replay else nullcontext()):
                 for _ in range(2 if replay else LAUNCHES):
                     rt.index_launch(noop, part, req(part, READ_WRITE))
         rt.wait()
@@ -70,14 +71,6 @@ def taskrt_graphs(cpus: int, replay: bool):
     }
     rt.shutdown()
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---- dask -------------------------------------------------------------------------------

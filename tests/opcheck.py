@@ -14,7 +14,13 @@ import itertools
 
 import numpy as np
 
+from ops.base import TensorSpec
 from taskrt.geometry import Rect
+
+
+def spec(shape, dtype="float32", name="x") -> TensorSpec:
+    """An operator input of `shape`."""
+    return TensorSpec(tuple(shape), dtype, name)
 
 
 def _tile(op, tile, inputs, weights, training=True, state=None):

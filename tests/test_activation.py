@@ -9,15 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops.activation import ElementUnary, Softmax
-from ops.base import ATTRIBUTE, SAMPLE, OP_REGISTRY, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, SAMPLE, OP_REGISTRY, ShapeError
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 TORCH_UNARY = {"relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
 
 
 def away_from_zero(rng, shape, dtype=np.float32):

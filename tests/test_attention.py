@@ -10,13 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops.attention import MultiHeadAttention
-from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 
 def mha_case(batch, lq, lk, e, heads, use_bias=True, causal=False, seed=0, dtype=np.float32):

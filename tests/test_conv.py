@@ -8,16 +8,12 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from ops.conv import (Conv2d, Pool2d, _col2im_cpu, _col2im_xp, _maxpool_cpu, _maxpool_scatter_cpu,
                       _maxpool_scatter_xp, window_argmax)
 from ops.cpu_layout import flat_rows
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 
 def make_conv(shape, dtype="float32", **attrs):

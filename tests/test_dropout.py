@@ -4,14 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
 from ops.dropout import Dropout, global_index, keep_mask
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole, tiles_of
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec, tiles_of
 
 
 def dropout_run(shape, rate, seed, training=True):

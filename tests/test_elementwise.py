@@ -7,16 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, SAMPLE, ShapeError
 from ops.elementwise import ElementBinary
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 TORCH_BINARY = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul}
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
 
 
 def check_against_torch(fn, sa, sb, seed=0):

@@ -43,14 +43,8 @@ def test_local_machine_finds_the_gpus(monkeypatch):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prog=tr.programs())
 def test_random_programs_over_cpus_and_gpus_match_sequential(cpus, gpus, prog):
-    shapes, parts, steps = prog
-    steps = tr._same_steps(steps, shapes, parts)
-    want_arrays, want_results = tr.run_sequential(shapes, parts, steps)
     with Runtime(gpu_machine(cpus, gpus), Spread()) as rt:
-        got_arrays, got_results = tr.run_runtime(rt, shapes, parts, steps, repeat=1)
-    for got, want in zip(got_arrays, want_arrays):
-        np.testing.assert_array_equal(got, want)
-    assert got_results == want_results
+        tr.check_program(rt, prog)
 
 
 def cnn(rt, dtype):

@@ -10,16 +10,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from ops.linear import BatchMatmul, Dense
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 TORCH_ACT = {None: lambda t: t, "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
 
 
 def as64(arrays):

@@ -8,14 +8,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import SAMPLE, ShapeError, TensorSpec
+from ops.base import SAMPLE, ShapeError
 from ops.loss import MeanSquaredError, SparseCategoricalCrossEntropy
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 
 class SummedLoss:

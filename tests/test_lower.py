@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from ops import SGD, ConfigError, Model, TileConfig, default_config
-from ops.base import OP_REGISTRY, TensorSpec
+from ops.base import OP_REGISTRY
 from ops.conv import Conv2d
 from ops.linear import Dense
 from ops.lower import Lowering, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
 from ops.norm import BatchNorm
 from taskrt import Machine, Partition, Rect, Region, ReplayMismatch, Runtime, TaskNode
+from tests.opcheck import spec
 
 MACHINE4 = Machine.build(1, 4)
 
@@ -29,10 +30,6 @@ def rt1():
 def rt4():
     with Runtime(cpus=4, separate_memories=True) as rt:
         yield rt
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
 
 
 # ---- TileConfig and config rules ---------------------------------------------------------------
@@ -245,7 +242,7 @@ def _every_op(rt, seed=7):
     return m
 
 
-def _split_everything(m, nprocs=4):
+def _split_everything(m):
     """Every declared split dim (of extent >= 2) cut in 2, tiles spread over the processors."""
     configs = {}
     for op in m.ops:

@@ -9,16 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import OP_REGISTRY, SAMPLE, ShapeError, TensorSpec
+from ops.base import OP_REGISTRY, SAMPLE, ShapeError
 from ops.lstm import LSTM
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
 
 
 def lstm_case(batch, seq, n_in, hidden, with_initial_state, seed=0, dtype=np.float32):

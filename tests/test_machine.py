@@ -28,12 +28,14 @@ def test_a_bad_taskrt_gpus_names_the_value(monkeypatch):
 
 
 def test_taskrt_gpus_zero_gives_a_cpu_machine(monkeypatch):
+    monkeypatch.setattr("taskrt.machine.count_gpus", lambda: 2)  # as if two GPUs were visible
     monkeypatch.setenv("TASKRT_GPUS", "0")
     assert {p.kind for p in Machine.local(cpus=2).processors} == {"cpu"}
 
 
 def test_runtime_takes_a_gpu_count(monkeypatch):
     from taskrt import Runtime
+    monkeypatch.setattr("taskrt.machine.count_gpus", lambda: 2)  # as if two GPUs were visible
     monkeypatch.delenv("TASKRT_GPUS")
     with Runtime(cpus=2, gpus=0) as rt:
         assert [p.kind for p in rt.machine.processors] == ["cpu", "cpu"]

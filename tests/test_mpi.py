@@ -35,8 +35,9 @@ def python_path() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
-def run_mpi(n: int, program: str, *args, timeout: float = 60, env: dict | None = None):
-    """Run tests/mpi_programs/<program> on n ranks; (CompletedProcess, seconds)."""
+def run_mpi(n: int, program, *args, timeout: float = 60, env: dict | None = None):
+    """Run tests/mpi_programs/<program> (or the script at an absolute path) on n ranks;
+    (CompletedProcess, seconds)."""
     full_env = {**os.environ, "TASKRT_MPI_TIMEOUT": "20", "PYTHONPATH": python_path(), **(env or {})}
     cmd = [_mpiexec(), "-n", str(n), sys.executable, str(PROGRAMS / program), *map(str, args)]
     t0 = time.monotonic()
@@ -160,10 +161,7 @@ def test_a_message_that_never_comes_ends_in_an_error_not_a_hang():
 
 def test_benchmark_prints_its_json_last(tmp_path):
     """bench/copy_bandwidth.py runs on 2 ranks and ends with one JSON line (numbers unchecked)."""
-    cmd = [_mpiexec(), "-n", "2", sys.executable, str(ROOT / "bench" / "copy_bandwidth.py"), "--max-mib", "1",
-           "--trials", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "PYTHONPATH": python_path()})
+    proc, _ = run_mpi(2, ROOT / "bench" / "copy_bandwidth.py", "--max-mib", 1, "--trials", 1, timeout=120)
     assert proc.returncode == 0, output(proc)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "copy_bandwidth" and set(summary["sizes"]) >= {"1KiB", "1MiB"}

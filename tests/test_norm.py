@@ -8,15 +8,11 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 from tests.test_conv import ArrayCodePath
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
 
 
 def bn_data(op, seed=0, dtype=np.float32):

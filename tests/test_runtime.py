@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from taskrt import (READ, READ_WRITE, WRITE, Machine, Partition, Rect, Reduce, ReplayMismatch, Runtime,
+from taskrt import (READ, READ_WRITE, WRITE, Machine, Partition, Rect, Reduce, Region, ReplayMismatch, Runtime,
                     TaskError, req)
 
 # ---- random programs --------------------------------------------------------------------
@@ -105,7 +106,7 @@ PRIVS = {"write": WRITE, "rw": READ_WRITE, "reduce": Reduce("+"), "read": READ}
 
 def run_sequential(shapes, parts, steps):
     arrays = [np.arange(np.prod(s), dtype=np.int64).reshape(s) % 13 for s in shapes]
-    _, partitions = build(lambda s: _FakeRegion(s), shapes, parts)
+    _, partitions = build(lambda s: Region(s, "int64"), shapes, parts)
     results = []
     for kind, r, p, src, k in steps:
         part = partitions[r][p]
@@ -134,21 +135,9 @@ def run_sequential(shapes, parts, steps):
     return arrays, results
 
 
-class _FakeRegion:
-    """Just enough of a Region for building partitions in the sequential reference."""
-
-    _uid = 10**9
-
-    def __init__(self, shape):
-        from taskrt import Region
-        self._r = Region(shape, "int64")
-
-    def __getattr__(self, name):
-        return getattr(self._r, name)
-
-
 def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
-    """The program on a runtime: `repeat` times over, each time in a replay block if asked."""
+    """The program on a runtime: `repeat` times over, each time in a replay block if asked.
+    `steps` come through `_same_steps`, so no step reads the region it writes."""
     regions, partitions = build(lambda s: rt.region(s, "int64"), shapes, parts)
     for region, shape in zip(regions, shapes):
         rt.attach(region, np.arange(np.prod(shape), dtype=np.int64).reshape(shape) % 13)
@@ -160,21 +149,19 @@ def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
             src_part = partitions[src[0]][src[1]]
             if len(src_part.colors()) == len(part.colors()):
                 reqs.append(req(src_part, READ, projection=ByIndex(part, src_part)))
-        if len(reqs) == 2 and reqs[1].region is reqs[0].region and PRIVS[kind] is not READ:
-            # a task may not read and write overlapping data of one region: read a copy instead
-            reqs = reqs[:1]
         launches.append((KERNELS[kind], part, reqs, k))
     futures = []
     for _ in range(repeat):
-        with (rt.replay("program") if replay else _Null()):
+        with (rt.replay("program") if replay else nullcontext()):
             for fn, part, reqs, k in launches:
                 futures.append(rt.index_launch(fn, part, *reqs, args=(k,)))
     arrays = [rt.read(region) for region in regions]
     return arrays, [fm.get() for fm in futures]
 
 
-def _same_steps(steps, shapes, parts):
-    """Drop the source of steps whose reference would pair colors the runtime would not."""
+def _same_steps(steps):
+    """Drop the source of steps that would read the region they write (a task may not
+    read and write overlapping data of one region)."""
     out = []
     for kind, r, p, src, k in steps:
         if src is not None and src[0] == r and kind != "read":
@@ -183,18 +170,24 @@ def _same_steps(steps, shapes, parts):
     return out
 
 
+def check_program(rt, prog, repeat: int = 1, replay: bool = False, where: str = "") -> None:
+    """Run a drawn program on `rt` (`repeat` times, in a replay block if asked) and compare
+    the arrays read back and every point task's result with the sequential reference."""
+    shapes, parts, steps = prog
+    steps = _same_steps(steps)
+    want_arrays, want_results = run_sequential(shapes, parts, steps * repeat)
+    got_arrays, got_results = run_runtime(rt, shapes, parts, steps, repeat, replay)
+    for i, (got, want) in enumerate(zip(got_arrays, want_arrays)):
+        np.testing.assert_array_equal(got, want, err_msg=f"{where}region {i} of program {prog}")
+    assert got_results == want_results, f"{where}point results of program {prog}"
+
+
 @pytest.mark.parametrize("cpus,separate", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prog=programs())
 def test_random_programs_match_sequential(cpus, separate, prog):
-    shapes, parts, steps = prog
-    steps = _same_steps(steps, shapes, parts)
-    want_arrays, want_results = run_sequential(shapes, parts, steps)
     with Runtime(cpus=cpus, separate_memories=separate) as rt:
-        got_arrays, got_results = run_runtime(rt, shapes, parts, steps)
-    for got, want in zip(got_arrays, want_arrays):
-        np.testing.assert_array_equal(got, want)
-    assert got_results == want_results
+        check_program(rt, prog)
 
 
 @pytest.mark.parametrize("cpus,separate", [(2, False), (4, True)])
@@ -203,15 +196,9 @@ def test_random_programs_match_sequential(cpus, separate, prog):
 def test_replayed_random_programs_match_sequential(cpus, separate, prog):
     """Repeating a random program in a replay block gives the same arrays and futures as
     running it that many times in program order on one thread."""
-    shapes, parts, steps = prog
-    steps = _same_steps(steps, shapes, parts)
-    want_arrays, want_results = run_sequential(shapes, parts, steps * 4)
     with Runtime(cpus=cpus, separate_memories=separate) as rt:
-        got_arrays, got_results = run_runtime(rt, shapes, parts, steps, repeat=4, replay=True)
+        check_program(rt, prog, repeat=4, replay=True)
         assert rt.replay_stats["mismatches"] == 0
-    for got, want in zip(got_arrays, want_arrays):
-        np.testing.assert_array_equal(got, want)
-    assert got_results == want_results
 
 
 # ---- reductions ---------------------------------------------------------------------------
@@ -271,7 +258,7 @@ def test_tasks_that_release_the_gil_run_in_parallel():
     assert elapsed < 0.5, f"two 0.3 s tasks on 2 processors took {elapsed:.2f} s"
 
 
-def test_independent_launches_overlap_and_dependent_ones_wait():
+def test_a_read_waits_for_the_earlier_write():
     order = []
     lock = threading.Lock()
 
@@ -381,21 +368,13 @@ def _jacobi_program(rt, steps, use_replay, mutate_at=None):
         dst[...] = smooth[lo:lo + dst.shape[0]]
 
     for step in range(steps):
-        block = rt.replay("step") if use_replay else _Null()
+        block = rt.replay("step") if use_replay else nullcontext()
         with block:
             rt.index_launch(stencil, out_b, req(halo_a, READ), req(out_b, WRITE))
             if mutate_at == step:
                 rt.launch(lambda v: v.__iadd__(1.0), req(b, READ_WRITE))
             rt.index_launch(stencil, out_a, req(halo_b, READ), req(out_a, WRITE))
     return rt.read(a)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("separate", [False, True])

@@ -7,14 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole
-
-
-def spec(shape, dtype="float32", name="x"):
-    return TensorSpec(tuple(shape), dtype, name)
+from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
 
 def rand(rng, shape):

@@ -16,15 +16,10 @@ from mpi4py import MPI
 
 from ops import TileConfig
 from taskrt import Machine, Runtime
-from taskrt.mapper import Mapper
 from tests import test_runtime as tr
 from tests.mpi_programs.model import build_and_train
 from tests.mpi_programs.random_programs import draw_programs
-
-
-class Spread(Mapper):
-    def select_processor(self, machine, launch_name, point, domain, index):
-        return machine.processors[index % len(machine.processors)]
+from tests.test_gpu import Spread
 
 
 def main() -> None:
@@ -33,13 +28,8 @@ def main() -> None:
     with Runtime.from_mpi(cpus=1, separate_memories=True, mapper=Spread()) as rt:
         kinds = [(p.rank, p.kind) for p in rt.machine.processors]
         assert (0, "gpu") in kinds, f"rank 0 has no GPU: {rt.machine!r} {kinds}"
-        for shapes, parts, steps in programs:
-            steps = tr._same_steps(steps, shapes, parts)
-            want_arrays, want_results = tr.run_sequential(shapes, parts, steps)
-            got_arrays, got_results = tr.run_runtime(rt, shapes, parts, steps)
-            for i, (got, want) in enumerate(zip(got_arrays, want_arrays)):
-                assert np.array_equal(got, want), f"rank {rt.rank}: region {i} of {(shapes, parts, steps)}"
-            assert got_results == want_results, f"rank {rt.rank}: results of {(shapes, parts, steps)}"
+        for prog in programs:
+            tr.check_program(rt, prog, where=f"rank {rt.rank}: ")
 
         rng = np.random.default_rng(7)
         images = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from mpi4py import MPI
 
@@ -40,17 +39,8 @@ def main() -> None:
     checked = 0
     for cpus, separate in [(1, False), (2, True)]:
         with Runtime.from_mpi(cpus=cpus, separate_memories=separate) as rt:
-            for shapes, parts, steps in programs:
-                steps = tr._same_steps(steps, shapes, parts)
-                want_arrays, want_results = tr.run_sequential(shapes, parts, steps)
-                got_arrays, got_results = tr.run_runtime(rt, shapes, parts, steps)
-                for i, (got, want) in enumerate(zip(got_arrays, want_arrays)):
-                    if not np.array_equal(got, want):
-                        raise AssertionError(f"rank {rt.rank}: region {i} of program {(shapes, parts, steps)} "
-                                             f"(cpus={cpus}, separate={separate}):\n{got}\n!=\n{want}")
-                if got_results != want_results:
-                    raise AssertionError(f"rank {rt.rank}: results of {(shapes, parts, steps)}: "
-                                         f"{got_results} != {want_results}")
+            for prog in programs:
+                tr.check_program(rt, prog, where=f"rank {rt.rank} (cpus={cpus}, separate={separate}): ")
                 checked += 1
     print(f"OK rank {comm.rank}: {checked} programs on {comm.size} ranks", flush=True)
 
