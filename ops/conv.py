@@ -526,13 +526,16 @@ class Pool2d(Op):
         (x,), (dy,) = inputs, grad_outputs
         if xp is np:
             return self._backward_cpu(x, dy, tile, in_rects[0], saved)
-        xpad, pads = self._padded(xp, x, tile, in_rects[0])
-        dxpad = xp.zeros(xpad.shape, x.dtype)
         kh, kw = self.kernel
         if self.pool_type == "max":
+            xpad, pads = self._padded(xp, x, tile, in_rects[0])
+            dxpad = xp.zeros(xpad.shape, x.dtype)
             arg = window_argmax(xp, xpad, outputs[0], self.kernel, self.stride)
             _maxpool_scatter_xp(xp, dy, arg, self.kernel, self.stride, dxpad)
-        else:
+        else:  # only the padded shape is needed, not a padded copy of x
+            pads = _window_geometry(tile, in_rects[0], self.kernel, self.stride, self.padding)
+            (top, bottom), (left, right) = pads
+            dxpad = xp.zeros(x.shape[:2] + (x.shape[2] + top + bottom, x.shape[3] + left + right), x.dtype)
             share = dy * dy.dtype.type(1.0 / (kh * kw))
             for k in range(kh * kw):
                 _strided(dxpad, *divmod(k, kw), self.stride, dy.shape[2:])[...] += share

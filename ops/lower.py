@@ -317,6 +317,7 @@ class UpdatePlan:
 
     def __init__(self, param: ParamRegions, plan: OpPlan, short: str, optimizer):
         self.param = param
+        self.op_name = plan.op.name
         self.optimizer = optimizer
         self.state_names = list(optimizer.state_names())
         pieces: dict[Rect, int] = {}
@@ -460,7 +461,7 @@ class Lowering:
         """The optimizer update of every trained weight; `step` is 1-based."""
         for u in self.updates:
             self.rt.index_launch(u.fn, u.colors, *u.reqs, args=(int(step),), name=f"{u.param.name}.update",
-                                 placement=u.placement, op=u.param.name.rsplit(".", 1)[0])
+                                 placement=u.placement, op=u.op_name)
 
     def train_step(self, step: int, valid: int | None = None):
         """One iteration (forward, backward, update) in a replay block; returns the loss FutureMap."""
