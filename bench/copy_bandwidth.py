@@ -16,8 +16,11 @@ repetition, through a replayed block (`with rt.replay(...)`). Two ways:
   program moves many tiles (the usual case): the copy path's bandwidth.
 
 All repetitions are issued first, behind a gate task on rank 0; after a barrier the gate
-opens and rank 1 times until its last reader is done, so the time is copies and their
-dependences, not issuing. The raw peer is mpi4py's blocking Send/Recv of numpy buffers of
+opens, and the time runs until rank 1's last reader is done, so it is copies and their
+dependences, not issuing. Times run from the first rank's start to the last rank's end on
+rank 0's clock (the runtime measures each rank's offset at start-up): a rank that leaves
+the starting barrier late, as rank 1 sometimes does while its receive loop holds the MPI
+library, does not shorten them. The raw peer is mpi4py's blocking Send/Recv of numpy buffers of
 the same size, repeated as often, through as many buffers in turn as the runtime uses
 tiles (one for the chain, `--tiles` for the stream: from 4 MiB up, four buffers no longer
 fit the caches the way one does, and that slows the copy itself). Best of `--trials` for
@@ -62,7 +65,14 @@ def repetitions(size: int) -> int:
     return int(min(1000, max(20, (256 * MiB) // size)))
 
 
-def raw_seconds(comm, bufs: list, reps: int) -> float:
+def span_seconds(comm, offset: float, t0: float, t1: float) -> float:
+    """From the first rank's t0 to the last rank's t1, on rank 0's clock (`offset`: this
+    rank's perf_counter minus rank 0's); the same on every rank."""
+    spans = comm.allgather((t0 - offset, t1 - offset))
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+def raw_seconds(comm, offset: float, bufs: list, reps: int) -> float:
     """Blocking Send/Recv from rank 0 to rank 1 of `bufs` in turn, `reps` times."""
     comm.Barrier()
     t0 = time.perf_counter()
@@ -72,9 +82,7 @@ def raw_seconds(comm, bufs: list, reps: int) -> float:
             comm.Send(buf, 1, 11)
         elif comm.rank == 1:
             comm.Recv(buf, 0, 11)
-    t = time.perf_counter() - t0
-    comm.Barrier()
-    return t
+    return span_seconds(comm, offset, t0, time.perf_counter())
 
 
 def touch(view):
@@ -115,7 +123,7 @@ def runtime_seconds(rt, comm, tiles: list, reps: int, stream: bool) -> float:
     t0 = time.perf_counter()
     gate.set()
     rt.wait()
-    t = time.perf_counter() - t0
+    t = span_seconds(comm, rt.transport.clock_offset_s, t0, time.perf_counter())
     if rt.rank == 1:
         for k, fut in last.items():
             writes = len(range(k, reps, len(tiles)))
@@ -143,17 +151,16 @@ def main() -> None:
             reps = repetitions(size)
             tiles = make_tiles(rt, size, max(1, args.tiles))
             bufs = [np.ones(size, np.uint8) for _ in tiles]
-            raw_seconds(comm, bufs, len(bufs))  # warm up: touch every page once
+            offset = rt.transport.clock_offset_s
+            raw_seconds(comm, offset, bufs, len(bufs))  # warm up: touch every page once
             runtime_seconds(rt, comm, tiles, len(tiles), stream=True)
             raw1, raw, chain, stream = [], [], [], []
             for t in range(args.trials):  # interleaved, so that slow spells of the machine hit all four
-                raw1.append(raw_seconds(comm, bufs[:1], reps))
-                raw.append(raw_seconds(comm, bufs, reps))
+                raw1.append(raw_seconds(comm, offset, bufs[:1], reps))
+                raw.append(raw_seconds(comm, offset, bufs, reps))
                 chain.append(runtime_seconds(rt, comm, tiles[:1], reps, stream=False))
                 stream.append(runtime_seconds(rt, comm, tiles, reps, stream=True))
-            # rank 1 finishes last in all of them: its clock is the one that counts
-            best = (min(raw1), min(raw), min(chain), min(stream)) if comm.rank == 1 else None
-            raw1, raw, chain, stream = comm.bcast(best, root=1)
+            raw1, raw, chain, stream = min(raw1), min(raw), min(chain), min(stream)  # the same on every rank
 
             def gbps(sec):
                 return round(size * reps / sec / 1e9, 4)
