@@ -19,8 +19,7 @@ All repetitions are issued first, behind a gate task on rank 0; after a barrier 
 opens, and the time runs until rank 1's last reader is done, so it is copies and their
 dependences, not issuing. Times run from the first rank's start to the last rank's end on
 rank 0's clock (the runtime measures each rank's offset at start-up): a rank that leaves
-the starting barrier late, as rank 1 sometimes does while its receive loop holds the MPI
-library, does not shorten them. The raw peer is mpi4py's blocking Send/Recv of numpy buffers of
+the starting barrier late, as rank 1 sometimes does while copies run, does not shorten them. The raw peer is mpi4py's blocking Send/Recv of numpy buffers of
 the same size, repeated as often, through as many buffers in turn as the runtime uses
 tiles (one for the chain, `--tiles` for the stream: from 4 MiB up, four buffers no longer
 fit the caches the way one does, and that slows the copy itself). Best of `--trials` for
