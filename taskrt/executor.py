@@ -13,7 +13,8 @@ A run may return PENDING instead: it has started something (an MPI message) that
 later, and whoever sees it end calls `complete(node, start)` (or `fail`), from any thread,
 or `resume(node)` to run it again on its worker. Nodes of a type in `inline_types` whose
 `inline` is true (cheap to start: posting a message) run in the thread that makes them
-ready instead of waiting for their worker.
+ready instead of waiting for their worker. A `Join` runs nothing and has no worker: it
+finishes as soon as its preds have (Realm's merged event), in the thread that readies it.
 The executor does not know what a task computes, nor whether a copy crosses ranks:
 `transport` (taskrt/mpi.py on many ranks) handles nodes that touch another rank.
 `on_error`, when set, is called with the TaskError of the first failure.
@@ -32,6 +33,19 @@ from .taskgraph import TaskNode
 PENDING = object()
 #: what `wait_all` watches for in Executor.watched
 ALL = "all"
+
+
+class Join:
+    """A node that runs nothing and is not traced: it finishes once its preds have. One
+    node id standing for many (the MPI transport's remote nodes with many local ancestors)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, node_id: int):
+        self.id = node_id
+
+    def __repr__(self) -> str:
+        return f"Join(#{self.id})"
 
 
 class TaskError(RuntimeError):
@@ -90,8 +104,10 @@ class Executor:
         self._ready(node)
 
     def _ready(self, node) -> None:
-        """Queue a node whose preds have all finished (or post an inline one right here)."""
-        if self.inline_types and type(node) in self.inline_types and node.inline:
+        """Queue a node whose preds have all finished (or post an inline one, or finish a
+        Join, right here)."""
+        kind = type(node)
+        if kind is Join or (self.inline_types and kind in self.inline_types and node.inline):
             # a loop, not recursion: an inline node that finishes at once may ready another
             local = self._inline
             pending = getattr(local, "pending", None)
@@ -101,7 +117,11 @@ class Executor:
             local.pending = pending = [node]
             try:
                 while pending:
-                    self._run(pending.pop(), self.run_copy)
+                    node = pending.pop()
+                    if type(node) is Join:
+                        self._finish(node)
+                    else:
+                        self._run(node, self.run_copy)
             finally:
                 local.pending = None
         else:

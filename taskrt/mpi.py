@@ -13,6 +13,8 @@ what this rank does with each node:
   W may reach a local send only through a remote reader R (W -WAR-> R -> copy). So a pred
   is replaced by its local frontier: a local pred stays; a remote pred stands for the
   local nodes it waits for through remote nodes (`frontier`), so W waits for the send.
+  A remote node that stands for many local nodes becomes one executor Join node (a merged
+  event), so that frontiers stay small however far the program runs ahead.
   A fence (a task that runs nothing) is remote on every rank.
 
 Messages. Copies between ranks a -> b are numbered in graph order on both sides
@@ -53,7 +55,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backends import gpu
-from .executor import PENDING
+from .executor import PENDING, Join
 from . import mpi_native
 from .mpi_futures import RemoteValues
 from .mpi_native import NativeReceives
@@ -73,6 +75,8 @@ DEFAULT_TIMEOUT_S = 60.0
 #: thread): MPI makes its copy (CMA reads it from the sender) inside the receiver's calls,
 #: posting included, and a worker that made it would hold up its tasks for the whole copy
 COPY_IN_PROGRESS_BYTES = 64 * 1024
+#: a remote node standing for more unfinished local nodes than this becomes a Join
+FRONTIER_MAX = 4
 
 
 class _Half:
@@ -277,11 +281,17 @@ class MPITransport:
         return out
 
     def _remember(self, node_id: int, local_preds: list) -> None:
+        """Note the unfinished local nodes a remote node waits for. More than FRONTIER_MAX
+        become one Join with the remote node's id: a chain of remote nodes issued ahead of
+        the run would otherwise carry every frontier before it into the next (a frontier
+        growing with the program, and quadratic work)."""
         if not local_preds:
             return
         unfinished = self.executor.unfinished
         live = {p for p in local_preds if p in unfinished}
-        if live:
+        if len(live) > FRONTIER_MAX:
+            self.executor.submit(Join(node_id), live)
+        elif live:
             self.frontier[node_id] = live
             self._remembered += 1
             if self._remembered >= self._sweep_at:

@@ -8,9 +8,8 @@ state matches replay the nodes without any dependence analysis: a fence node sta
 everything issued before the block, every root of the block waits on it, and the exit
 state is installed with the block's fresh node ids. (A fence on just the nodes that the
 touched regions' states name would let blocks on other regions overlap, but those sets
-are not transitively reduced, and on many ranks each remote node's local frontier then
-grows with every block issued before the first one runs.) A launch that differs from the
-recording stops the replay with a ReplayMismatch warning: the launches replayed so far
+are not transitively reduced: each block would carry the sets of the blocks before it.)
+A launch that differs from the recording stops the replay with a ReplayMismatch warning: the launches replayed so far
 are re-analyzed (without making nodes again) and the block goes on dynamically.
 """
 from __future__ import annotations

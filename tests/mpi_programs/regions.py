@@ -1,4 +1,4 @@
-"""Regions across ranks: ordering through remote nodes, reductions, read-back, halos, replay.
+"""Regions across ranks: ordering through remote nodes, issuing far ahead, reductions, read-back, halos, replay.
 
 Every rank runs this program (mpiexec -n N, N >= 2) and checks what it reads back against
 numpy; prints "OK rank R" at the end.
@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from taskrt import READ, WRITE, Partition, Rect, Reduce, Runtime, req
+from taskrt import READ, READ_WRITE, WRITE, Partition, Rect, Reduce, Runtime, req
 
 
 def host(rt, r):
@@ -100,10 +100,39 @@ def halo_stencil(rt, steps, use_replay):
     check(np.array_equal(got, want), f"stencil (replay={use_replay}) differs by {np.abs(got - want).max()}")
 
 
+def issued_far_ahead(rt, reps=400, ntiles=4):
+    """Writes on rank 0 and reads on rank 1 of a few tiles in turn, all issued behind a closed
+    gate: every remote node's local frontier must stay small (a remote node standing for
+    many local ones is a Join), not grow with the chain issued before it, and the reads
+    must still see every write."""
+    import threading
+    from taskrt.mpi import FRONTIER_MAX
+    tiles = [rt.region((64,), "int64", f"ahead{k}") for k in range(ntiles)]
+    for t in tiles:
+        rt.fill(t, 0)
+    gate = threading.Event()
+    rt.launch(lambda *views: gate.wait(), *[req(t, WRITE) for t in tiles], proc=host(rt, 0), name="gate")
+    seen = []
+    for i in range(reps):
+        t = tiles[i % ntiles]
+        rt.launch(lambda v: v.__iadd__(1), req(t, READ_WRITE), proc=host(rt, 0), name="write_ahead")
+        seen.append(rt.launch(lambda v: int(v[0]), req(t, READ), proc=host(rt, 1), name="read_ahead"))
+    transport, ex = rt.transport, rt.executor
+    largest = max((len(f) for f in transport.frontier.values()), default=0)
+    edges = sum(len(d) for d in ex.dependents.values())
+    gate.set()
+    check(largest <= FRONTIER_MAX, f"rank {rt.rank}: a remote node stands for {largest} local nodes")
+    check(edges <= 8 * reps, f"rank {rt.rank}: {edges} executor edges for {reps} repetitions (quadratic?)")
+    got = [f.get() for f in seen]
+    want = [i // ntiles + 1 for i in range(reps)]
+    check(got == want, f"reads issued ahead saw {got[:8]}..., not {want[:8]}...")
+
+
 def main():
     with Runtime.from_mpi(cpus=1) as rt:
         check(rt.num_ranks >= 2, "run with mpiexec -n 2 or more")
         war_through_a_remote_reader(rt)
+        issued_far_ahead(rt)
         reductions_across_ranks(rt)
         halo_stencil(rt, 6, use_replay=False)
         halo_stencil(rt, 6, use_replay=True)

@@ -1,0 +1,75 @@
+"""The executor alone: nodes run once their preds have finished; a Join runs nothing."""
+from __future__ import annotations
+
+import threading
+
+from hypothesis import given, settings, strategies as st
+
+from taskrt.executor import Executor, Join
+
+
+class Step:
+    """A node that records that it ran, after waiting for `gate` if it has one."""
+
+    def __init__(self, node_id: int, log: list, gate: threading.Event | None = None):
+        self.id = node_id
+        self.where = "w0"
+        self.log = log
+        self.gate = gate
+
+
+def run(node) -> None:
+    if node.gate is not None:
+        assert node.gate.wait(5), f"node {node.id}'s gate never opened"
+    node.log.append(node.id)
+
+
+def make_executor(hooked: list | None = None) -> Executor:
+    hooks = [lambda node, start, end: hooked.append(node.id)] if hooked is not None else []
+    return Executor(["w0"], run_task=run, run_copy=run, hooks=hooks)
+
+
+def test_a_join_finishes_when_its_last_pred_does_and_orders_its_dependents():
+    log, hooked = [], []
+    ex = make_executor(hooked)
+    gate = threading.Event()
+    ex.submit(Step(1, log), [])
+    ex.wait_node(1, timeout=5)
+    ex.submit(Step(2, log, gate), [])
+    ex.submit(Join(3), [1, 2])
+    ex.submit(Step(4, log), [3])
+    assert not ex.is_done(3), "the join finished before its blocked pred"
+    gate.set()
+    ex.wait_node(4, timeout=5)
+    assert log == [1, 2, 4]
+    assert 3 not in hooked, "a join runs nothing and is not traced"
+    assert hooked == [1, 2, 4]
+    ex.shutdown()
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 5000))
+def test_a_long_chain_of_joins_finishes_without_recursion(length):
+    """Joins readied by the finish of other joins finish in a loop, not recursively."""
+    log = []
+    ex = make_executor()
+    gate = threading.Event()
+    ex.submit(Step(0, log, gate), [])
+    for i in range(1, length + 1):
+        ex.submit(Join(i), [i - 1])
+    ex.submit(Step(length + 1, log), [length])
+    gate.set()
+    ex.wait_all(timeout=10)
+    assert log == [0, length + 1]
+    ex.shutdown()
+
+
+def test_a_join_of_finished_preds_finishes_at_once():
+    log = []
+    ex = make_executor()
+    ex.submit(Step(0, log), [])
+    ex.wait_node(0, timeout=5)
+    ex.submit(Join(1), [0])
+    assert ex.is_done(1)
+    ex.wait_node(1, timeout=1)
+    ex.shutdown()
