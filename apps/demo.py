@@ -20,7 +20,7 @@ import numpy as np
 
 from taskrt import READ, WRITE, Partition, Rect, Runtime, req
 from tools.trace_summary import format_summary, summarize
-from taskrt.tracing import rank_trace_path, read_trace
+from taskrt.tracing import read_trace
 
 
 def heat_step_numpy(u: np.ndarray) -> np.ndarray:
@@ -62,14 +62,13 @@ def run(cpus: int, size: int, steps: int, trace: str) -> dict:
                 rt.index_launch(stencil, tb, req(hb, READ), req(ta, WRITE), name="stencil_ba")
         result = rt.read(a)
         stats = dict(rt.replay_stats)
-        rank, ranks = rt.rank, rt.num_ranks
+        rank, ranks, path = rt.rank, rt.num_ranks, rt.trace_path
         processors = describe_processors(rt.machine, rank)
     elapsed = time.perf_counter() - t0
     want = u0
     for _ in range(2 * (steps // 2)):
         want = heat_step_numpy(want)
     err = float(np.abs(result - want).max())
-    path = rank_trace_path(trace, rank) if ranks > 1 else trace
     _, events = read_trace(path)
     return {"elapsed_s": elapsed, "max_error": err, "replay": stats, "events": events, "trace": path,
             "rank": rank, "ranks": ranks, "processors": processors}
@@ -109,12 +108,11 @@ def train_cnn(cpus: int, iterations: int, trace: str) -> dict:
     history = m.fit(images, labels, iterations=iterations, verbose=False)
     elapsed = time.perf_counter() - t0
     stats = dict(rt.replay_stats)
-    rank, ranks = rt.rank, rt.num_ranks
     m.close()
     rt.shutdown()
     return {"loss_first": history.loss[0], "loss_last": history.loss[-1], "accuracy": history.accuracy[-1],
             "elapsed_s": elapsed, "replay": stats, "iterations": iterations,
-            "trace": rank_trace_path(trace, rank) if ranks > 1 else trace}
+            "trace": rt.trace_path}
 
 
 def main(argv=None) -> None:

@@ -172,21 +172,22 @@ class RemoteValues:
         nid = future.node_id
         self.prefetch([future])
         self.block(lambda: nid in self.values, f"the value of task #{nid} from rank {future.rank}")
-        with self.cond:
-            ok, value = self.values.pop(nid)
-            self.requested.pop(nid, None)
-        if not ok:
-            raise RuntimeError(value)
-        future._set(value)
+        self._take_value(future)
 
     def arrived(self, future: Future) -> bool:
         """Future.done() for a remote task: ask for the value, say whether it is here."""
         self.prefetch([future])
+        return self._take_value(future)
+
+    def _take_value(self, future: Future) -> bool:
+        """Set `future` from the answer to its request, if that has come (else False); an
+        answer that the owner could not give raises here."""
         with self.cond:
-            if future.node_id not in self.values:
+            answer = self.values.pop(future.node_id, None)
+            if answer is None:
                 return False
-            ok, value = self.values.pop(future.node_id)
             self.requested.pop(future.node_id, None)
+        ok, value = answer
         if not ok:
             raise RuntimeError(value)
         future._set(value)

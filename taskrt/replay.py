@@ -9,8 +9,9 @@ everything issued before the block, every root of the block waits on it, and the
 state is installed with the block's fresh node ids. (A fence on just the nodes that the
 touched regions' states name would let blocks on other regions overlap, but those sets
 are not transitively reduced: each block would carry the sets of the blocks before it.)
-A launch that differs from the recording stops the replay with a ReplayMismatch warning: the launches replayed so far
-are re-analyzed (without making nodes again) and the block goes on dynamically.
+A launch that differs from the recording stops the replay with a ReplayMismatch warning:
+the launches replayed so far are re-analyzed (without making nodes again) and the block
+goes on dynamically.
 """
 from __future__ import annotations
 

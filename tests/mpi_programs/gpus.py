@@ -15,9 +15,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ops import TileConfig
-from taskrt import Machine, Runtime
+from taskrt import Runtime
 from tests import test_runtime as tr
-from tests.mpi_programs.model import build_and_train
+from tests.mpi_programs.model import assert_matches_one_process, build_and_train
 from tests.mpi_programs.random_programs import draw_programs
 from tests.test_gpu import Spread
 
@@ -41,12 +41,8 @@ def main() -> None:
         losses, params = build_and_train(rt, configs, images, labels, iterations=4)
         rank = rt.rank
     if rank == 0:
-        local = Runtime(machine=Machine.build(1, 2, separate_memories=True))
-        want_losses, want_params = build_and_train(local, {}, images, labels, iterations=4)
-        local.shutdown()
-        np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-6)
-        for k in want_params:
-            np.testing.assert_allclose(params[k], want_params[k], rtol=1e-3, atol=1e-5, err_msg=k)
+        assert_matches_one_process(losses, params, {}, images, labels, 4, loss_tol=(1e-4, 1e-6),
+                                   param_tol=(1e-3, 1e-5))
     print(f"OK rank {rank}", flush=True)
 
 

@@ -30,6 +30,17 @@ def build_and_train(rt, configs, images, labels, iterations):
     return history.loss, params
 
 
+def assert_matches_one_process(losses, params, configs, images, labels, iterations, loss_tol, param_tol):
+    """Train the same model on a plain single-process runtime (made here, a Machine given, so
+    it does not join the MPI run) and compare; the tolerances are (rtol, atol) pairs."""
+    local = Runtime(machine=Machine.build(1, 2, separate_memories=True))
+    want_losses, want_params = build_and_train(local, configs, images, labels, iterations)
+    local.shutdown()
+    np.testing.assert_allclose(losses, want_losses, rtol=loss_tol[0], atol=loss_tol[1])
+    for k in want_params:
+        np.testing.assert_allclose(params[k], want_params[k], rtol=param_tol[0], atol=param_tol[1], err_msg=k)
+
+
 def main():
     rng = np.random.default_rng(7)
     images = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
@@ -48,13 +59,8 @@ def main():
         for k in params:
             assert np.array_equal(other_params[k], params[k]), f"rank {r} reads another {k}"
     if rank == 0:
-        local = Runtime(machine=Machine.build(1, 2, separate_memories=True))
-        want_losses, want_params = build_and_train(local, {"conv1": TileConfig((2, 1, 2, 1))}, images, labels,
-                                                   iterations=6)
-        local.shutdown()
-        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
-        for k in want_params:
-            np.testing.assert_allclose(params[k], want_params[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        assert_matches_one_process(losses, params, {"conv1": TileConfig((2, 1, 2, 1))}, images, labels, 6,
+                                   loss_tol=(1e-5, 1e-6), param_tol=(1e-4, 1e-6))
     print(f"OK rank {rank}", flush=True)
 
 

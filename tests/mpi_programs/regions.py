@@ -1,4 +1,5 @@
-"""Regions across ranks: ordering through remote nodes, issuing far ahead, reductions, read-back, halos, replay.
+"""Regions across ranks: ordering through remote nodes, issuing far ahead, reductions,
+read-back, halos, replay.
 
 Every rank runs this program (mpiexec -n N, N >= 2) and checks what it reads back against
 numpy; prints "OK rank R" at the end.
@@ -6,11 +7,13 @@ numpy; prints "OK rank R" at the end.
 from __future__ import annotations
 
 import sys
+import threading
 from contextlib import nullcontext
 
 import numpy as np
 
 from taskrt import READ, READ_WRITE, WRITE, Partition, Rect, Reduce, Runtime, req
+from taskrt.mpi import FRONTIER_MAX
 
 
 def host(rt, r):
@@ -105,8 +108,6 @@ def issued_far_ahead(rt, reps=400, ntiles=4):
     gate: every remote node's local frontier must stay small (a remote node standing for
     many local ones is a Join), not grow with the chain issued before it, and the reads
     must still see every write."""
-    import threading
-    from taskrt.mpi import FRONTIER_MAX
     tiles = [rt.region((64,), "int64", f"ahead{k}") for k in range(ntiles)]
     for t in tiles:
         rt.fill(t, 0)
