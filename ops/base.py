@@ -21,8 +21,11 @@ import numpy as np
 
 from taskrt.geometry import Rect
 
-SAMPLE, ATTRIBUTE, PARAMETER = "sample", "attribute", "parameter"
-SOAP_KINDS = (SAMPLE, ATTRIBUTE, PARAMETER)
+SAMPLE, ATTRIBUTE, PARAMETER, REDUCE = "sample", "attribute", "parameter", "reduce"
+#: the split kinds: the paper's Sample, Attribute and Parameter, and `reduce`, a split of a
+#: reduction dimension whose tiles produce partial outputs summed by the runtime
+#: (DTensor's Partial, Unity's Reduction)
+SOAP_KINDS = (SAMPLE, ATTRIBUTE, PARAMETER, REDUCE)
 
 
 class ShapeError(ValueError):
@@ -43,17 +46,26 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class SplitDim:
-    """Output dimension `dim` of the tile space may be split; `kind` is its SOAP dimension."""
+    """Dimension `dim` of the tile space may be split; `kind` is its SOAP dimension.
+
+    `partial`: tiles that differ only along this dim produce partial sums of the same
+    output rects (always so for kind `reduce`; also for a head split whose output
+    projection sums over heads). Lowering then REDUCEs (sum) the outputs instead of
+    writing them.
+    """
 
     dim: int
     kind: str
+    partial: bool = False
 
     def __post_init__(self):
         if self.kind not in SOAP_KINDS:
             raise ValueError(f"SplitDim kind must be one of {SOAP_KINDS}, got {self.kind!r}")
+        if self.kind == REDUCE:
+            object.__setattr__(self, "partial", True)
 
     def __str__(self) -> str:
-        return f"{self.kind[0].upper()}({self.dim})"
+        return f"{self.kind[0].upper()}({self.dim}){'+' if self.partial and self.kind != REDUCE else ''}"
 
 
 OP_REGISTRY: dict[str, type["Op"]] = {}
