@@ -13,7 +13,10 @@ An empty rect touches nothing and orders nothing.
 A task's preds are the conflicting users that overlap it, plus the producers of the data
 it uses in its own memory; when that data is valid only elsewhere, a CopyNode brings it
 in first; pending reductions are folded (a CopyNode with redop) before any access that
-does not commute with them. Node ids come in program order.
+does not commute with them, and only the part of them that the access touches: the rest
+stays pending for the next reader (Legion folds reduction instances per sub-rect the
+same way), so readers of disjoint shards fold their shards in parallel and a weight
+replicated over P devices is reduce-scattered. Node ids come in program order.
 """
 from __future__ import annotations
 
@@ -180,15 +183,19 @@ class Analyzer:
             if not prect.overlaps(rect) or (priv.is_reduce and priv.redop == redop):
                 keep.append(entry)
                 continue
+            part = prect.intersect(rect)
             fold_preds = {rnode}
-            self._physical_preds(st, region, prect, _FOLD_TARGET, mem, fold_preds, launch, op)
-            fold = CopyNode(self.new_id(), region, prect, rmem, mem, redop=redop, buffer=buffer, launch=launch, op=op)
+            self._physical_preds(st, region, part, _FOLD_TARGET, mem, fold_preds, launch, op)
+            fold = CopyNode(self.new_id(), region, part, rmem, mem, redop=redop, buffer=buffer, launch=launch, op=op)
             self.emit(fold, fold_preds)
-            self._set_valid(st, prect, {mem: fold.id})
-            # the fold writes prect in mem: later writers elsewhere must follow it too, or a
+            self._set_valid(st, part, {mem: fold.id})
+            # the fold writes part in mem: later writers elsewhere must follow it too, or a
             # copy back into mem could land before the fold's stale write (WAW in mem)
-            self._record_user(st, prect, _FOLD_TARGET, fold.id)
+            self._record_user(st, part, _FOLD_TARGET, fold.id)
             preds.add(fold.id)
+            # the rest of the buffer stays pending, in its place in program order, for
+            # whoever reads it next (so each reader of a shard folds only that shard)
+            keep.extend((r, redop, buffer, rmem, rnode) for r in prect.subtract(part))
         st.pending = keep
 
 

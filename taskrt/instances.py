@@ -3,11 +3,13 @@
 Every (region, memory) pair gets one full-size instance on first use; a task sees a view
 of its rect. Which parts of an instance hold valid data is the analysis's business
 (taskrt/analysis.py); this module only allocates, hands out views, copies and folds.
-Reduction buffers are private to one task's requirement and live until they are folded.
+Reduction buffers are private to one task's requirement and live until every part of
+them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect).
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,6 +18,15 @@ from .geometry import Rect
 from .machine import Memory
 from .privilege import fold, reduction_identity
 from .region import Region
+
+
+@dataclass
+class _Buffer:
+    """A reduction buffer over `rect`, with `left` elements not yet folded."""
+
+    array: object
+    rect: Rect
+    left: int
 
 
 class InstanceStore:
@@ -58,8 +69,20 @@ class InstanceStore:
             with cp.cuda.Device(self.gpu_devices[memory]):
                 buf = cp.full(rect.shape, identity, region.dtype)
         if rect.volume:
-            self.buffers[key] = buf
+            self.buffers[key] = _Buffer(buf, rect, rect.volume)
         return buf
+
+    def take_buffer(self, key: tuple[int, int], rect: Rect):
+        """The part `rect` of a reduction buffer (folds may take it piece by piece); the
+        buffer is freed once every element has been taken."""
+        with self._lock:
+            b = self.buffers[key]
+            b.left -= rect.volume
+            if b.left <= 0:
+                del self.buffers[key]
+        if rect == b.rect:
+            return b.array
+        return b.array[rect.slices(b.rect.lo)]
 
     def copy(self, region: Region, rect: Rect, src: Memory, dst: Memory) -> None:
         src_view = self.instance(region, src)[rect.slices()]
@@ -70,8 +93,8 @@ class InstanceStore:
             gpu.copy(dst_view, src_view, self.gpu_devices.get(dst))
 
     def fold(self, region: Region, rect: Rect, dst: Memory, buffer_key: tuple[int, int], redop: str) -> None:
-        """dst[rect] op= the task's reduction buffer, then free the buffer."""
-        self.fold_array(region, rect, dst, self.buffers.pop(buffer_key), redop)
+        """dst[rect] op= that part of the task's reduction buffer."""
+        self.fold_array(region, rect, dst, self.take_buffer(buffer_key, rect), redop)
 
     def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str) -> None:
         """dst[rect] op= buf (a reduction buffer, or one that came from another rank), first

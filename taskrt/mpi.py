@@ -329,7 +329,7 @@ class MPITransport:
         if node.redop is None:
             data = self.store.instance(node.region, node.src)[node.rect.slices()]
         else:
-            data = self.store.buffers.pop(node.buffer)
+            data = self.store.take_buffer(node.buffer, node.rect)
         data = _host_contiguous(data)
         header = np.array([node.id, half.check[0], half.check[1], data.nbytes], np.int64)
         requests = (self.hdr.Isend([header, MPI.INT64_T], half.peer, half.tag),
