@@ -43,7 +43,7 @@ import numpy as np
 
 from ops.base import SAMPLE, Op, TensorSpec
 from taskrt import READ, READ_WRITE, WRITE, Partition, Reduce, Region, req
-from taskrt.geometry import Rect
+from taskrt.geometry import Rect, pairwise_disjoint, shard_degrees
 from taskrt.geometry import equal_rects as tile_rects  # the tile of each color: Partition.equal's rule
 from taskrt.machine import Machine
 
@@ -308,30 +308,36 @@ class OpPlan:
 
 
 class UpdatePlan:
-    """The optimizer update of one weight: an index launch over a disjoint tiling of it.
+    """The optimizer update of one weight, sharded over the devices that hold its replicas.
 
-    The tiling is the op's weight rects, deduplicated, with each piece on the processor of
-    the first tile that uses it; when those rects overlap without being equal (or leave
-    gaps), the whole weight is one piece on the op's first tile's processor.
+    The weight's blocks are the distinct weight rects of the op's tiles. A block used by k
+    tiles on k devices (a replicated weight: data parallelism, or any split that does not
+    cut the weight) is cut into k shards, one per device (`shard_degrees`); a block used by
+    one device is one piece. Each shard's update READs its shard of the gradient, so the
+    runtime folds the replicas' partial gradients of that shard into that device alone (a
+    reduce-scatter), and the next forward's reads gather the updated shards (an
+    all-gather): no device moves more than about 2(P-1)/P of the weight per step, and the
+    optimizer state lives only in the shards (ZeRO stage 1). When the op's weight rects
+    overlap without being equal, the whole weight is one block over all its devices.
+    `rotate` turns which device takes which shard, so that weights with fewer shards than
+    devices spread their shards over different devices.
     """
 
-    def __init__(self, param: ParamRegions, plan: OpPlan, short: str, optimizer):
+    def __init__(self, param: ParamRegions, plan: OpPlan, short: str, optimizer, rotate: int = 0):
         self.param = param
         self.op_name = plan.op.name
         self.optimizer = optimizer
         self.state_names = list(optimizer.state_names())
-        pieces: dict[Rect, int] = {}
-        for color in plan.colors:
-            r = plan.weight_rects[color][short]
-            if not r.empty and r not in pieces:
-                pieces[r] = plan.placement[color]
-        rects = list(pieces)
-        disjoint = all(not a.overlaps(b) for i, a in enumerate(rects) for b in rects[i + 1:])
-        if not disjoint or sum(r.volume for r in rects) != param.value.rect.volume:
-            pieces = {param.value.rect: plan.placement[plan.colors[0]]}
-        self.colors = [(i,) for i in range(len(pieces))]
-        rects = dict(zip(self.colors, pieces))
-        self.placement = dict(zip(self.colors, pieces.values()))
+        shards = {}
+        for block, devices in _weight_blocks(param.value.rect, plan, short).items():
+            degrees = shard_degrees(block.shape, len(devices))
+            pieces = [r.translate(block.lo) for r in tile_rects(block.shape, degrees).values()]
+            for i, r in enumerate(pieces):
+                if not r.empty:
+                    shards[r] = devices[(i + rotate) % len(devices)]
+        self.colors = [(i,) for i in range(len(shards))]
+        rects = dict(zip(self.colors, shards))
+        self.placement = dict(zip(self.colors, shards.values()))
         name = param.name
 
         def part(region: Region, label: str) -> Partition:
@@ -339,11 +345,32 @@ class UpdatePlan:
 
         self.reqs = ([req(part(param.value, "value"), READ_WRITE), req(part(param.grad, "grad"), READ)]
                      + [req(part(param.state[s], s), READ_WRITE) for s in self.state_names])
+        self.grad_fill = req(part(param.grad, "grad"), WRITE)
         self.fn = self._update_task
 
     def _update_task(self, ctx, value, grad, *rest):
         *states, step = rest
         self.optimizer.update(ctx.xp, value, grad, dict(zip(self.state_names, states)), step)
+
+
+def _weight_blocks(whole: Rect, plan: OpPlan, short: str) -> dict[Rect, list[int]]:
+    """Distinct weight rects of a plan's tiles -> the devices using each (in tile order, once
+    each); the whole weight over every device using it when the rects overlap or leave gaps."""
+    blocks: dict[Rect, list[int]] = {}
+    for color in plan.colors:
+        r = plan.weight_rects[color][short]
+        if not r.empty:
+            devices = blocks.setdefault(r, [])
+            if plan.placement[color] not in devices:
+                devices.append(plan.placement[color])
+    if pairwise_disjoint(blocks) and sum(r.volume for r in blocks) == whole.volume:
+        return blocks
+    devices = list(dict.fromkeys(d for ds in blocks.values() for d in ds))
+    return {whole: devices or [plan.placement[plan.colors[0]]]}
+
+
+def _zero_kernel(view) -> None:
+    view[...] = 0
 
 
 # ---- the lowered graph --------------------------------------------------------------------------
@@ -399,7 +426,8 @@ class Lowering:
                 for k in op.weight_shapes():
                     p = self.params[f"{op.name}.{k}"]
                     if p.grad is not None:
-                        self.updates.append(UpdatePlan(p, self.plans[op.name], k, optimizer))
+                        self.updates.append(UpdatePlan(p, self.plans[op.name], k, optimizer,
+                                                       rotate=len(self.updates)))
 
     def __repr__(self) -> str:
         return f"Lowering({self.tag!r}, {len(self.ops)} ops, {len(self.params)} params)"
@@ -447,15 +475,24 @@ class Lowering:
         rt = self.rt
         for name, region in self.grads.items():
             rt.fill(region, 1.0 if name == self.loss_output else 0.0)
-        for p in self.params.values():
-            if p.grad is not None:
-                rt.fill(p.grad, 0.0)
+        self.zero_weight_grads()
         for op in reversed(self.ops):
             plan = self.plans[op.name]
             if plan.bwd_reqs is None:
                 continue
             rt.index_launch(plan.backward_fn, plan.colors, *plan.bwd_reqs, name=f"{op.name}.bwd",
                             placement=plan.placement, op=op.name)
+
+    def zero_weight_grads(self) -> None:
+        """Zero every weight gradient: where it is updated in shards, each shard on its own
+        device (so the folds of the shard find it there), else on the host."""
+        sharded = {u.param.name for u in self.updates}
+        for u in self.updates:
+            self.rt.index_launch(_zero_kernel, u.colors, u.grad_fill, name=f"fill:{u.param.grad.name}",
+                                 placement=u.placement, op=u.op_name)
+        for p in self.params.values():
+            if p.grad is not None and p.name not in sharded:
+                self.rt.fill(p.grad, 0.0)
 
     def update(self, step: int) -> None:
         """The optimizer update of every trained weight; `step` is 1-based."""

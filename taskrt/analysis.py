@@ -203,8 +203,11 @@ _FOLD_TARGET = Privilege("RW")
 
 
 def choose_source(valid: dict[Memory, int | None], dst: Memory) -> Memory:
-    """Where to copy from: a memory on dst's rank if any (host memory first), else the lowest rank.
+    """Where to copy from: a memory on dst's rank if any, else the lowest rank; within a rank the
+    memory that made the data valid first (a piece's writer comes first in `valid`), so the
+    readers of a shard all copy from its owner rather than from whoever copied it before them.
     Deterministic, so every rank of a replicated program picks the same source."""
-    return min(valid, key=lambda m: (m.rank != dst.rank, m.rank, m.kind != "sys", m.index))
+    order = {m: i for i, m in enumerate(valid)}
+    return min(valid, key=lambda m: (m.rank != dst.rank, m.rank, order[m]))
 
 

@@ -136,3 +136,15 @@ def equal_rects(shape, degrees) -> dict[tuple[int, ...], Rect]:
     return {color: Rect(tuple(cuts[d][c][0] for d, c in enumerate(color)),
                         tuple(cuts[d][c][1] for d, c in enumerate(color)))
             for color in itertools.product(*(range(d) for d in degrees))}
+
+
+def shard_degrees(shape, pieces: int) -> tuple[int, ...]:
+    """Degrees per dim that cut a box of `shape` into at most `pieces` near-equal shards,
+    as many as fit: each dim in turn takes the largest divisor of what is left that its
+    extent allows (so 64 shards of a 10 x 512 weight are 8 x 8)."""
+    degrees, left = [], max(1, pieces)
+    for extent in shape:
+        deg = max((d for d in range(1, min(left, extent) + 1) if left % d == 0), default=1)
+        degrees.append(deg)
+        left //= deg
+    return tuple(degrees)
