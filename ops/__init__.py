@@ -6,7 +6,8 @@ use, so importing a single operator module stays light.
 import importlib
 
 _LAZY = {"Model": "ops.model", "History": "ops.model", "TileConfig": "ops.lower", "ConfigError": "ops.lower",
-         "default_config": "ops.lower", "SGD": "ops.optimizers", "Adam": "ops.optimizers"}
+         "default_config": "ops.lower", "SGD": "ops.optimizers", "Adam": "ops.optimizers",
+         "Strategy": "ops.strategy", "StrategyError": "ops.strategy", "model_fingerprint": "ops.strategy"}
 
 __all__ = sorted(_LAZY)
 

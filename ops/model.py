@@ -16,7 +16,9 @@ runtime's regions and every operator runs as taskrt tasks (ops/lower.py).
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +38,8 @@ from ops.lstm import LSTM
 from ops.norm import BatchNorm, LayerNorm
 from ops.optimizers import OPTIMIZERS
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
+from ops.strategy import Strategy, model_fingerprint
+from ops.strategy import load as load_strategy
 from taskrt import Runtime
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
@@ -86,6 +90,9 @@ class Model:
         self._low: Lowering | None = None
         self._loss_op: Op | None = None
         self._forward_done = False
+        #: after compile: the ops (the loss op included) that got the data-parallel default config,
+        #: named by neither the strategy nor `configs`
+        self.default_ops: list[str] = []
         self.step = 0
         Model._instances += 1
         self._tag = f"model{Model._instances}"
@@ -276,13 +283,16 @@ class Model:
 
     # ---- compile --------------------------------------------------------------------------
     def compile(self, optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=(), configs=None,
-                output=None) -> None:
+                output=None, strategy=None) -> None:
         """Choose optimizer, loss and metrics, and lower the graph onto the runtime.
 
         optimizer: SGD(...), Adam(...), "sgd" or "adam". loss: "sparse_categorical_crossentropy"
         (on a softmax output it reads probabilities, on anything else logits) or
         "mean_squared_error". configs: op name -> TileConfig (default: ops.lower.default_config).
         output: the tensor the loss applies to (default: the last op's first output).
+        strategy: a Strategy or the path of a strategy file, checked whole before any work; `configs`
+        override the ops it names, and the model's ops it leaves out get the default with a warning
+        (`default_ops` lists them, and the loss op).
         """
         if self._low is not None:
             raise RuntimeError("compile: the model is already compiled")
@@ -321,8 +331,17 @@ class Model:
             if k not in known:
                 raise ValueError(f"compile: configs name op {k!r}, which is not in the model; ops are {sorted(known)}")
         machine = self.rt.machine
+        planned, defaulted = {}, list(known)
+        if strategy is not None:
+            planned, defaulted = _strategy(strategy).resolve(graph, machine, fingerprint=model_fingerprint(self.ops))
         resolved = {name: resolve_config(op, configs[name], machine) if name in configs
-                    else default_config(op, machine) for name, op in known.items()}
+                    else planned[name] if name in planned else default_config(op, machine)
+                    for name, op in known.items()}
+        self.default_ops = [name for name in defaulted if name not in configs]
+        left_out = [name for name in self.default_ops if name != loss_op.name]
+        if strategy is not None and left_out:
+            warnings.warn(f"compile: the strategy names no config for {left_out}; they get the data-parallel "
+                          f"default", stacklevel=2)
         self._compiled = {"optimizer": opt.to_dict(), "loss": loss, "metrics": metrics, "output": out.name,
                           "configs": {k: v.to_dict() for k, v in resolved.items()}}
         self._loss_op, self.optimizer = loss_op, opt
@@ -601,6 +620,15 @@ def _make_optimizer(optimizer):
         if not callable(getattr(optimizer, attr, None)):
             raise TypeError(f"compile: optimizer must be 'sgd', 'adam' or an optimizer object, got {optimizer!r}")
     return optimizer
+
+
+def _strategy(strategy) -> Strategy:
+    """compile's strategy argument: a Strategy, or a path to load one from."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, (str, os.PathLike)):
+        return load_strategy(strategy)
+    raise TypeError(f"compile: strategy must be a Strategy or the path of a strategy file, got {strategy!r}")
 
 
 def _free_name(base: str, taken: set[str]) -> str:
