@@ -203,11 +203,8 @@ _FOLD_TARGET = Privilege("RW")
 
 
 def choose_source(valid: dict[Memory, int | None], dst: Memory) -> Memory:
-    """Where to copy from: a memory on dst's rank if any, else the lowest rank; within a rank the
-    memory that made the data valid first (a piece's writer comes first in `valid`), so the
-    readers of a shard all copy from its owner rather than from whoever copied it before them.
+    """Where to copy from: the memory that made the data valid first (a piece's writer comes
+    first in `valid`), on whatever rank, so the readers of a shard all copy from its owner
+    and no memory that copied it before them becomes a hot spot (weights all-gather evenly).
     Deterministic, so every rank of a replicated program picks the same source."""
-    order = {m: i for i, m in enumerate(valid)}
-    return min(valid, key=lambda m: (m.rank != dst.rank, m.rank, order[m]))
-
-
+    return next(iter(valid))
