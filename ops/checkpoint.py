@@ -4,6 +4,8 @@ step count, the data-order generator and the resolved tile configs)."""
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -105,9 +107,41 @@ def _json_default(v):
 
 
 def _read_file(path) -> tuple[dict, dict[str, np.ndarray]]:
-    with np.load(path, allow_pickle=False) as f:
-        arrays = {k: f[k] for k in f.files}
-    meta = json.loads(str(arrays.pop("meta")))
-    if meta.get("graph", {}).get("format") != FORMAT:
-        raise ValueError(f"load {path}: not a model file of format {FORMAT}")
+    """The meta dict and arrays of a file saved by `save`; anything else (missing, empty,
+    truncated, not an npz, an npz that is not a model) is a ValueError naming the path."""
+    where = f"load {path}"
+    try:
+        f = np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise ValueError(f"{where}: can't read the file: {e.strerror or e}") from None
+    except EOFError:
+        raise ValueError(f"{where}: not a model file (an .npz written by Model.save): the file is empty") from None
+    except (ValueError, zipfile.BadZipFile):
+        raise ValueError(f"{where}: not a model file (an .npz written by Model.save): its bytes are not a "
+                         f"complete .npz (damaged, truncated, or another format)") from None
+    if not isinstance(f, np.lib.npyio.NpzFile):
+        raise ValueError(f"{where}: not a model file: it holds one array, not an .npz written by Model.save")
+    try:
+        with f:
+            arrays = {k: f[k] for k in f.files}
+    except (EOFError, ValueError, OSError, zipfile.BadZipFile, zlib.error) as e:
+        raise ValueError(f"{where}: the file is damaged or truncated: {_reason(e)}") from None
+    if "meta" not in arrays:
+        raise ValueError(f"{where}: an .npz but not a model file: it has no 'meta' entry "
+                         f"(it holds {sorted(arrays)[:6]})")
+    try:
+        meta = json.loads(str(arrays.pop("meta")))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: its 'meta' entry is not JSON: {e.msg}") from None
+    graph = meta.get("graph") if isinstance(meta, dict) else None
+    if not isinstance(graph, dict) or graph.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a model file of format {FORMAT}")
+    missing = [k for k in ("compiled", "step") if k not in meta] + [
+        k for k in ("inputs", "ops", "seed", "counters") if k not in graph]
+    if missing:
+        raise ValueError(f"{where}: a damaged model file: no {', '.join(map(repr, missing))}")
     return meta, arrays
+
+
+def _reason(e: BaseException) -> str:
+    return str(e) or type(e).__name__

@@ -40,7 +40,8 @@ from ops.optimizers import OPTIMIZERS
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
-from taskrt import Runtime
+from taskrt import Runtime, TaskError
+from taskrt.geometry import as_int
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
@@ -68,6 +69,20 @@ class _dualmethod:
         if obj is None:
             return functools.wraps(self.on_class)(functools.partial(self.on_class, cls))
         return functools.wraps(self.on_instance)(functools.partial(self.on_instance, obj))
+
+
+def _recovers(method):
+    """A public entry point after whose failed task the runtime stays usable (one process; on
+    many ranks a failure ends every rank): the error is raised, the runtime recovered."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except TaskError:
+            if self.rt.transport is None:
+                self.rt.recover()
+            raise
+    return run
 
 
 class Model:
@@ -318,7 +333,7 @@ class Model:
         taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
         labels_name = _free_name("labels", taken)
         if loss == "sparse_categorical_crossentropy":
-            labels = TensorSpec((out.shape[0],), "int64", labels_name)
+            labels = TensorSpec(out.shape[:-1], "int64", labels_name)  # [N, C] -> [N]; [N, T, V] -> [N, T]
             loss_op = SparseCategoricalCrossEntropy(_free_name("loss", taken | {labels_name}), [out, labels],
                                                     from_logits=producer.kind != "softmax")
         else:
@@ -382,7 +397,7 @@ class Model:
                              f"{[t.name for t in self.inputs]}")
         arrays, n = {}, None
         for t in self.inputs:
-            a = np.asarray(given[t.name])
+            a = _numeric(given[t.name], f"{what}: input {t.name!r}")
             if a.shape[1:] != t.shape[1:] or a.ndim != len(t.shape):
                 raise ValueError(f"{what}: input {t.name!r} has shape {a.shape}, expected (N,) + {t.shape[1:]}")
             if np.dtype(t.dtype).kind in "iu" and a.dtype.kind not in "iu":
@@ -393,6 +408,8 @@ class Model:
             arrays[t.name] = a
         if batch and n != self.batch_size:
             raise ValueError(f"{what}: expects one batch of {self.batch_size} samples, got {n}")
+        if n == 0:
+            raise ValueError(f"{what}: no samples (every input has 0 rows)")
         return arrays, n
 
     @property
@@ -402,14 +419,16 @@ class Model:
 
     def _label_array(self, labels, n: int, what: str) -> np.ndarray:
         spec = self._labels
-        y = np.asarray(labels)
+        y = _numeric(labels, f"{what}: labels")
         if self._compiled["loss"] == "sparse_categorical_crossentropy":
-            if y.ndim == 2 and y.shape[1] == 1:
+            want = (n,) + spec.shape[1:]
+            if len(want) == 1 and y.ndim == 2 and y.shape[1] == 1:
                 y = y[:, 0]
-            if y.shape != (n,) or y.dtype.kind not in "iu":
-                raise ValueError(f"{what}: labels must be {n} integers (shape ({n},)), got shape {y.shape} "
+            if y.shape != want or y.dtype.kind not in "iu":
+                count = f"{n} integers" if len(want) == 1 else "integers"
+                raise ValueError(f"{what}: labels must be {count} (shape {want}), got shape {y.shape} "
                                  f"dtype {y.dtype}")
-            classes = self._loss_op.inputs[0].shape[1]
+            classes = self._loss_op.inputs[0].shape[-1]
             if y.size and (y.min() < 0 or y.max() >= classes):
                 bad = y.min() if y.min() < 0 else y.max()
                 raise ValueError(f"{what}: label {bad} is out of range for {classes} classes")
@@ -425,15 +444,25 @@ class Model:
             low.attach(low.values[self._labels.name], labels)
 
     # ---- training and inference ------------------------------------------------------------------
+    @_recovers
     def fit(self, inputs, labels, iterations: int | None = None, epochs: int | None = None,
-            batch_size: int | None = None, shuffle: bool = True, verbose: bool = True, stream=None) -> History:
+            batch_size: int | None = None, shuffle: bool = True, verbose: bool = True, stream=None,
+            stop_on_nan: bool = False) -> History:
         """Train on `inputs` and `labels` for `iterations` batches or `epochs` passes (default 1 epoch).
 
         Batches have the model's batch size (its inputs' dim 0); an epoch is N // batch batches
         (the remainder is dropped), in a fresh order from the model's generator when `shuffle`.
-        Shows one line per epoch, updated in place, unless verbose=False.
+        Shows one line per epoch, updated in place, unless verbose=False. A loss that is not
+        finite is reported (a RuntimeWarning naming the iteration); with `stop_on_nan` training
+        stops there (the iteration after it has been issued already and also runs).
         """
         self._need_compiled("fit")
+        if iterations is not None:
+            iterations = as_int("fit: iterations", iterations, least=1)
+        if epochs is not None:
+            epochs = as_int("fit: epochs", epochs, least=1)
+        if batch_size is not None:
+            batch_size = as_int("fit: batch_size", batch_size, least=1)
         arrays, n = self._input_arrays(inputs, "fit")
         y = self._label_array(labels, n, "fit")
         b = self.batch_size
@@ -459,21 +488,28 @@ class Model:
             self._attach({name: a[idx] for name, a in arrays.items()}, y[idx])
             self.step += 1
             futures = self._low.train_step(self.step, valid=b)
-            if pending is not None:
-                self._record(history, progress, *pending)
+            if pending is not None and not self._record(history, progress, *pending) and stop_on_nan:
+                pending = None
+                break
             pending = (it, futures)
-        self._record(history, progress, *pending)
+        if pending is not None:
+            self._record(history, progress, *pending)
         self._forward_done = False
         return history
 
-    def _record(self, history: History, progress: "_Progress", it: int, futures) -> None:
+    def _record(self, history: History, progress: "_Progress", it: int, futures) -> bool:
+        """Add iteration `it`'s loss (and accuracy) to the history; False if the loss is not finite."""
         loss, correct, count = _total(futures)
         history.loss.append(loss / count)
+        finite = bool(np.isfinite(loss))
+        if not finite:
+            warnings.warn(f"fit: the loss of iteration {it + 1} is {loss / count}", RuntimeWarning, stacklevel=3)
         if progress.accuracy:
             history.accuracy.append(correct / count)
         epoch_end = progress.show(it, history)
         if epoch_end is not None:
             history.epoch_loss.append(epoch_end)
+        return finite
 
     def _batches(self, arrays: dict[str, np.ndarray], n: int):
         """(count, padded batch arrays) covering n samples in order; the last batch is zero-padded."""
@@ -482,6 +518,7 @@ class Model:
             count = min(b, n - start)
             yield count, {name: _padded(a[start:start + count], b) for name, a in arrays.items()}
 
+    @_recovers
     def predict(self, inputs) -> np.ndarray:
         """The compiled output for any number of samples, in inference mode (batches of the model's size)."""
         self._need_compiled("predict")
@@ -494,6 +531,7 @@ class Model:
             parts.append((count, self._low.read(out, wait=False)))
         return np.concatenate([f.get()[:count] for count, f in parts])
 
+    @_recovers
     def evaluate(self, inputs, labels) -> dict[str, float]:
         """Mean loss (and accuracy when compiled with it) over all samples, in inference mode."""
         self._need_compiled("evaluate")
@@ -512,6 +550,7 @@ class Model:
             result["accuracy"] = correct / count
         return result
 
+    @_recovers
     def forward(self, inputs, training: bool = True, outputs=None) -> dict[str, np.ndarray]:
         """Run one batch forward (training mode by default, ready for `backward`); returns
         {tensor name: array} for `outputs` (tensors or names; default: self.outputs)."""
@@ -529,6 +568,7 @@ class Model:
         futures = {name: low.read(low.values[name], wait=False) for name in names}
         return {name: f.get() for name, f in futures.items()}
 
+    @_recovers
     def backward(self, labels) -> float:
         """After forward(inputs): the loss on `labels` and every gradient (see `gradients`); returns the mean loss."""
         self._need_compiled("backward")
@@ -578,7 +618,7 @@ class Model:
         for k, v in values.items():
             if k not in shapes:
                 raise KeyError(f"set_parameters: unknown parameter {k!r}; known: {sorted(shapes)}")
-            v = np.asarray(v)
+            v = _numeric(v, f"set_parameters: {k}")
             if v.shape != tuple(shapes[k][0]):
                 raise ValueError(f"set_parameters: {k} has shape {v.shape}, expected {tuple(shapes[k][0])}")
             checked[k] = v.astype(shapes[k][1])
@@ -610,6 +650,18 @@ class Model:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def _numeric(value, what: str) -> np.ndarray:
+    """`value` as an array of numbers (bool, int or float); strings and objects are refused."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{what} is not an array of numbers: {e}") from None
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"{what} must hold numbers, got dtype {a.dtype} (e.g. {a.flat[0]!r})" if a.size
+                         else f"{what} must hold numbers, got dtype {a.dtype}")
+    return a
+
+
 def _make_optimizer(optimizer):
     if isinstance(optimizer, str):
         if optimizer not in OPTIMIZERS:
@@ -641,11 +693,16 @@ def _free_name(base: str, taken: set[str]) -> str:
 
 
 def _loss_summary(classify: bool, xp, tile, inputs, outputs, valid):
-    """Run in each loss tile's forward: (sum of its valid samples' losses, correct predictions, count)."""
+    """Run in each loss tile's forward: (sum of its valid samples' losses, correct predictions, count).
+
+    A sample with many positions (labels [N, T]) counts the fraction of them predicted right."""
     n = tile.shape[0]
     keep = n if valid is None else max(0, min(n, valid - tile.lo[0]))
     total = float(outputs[0][:keep].sum(dtype=np.float64))
-    correct = int((inputs[0][:keep].argmax(axis=-1) == inputs[1][:keep]).sum()) if classify else 0
+    correct = 0
+    if classify and keep:
+        hits = inputs[0][:keep].argmax(axis=-1) == inputs[1][:keep]
+        correct = int(hits.sum()) if hits.ndim == 1 else float(hits.reshape(keep, -1).mean(axis=1).sum())
     return total, correct, keep
 
 

@@ -5,6 +5,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True, order=True)
 class Rect:
@@ -148,3 +150,26 @@ def shard_degrees(shape, pieces: int) -> tuple[int, ...]:
         degrees.append(deg)
         left //= deg
     return tuple(degrees)
+
+
+def as_int(what: str, value, least: int | None = None) -> int:
+    """`value` as an int, or a TypeError/ValueError naming `what` and the value: floats (even
+    4.0), bools and strings are refused rather than truncated or cast."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if least is not None and value < least:
+        raise ValueError(f"{what} must be >= {least}, got {value!r}")
+    return int(value)
+
+
+def as_int_tuple(what: str, values, least: int | None = None) -> tuple[int, ...]:
+    """A sequence of ints (see `as_int`), e.g. a shape or partition degrees."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__} {values!r}")
+    values = tuple(values)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{what} must be ints, got {type(v).__name__} {v!r} in {values!r}")
+        if least is not None and v < least:
+            raise ValueError(f"{what} must be >= {least}, got {v!r} in {values!r}")
+    return tuple(int(v) for v in values)

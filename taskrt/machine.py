@@ -5,6 +5,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from .geometry import as_int
+
 
 @dataclass(frozen=True)
 class Memory:
@@ -77,6 +79,9 @@ class Machine:
               separate_memories: bool = False, hosts=None) -> "Machine":
         """A machine of identical ranks. `separate_memories` gives every CPU its own memory,
         which exercises every copy path of the runtime without a GPU."""
+        num_ranks = as_int("Machine num_ranks", num_ranks, least=1)
+        cpus_per_rank = as_int("Machine cpus_per_rank", cpus_per_rank, least=1)
+        gpus_per_rank = as_int("Machine gpus_per_rank", gpus_per_rank, least=0)
         ranks = [RankSpec(cpus_per_rank, tuple(range(gpus_per_rank))) for _ in range(num_ranks)]
         return Machine.from_ranks(ranks, hosts, separate_memories)
 
@@ -111,10 +116,12 @@ class Machine:
         and `gpus` GPUs (flag, else TASKRT_GPUS, else every GPU that cupy sees)."""
         if cpus is None:
             cpus = int(os.environ.get("TASKRT_CPUS", os.cpu_count() or 1))
+        cpus = as_int("cpus", cpus, least=1)
         if gpus is None:
             gpus = gpus_from_env()
         if gpus is None:
             gpus = count_gpus()
+        gpus = as_int("gpus", gpus, least=0)
         return Machine.build(1, cpus, gpus, separate_memories, hosts=[socket.gethostname()])
 
     @staticmethod
@@ -136,8 +143,11 @@ class Machine:
         if cpus_per_rank is None:
             env = os.environ.get("TASKRT_CPUS")
             cpus_per_rank = int(env) if env else max(1, (os.cpu_count() or 1) // local_size)
+        cpus_per_rank = as_int("cpus per rank", cpus_per_rank, least=1)
         if gpus is None:
             gpus = gpus_from_env()
+        if gpus is not None:
+            gpus = as_int("gpus per rank", gpus, least=0)
         visible = count_gpus() if gpus != 0 else 0
         if gpus is None:
             devices = (local_rank,) if local_rank < visible else ()

@@ -7,7 +7,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .geometry import Rect, equal_rects, pairwise_disjoint
+from .geometry import Rect, as_int_tuple, equal_rects, pairwise_disjoint
 
 Color = tuple[int, ...]
 
@@ -18,9 +18,7 @@ class Region:
     _next_uid = itertools.count()
 
     def __init__(self, shape: Sequence[int], dtype="float32", name: str | None = None):
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"region {name!r}: negative extent in shape {shape}")
+        shape = as_int_tuple(f"region {name!r} shape", shape, least=0)
         self.shape = shape
         self.dtype = np.dtype(dtype)
         self.uid = next(Region._next_uid)
@@ -50,7 +48,7 @@ class Region:
 
     def partition(self, degrees: Sequence[int]) -> "Partition":
         """The equal partition with `degrees` pieces per dimension (cached, so reuse is cheap)."""
-        key = tuple(int(d) for d in degrees)
+        key = as_int_tuple(f"partition degrees of {self!r}", degrees)
         part = self._equal_partitions.get(key)
         if part is None:
             part = Partition.equal(self, key)
@@ -74,7 +72,7 @@ class Partition:
     @staticmethod
     def equal(region: Region, degrees: Sequence[int]) -> "Partition":
         """Tile a grid of `degrees` pieces per dimension; cuts at i*extent//degree, so tiles differ by at most 1."""
-        degrees = tuple(int(d) for d in degrees)
+        degrees = as_int_tuple(f"partition degrees of {region!r}", degrees)
         if len(degrees) != region.ndim:
             raise ValueError(f"degrees {degrees} have {len(degrees)} entries but {region!r} is {region.ndim}-d")
         for d, (deg, ext) in enumerate(zip(degrees, region.shape)):

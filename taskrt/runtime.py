@@ -22,7 +22,7 @@ import numpy as np
 
 from .analysis import Analyzer
 from .backends import gpu
-from .executor import Executor
+from .executor import Executor, TaskError
 from .geometry import Rect
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req
@@ -383,6 +383,21 @@ class Runtime:
         else:
             self.transport.checkpoint("wait")
             self.transport.wait_local(self.executor.wait_all, timeout, "this rank's tasks and copies")
+
+    def recover(self) -> None:
+        """Go on after a task failed: wait until everything issued has drained, then forget the
+        failure, so that the next launch runs. Regions that the failed task, or the nodes skipped
+        after it, would have written hold unspecified data until they are written again. One
+        process only: on many ranks a failure ends every rank."""
+        if self.transport is not None:
+            raise RuntimeError("recover: on many ranks a failed task ends every rank; there is nothing to recover")
+        if self.executor is None or self.executor.error is None:
+            return
+        try:
+            self.executor.wait_all()
+        except TaskError:
+            pass
+        self.executor.error = None
 
     def _check_alive(self) -> None:
         if self._closed:

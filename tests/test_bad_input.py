@@ -1,0 +1,154 @@
+"""The public API refuses bad input before any work, naming the argument and the value.
+
+One test per class of bad input: float sizes, non-numeric arrays, empty inputs, damaged
+checkpoints, non-finite losses, and a failed task that was the input's fault (after which
+the runtime goes on).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from ops.model import Model
+from taskrt import Machine, Runtime, TaskError, WRITE, req
+
+
+def _mlp(rt, batch=4, features=3):
+    m = Model(rt, seed=0)
+    x = m.input((batch, features), name="x")
+    m.dense(x, 2)
+    m.compile()
+    return m
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda rt: rt.region((4.5,)), r"shape must be ints, got float 4.5"),
+    (lambda rt: rt.region((True, 2)), r"shape must be ints, got bool True"),
+    (lambda rt: rt.region((4,)).partition((2.5,)), r"partition degrees .* must be ints, got float 2.5"),
+    (lambda rt: rt.region((-1,)), r"shape must be >= 0, got -1"),
+])
+def test_float_and_negative_sizes_are_refused_not_truncated(make, match):
+    with Runtime(cpus=1) as rt:
+        with pytest.raises((TypeError, ValueError), match=match):
+            make(rt)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"cpus": 1.5}, r"cpus must be an int, got float 1.5"),
+                                          ({"cpus": 0}, r"cpus must be >= 1, got 0"),
+                                          ({"gpus": 0.5}, r"gpus must be an int, got float 0.5")])
+def test_runtime_sizes_are_checked(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Runtime(**kwargs)
+
+
+def test_machine_sizes_are_checked():
+    with pytest.raises(TypeError, match=r"cpus_per_rank must be an int, got float 2.0"):
+        Machine.build(1, 2.0)
+    with pytest.raises(ValueError, match=r"num_ranks must be >= 1, got 0"):
+        Machine.build(0, 1)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"iterations": 2.5}, r"iterations must be an int, got float 2.5"),
+                                          ({"epochs": 1.5}, r"epochs must be an int, got float 1.5"),
+                                          ({"iterations": 0}, r"iterations must be >= 1, got 0"),
+                                          ({"batch_size": "4"}, r"batch_size must be an int, got str")])
+def test_fit_counts_must_be_ints(kwargs, match):
+    with Runtime(cpus=1) as rt:
+        m = _mlp(rt)
+        with pytest.raises((TypeError, ValueError), match=match):
+            m.fit({"x": np.ones((4, 3))}, np.zeros(4, "int64"), verbose=False, **kwargs)
+        assert m.step == 0
+
+
+def test_string_arrays_are_refused_naming_the_input_or_parameter():
+    with Runtime(cpus=1) as rt:
+        m = _mlp(rt)
+        x = np.ones((4, 3))
+        with pytest.raises(ValueError, match=r"fit: input 'x' must hold numbers, got dtype <U"):
+            m.fit({"x": x.astype(str)}, np.zeros(4, "int64"), iterations=1, verbose=False)
+        with pytest.raises(ValueError, match=r"fit: labels must hold numbers, got dtype <U"):
+            m.fit({"x": x}, np.zeros(4).astype(str), iterations=1, verbose=False)
+        with pytest.raises(ValueError, match=r"set_parameters: dense_0.weight must hold numbers, got dtype object"):
+            m.set_parameters({"dense_0.weight": np.array([[None] * 3] * 2)})
+        with pytest.raises(ValueError, match=r"predict: input 'x' must hold numbers"):
+            m.predict({"x": [["a", "b", "c"]] * 4})
+        assert m.step == 0
+
+
+@pytest.mark.parametrize("call", ["predict", "evaluate", "fit"])
+def test_zero_samples_are_refused(call):
+    with Runtime(cpus=1) as rt:
+        m = _mlp(rt)
+        x, y = np.ones((0, 3)), np.zeros(0, "int64")
+        args = (x,) if call == "predict" else (x, y)
+        with pytest.raises(ValueError, match=rf"{call}: no samples"):
+            getattr(m, call)(*args)
+
+
+def _saved(tmp_path):
+    path = tmp_path / "m.npz"
+    with Runtime(cpus=1) as rt:
+        _mlp(rt).save(path)
+    return path
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("empty", r"not a model file .*: the file is empty"),
+    ("text", r"not a model file .*: its bytes are not a complete .npz"),
+    ("truncated", r"not a model file .*: its bytes are not a complete .npz"),
+    ("other npz", r"an .npz but not a model file: it has no 'meta' entry \(it holds \['a'\]\)"),
+    ("one array", r"not a model file: it holds one array"),
+    ("missing", r"can't read the file"),
+])
+def test_damaged_checkpoints_name_the_path(tmp_path, damage, match):
+    path = _saved(tmp_path)
+    bad = tmp_path / "bad.npz"
+    if damage == "empty":
+        bad.write_bytes(b"")
+    elif damage == "text":
+        bad.write_text("hello")
+    elif damage == "truncated":
+        data = path.read_bytes()
+        bad.write_bytes(data[:len(data) // 2])
+    elif damage == "other npz":
+        np.savez(bad, a=np.ones(3))
+    elif damage == "one array":
+        with open(bad, "wb") as f:
+            np.save(f, np.ones(3))
+    with pytest.raises(ValueError, match=match) as info:
+        Model.load(str(bad))
+    assert str(bad) in str(info.value)
+
+
+def test_a_non_finite_loss_is_reported_and_can_stop_training():
+    with Runtime(cpus=1) as rt:
+        m = _mlp(rt)
+        x = np.full((4, 3), np.nan)
+        with pytest.warns(RuntimeWarning, match=r"fit: the loss of iteration 1 is nan"):
+            history = m.fit({"x": x}, np.zeros(4, "int64"), iterations=5, verbose=False, stop_on_nan=True)
+        assert len(history.loss) == 1 and np.isnan(history.loss[0])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            history = m.fit({"x": x}, np.zeros(4, "int64"), iterations=3, verbose=False)
+        assert len(history.loss) == 3 and len([w for w in seen if "is nan" in str(w.message)]) == 3
+
+
+def test_a_task_that_fails_on_bad_data_leaves_the_runtime_usable():
+    with Runtime(cpus=2) as rt:
+        r = rt.region((4,), name="r")
+
+        def check(view, value):
+            if value < 0:
+                raise ValueError(f"value {value} is negative")
+            view[...] = value
+
+        rt.launch(check, req(r, WRITE), args=(-1.0,))
+        with pytest.raises(TaskError, match="value -1.0 is negative"):
+            rt.wait()
+        rt.recover()
+        rt.launch(check, req(r, WRITE), args=(2.0,))
+        np.testing.assert_array_equal(rt.read(r), np.full(4, 2.0, "float32"))
+        m = _mlp(rt)
+        m.fit({"x": np.ones((4, 3))}, np.zeros(4, "int64"), iterations=1, verbose=False)
