@@ -3,20 +3,21 @@
 A task's value stays on the rank that ran it. Two ways it travels (control messages,
 pickled):
 
-- pulled: `get()` on another rank sends ("get", ids) to the owner, whose progress thread
-  answers ("value", id, ok, value) once the task has finished. FutureMap.get asks for all
+- pulled: `get()` on another rank sends Get(ids) to the owner, whose progress thread
+  answers Value(task, ok, value) once the task has finished. FutureMap.get asks for all
   its points in one message. The owner finds the Future through `local` (weak: the
   program holds it) or `kept`: when the owner itself gets one of its own values, every
   other rank of a replicated program will ask too, so it holds the value until size - 1
   requests came, or KEEP_S seconds;
 - pushed: a Future passed as an argument to a task on another rank goes there without
   being asked: FutureSend (a node after the producer, on the owner) sends
-  ("fut", producer, consumer, value); FutureRecv (a node before the consumer) waits for it.
+  Push(producer, consumer, value); FutureRecv (a node before the consumer) waits for it.
   One message per consumer task, so both sides know from the graph alone what to expect.
 
-State, under `cond`: `values` (arrived, by id for pulled and (producer, consumer) for
-pushed ones), `requested` (id -> owner), `expected` (FutureRecv nodes waiting), `kept`;
-`deferred` requests waiting for their task (progress thread only).
+State, under `RemoteValues.cond` (a Condition of its own, notified when a value arrives):
+`values` (arrived, by id for pulled and (producer, consumer) for pushed ones), `requested`
+(id -> owner), `expected` (FutureRecv nodes waiting), `kept`; `deferred` requests waiting
+for their task (progress thread only).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import weakref
 
 from .executor import PENDING
 from .launch import Future
+from .mpi_control import Get, Push, Value
 from .mpi_progress import Op
 from .taskgraph import TaskNode
 
@@ -86,16 +88,16 @@ class FutureRecv:
 
 class RemoteValues:
     """The futures side of the transport (see the module doc). `send(dest, msg)` posts a
-    control message; `block(ready, what)` waits on `cond`, guarded, on the main thread."""
+    control message; `block(cond, ready, what)` waits on `cond`, guarded, on the main thread."""
 
-    def __init__(self, rank: int, size: int, executor, progress, send, block, cond: threading.Condition):
+    def __init__(self, rank: int, size: int, executor, progress, send, block):
         self.rank = rank
         self.size = size
         self.executor = executor
         self.progress = progress
         self.send = send
         self.block = block
-        self.cond = cond
+        self.cond = threading.Condition()
         self.local: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.values: dict = {}
         self.requested: dict[int, int] = {}
@@ -123,7 +125,7 @@ class RemoteValues:
                     ex.submit(FutureSend(self, a, node, memory), (a.node_id,))
 
     def push(self, fs: FutureSend):
-        msg = ("fut", self.rank, fs.future.node_id, fs.consumer.id, fs.future._value)
+        msg = Push(self.rank, fs.future.node_id, fs.consumer.id, fs.future._value)
         self.send(fs.peer, msg, Op(fs, time.perf_counter(), done=lambda op: self.executor.complete(op.node, op.start)))
         return PENDING
 
@@ -136,15 +138,15 @@ class RemoteValues:
             self.expected[fr.key] = fr
         return PENDING
 
-    def on_push(self, producer: int, consumer: int, value) -> None:
+    def on_push(self, msg: Push) -> None:
         """A pushed value arrived (progress thread)."""
-        key = (producer, consumer)
+        key = (msg.producer, msg.consumer)
         with self.cond:
             fr = self.expected.pop(key, None)
             if fr is None:
-                self.values[key] = value
+                self.values[key] = msg.value
         if fr is not None:
-            fr.future._set(value)
+            fr.future._set(msg.value)
             self.progress.completions += 1
             self.executor.complete(fr, fr.start)
 
@@ -159,7 +161,7 @@ class RemoteValues:
                     self.requested[f.node_id] = f.rank
                     asks.setdefault(f.rank, []).append(f.node_id)
         for owner, ids in asks.items():
-            self.send(owner, ("get", self.rank, ids))
+            self.send(owner, Get(self.rank, tuple(ids)))
 
     def fetch(self, future: Future) -> None:
         """After `get()` waited: bring a remote value here, or hold a local one for the others."""
@@ -171,7 +173,7 @@ class RemoteValues:
             return
         nid = future.node_id
         self.prefetch([future])
-        self.block(lambda: nid in self.values, f"the value of task #{nid} from rank {future.rank}")
+        self.block(self.cond, lambda: nid in self.values, f"the value of task #{nid} from rank {future.rank}")
         self._take_value(future)
 
     def arrived(self, future: Future) -> bool:
@@ -199,13 +201,13 @@ class RemoteValues:
                 self.kept[future.node_id] = [future, self.size - 1, time.monotonic() + KEEP_S]
 
     # ---- answering (progress thread) ---------------------------------------------------------
-    def on_value(self, nid: int, ok: bool, value) -> None:
+    def on_value(self, msg: Value) -> None:
         with self.cond:
-            self.values[nid] = (ok, value)
+            self.values[msg.task] = (msg.ok, msg.value)
             self.cond.notify_all()
 
-    def on_get(self, who: int, ids) -> None:
-        self.deferred.extend((nid, who) for nid in ids)
+    def on_get(self, msg: Get) -> None:
+        self.deferred.extend((nid, msg.src) for nid in msg.ids)
 
     def serve(self) -> bool:
         """Answer the requests whose task has finished; True if any was answered."""
@@ -222,17 +224,17 @@ class RemoteValues:
                         del self.kept[nid]
             fut = entry[0] if entry is not None else self.local.get(nid)
             if fut is None:
-                self.send(who, ("value", self.rank, nid, False,
-                                f"rank {who} asked rank {self.rank} for the value of task #{nid}, but rank "
-                                f"{self.rank} no longer holds its Future (a program that drops a Future on "
-                                f"one rank and gets it on another is not replicated)"))
+                self.send(who, Value(self.rank, nid, False,
+                                     f"rank {who} asked rank {self.rank} for the value of task #{nid}, but rank "
+                                     f"{self.rank} no longer holds its Future (a program that drops a Future on "
+                                     f"one rank and gets it on another is not replicated)"))
             elif fut._has_value:
                 try:
-                    self.send(who, ("value", self.rank, nid, True, fut._value))
+                    self.send(who, Value(self.rank, nid, True, fut._value))
                 except Exception as exc:
-                    self.send(who, ("value", self.rank, nid, False,
-                                    f"the value of task #{nid} on rank {self.rank} cannot be sent to rank "
-                                    f"{who}: {type(exc).__name__}: {exc}"))
+                    self.send(who, Value(self.rank, nid, False,
+                                         f"the value of task #{nid} on rank {self.rank} cannot be sent to rank "
+                                         f"{who}: {type(exc).__name__}: {exc}"))
             else:
                 keep.append((nid, who))
                 continue

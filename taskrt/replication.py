@@ -6,10 +6,11 @@ requirement's shape, privilege and partition size) and the signatures of the las
 LOG_KEEP launches. Ranks compare hashes at *checkpoints*, never on the hot path:
 
 - each cross-rank copy carries (launch number, running hash) in its header, compared on
-  receipt (taskrt/mpi.py);
-- at every `wait()`, at every wait that blocks longer than STALL_S, and at shutdown a
-  rank sends its (launch count, running hash) to its checkpoint peers: rank 0 to every
-  rank, every other rank to rank 0 (a star, so n - 1 messages each way);
+  receipt (taskrt/mpi_copies.py);
+- at every `wait()`, at every wait that blocks longer than STALL_S (taskrt/mpi_watchdog.py),
+  and at shutdown a rank sends its (launch count, running hash) to its checkpoint peers
+  (taskrt/mpi_divergence.py): rank 0 to every rank, every other rank to rank 0 (a star,
+  so n - 1 messages each way);
 - a checkpoint for a count this rank has passed is compared at once; one for a count
   it has not reached yet waits in `pending` until it gets there (one integer compare per
   launch); one that can never be reached (the other rank went further than this rank's

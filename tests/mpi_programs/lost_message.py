@@ -10,10 +10,10 @@ import sys
 
 import numpy as np
 
-import taskrt.mpi
+import taskrt.mpi_copies
 from taskrt import READ, Runtime, req
 
-_post_send = taskrt.mpi.MPITransport.post_send
+_post_send = taskrt.mpi_copies.Copies.post_send
 dropped = []
 
 
@@ -24,7 +24,7 @@ def drop_first_send(self, half):
     return _post_send(self, half)
 
 
-taskrt.mpi.MPITransport.post_send = drop_first_send
+taskrt.mpi_copies.Copies.post_send = drop_first_send
 
 
 def main():

@@ -119,7 +119,7 @@ def issued_far_ahead(rt, reps=400, ntiles=4):
         rt.launch(lambda v: v.__iadd__(1), req(t, READ_WRITE), proc=host(rt, 0), name="write_ahead")
         seen.append(rt.launch(lambda v: int(v[0]), req(t, READ), proc=host(rt, 1), name="read_ahead"))
     transport, ex = rt.transport, rt.executor
-    largest = max((len(f) for f in transport.frontier.values()), default=0)
+    largest = max((len(f) for f in transport.router.frontier.values()), default=0)
     edges = sum(len(d) for d in ex.dependents.values())
     gate.set()
     check(largest <= FRONTIER_MAX, f"rank {rt.rank}: a remote node stands for {largest} local nodes")
