@@ -7,9 +7,19 @@ derives its tasks from the very same methods, so what a tile needs is defined on
 Layout conventions (PyTorch's): dim 0 of every activation is the sample (batch)
 dimension; images are NCHW; sequences are [batch, seq, features].
 
-Kernels work on *tiles*: `out_rect` is a Rect of the op's tile space (the shape of
-output 0), `in_rects` are the rects returned by `input_rects(out_rect)` and the
-arrays passed in hold exactly those rects. `xp` is numpy or cupy.
+Kernels work on *tiles*: `tile` is a Rect of the op's tile space (output 0's shape, or
+larger: dense adds its input features, attention its heads, and `output_rects` projects
+a tile onto the outputs), `in_rects` are the rects returned by `input_rects(tile)` and
+the arrays passed in hold exactly those rects. `xp` is numpy or cupy.
+
+Three kinds of split need more than independent tiles, and each is declared here so that
+lowering (ops/lower.py) and the tiled check (tests/opcheck.py) treat every op alike:
+- a *partial* split dim: tiles along it sum into the same output rects (REDUCE), and only
+  the tile leading the group gets the op's `bias_weights`;
+- an *ordered* split dim: tiles along it run one after another, each handing its
+  `carry_shapes` state on to the next (an LSTM's time chunks);
+- *sums*: statistics over more than one tile (batch norm's per-channel mean), which the
+  tiles sharing them add up (`partial_sum`) before the kernels read the totals.
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from taskrt.geometry import Rect
+from taskrt.geometry import Rect, pairwise_disjoint
 
 SAMPLE, ATTRIBUTE, PARAMETER, REDUCE = "sample", "attribute", "parameter", "reduce"
 #: the split kinds: the paper's Sample, Attribute and Parameter, and `reduce`, a split of a
@@ -52,11 +62,15 @@ class SplitDim:
     output rects (always so for kind `reduce`; also for a head split whose output
     projection sums over heads). Lowering then REDUCEs (sum) the outputs instead of
     writing them.
+
+    `ordered`: tiles that differ only along this dim run in index order, each starting
+    from the op's carry as the one before it left it (backward: in reverse order).
     """
 
     dim: int
     kind: str
     partial: bool = False
+    ordered: bool = False
 
     def __post_init__(self):
         if self.kind not in SOAP_KINDS:
@@ -65,7 +79,8 @@ class SplitDim:
             object.__setattr__(self, "partial", True)
 
     def __str__(self) -> str:
-        return f"{self.kind[0].upper()}({self.dim}){'+' if self.partial and self.kind != REDUCE else ''}"
+        marks = ("+" if self.partial and self.kind != REDUCE else "") + (">" if self.ordered else "")
+        return f"{self.kind[0].upper()}({self.dim}){marks}"
 
 
 OP_REGISTRY: dict[str, type["Op"]] = {}
@@ -162,9 +177,77 @@ class Op(ABC):
         """For each input, the rect a tile reads (a conv tile: with its halo)."""
 
     def weight_rects(self, tile: Rect) -> dict[str, Rect]:
-        """For each weight and state, the rect a tile uses. Default: all of every weight."""
+        """For each weight and state, the rect a tile uses (empty: the tile does without it).
+        Default: all of every weight."""
         shapes = {**self.weight_shapes(), **self.state_shapes()}
         return {k: Rect.from_shape(s) for k, s in shapes.items()}
+
+    # ---- partial, ordered and summed splits -----------------------------------------
+    def bias_weights(self) -> tuple[str, ...]:
+        """Weights added once to each output element (biases): under a partial split only the
+        tile leading its partial group gets them, so that the group's sum adds them once."""
+        return ()
+
+    def leads_partial_group(self, tile: Rect) -> bool:
+        """Whether `tile` is the first of the tiles summing into its output rects: it starts at 0
+        along every partial split dim (always so when no partial dim is split)."""
+        return all(tile.lo[s.dim] == 0 for s in self.split_dims() if s.partial)
+
+    def tile_weight_rects(self, tile: Rect) -> dict[str, Rect]:
+        """weight_rects(tile) with each bias weight cut to an empty rect on a tile that does not
+        lead its partial group: what lowering and the tiled check give a tile."""
+        rects = self.weight_rects(tile)
+        if self.leads_partial_group(tile):
+            return rects
+        biases = self.bias_weights()
+        return {k: Rect(r.lo, r.lo) if k in biases else r for k, r in rects.items()}
+
+    def ordered_dim(self) -> int | None:
+        """The tile dim declared ordered (at most one), or None."""
+        dims = [s.dim for s in self.split_dims() if s.ordered]
+        if len(dims) > 1:
+            raise ValueError(f"{self.kind} {self.name!r} declares {len(dims)} ordered split dims {dims}; "
+                             f"at most one is supported")
+        return dims[0] if dims else None
+
+    def carry_shapes(self) -> dict[str, tuple[int, ...]]:
+        """State handed from tile to tile along the ordered dim (an LSTM's h and c): name -> shape
+        of the small region it passes through. Default: none."""
+        return {}
+
+    def carry_rects(self, tile: Rect) -> dict[str, Rect]:
+        """For each carry, the rect a tile reads from the tile before it and writes for the next."""
+        return {k: Rect.from_shape(s) for k, s in self.carry_shapes().items()}
+
+    def sum_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Statistics a tile needs over more than its own data (batch norm's per-channel mean):
+        name -> shape. Where tiles share a sum's rect, lowering adds up their `partial_sum`s
+        (REDUCE) and the kernels read the totals as `sums=`; elsewhere `sums` is None and each
+        kernel computes them from its own tile. Default: none."""
+        return {}
+
+    def sum_rects(self, tile: Rect) -> dict[str, Rect]:
+        """For each sum, the rect a tile adds to and reads."""
+        return {k: Rect.from_shape(s) for k, s in self.sum_shapes().items()}
+
+    def shares_sums(self, tiles: Sequence[Rect]) -> bool:
+        """Whether two of `tiles` share a sum rect, so that their sums must be added up first."""
+        return any(not pairwise_disjoint([self.sum_rects(t)[k] for t in tiles]) for k in self.sum_shapes())
+
+    def forward_sums(self, training: bool) -> tuple[str, ...]:
+        """The sums forward reads, in the order they are made (a later one may read earlier ones)."""
+        return ()
+
+    def backward_sums(self) -> tuple[str, ...]:
+        """The sums backward reads, in the order they are made."""
+        return ()
+
+    def partial_sum(self, xp, name: str, tile: Rect, inputs: list, sums: dict, outputs: list | None = None,
+                    grad_outputs: list | None = None, saved: Any = None):
+        """This tile's part of sum `name`, shaped as sum_rects(tile)[name], in float64. Forward sums
+        see the inputs and the sums made before them; backward sums also the outputs, the output
+        grads and what the tile's forward saved."""
+        raise NotImplementedError(f"{self.kind} {self.name!r} declares no sums, so it has no partial sum {name!r}")
 
     # ---- kernels -----------------------------------------------------------------
     @abstractmethod
@@ -172,10 +255,14 @@ class Op(ABC):
                 training: bool = True, state: dict | None = None) -> tuple[list, Any]:
         """Compute output tiles.
 
-        Returns (outputs, saved): `outputs` is a list of arrays, one per output rect;
-        `saved` is anything backward needs (or None). `state` holds mutable state
-        tiles (running stats) to update in place when training. Ops with `uses_step`
-        also take `step=` (the training iteration).
+        Returns (outputs, saved): `outputs` is a list of arrays, one per output rect (None
+        for an empty rect); `saved` is anything backward needs (or None). `state` holds
+        mutable state tiles (running stats) to update in place when training. `weights`
+        and `state` leave out what has an empty rect for this tile. Ops with `uses_step`
+        also take `step=` (the training iteration); ops with sums take `sums=` (the totals,
+        or None: see `sum_shapes`); ops with a carry take `carry=`: None when the ordered
+        dim is not split, else views of the carry rects that hold what the tile before left
+        (unless the tile is first) and that the kernel overwrites with what it leaves.
         """
 
     @abstractmethod
@@ -184,8 +271,11 @@ class Op(ABC):
         """Gradients of a tile: (grad_inputs, grad_weights).
 
         grad_inputs[i] has the shape of in_rects[i] (None for integer inputs such as
-        labels or indices); grad_weights[k] has the shape of weight_rects(tile)[k].
-        Contributions of overlapping tiles are summed by the runtime (REDUCE sum).
+        labels or indices, or for an empty rect); grad_weights[k] has the shape of
+        weight_rects(tile)[k], for the weights the tile was given. Contributions of
+        overlapping tiles are summed by the runtime (REDUCE sum). `sums=` and `carry=` as in
+        forward; backward's carry runs the other way: on entry the gradient of what this
+        tile left (unless it is last), on exit the gradient of what it started from.
         """
 
     # ---- costs for the analytic model ----------------------------------------------

@@ -2,13 +2,16 @@
 
 Backward is a scatter-add of the output gradient into the table's rows: a numba loop
 on the CPU (np.add.at is an order of magnitude slower), cupy's add.at on a GPU.
+
+The vocabulary rows are a reduce split: a tile holding rows [v0, v1) of the table looks up
+only the indices in that range (zeros for the others), and the tiles' outputs are summed.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, register_op
 from taskrt.geometry import Rect
 
 
@@ -34,10 +37,11 @@ def scatter_add_rows(xp, out, idx, src) -> None:
 class Embedding(Op):
     """y[..., :] = weight[idx[...], :] (PyTorch's nn.Embedding); y is float32 whatever idx's int type.
 
-    idx is [batch, ...] of integers, y is [batch, ..., embedding_dim]. Dim 0 is the
-    sample dim, the other index dims are attributes, the last (embedding columns) is
-    the parameter dim: a tile with columns [a, b) reads the column slice [:, a:b) of
-    the table and all of its index rect.
+    idx is [batch, ...] of integers, y is [batch, ..., embedding_dim]; the tile space is
+    [batch, ..., embedding_dim, num_embeddings]. Dim 0 is the sample dim, the other index
+    dims are attributes, the embedding columns are the parameter dim and the vocabulary
+    rows (the last) a reduce dim: a tile with columns [a, b) and rows [v0, v1) reads the
+    block [v0:v1, a:b] of the table and all of its index rect.
     """
 
     kind = "embedding"
@@ -62,6 +66,10 @@ class Embedding(Op):
     def output_dtypes(self):
         return ["float32"]
 
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return self.outputs[0].shape + (int(self.num_embeddings),)
+
     def weight_shapes(self):
         return {"weight": (int(self.num_embeddings), int(self.embedding_dim))}
 
@@ -71,14 +79,26 @@ class Embedding(Op):
 
     def split_dims(self):
         n = len(self.tile_shape)
-        return (SplitDim(0, SAMPLE),) + tuple(SplitDim(d, ATTRIBUTE) for d in range(1, n - 1)) + (
-            SplitDim(n - 1, PARAMETER),)
+        return (SplitDim(0, SAMPLE),) + tuple(SplitDim(d, ATTRIBUTE) for d in range(1, n - 2)) + (
+            SplitDim(n - 2, PARAMETER), SplitDim(n - 1, REDUCE))
 
-    def input_rects(self, tile: Rect) -> list[Rect]:
+    def output_rects(self, tile: Rect) -> list[Rect]:
         return [Rect(tile.lo[:-1], tile.hi[:-1])]
 
+    def input_rects(self, tile: Rect) -> list[Rect]:
+        return [Rect(tile.lo[:-2], tile.hi[:-2])]
+
     def weight_rects(self, tile: Rect) -> dict[str, Rect]:
-        return {"weight": Rect((0, tile.lo[-1]), (int(self.num_embeddings), tile.hi[-1]))}
+        return {"weight": Rect((tile.lo[-1], tile.lo[-2]), (tile.hi[-1], tile.hi[-2]))}
+
+    def _held(self, xp, tile, flat):
+        """(positions of `flat` whose rows the tile holds, those rows relative to the tile), or None
+        when the tile holds every row."""
+        v0, v1 = tile.lo[-1], tile.hi[-1]
+        if v0 == 0 and v1 == self.num_embeddings:
+            return None
+        where = xp.nonzero((flat >= v0) & (flat < v1))[0]
+        return where, flat[where] - v0
 
     def _flat_indices(self, idx):
         flat = idx.reshape(-1)
@@ -94,7 +114,12 @@ class Embedding(Op):
         (idx,) = inputs
         w = weights["weight"]
         flat = self._flat_indices(idx)
-        out = xp.take(w, flat, axis=0)
+        held = self._held(xp, tile, flat)
+        if held is None:
+            out = xp.take(w, flat, axis=0)
+        else:
+            out = xp.zeros((flat.size, w.shape[1]), dtype=w.dtype)
+            out[held[0]] = xp.take(w, held[1], axis=0)
         return [out.reshape(idx.shape + (w.shape[1],))], None
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
@@ -102,9 +127,14 @@ class Embedding(Op):
         w = weights["weight"]
         flat = self._flat_indices(idx)
         gw = xp.zeros(w.shape, dtype=w.dtype)
-        scatter_add_rows(xp, gw, flat, dy.reshape(flat.size, w.shape[1]))
+        dy2 = dy.reshape(flat.size, w.shape[1])
+        held = self._held(xp, tile, flat)
+        if held is None:
+            scatter_add_rows(xp, gw, flat, dy2)
+        else:
+            scatter_add_rows(xp, gw, held[1], dy2[held[0]])
         return [None], {"weight": gw}
 
     def flops(self, tile: Rect) -> int:
-        # a gather does no arithmetic; count one op per element copied
-        return tile.volume
+        # a gather does no arithmetic; count one op per element copied (all of them, held or not)
+        return tile.volume // max(1, tile.shape[-1])

@@ -2,6 +2,12 @@
 
 Both are plain BLAS calls on contiguous-or-strided 2-D views: no transposed copies
 are made (numpy and cupy pass transposes and row strides to GEMM themselves).
+
+The tile space of both is the output's shape plus the reduction dimension (dense's input
+features, batch matmul's inner dimension), split as kind `reduce`: a tile multiplies one
+slice of it and makes a partial output, and the tiles' partial outputs are summed. With the
+output-feature split before it, this is the column-then-row parallel MLP of tensor-parallel
+training.
 """
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import math
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, register_op
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from taskrt.geometry import Rect
 
@@ -30,10 +36,12 @@ def torch_linear_init(rng: np.random.Generator, shape, fan_in: int, dtype) -> np
 class Dense(Op):
     """y = act(x @ weight.T + bias) over the last dim: PyTorch's nn.Linear plus a fused activation.
 
-    x is [batch, ..., in] and y is [batch, ..., out]. Dim 0 is the sample dim, the
-    middle dims are attributes, the last (out features) is the parameter dim: a tile
-    with out features [a, b) reads the rows [a, b) of weight and bias and all `in`
-    columns of its input rows.
+    x is [batch, ..., in] and y is [batch, ..., out]; the tile space is [batch, ..., out, in].
+    Dim 0 is the sample dim, the middle dims are attributes, out features are the parameter
+    dim, and in features (the last) a reduce dim when there is no activation (an activation
+    of partial sums is not the activation of their sum): a tile with out features [a, b) and
+    in features [k0, k1) reads the block [a:b, k0:k1] of weight, the rows [a, b) of the bias
+    (on the tile leading its in-feature group only) and the columns [k0, k1) of its input rows.
     """
 
     kind = "dense"
@@ -57,6 +65,10 @@ class Dense(Op):
     def in_features(self) -> int:
         return self.inputs[0].shape[-1]
 
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return self.outputs[0].shape + (self.in_features,)
+
     def weight_shapes(self):
         shapes = {"weight": (int(self.out_features), self.in_features)}
         if self.use_bias:
@@ -69,18 +81,25 @@ class Dense(Op):
 
     def split_dims(self):
         n = len(self.tile_shape)
-        return (SplitDim(0, SAMPLE),) + tuple(SplitDim(d, ATTRIBUTE) for d in range(1, n - 1)) + (
-            SplitDim(n - 1, PARAMETER),)
+        dims = (SplitDim(0, SAMPLE),) + tuple(SplitDim(d, ATTRIBUTE) for d in range(1, n - 2)) + (
+            SplitDim(n - 2, PARAMETER),)
+        return dims + ((SplitDim(n - 1, REDUCE),) if self.activation is None else ())
+
+    def output_rects(self, tile: Rect) -> list[Rect]:
+        return [Rect(tile.lo[:-1], tile.hi[:-1])]
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        return [Rect(tile.lo[:-1] + (0,), tile.hi[:-1] + (self.in_features,))]
+        return [Rect(tile.lo[:-2] + tile.lo[-1:], tile.hi[:-2] + tile.hi[-1:])]
 
     def weight_rects(self, tile: Rect) -> dict[str, Rect]:
-        a, b = tile.lo[-1], tile.hi[-1]
-        rects = {"weight": Rect((a, 0), (b, self.in_features))}
+        a, b = tile.lo[-2], tile.hi[-2]
+        rects = {"weight": Rect((a, tile.lo[-1]), (b, tile.hi[-1]))}
         if self.use_bias:
             rects["bias"] = Rect((a,), (b,))
         return rects
+
+    def bias_weights(self):
+        return ("bias",) if self.use_bias else ()
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         (x,) = inputs
@@ -89,7 +108,7 @@ class Dense(Op):
             raise self.fail(f"in features mismatch: input has {x.shape[-1]}, weight is {tuple(w.shape)}")
         x2 = x.reshape(-1, x.shape[-1])
         z = x2 @ w.T
-        if self.use_bias:
+        if "bias" in weights:
             z += weights["bias"]
         y = activation_forward(xp, self.activation, z)
         # gelu's derivative needs the pre-activation; the others are functions of y
@@ -105,23 +124,24 @@ class Dense(Op):
         x2 = x.reshape(-1, x.shape[-1])
         dx = (dz @ w).reshape(x.shape)
         grads = {"weight": dz.T @ x2}
-        if self.use_bias:
+        if "bias" in weights:
             grads["bias"] = dz.sum(axis=0)
         return [dx], grads
 
     def flops(self, tile: Rect) -> int:
-        rows = tile.volume // max(1, tile.shape[-1])
-        per_out = 2 * self.in_features + int(self.use_bias) + _ACT_FLOPS[self.activation]
-        return rows * tile.shape[-1] * per_out
+        outputs = tile.volume // max(1, tile.shape[-1])
+        bias = int(self.use_bias and self.leads_partial_group(tile))
+        return outputs * (2 * tile.shape[-1] + bias + _ACT_FLOPS[self.activation])
 
 
 @register_op
 class BatchMatmul(Op):
     """c = a @ b over the last two dims: a [batch, ..., m, k] and b [batch, ..., k, n] give [batch, ..., m, n].
 
-    The leading dims must match exactly. Dim 0 is the sample dim, other leading dims
-    and m are attributes, n is the parameter dim; a tile reads its rows of a (all k)
-    and its columns of b (all k).
+    The leading dims must match exactly; the tile space is [batch, ..., m, n, k]. Dim 0
+    is the sample dim, other leading dims and m are attributes, n is the parameter dim
+    and k a reduce dim: a tile reads its rows of a and its columns of b over its slice
+    of k, and makes a partial product.
     """
 
     kind = "batch_matmul"
@@ -144,15 +164,22 @@ class BatchMatmul(Op):
             raise self.fail(f"dtypes differ: {self.inputs[0].dtype} and {self.inputs[1].dtype}")
         return [tuple(a[:-1]) + (b[-1],)]
 
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return self.outputs[0].shape + (self.inputs[0].shape[-1],)
+
     def split_dims(self):
         n = len(self.tile_shape)
-        return (SplitDim(0, SAMPLE),) + tuple(SplitDim(d, ATTRIBUTE) for d in range(1, n - 1)) + (
-            SplitDim(n - 1, PARAMETER),)
+        return (SplitDim(0, SAMPLE),) + tuple(SplitDim(d, ATTRIBUTE) for d in range(1, n - 2)) + (
+            SplitDim(n - 2, PARAMETER), SplitDim(n - 1, REDUCE))
+
+    def output_rects(self, tile: Rect) -> list[Rect]:
+        return [Rect(tile.lo[:-1], tile.hi[:-1])]
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        k = self.inputs[0].shape[-1]
-        a = Rect(tile.lo[:-1] + (0,), tile.hi[:-1] + (k,))
-        b = Rect(tile.lo[:-2] + (0, tile.lo[-1]), tile.hi[:-2] + (k, tile.hi[-1]))
+        (m0, n0, k0), (m1, n1, k1) = tile.lo[-3:], tile.hi[-3:]
+        a = Rect(tile.lo[:-3] + (m0, k0), tile.hi[:-3] + (m1, k1))
+        b = Rect(tile.lo[:-3] + (k0, n0), tile.hi[:-3] + (k1, n1))
         return [a, b]
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
@@ -168,4 +195,4 @@ class BatchMatmul(Op):
         return [da, db], {}
 
     def flops(self, tile: Rect) -> int:
-        return 2 * tile.volume * self.inputs[0].shape[-1]
+        return 2 * tile.volume

@@ -178,14 +178,40 @@ class ParamRegions:
     state: dict[str, Region]
 
 
+@dataclass(frozen=True)
+class PlanLaunch:
+    """One index launch of an op's plan: `fn` over `colors` with `reqs` and `args`."""
+
+    name: str
+    fn: Callable
+    colors: list
+    reqs: list
+    placement: dict
+    args: tuple = ()
+
+
 class OpPlan:
     """One op under one config: tiles, partitions, requirement lists and the task kernels.
 
+    A plan issues its op's forward and backward as lists of launches (`forward_launches`,
+    `backward_launches`), all driven by what the op declares (ops/base.py):
+    - usually one kernel launch over every tile;
+    - a config that splits a partial dim makes the tiles REDUCE (sum) their outputs, so a zero
+      fill of each output rect (on the device of its first tile) comes first;
+    - sums that tiles share: per sum, a zero fill and a launch where every tile REDUCEs its
+      `partial_sum`, in the op's order, before the kernel launch reads the totals;
+    - a split ordered dim: one kernel launch per position along it, in order (backward: in
+      reverse), each tile reading and writing its carry rect (WRITE at the first position), so
+      the runtime's dependences chain the positions and nothing else.
+    A state rect that several tiles share is updated (READ_WRITE in training) by the first of
+    them only; the others read it in inference.
+
     A kernel gets its requirements' views in the order of the requirement list, then the
-    launch args. Forward: inputs, weights, states, outputs | (training, valid); states are
-    READ_WRITE in training and READ in inference (separate launch names). Backward:
-    inputs, weights, outputs, output grads (those with regions), then the REDUCE buffers of
-    input grads (inputs with regions) and weight grads.
+    launch args. Forward: inputs, weights, states, sums, carry, outputs | (training, valid,
+    step). Backward: inputs, weights, outputs, output grads (those with regions), sums, carry
+    grads, then the REDUCE buffers of input grads (inputs with regions) and weight grads.
+    `fwd_reqs[training]` and `bwd_reqs` are the kernel launch's lists (at the first position
+    along an ordered dim; bwd_reqs None off the gradient path).
     """
 
     def __init__(self, low: "Lowering", op: Op, config: TileConfig, backward: bool,
@@ -199,45 +225,58 @@ class OpPlan:
         self.placement = dict(zip(self.colors, config.devices))
         self.in_rects = {c: op.input_rects(t) for c, t in self.tiles.items()}
         self.out_rects = {c: op.output_rects(t) for c, t in self.tiles.items()}
-        w_rects = {c: op.weight_rects(t) for c, t in self.tiles.items()}
+        w_rects = {c: op.tile_weight_rects(t) for c, t in self.tiles.items()}
         self.weight_names = list(op.weight_shapes())
         self.state_names = list(op.state_shapes())
         self.weight_rects = {c: {k: r[k] for k in self.weight_names} for c, r in w_rects.items()}
+        self.state_rects = {c: {k: r[k] for k in self.state_names} for c, r in w_rects.items()}
+        self.updated_state_rects = _first_users(self.colors, self.state_rects)
+        self.partial = any(s.partial and config.degrees[s.dim] > 1 for s in op.split_dims())
+        ordered = op.ordered_dim()
+        self.ordered = ordered if ordered is not None and config.degrees[ordered] > 1 else None
+        self.sum_names = list(op.sum_shapes()) if op.shares_sums(list(self.tiles.values())) else []
+        self.carry_names = list(op.carry_shapes()) if self.ordered is not None else []
         name = op.name
 
         def part(region: Region, rects: dict, label: str) -> Partition:
             return Partition.from_rects(region, rects, name=f"{name}.{label}")
 
         values = low.values
-        ins = [part(values[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"in{i}")
-               for i, t in enumerate(op.inputs)]
-        outs = [part(values[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"out{i}")
-                for i, t in enumerate(op.outputs)]
-        weights = [part(low.params[f"{name}.{k}"].value, {c: r[k] for c, r in w_rects.items()}, k)
-                   for k in self.weight_names]
-        states = [part(low.stats[f"{name}.{k}"], {c: r[k] for c, r in w_rects.items()}, k)
-                  for k in self.state_names]
-        self.fwd_reqs = {
-            True: ([req(p, READ) for p in ins + weights] + [req(p, READ_WRITE) for p in states]
-                   + [req(p, WRITE) for p in outs]),
-            False: [req(p, READ) for p in ins + weights + states] + [req(p, WRITE) for p in outs],
-        }
-        self.forward_fn = self._forward_task
-        self.backward_fn = self._backward_task
+        self._ins = [part(values[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"in{i}")
+                     for i, t in enumerate(op.inputs)]
+        self._outs = [part(values[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"out{i}")
+                      for i, t in enumerate(op.outputs)]
+        self._weights = [part(low.params[f"{name}.{k}"].value, {c: r[k] for c, r in self.weight_rects.items()}, k)
+                         for k in self.weight_names]
+        self._states = {training: [part(low.stats[f"{name}.{k}"], {c: r[k] for c, r in rects.items()}, k)
+                                   for k in self.state_names]
+                        for training, rects in ((True, self.updated_state_rects), (False, self.state_rects))}
+        sum_shapes, carry_shapes = op.sum_shapes(), op.carry_shapes()
+        self._sums = {k: part(Region(sum_shapes[k], "float64", f"{name}.{k}.sum"),
+                              {c: op.sum_rects(t)[k] for c, t in self.tiles.items()}, f"sum.{k}")
+                      for k in self.sum_names}
+        carry_dtype = op.outputs[0].dtype
+        carry_rects = {c: op.carry_rects(t) for c, t in self.tiles.items()}
+        self._carries = [part(Region(carry_shapes[k], carry_dtype, f"{name}.{k}.carry"),
+                              {c: r[k] for c, r in carry_rects.items()}, f"carry.{k}") for k in self.carry_names]
+        self._zero_outs = _zero_launches(self._outs, self.colors, self.placement) if self.partial else []
+        self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
+        self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
         if not backward:
             return
         grads = low.grads
         self.grad_outputs = [t.name in grads for t in op.outputs]
         self.grad_inputs = [t.name in grads for t in op.inputs]
-        gouts = [part(grads[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"gout{i}")
-                 for i, t in enumerate(op.outputs) if t.name in grads]
-        gins = [part(grads[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"gin{i}")
-                for i, t in enumerate(op.inputs) if t.name in grads]
-        gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in w_rects.items()}, f"{k}.grad")
-               for k in self.weight_names]
-        self.bwd_reqs = ([req(p, READ) for p in ins + weights + outs + gouts]
-                         + [req(p, SUM) for p in gins + gws])
+        self._gouts = [part(grads[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"gout{i}")
+                       for i, t in enumerate(op.outputs) if t.name in grads]
+        self._gins = [part(grads[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"gin{i}")
+                      for i, t in enumerate(op.inputs) if t.name in grads]
+        self._gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in self.weight_rects.items()},
+                          f"{k}.grad") for k in self.weight_names]
+        self._carry_grads = [part(Region(p.region.shape, carry_dtype, f"{p.region.name}.grad"), p.rects,
+                                  f"carry.{k}.grad") for k, p in zip(self.carry_names, self._carries)]
+        self.bwd_reqs = self._backward_reqs(self._positions()[-1][0])
 
     def __repr__(self) -> str:
         return f"OpPlan({self.op.kind} {self.op.name!r}, {self.config})"
@@ -245,25 +284,108 @@ class OpPlan:
     def _fail(self, color, message: str) -> RuntimeError:
         return RuntimeError(f"{self.op.kind} {self.op.name!r} tile {color} ({self.tiles[color]!r}): {message}")
 
+    # ---- launches --------------------------------------------------------------------------
+    def _positions(self) -> list[tuple[int, list[tuple]]]:
+        """(position, its colors) along the split ordered dim, in order; one position of every
+        color when the ordered dim (if any) is not split."""
+        if self.ordered is None:
+            return [(0, self.colors)]
+        d = self.ordered
+        return [(k, [c for c in self.colors if c[d] == k]) for k in range(self.config.degrees[d])]
+
+    def _forward_sum_names(self, training: bool) -> list[str]:
+        return list(self.op.forward_sums(training)) if self.sum_names else []
+
+    def _backward_sum_names(self) -> list[str]:
+        return list(self.op.backward_sums()) if self.sum_names else []
+
+    def _forward_reqs(self, training: bool, position: int) -> list:
+        states = self._states[training]
+        return ([req(p, READ) for p in self._ins + self._weights]
+                + [req(p, READ_WRITE if training else READ) for p in states]
+                + [req(self._sums[k], READ) for k in self._forward_sum_names(training)]
+                + [req(p, WRITE if position == 0 else READ_WRITE) for p in self._carries]
+                + [req(p, SUM if self.partial else WRITE) for p in self._outs])
+
+    def _backward_reqs(self, position: int) -> list:
+        last = self._positions()[-1][0]
+        return ([req(p, READ) for p in self._ins + self._weights + self._outs + self._gouts]
+                + [req(self._sums[k], READ) for k in self._backward_sum_names()]
+                + [req(p, WRITE if position == last else READ_WRITE) for p in self._carry_grads]
+                + [req(p, SUM) for p in self._gins + self._gws])
+
+    def _sum_launches(self, names: list[str], backward: bool) -> list[PlanLaunch]:
+        """Per sum in `names`: its zero fill, then every tile REDUCEs its part of it."""
+        launches = []
+        reads = self._ins + (self._outs + self._gouts if backward else [])
+        for i, k in enumerate(names):
+            reqs = ([req(p, READ) for p in reads] + [req(self._sums[j], READ) for j in names[:i]]
+                    + [req(self._sums[k], SUM)])
+            launches += self._zero_sums[k]
+            launches.append(PlanLaunch(f"{self.op.name}.sum.{k}", self._sum_task, self.colors, reqs, self.placement,
+                                       (k, tuple(names[:i]), backward)))
+        return launches
+
+    def forward_launches(self, training: bool, valid: int | None = None, step: int = 0) -> list[PlanLaunch]:
+        """The op's forward: zero fills of partial outputs, shared sums, then the kernel launches."""
+        training = bool(training)
+        name = f"{self.op.name}.{'fwd' if training else 'infer'}"
+        launches = list(self._zero_outs) + self._sum_launches(self._forward_sum_names(training), backward=False)
+        for k, colors in self._positions():
+            launches.append(PlanLaunch(name if self.ordered is None else f"{name}[{k}]", self._forward_task, colors,
+                                       self._forward_reqs(training, k), self.placement, (training, valid, int(step))))
+        return launches
+
+    def backward_launches(self) -> list[PlanLaunch]:
+        """The op's backward (none off the gradient path): shared sums, then the kernel launches,
+        along an ordered dim from the last position to the first."""
+        if self.bwd_reqs is None:
+            return []
+        name = f"{self.op.name}.bwd"
+        launches = self._sum_launches(self._backward_sum_names(), backward=True)
+        for k, colors in reversed(self._positions()):
+            launches.append(PlanLaunch(name if self.ordered is None else f"{name}[{k}]", self._backward_task, colors,
+                                       self._backward_reqs(k), self.placement))
+        return launches
+
     # ---- kernels (run on worker threads) ---------------------------------------------------
+    @staticmethod
+    def _given(views: dict, rects: dict) -> dict:
+        """The views whose rect is not empty: what a tile's kernel is given."""
+        return {k: v for k, v in views.items() if not rects[k].empty}
+
+    def _saved_of(self, color, pop: bool):
+        try:
+            return self.saved.pop((self.op.name, color)) if pop else self.saved[(self.op.name, color)]
+        except KeyError:
+            raise self._fail(color, "backward ran without a training forward before it "
+                                    "(call forward with training=True first)") from None
+
     def _forward_task(self, ctx, *views):
         op, color = self.op, ctx.point
         *views, training, valid, step = views
-        n_in, n_w, n_s = len(op.inputs), len(self.weight_names), len(self.state_names)
-        inputs = list(views[:n_in])
-        weights = dict(zip(self.weight_names, views[n_in:n_in + n_w]))
-        state = dict(zip(self.state_names, views[n_in + n_w:n_in + n_w + n_s])) or None
-        out_views = views[n_in + n_w + n_s:]
+        it = iter(views)
+        inputs = [next(it) for _ in op.inputs]
+        weights = self._given({k: next(it) for k in self.weight_names}, self.weight_rects[color])
+        state_rects = (self.updated_state_rects if training else self.state_rects)[color]
+        state = self._given({k: next(it) for k in self.state_names}, state_rects) or None
+        sums = {k: next(it) for k in self._forward_sum_names(training)} or None
+        carry = {k: next(it) for k in self.carry_names} or None
+        out_views = list(it)
         tile = self.tiles[color]
-        extra = {"step": step} if op.uses_step else {}
+        extra = self._extra(sums, carry)
+        if op.uses_step:
+            extra["step"] = step
         outputs, saved = op.forward(ctx.xp, tile, inputs, self.in_rects[color], weights, training=training,
                                     state=state, **extra)
         if len(outputs) != len(out_views):
             raise self._fail(color, f"forward returned {len(outputs)} outputs, the op has {len(out_views)}")
-        for i, (view, arr) in enumerate(zip(out_views, outputs)):
-            if tuple(arr.shape) != view.shape:
-                raise self._fail(color, f"output {i} has shape {tuple(arr.shape)}, its rect "
-                                        f"{self.out_rects[color][i]!r} has shape {view.shape}")
+        for i, (view, arr, rect) in enumerate(zip(out_views, outputs, self.out_rects[color])):
+            if rect.empty:
+                continue
+            if arr is None or tuple(arr.shape) != view.shape:
+                raise self._fail(color, f"output {i} has shape {None if arr is None else tuple(arr.shape)}, its "
+                                        f"rect {rect!r} has shape {view.shape}")
             view[...] = arr
         if training:
             self.saved[(op.name, color)] = saved
@@ -271,24 +393,48 @@ class OpPlan:
             return self.summarize(ctx.xp, tile, inputs, outputs, valid)
         return None
 
+    def _extra(self, sums, carry) -> dict:
+        """The keyword arguments of the op's kernels that only some ops take."""
+        extra = {}
+        if self.op.sum_shapes():
+            extra["sums"] = sums
+        if self.op.carry_shapes():
+            extra["carry"] = carry
+        return extra
+
+    def _sum_task(self, ctx, *views):
+        op, color = self.op, ctx.point
+        *views, name, before, backward = views
+        it = iter(views)
+        inputs = [next(it) for _ in op.inputs]
+        outputs = grad_outputs = saved = None
+        if backward:
+            outputs = [next(it) for _ in op.outputs]
+            grad_outputs = [next(it) if has else None for has in self.grad_outputs]
+            saved = self._saved_of(color, pop=False)
+        sums = {k: next(it) for k in before}
+        buf = next(it)
+        part = op.partial_sum(ctx.xp, name, self.tiles[color], inputs, sums, outputs, grad_outputs, saved)
+        if tuple(part.shape) != buf.shape:
+            raise self._fail(color, f"partial sum {name!r} has shape {tuple(part.shape)}, its rect has shape "
+                                    f"{buf.shape}")
+        buf[...] = part
+
     def _backward_task(self, ctx, *views):
         op, color = self.op, ctx.point
-        n_in, n_out = len(op.inputs), len(op.outputs)
         it = iter(views)
-        inputs = [next(it) for _ in range(n_in)]
-        weights = {k: next(it) for k in self.weight_names}
-        outputs = [next(it) for _ in range(n_out)]
+        inputs = [next(it) for _ in op.inputs]
+        weights = self._given({k: next(it) for k in self.weight_names}, self.weight_rects[color])
+        outputs = [next(it) for _ in op.outputs]
         grad_outputs = [next(it) if has else None for has in self.grad_outputs]
+        sums = {k: next(it) for k in self._backward_sum_names()} or None
+        carry = {k: next(it) for k in self.carry_names} or None
         grad_in_bufs = [next(it) if has else None for has in self.grad_inputs]
-        grad_w_bufs = {k: next(it) for k in self.weight_names}
-        try:
-            saved = self.saved.pop((op.name, color))
-        except KeyError:
-            raise self._fail(color, "backward ran without a training forward before it "
-                                    "(call forward with training=True first)") from None
+        grad_w_bufs = self._given({k: next(it) for k in self.weight_names}, self.weight_rects[color])
+        saved = self._saved_of(color, pop=True)
         in_rects = self.in_rects[color]
         grad_inputs, grad_weights = op.backward(ctx.xp, self.tiles[color], inputs, in_rects, weights, outputs,
-                                                grad_outputs, saved)
+                                                grad_outputs, saved, **self._extra(sums, carry))
         for i, buf in enumerate(grad_in_bufs):
             g = grad_inputs[i]
             if buf is None or g is None or in_rects[i].empty:
@@ -305,6 +451,37 @@ class OpPlan:
                 raise self._fail(color, f"grad of weight {k!r} has shape {tuple(g.shape)}, its rect has "
                                         f"shape {buf.shape}")
             buf[...] = g
+
+
+def _first_users(colors: list, rects: dict) -> dict:
+    """Per color, its rects with each one cut to empty unless the color is the first to have it."""
+    seen, out = set(), {}
+    for c in colors:
+        out[c] = {}
+        for k, r in rects[c].items():
+            first = not r.empty and (k, r) not in seen
+            seen.add((k, r))
+            out[c][k] = r if first else Rect(r.lo, r.lo)
+    return out
+
+
+def _zero_launches(parts: list[Partition], colors: list, placement: dict) -> list[PlanLaunch]:
+    """One launch per partition writing zeros into its distinct rects, each on the processor of
+    the first color that has it."""
+    launches = []
+    for p in parts:
+        pieces: dict[Rect, int] = {}
+        for c in colors:
+            r = p.rects[c]
+            if not r.empty and r not in pieces:
+                pieces[r] = placement[c]
+        if not pieces:
+            continue
+        zcolors = [(i,) for i in range(len(pieces))]
+        zero = Partition.from_rects(p.region, dict(zip(zcolors, pieces)), name=f"{p.name}.zero")
+        launches.append(PlanLaunch(f"fill:{p.region.name}", _zero_kernel, zcolors, [req(zero, WRITE)],
+                                   dict(zip(zcolors, pieces.values()))))
+    return launches
 
 
 class UpdatePlan:
@@ -452,7 +629,7 @@ class Lowering:
     # ---- launches ------------------------------------------------------------------------
     def forward(self, training: bool = True, ops: Sequence[str] | None = None, valid: int | None = None,
                 step: int = 0):
-        """Issue the forward launch of each op (all, or those named, in graph order); `step` is the
+        """Issue the forward launches of each op (all, or those named, in graph order); `step` is the
         training iteration (dropout draws a new mask each one). Returns the loss op's FutureMap
         (its summaries) when the loss ran, else None."""
         rt, result = self.rt, None
@@ -461,9 +638,9 @@ class Lowering:
             if names is not None and op.name not in names:
                 continue
             plan = self.plans[op.name]
-            fm = rt.index_launch(plan.forward_fn, plan.colors, *plan.fwd_reqs[bool(training)],
-                                 args=(bool(training), valid, int(step)), name=f"{op.name}.{'fwd' if training else 'infer'}",
-                                 placement=plan.placement, op=op.name)
+            for launch in plan.forward_launches(training, valid, step):
+                fm = rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
+                                     placement=launch.placement, op=op.name)
             if op.name == self.loss:
                 result = fm
         return result
@@ -477,11 +654,9 @@ class Lowering:
             rt.fill(region, 1.0 if name == self.loss_output else 0.0)
         self.zero_weight_grads()
         for op in reversed(self.ops):
-            plan = self.plans[op.name]
-            if plan.bwd_reqs is None:
-                continue
-            rt.index_launch(plan.backward_fn, plan.colors, *plan.bwd_reqs, name=f"{op.name}.bwd",
-                            placement=plan.placement, op=op.name)
+            for launch in self.plans[op.name].backward_launches():
+                rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
+                                placement=launch.placement, op=op.name)
 
     def zero_weight_grads(self) -> None:
         """Zero every weight gradient: where it is updated in shards, each shard on its own

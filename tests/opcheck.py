@@ -5,8 +5,12 @@ compares them with a reference (PyTorch or NumPy), checks backward against centr
 finite differences in float64, and then checks the tile rules: splitting the tile
 space along every declared split dimension, running each tile on exactly the input
 and weight rects the op asks for, and summing overlapping gradient contributions,
-must reproduce the whole-op results. That last check is what makes an operator's
-`input_rects`/`weight_rects` trustworthy for SOAP execution.
+must reproduce the whole-op results. Tiles are treated as lowering treats them
+(ops/lower.py): tiles of a partial split sum their outputs and only the group's leader
+gets the biases; shared sums are added up over the tiles before the kernels run; tiles
+along a split ordered dim run in order (backward: in reverse) handing their carry on; a
+state rect shared by several tiles is updated by the first of them. That check is what
+makes an operator's rect rules trustworthy for SOAP execution.
 """
 from __future__ import annotations
 
@@ -23,13 +27,18 @@ def spec(shape, dtype="float32", name="x") -> TensorSpec:
     return TensorSpec(tuple(shape), dtype, name)
 
 
-def _tile(op, tile, inputs, weights, training=True, state=None):
+def _given(arrays: dict, rects: dict) -> dict:
+    """Each array's slice at its rect, for the rects that are not empty (what a tile is given)."""
+    return {k: a[rects[k].slices()] for k, a in arrays.items() if k in rects and not rects[k].empty}
+
+
+def _tile(op, tile, inputs, weights, training=True, state=None, state_rects=None, **extra):
     in_rects = op.input_rects(tile)
     ins = [x[r.slices()] for x, r in zip(inputs, in_rects)]
-    wr = op.weight_rects(tile)
-    ws = {k: weights[k][wr[k].slices()] for k in weights if k in wr}
-    st = None if state is None else {k: state[k][wr[k].slices()].copy() for k in state}
-    outs, saved = op.forward(np, tile, ins, in_rects, ws, training=training, state=st)
+    wr = op.tile_weight_rects(tile)
+    ws = _given(weights, wr)
+    st = None if state is None else {k: v.copy() for k, v in _given(state, state_rects or wr).items()} or None
+    outs, saved = op.forward(np, tile, ins, in_rects, ws, training=training, state=st, **extra)
     return in_rects, ins, wr, ws, outs, saved, st
 
 
@@ -63,34 +72,99 @@ def tilings(op, parts=(2, 3)):
 
 
 def tiles_of(shape, degrees):
+    """The tiles of a tiling in row-major order (the order of lowering's colors)."""
     ranges = [_splits(shape[d], degrees.get(d, 1)) for d in range(len(shape))]
     for combo in itertools.product(*ranges):
         yield Rect(tuple(a for a, _ in combo), tuple(b for _, b in combo))
+
+
+def _first_state_rects(op, tiles):
+    """Per tile, its state rects with each cut to empty unless the tile is the first to have it."""
+    seen, out = set(), []
+    names = list(op.state_shapes())
+    for tile in tiles:
+        wr = op.tile_weight_rects(tile)
+        rects = {}
+        for k in names:
+            r = wr[k]
+            rects[k] = r if not r.empty and (k, r) not in seen else Rect(r.lo, r.lo)
+            seen.add((k, r))
+        out.append(rects)
+    return out
+
+
+def _add_up(op, tiles, names, part_of):
+    """The totals of sums `names` over `tiles`, in order: part_of(i, tile, name, earlier totals)
+    gives tile i's part; a later sum sees the earlier totals at the tile's rects."""
+    totals = {}
+    for k in names:
+        total = np.zeros(op.sum_shapes()[k])
+        for i, tile in enumerate(tiles):
+            rects = op.sum_rects(tile)
+            before = {j: totals[j][rects[j].slices()] for j in totals}
+            total[rects[k].slices()] += part_of(i, tile, k, before)
+        totals[k] = total
+    return totals
+
+
+def _extra(op, tile, sums, carry):
+    """The sums= and carry= keyword arguments of ops that take them, as lowering passes them."""
+    extra = {}
+    if op.sum_shapes():
+        rects = op.sum_rects(tile)
+        extra["sums"] = None if sums is None else {k: v[rects[k].slices()] for k, v in sums.items()} or None
+    if op.carry_shapes():
+        rects = op.carry_rects(tile)
+        extra["carry"] = None if carry is None else {k: v[rects[k].slices()] for k, v in carry.items()}
+    return extra
 
 
 def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, training=True, state=None):
     """Every tiling of the declared split dims gives the whole-op forward and backward."""
     ref_outs, ref_gin, ref_gw, ref_state = run_whole(op, inputs, weights, grad_outputs, training,
                                                      None if state is None else {k: v.copy() for k, v in state.items()})
+    ordered = op.ordered_dim()
     for degrees in tilings(op):
+        tiles = list(tiles_of(op.tile_shape, degrees))
+        chained = ordered is not None and degrees.get(ordered, 1) > 1
+        shared = op.shares_sums(tiles)
+        dtype = next((o.dtype for o in ref_outs if o is not None), np.float64)
+        carry = {k: np.zeros(s, dtype) for k, s in op.carry_shapes().items()} if chained else None
+        state_rects = _first_state_rects(op, tiles) if training else [op.tile_weight_rects(t) for t in tiles]
+        sums = None
+        if shared:
+            sums = _add_up(op, tiles, op.forward_sums(training), lambda i, tile, k, before: op.partial_sum(
+                np, k, tile, [x[r.slices()] for x, r in zip(inputs, op.input_rects(tile))], before))
         outs = [np.zeros_like(o) for o in ref_outs]
-        gin = [None if g is None else np.zeros_like(g) for g in ref_gin]
-        gw = {k: np.zeros_like(v) for k, v in ref_gw.items()}
         new_state = None if state is None else {k: v.copy() for k, v in state.items()}
-        for tile in tiles_of(op.tile_shape, degrees):
-            in_rects, ins, wr, ws, touts, saved, st = _tile(op, tile, inputs, weights, training, state)
+        runs = []
+        for tile, srects in zip(tiles, state_rects):
+            in_rects, ins, wr, ws, touts, saved, st = _tile(op, tile, inputs, weights, training, state, srects,
+                                                            **_extra(op, tile, sums, carry))
             for full, r, t in zip(outs, op.output_rects(tile), touts):
+                if r.empty:
+                    continue
                 assert t.shape == r.shape, f"{op.kind}: tile {tile} output shape {t.shape} != {r.shape}"
-                full[r.slices()] = t
+                full[r.slices()] += t
             if st is not None:
                 for k in st:
-                    new_state[k][wr[k].slices()] = st[k]
-            tg_in, tg_w = op.backward(np, tile, ins, in_rects, ws, touts,
-                                      [g[r.slices()] for g, r in zip(grad_outputs, op.output_rects(tile))], saved)
+                    new_state[k][srects[k].slices()] = st[k]
+            tgouts = [None if g is None or r.empty else g[r.slices()] for g, r in zip(grad_outputs, op.output_rects(tile))]
+            runs.append((tile, in_rects, ins, wr, ws, touts, tgouts, saved))
+        if shared:
+            sums = _add_up(op, tiles, op.backward_sums(), lambda i, tile, k, before: op.partial_sum(
+                np, k, tile, runs[i][2], before, runs[i][5], runs[i][6], runs[i][7]))
+        carry = {k: np.zeros(s, dtype) for k, s in op.carry_shapes().items()} if chained else None
+        gin = [None if g is None else np.zeros_like(g) for g in ref_gin]
+        gw = {k: np.zeros_like(v) for k, v in ref_gw.items()}
+        for tile, in_rects, ins, wr, ws, touts, tgouts, saved in reversed(runs):
+            tg_in, tg_w = op.backward(np, tile, ins, in_rects, ws, touts, tgouts, saved,
+                                      **_extra(op, tile, sums, carry))
             for full, r, t in zip(gin, in_rects, tg_in):
-                if full is not None:
+                if full is not None and t is not None and not r.empty:
                     assert t.shape == r.shape, f"{op.kind}: grad input shape {t.shape} != rect {r}"
                     full[r.slices()] += t
+            assert set(tg_w) == set(ws), f"{op.kind}: tile {tile} returned grads {sorted(tg_w)} for weights {sorted(ws)}"
             for k, t in tg_w.items():
                 assert t.shape == wr[k].shape, f"{op.kind}: grad {k} shape {t.shape} != weight rect {wr[k]}"
                 gw[k][wr[k].slices()] += t

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError, TensorSpec
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, REDUCE, SAMPLE, ShapeError, TensorSpec
 from ops.embedding import Embedding, scatter_add_rows
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole
@@ -61,13 +61,18 @@ def test_embedding_any_shape(batch, seq, num, dim, seed):
 def test_embedding_split_dims_rects_dtype_and_flops():
     op = Embedding("emb", [spec((8, 5), "int32")], num_embeddings=100, embedding_dim=16)
     assert op.outputs[0].shape == (8, 5, 16) and op.outputs[0].dtype == "float32"
-    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, PARAMETER)]
-    tile = Rect((2, 1, 4), (6, 3, 10))
+    assert op.tile_shape == (8, 5, 16, 100)
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, PARAMETER), (3, REDUCE)]
+    tile = Rect((2, 1, 4, 0), (6, 3, 10, 100))
     assert op.input_rects(tile) == [Rect((2, 1), (6, 3))]
+    assert op.output_rects(tile) == [Rect((2, 1, 4), (6, 3, 10))]
     assert op.weight_rects(tile) == {"weight": Rect((0, 4), (100, 10))}
-    assert op.flops(tile) == tile.volume
+    assert op.flops(tile) == 4 * 2 * 6
     # int32 indices, the float32 column slice of the table, the float32 output tile
-    assert op.bytes_moved(tile) == 4 * 8 + 4 * 100 * 6 + 4 * tile.volume
+    assert op.bytes_moved(tile) == 4 * 8 + 4 * 100 * 6 + 4 * 4 * 2 * 6
+    rows = Rect((2, 1, 4, 30), (6, 3, 10, 70))  # vocabulary rows [30, 70): a partial lookup
+    assert op.weight_rects(rows) == {"weight": Rect((30, 4), (70, 10))}
+    assert op.output_rects(rows) == op.output_rects(tile) and op.input_rects(rows) == op.input_rects(tile)
     assert OP_REGISTRY["embedding"] is Embedding
     assert op.attrs() == {"num_embeddings": 100, "embedding_dim": 16}
 
@@ -91,6 +96,9 @@ def test_out_of_range_index_names_op_index_and_size(bad):
     assert "embedding 'tok_emb'" in msg and str(bad) in msg and "num_embeddings=10" in msg
     with pytest.raises(IndexError, match="tok_emb"):
         op.backward(np, tile, [idx], op.input_rects(tile), w, [None], [np.zeros((2, 3, 4), np.float32)], None)
+    rows = Rect((0, 0, 0, 5), (2, 3, 4, 10))  # a tile holding rows 5..9 still checks the whole range
+    with pytest.raises(IndexError, match="num_embeddings=10"):
+        op.forward(np, rows, [idx], op.input_rects(rows), {"weight": w["weight"][5:]})
 
 
 @pytest.mark.parametrize("inputs,attrs,needle", [
@@ -122,12 +130,27 @@ def test_scatter_add_rows_equals_add_at(n, rows, cols, seed):
 def test_backward_of_a_column_tile_reads_a_strided_grad():
     """A parameter-split tile gets a non-contiguous slice of the output grad and of the table."""
     op, idx, w, g = embedding_case((4, 3), 5, 8)
-    tile = Rect((0, 0, 2), (4, 3, 6))
+    tile = Rect((0, 0, 2, 0), (4, 3, 6, 5))
     wr = op.weight_rects(tile)["weight"]
     outs, _ = op.forward(np, tile, [idx], op.input_rects(tile), {"weight": w["weight"][wr.slices()]})
     np.testing.assert_array_equal(outs[0], w["weight"][idx][..., 2:6])
     _, gw = op.backward(np, tile, [idx], op.input_rects(tile), {"weight": w["weight"][wr.slices()]},
-                        outs, [g[tile.slices()]], None)
+                        outs, [g[op.output_rects(tile)[0].slices()]], None)
     want = np.zeros((5, 4), np.float32)
     np.add.at(want, idx.reshape(-1), g[..., 2:6].reshape(-1, 4))
     np.testing.assert_allclose(gw["weight"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_vocabulary_tile_looks_up_only_its_rows():
+    """Rows [2, 4) of the table: zeros for the other indices, and gradients for those rows only."""
+    op, idx, w, g = embedding_case((4, 3), 6, 5)
+    tile = Rect((0, 0, 0, 2), (4, 3, 5, 4))
+    table = w["weight"][op.weight_rects(tile)["weight"].slices()]
+    (out,), _ = op.forward(np, tile, [idx], op.input_rects(tile), {"weight": table})
+    held = (idx >= 2) & (idx < 4)
+    np.testing.assert_array_equal(out[held], w["weight"][idx[held]])
+    assert not out[~held].any()
+    _, gw = op.backward(np, tile, [idx], op.input_rects(tile), {"weight": table}, [out], [g], None)
+    want = np.zeros((6, 5), np.float32)
+    np.add.at(want, idx.reshape(-1), g.reshape(-1, 5))
+    np.testing.assert_allclose(gw["weight"], want[2:4], rtol=1e-6, atol=1e-6)

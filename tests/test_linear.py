@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, REDUCE, SAMPLE, ShapeError
 from ops.linear import BatchMatmul, Dense
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
@@ -72,17 +72,30 @@ def test_dense_any_shape_matches_torch_and_tiles(batch, mid, n_in, n_out, use_bi
 
 def test_dense_split_dims_rects_and_flops():
     op = Dense("fc", [spec((8, 5, 16))], out_features=12)
-    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, PARAMETER)]
-    tile = Rect((2, 1, 4), (6, 3, 10))
+    assert op.tile_shape == (8, 5, 12, 16)
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, PARAMETER), (3, REDUCE)]
+    assert op.split_dims()[3].partial and op.bias_weights() == ("bias",)
+    tile = Rect((2, 1, 4, 0), (6, 3, 10, 16))
     assert op.input_rects(tile) == [Rect((2, 1, 0), (6, 3, 16))]
+    assert op.output_rects(tile) == [Rect((2, 1, 4), (6, 3, 10))]
     assert op.weight_rects(tile) == {"weight": Rect((4, 0), (10, 16)), "bias": Rect((4,), (10,))}
     assert op.flops(tile) == 4 * 2 * 6 * (2 * 16 + 1)
     whole = Rect.from_shape(op.tile_shape)
     assert op.flops(whole) >= 2 * 8 * 5 * 12 * 16
     # bytes: input rows, weight slice, bias slice and output tile, all float32
     assert op.bytes_moved(tile) == 4 * (4 * 2 * 16 + 6 * 16 + 6 + 4 * 2 * 6)
+    # in features [4, 12): a partial output of the block's columns, and no bias (only the tile at 0 adds it)
+    part = Rect((2, 1, 4, 4), (6, 3, 10, 12))
+    assert op.input_rects(part) == [Rect((2, 1, 4), (6, 3, 12))]
+    assert op.output_rects(part) == op.output_rects(tile)
+    assert op.tile_weight_rects(part) == {"weight": Rect((4, 4), (10, 12)), "bias": Rect((4,), (4,))}
+    assert op.tile_weight_rects(Rect((2, 1, 4, 0), (6, 3, 10, 4)))["bias"] == Rect((4,), (10,))
+    assert op.flops(part) == 4 * 2 * 6 * 2 * 8
     assert OP_REGISTRY["dense"] is Dense
     assert op.attrs() == {"out_features": 12, "use_bias": True, "activation": None}
+    # an activation of partial sums is not the activation of their sum: no reduce split then
+    relu = Dense("fc", [spec((8, 16))], out_features=12, activation="relu")
+    assert relu.tile_shape == (8, 12, 16) and [s.kind for s in relu.split_dims()] == [SAMPLE, PARAMETER]
 
 
 def test_dense_init_is_torch_linear_default():
@@ -163,10 +176,15 @@ def test_batch_matmul_any_shape(batch, m, k, n, seed):
 
 def test_batch_matmul_split_dims_rects_and_flops():
     op = BatchMatmul("bmm", [spec((4, 6, 8), name="a"), spec((4, 8, 10), name="b")])
-    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, PARAMETER)]
-    tile = Rect((1, 2, 3), (3, 5, 7))
+    assert op.tile_shape == (4, 6, 10, 8)
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE), (2, PARAMETER), (3, REDUCE)]
+    tile = Rect((1, 2, 3, 0), (3, 5, 7, 8))
     assert op.input_rects(tile) == [Rect((1, 2, 0), (3, 5, 8)), Rect((1, 0, 3), (3, 8, 7))]
+    assert op.output_rects(tile) == [Rect((1, 2, 3), (3, 5, 7))]
     assert op.flops(tile) == 2 * 2 * 3 * 4 * 8
+    inner = Rect((1, 2, 3, 2), (3, 5, 7, 5))  # k in [2, 5): a partial product
+    assert op.input_rects(inner) == [Rect((1, 2, 2), (3, 5, 5)), Rect((1, 2, 3), (3, 5, 7))]
+    assert op.output_rects(inner) == op.output_rects(tile) and op.flops(inner) == 2 * 2 * 3 * 4 * 3
     assert OP_REGISTRY["batch_matmul"] is BatchMatmul
 
 

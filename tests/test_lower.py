@@ -52,19 +52,19 @@ def test_tile_config_reads_well_and_checks_itself():
 
 def test_resolve_config_names_op_dim_and_kind():
     dense = Dense("fc", [spec((8, 16))], out_features=6)
-    bn = BatchNorm("bn", [spec((8, 4, 5, 5))])
-    with pytest.raises(ConfigError, match=r"batch_norm 'bn'.* splits dim 0 2 ways, but dim 0 may not be split; "
-                                          r"splittable dims: dim 1 \(parameter\)"):
-        resolve_config(bn, TileConfig((2, 1, 1, 1)), MACHINE4)
+    relu = Dense("fc_relu", [spec((8, 16))], out_features=6, activation="relu")
+    with pytest.raises(ConfigError, match=r"dense 'fc_relu'.* splits dim 2 2 ways, but dim 2 may not be split; "
+                                          r"splittable dims: dim 0 \(sample\), dim 1 \(parameter\)"):
+        resolve_config(relu, TileConfig((1, 1, 2)), MACHINE4)
     with pytest.raises(ConfigError, match=r"dense 'fc'.* splits dim 1 \(parameter\) 7 ways, more than its extent 6"):
-        resolve_config(dense, TileConfig((1, 7)), MACHINE4)
-    with pytest.raises(ConfigError, match=r"dense 'fc'.* has 3 degrees but the op's tile space \(8, 6\) has 2 dims"):
-        resolve_config(dense, TileConfig((1, 1, 1)), MACHINE4)
+        resolve_config(dense, TileConfig((1, 7, 1)), MACHINE4)
+    with pytest.raises(ConfigError, match=r"dense 'fc'.* has 2 degrees but the op's tile space \(8, 6, 16\) has 3 dims"):
+        resolve_config(dense, TileConfig((1, 1)), MACHINE4)
     with pytest.raises(ConfigError, match=r"places tile 1 on processor 4, but .* has processors 0..3"):
-        resolve_config(dense, TileConfig((2, 1), (0, 4)), MACHINE4)
+        resolve_config(dense, TileConfig((2, 1, 1), (0, 4)), MACHINE4)
     with pytest.raises(ConfigError, match="must be a TileConfig"):
-        resolve_config(dense, (2, 1), MACHINE4)
-    assert resolve_config(dense, TileConfig((2, 2)), MACHINE4).devices == (0, 1, 2, 3)
+        resolve_config(dense, (2, 1, 1), MACHINE4)
+    assert resolve_config(dense, TileConfig((2, 1, 2)), MACHINE4).devices == (0, 1, 2, 3)
 
 
 def test_default_config_splits_the_sample_dim_over_the_compute_processors():
@@ -74,6 +74,8 @@ def test_default_config_splits_the_sample_dim_over_the_compute_processors():
     assert default_config(small, MACHINE4) == TileConfig((2, 1, 1, 1), (0, 2))
     bn = BatchNorm("bn", [spec((8, 4, 5, 5))])  # no sample dim: one tile
     assert default_config(bn, MACHINE4) == TileConfig((1, 1, 1, 1), (0,))
+    fc = Dense("fc", [spec((8, 16))], out_features=6)  # the tile space has the input features
+    assert default_config(fc, MACHINE4) == TileConfig((4, 1, 1), (0, 1, 2, 3))
     gpus = Machine.build(1, cpus_per_rank=2, gpus_per_rank=2)  # tiles go to the GPUs (indices 2, 3)
     assert default_devices(gpus, 4) == (2, 2, 3, 3)
 
@@ -94,7 +96,7 @@ def test_lowering_builds_tile_partitions_halos_reductions_and_updates():
     loss = SparseCategoricalCrossEntropy("loss", [fc.outputs[0], labels], from_logits=True)
     ops = [conv, flat, fc, loss]
     configs = {"conv": TileConfig((1, 1, 2, 1), (0, 1)), "flat": TileConfig((2, 1), (2, 3)),
-               "fc": TileConfig((1, 2), (1, 3)), "loss": TileConfig((2,), (0, 1))}
+               "fc": TileConfig((1, 2, 1), (1, 3)), "loss": TileConfig((2,), (0, 1))}
     with Runtime(machine=MACHINE4, execute=False) as rt:
         low = Lowering(rt, ops, [x, labels], configs, SGD(lr=0.1, momentum=0.9), loss="loss", tag="t")
         plan = low.plans["conv"]
@@ -195,8 +197,11 @@ CNN_CONFIGS = {
         "conv2d_0": TileConfig((1, 1, 2, 2), (0, 1, 2, 3)), "relu_0": TileConfig((1, 1, 2, 2), (3, 2, 1, 0)),
         "pool2d_0": TileConfig((1, 1, 2, 2), (1, 1, 2, 2)), "batch_norm_0": TileConfig((1, 2, 1, 1), (2, 3))},
     "channel and parameter splits": lambda m: {
-        "conv2d_0": TileConfig((2, 2, 1, 1), (0, 1, 2, 3)), "dense_0": TileConfig((1, 3), (1, 2, 3)),
-        "dense_1": TileConfig((2, 3), (0, 1, 2, 3, 0, 1)), "softmax_0": TileConfig((4, 1), (3, 2, 1, 0))},
+        "conv2d_0": TileConfig((2, 2, 1, 1), (0, 1, 2, 3)), "dense_0": TileConfig((1, 3, 1), (1, 2, 3)),
+        "dense_1": TileConfig((2, 3, 1), (0, 1, 2, 3, 0, 1)), "softmax_0": TileConfig((4, 1), (3, 2, 1, 0))},
+    "dense over input features": lambda m: {
+        "batch_norm_0": TileConfig((1, 2, 1, 1), (3, 1)), "dense_1": TileConfig((1, 1, 3), (2, 0, 1)),
+        "dense_0": TileConfig((2, 2, 1), (0, 1, 2, 3))},
 }
 
 
@@ -219,8 +224,8 @@ def test_mlp_with_parameter_split_dense_layers_matches_one_tile(rt1, rt4):
     ref = _mlp(rt1)
     want = _run(ref, x, y, _ones(ref), "mean_squared_error", steps=2)
     m = _mlp(rt4)
-    configs = {"dense_0": TileConfig((1, 4), (3, 2, 1, 0)), "dense_1": TileConfig((2, 3)),
-               "dense_2": TileConfig((1, 3), (1, 1, 2)), "loss": TileConfig((4,), (0, 1, 2, 3))}
+    configs = {"dense_0": TileConfig((1, 4, 1), (3, 2, 1, 0)), "dense_1": TileConfig((2, 3, 1)),
+               "dense_2": TileConfig((1, 3, 2), (1, 1, 2, 0, 3, 3)), "loss": TileConfig((4,), (0, 1, 2, 3))}
     got = _run(m, x, y, configs, "mean_squared_error", steps=2)
     _assert_same(got, want, "mlp")
 

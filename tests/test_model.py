@@ -190,7 +190,7 @@ def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
     x = rng.standard_normal((24, 3, 8, 8)).astype(np.float32)
     y = rng.integers(0, 4, 24)
     a = small_cnn(rt, batch=6, seed=11)
-    a.compile(Adam(lr=0.01), metrics=["accuracy"], configs={"dense_0": TileConfig((1, 2))})
+    a.compile(Adam(lr=0.01), metrics=["accuracy"], configs={"dense_0": TileConfig((1, 2, 1))})
     a.fit(x, y, iterations=3, verbose=False)
     path = tmp_path / "cnn.npz"
     a.save(path)
@@ -210,7 +210,7 @@ def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
 
     # loading into a model with the same graph restores weights, state, optimizer and step
     c = small_cnn(rt, batch=6, seed=99)
-    c.compile(Adam(lr=0.01), metrics=["accuracy"], configs={"dense_0": TileConfig((1, 2))})
+    c.compile(Adam(lr=0.01), metrics=["accuracy"], configs={"dense_0": TileConfig((1, 2, 1))})
     c.load(path)
     assert c.step == 3
     c.fit(x, y, iterations=5, verbose=False)
@@ -269,7 +269,7 @@ def test_errors_come_before_any_work(rt):
             m.compile(**bad)
         assert rt._next_id == issued
     with pytest.raises(ConfigError, match=r"dense 'dense_1'.* splits dim 1 \(parameter\) 9 ways"):
-        m.compile(configs={"dense_1": TileConfig((1, 9))})
+        m.compile(configs={"dense_1": TileConfig((1, 9, 1))})
     with pytest.raises(RuntimeError, match="fit: call compile"):
         m.fit(np.ones((4, 7)), np.zeros(4, np.int64))
     m.compile(SGD(lr=0.1), metrics=["accuracy"])
