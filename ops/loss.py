@@ -26,13 +26,16 @@ def _sample_weights(xp, grad_outputs, n: int, dtype):
 
 @register_op
 class SparseCategoricalCrossEntropy(Op):
-    """loss[i] = -log(p[i, label[i]]) for predictions [N, C] and integer labels [N].
+    """loss[i] = mean over positions p of -log(pred[i, p, label[i, p]]) for predictions [N, ..., C]
+    and integer labels [N, ...] (predictions without C); with [N, C] and [N] it is -log(p[i, label[i]]).
 
-    With from_logits=False (default) the predictions are probabilities (a softmax
-    output); a probability below the dtype's smallest normal number is read as that
-    number, so the loss stays finite (PyTorch's nll_loss(log(p)) would give inf).
-    With from_logits=True they are logits and a stable log-softmax is used, as in
-    F.cross_entropy. Only the batch may be split.
+    Each sample's loss is the mean over its positions, so the batch mean is the mean over all
+    tokens, as F.cross_entropy(pred.reshape(-1, C), labels.reshape(-1)) gives for a sequence
+    model. With from_logits=False (default) the predictions are probabilities (a softmax
+    output); a probability below the dtype's smallest normal number is read as that number,
+    so the loss stays finite (PyTorch's nll_loss(log(p)) would give inf). With
+    from_logits=True they are logits and a stable log-softmax is used, as in F.cross_entropy.
+    Only the batch may be split.
     """
 
     kind = "sparse_categorical_crossentropy"
@@ -42,14 +45,15 @@ class SparseCategoricalCrossEntropy(Op):
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 2:
-            raise self.fail(f"takes 2 inputs (predictions [N, C], labels [N]), got {len(in_shapes)}")
+            raise self.fail(f"takes 2 inputs (predictions [N, ..., C], labels [N, ...]), got {len(in_shapes)}")
         pred, lab = in_shapes
-        if len(pred) != 2:
-            raise self.fail(f"predictions must be [N, C], got shape {pred}")
-        if tuple(lab) != (pred[0],):
-            raise self.fail(f"labels must be [N] = [{pred[0]}], got shape {lab}")
-        if pred[1] < 1:
-            raise self.fail(f"predictions need at least 1 class, got C = {pred[1]}")
+        if len(pred) < 2:
+            raise self.fail(f"predictions must be [N, ..., C] (at least 2 dims), got shape {pred}")
+        if tuple(lab) != tuple(pred[:-1]):
+            dims = "N" if len(pred) == 2 else "N, ..."
+            raise self.fail(f"labels must be [{dims}] = {list(pred[:-1])}, got shape {lab}")
+        if pred[-1] < 1:
+            raise self.fail(f"predictions need at least 1 class, got C = {pred[-1]}")
         if np.dtype(self.inputs[1].dtype).kind not in "iu":
             raise self.fail(f"labels must be integers, got dtype {self.inputs[1].dtype}")
         if np.dtype(self.inputs[0].dtype).kind != "f":
@@ -60,7 +64,12 @@ class SparseCategoricalCrossEntropy(Op):
         return (SplitDim(0, SAMPLE),)
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        return [batch_rect(tile, self.inputs[0].shape), tile]
+        return [batch_rect(tile, t.shape) for t in self.inputs]
+
+    @property
+    def _positions(self) -> int:
+        """Predictions per sample: the product of the dims between the batch and the classes."""
+        return math.prod(self.inputs[0].shape[1:-1])
 
     def _check_labels(self, labels, num_classes: int) -> None:
         bad = (labels < 0) | (labels >= num_classes)
@@ -71,37 +80,41 @@ class SparseCategoricalCrossEntropy(Op):
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         x, labels = inputs
-        n, c = x.shape
-        self._check_labels(labels, c)
-        rows = xp.arange(n)
+        n, c = x.shape[0], x.shape[-1]
+        rows_x, flat = x.reshape(-1, c), labels.reshape(-1)
+        self._check_labels(flat, c)
+        rows = xp.arange(flat.shape[0])
         if self.from_logits:
-            m = x.max(axis=1, keepdims=True)
-            lse = m + xp.log(xp.exp(x - m).sum(axis=1, keepdims=True))
-            loss = lse[:, 0] - x[rows, labels]
-            saved = xp.exp(x - lse)  # softmax, for backward
+            m = rows_x.max(axis=1, keepdims=True)
+            lse = m + xp.log(xp.exp(rows_x - m).sum(axis=1, keepdims=True))
+            loss = lse[:, 0] - rows_x[rows, flat]
+            saved = xp.exp(rows_x - lse)  # softmax, for backward
         else:
-            picked = xp.maximum(x[rows, labels], np.finfo(x.dtype).tiny)
+            picked = xp.maximum(rows_x[rows, flat], np.finfo(x.dtype).tiny)
             loss = -xp.log(picked)
             saved = picked
+        loss = loss.reshape(n, -1).mean(axis=1) if x.ndim > 2 else loss
         return [loss.astype(x.dtype, copy=False)], saved
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         x, labels = inputs
-        n = x.shape[0]
-        scale = _sample_weights(xp, grad_outputs, n, x.dtype) / self.inputs[0].shape[0]
-        rows = xp.arange(n)
+        n, c = x.shape[0], x.shape[-1]
+        flat = labels.reshape(-1)
+        per_sample = _sample_weights(xp, grad_outputs, n, x.dtype) / (self.inputs[0].shape[0] * self._positions)
+        scale = xp.repeat(per_sample, self._positions)
+        rows = xp.arange(flat.shape[0])
         if self.from_logits:
             dx = saved.copy()
-            dx[rows, labels] -= 1
+            dx[rows, flat] -= 1
             dx *= scale[:, None]
         else:
-            dx = xp.zeros_like(x)
-            dx[rows, labels] = -scale / saved
-        return [dx.astype(x.dtype, copy=False), None], {}
+            dx = xp.zeros((flat.shape[0], c), dtype=x.dtype)
+            dx[rows, flat] = -scale / saved
+        return [dx.reshape(x.shape).astype(x.dtype, copy=False), None], {}
 
     def flops(self, tile: Rect) -> int:
-        n, c = tile.shape[0], self.inputs[0].shape[1]
-        return (4 * n * c if self.from_logits else 0) + 2 * n
+        rows, c = tile.shape[0] * self._positions, self.inputs[0].shape[-1]
+        return (4 * rows * c if self.from_logits else 0) + 2 * rows
 
 
 @register_op

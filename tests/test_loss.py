@@ -121,7 +121,9 @@ def test_cross_entropy_shape_errors():
         SparseCategoricalCrossEntropy("loss", [spec((4, 3)), spec((5,), "int64")])
     with pytest.raises(ShapeError, match=r"labels must be integers, got dtype float32"):
         SparseCategoricalCrossEntropy("loss", [spec((4, 3)), spec((4,), "float32")])
-    with pytest.raises(ShapeError, match=r"predictions must be \[N, C\], got shape \(4, 3, 2\)"):
+    with pytest.raises(ShapeError, match=r"predictions must be \[N, \.\.\., C\] \(at least 2 dims\), got shape \(4,\)"):
+        SparseCategoricalCrossEntropy("loss", [spec((4,)), spec((4,), "int64")])
+    with pytest.raises(ShapeError, match=r"labels must be \[N, \.\.\.\] = \[4, 3\], got shape \(4,\)"):
         SparseCategoricalCrossEntropy("loss", [spec((4, 3, 2)), spec((4,), "int64")])
     with pytest.raises(ShapeError, match=r"takes 2 inputs"):
         SparseCategoricalCrossEntropy("loss", [spec((4, 3))])
@@ -137,6 +139,72 @@ def test_cross_entropy_any_size(n, c, from_logits, seed):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gx, ref_grad, rtol=1e-5, atol=1e-6)
     check_tiled(op, [x, labels], {}, [np.ones(n, np.float32)])
+
+
+# ---- cross-entropy over sequences: predictions [N, ..., C], labels [N, ...] ----------
+
+def torch_seq_ce(x, labels, from_logits):
+    """Per-sample mean losses and the gradient of the mean over all positions, from PyTorch's
+    F.cross_entropy (or nll_loss of log p) on the flattened positions."""
+    n, c = x.shape[0], x.shape[-1]
+    xt = torch.tensor(x, requires_grad=True)
+    flat, lt = xt.reshape(-1, c), torch.tensor(labels).reshape(-1)
+    per = F.cross_entropy(flat, lt, reduction="none") if from_logits else F.nll_loss(torch.log(flat), lt,
+                                                                                     reduction="none")
+    per.mean().backward()
+    return per.detach().reshape(n, -1).mean(dim=1).numpy(), xt.grad.numpy()
+
+
+def seq_case(rng, shape, from_logits, dtype=np.float32):
+    logits = 2 * rng.standard_normal(shape)
+    x = logits if from_logits else np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    return x.astype(dtype), rng.integers(0, shape[-1], size=shape[:-1])
+
+
+def seq_op(shape, from_logits, dtype="float32", cls=SparseCategoricalCrossEntropy):
+    return cls("loss", [spec(shape, dtype, "pred"), spec(shape[:-1], "int64", "labels")], from_logits=from_logits)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+@pytest.mark.parametrize("shape", [(4, 6, 5), (3, 1, 7), (2, 3, 2, 4)])
+def test_sequence_cross_entropy_matches_torch_finite_differences_and_tiles(shape, from_logits):
+    rng = np.random.default_rng(10)
+    x, labels = seq_case(rng, shape, from_logits)
+    op = seq_op(shape, from_logits)
+    assert op.outputs[0].shape == (shape[0],) and op.input_rects(Rect((1,), (2,)))[1] == Rect(
+        (1,) + (0,) * (len(shape) - 2), (2,) + shape[1:-1])
+    (loss,), (gx, glab), gw, _ = run_whole(op, [x, labels], {}, grad_outputs=[np.ones(shape[0], np.float32)])
+    ref_loss, ref_grad = torch_seq_ce(x, labels, from_logits)
+    assert loss.shape == (shape[0],) and loss.dtype == np.float32 and glab is None and gw == {}
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx, ref_grad, rtol=1e-5, atol=1e-6)
+    # the batch mean of the per-sample losses is the token mean that F.cross_entropy reports
+    if from_logits:
+        token_mean = F.cross_entropy(torch.tensor(x).reshape(-1, shape[-1]), torch.tensor(labels).reshape(-1))
+        assert loss.mean() == pytest.approx(token_mean.item(), rel=1e-5)
+    x64 = x.astype(np.float64)
+    check_finite_differences(seq_op(shape, from_logits, "float64", SummedCE), [x64, labels], {})
+    check_tiled(op, [x, labels], {}, [rng.standard_normal(shape[0]).astype(np.float32)])
+
+
+def test_sequence_cross_entropy_label_out_of_range():
+    x, labels = seq_case(np.random.default_rng(11), (2, 3, 4), True)
+    labels[1, 2] = 4
+    with pytest.raises(ValueError, match=r"'loss': label 4 is out of range for C = 4 classes"):
+        run_whole(seq_op((2, 3, 4), True), [x, labels], {})
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=3, max_size=4).map(tuple), from_logits=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_sequence_cross_entropy_any_shape(shape, from_logits, seed):
+    x, labels = seq_case(np.random.default_rng(seed), shape, from_logits)
+    op = seq_op(shape, from_logits)
+    (loss,), (gx, _), _, _ = run_whole(op, [x, labels], {}, grad_outputs=[None])
+    ref_loss, ref_grad = torch_seq_ce(x, labels, from_logits)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx, ref_grad, rtol=1e-5, atol=1e-6)
+    check_tiled(op, [x, labels], {}, [np.ones(shape[0], np.float32)])
 
 
 # ---- mean squared error ------------------------------------------------------------
