@@ -40,8 +40,8 @@ from ops.optimizers import OPTIMIZERS
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
-from taskrt import Runtime, TaskError
-from taskrt.geometry import as_int
+from taskrt import WRITE, Partition, Runtime, TaskError, req
+from taskrt.geometry import Rect, as_int
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
@@ -90,8 +90,11 @@ class Model:
 
     _instances = 0
 
-    def __init__(self, runtime: Runtime | None = None, seed: int = 0):
-        self.rt = runtime if runtime is not None else Runtime()
+    def __init__(self, runtime: Runtime | None = None, seed: int = 0, weights: bool = True):
+        #: False: the graph alone (ops, names, shapes, weight shapes) and no weight values, to count
+        #: parameters and check strategies at full size without allocating; it cannot compile
+        self.has_weights = bool(weights)
+        self.rt = runtime if runtime is not None else Runtime(execute=self.has_weights)
         self._own_runtime = runtime is None
         self.seed = int(seed)
         self.inputs: list[TensorSpec] = []
@@ -177,12 +180,13 @@ class Model:
 
     def _insert(self, op: Op) -> None:
         """Add a built op: its outputs become tensors, its weights and state get initial values."""
-        values = op.init_weights(self._init_rng)
-        for k, shape in {**op.weight_shapes(), **op.state_shapes()}.items():
-            v = np.asarray(values[k])
-            if v.shape != tuple(shape):
-                raise ValueError(f"{op.kind} {op.name!r}: init_weights gave {k} shape {v.shape}, expected {shape}")
-            self._values[f"{op.name}.{k}"] = v.astype(op.weight_dtype(k))
+        if self.has_weights:
+            values = op.init_weights(self._init_rng)
+            for k, shape in {**op.weight_shapes(), **op.state_shapes()}.items():
+                v = np.asarray(values[k])
+                if v.shape != tuple(shape):
+                    raise ValueError(f"{op.kind} {op.name!r}: init_weights gave {k} shape {v.shape}, expected {shape}")
+                self._values[f"{op.name}.{k}"] = v.astype(op.weight_dtype(k))
         self.ops.append(op)
         for t in op.outputs:
             self.tensors[t.name] = t
@@ -311,6 +315,8 @@ class Model:
         """
         if self._low is not None:
             raise RuntimeError("compile: the model is already compiled")
+        if not self.has_weights:
+            raise RuntimeError("compile: the model was built with weights=False (its graph alone)")
         if not self.ops:
             raise ValueError("compile: the model has no operators")
         opt = _make_optimizer(optimizer)
@@ -496,6 +502,53 @@ class Model:
             self._record(history, progress, *pending)
         self._forward_done = False
         return history
+
+    def train_on(self, source, iterations: int):
+        """Train `iterations` steps on batches made where they are used; an iterator of each step's mean loss.
+
+        `source(step, lo, hi)` returns (inputs, labels) for samples lo..hi-1 of training step `step`'s
+        batch (inputs as fit takes them). Before each step every rank calls it in a task on its host
+        processor for its equal share of the batch (rank r of R: [r*B//R, (r+1)*B//R)), so with the
+        batch split over the ranks no rank makes or receives another rank's samples. A step's loss is
+        yielded once the next step is issued, so that steps overlap.
+        """
+        self._need_compiled("train_on")
+        iterations = as_int("train_on: iterations", iterations, least=1)
+        ranks = self.rt.num_ranks
+        cuts = [r * self.batch_size // ranks for r in range(ranks + 1)]
+        shares = {(r,): (cuts[r], cuts[r + 1]) for r in range(ranks) if cuts[r] < cuts[r + 1]}
+        reqs = []
+        for region in [self._low.values[t.name] for t in self.inputs + [self._labels]]:
+            rest = region.shape[1:]
+            rects = {c: Rect.make((lo,) + (0,) * len(rest), (hi,) + rest) for c, (lo, hi) in shares.items()}
+            reqs.append(req(Partition.from_rects(region, rects, name=f"{region.name}.ranks"), WRITE))
+        placement = {c: self.rt.machine.host_processor(c[0]) for c in shares}
+        return self._train_steps(source, iterations, list(shares), reqs, placement)
+
+    def _train_steps(self, source, iterations: int, colors: list, reqs: list, placement: dict):
+        pending = None
+        for _ in range(iterations):
+            self.step += 1
+            self.rt.index_launch(self._source_task, colors, *reqs, args=(source, self.step), placement=placement,
+                                 name="source")
+            futures = self._low.train_step(self.step, valid=self.batch_size)
+            if pending is not None:
+                yield _mean_loss(pending)
+            pending = futures
+        self._forward_done = False
+        yield _mean_loss(pending)
+
+    def _source_task(self, ctx, *views_and_args):
+        """One rank's share of a batch from `source`, checked and written into the inputs and labels."""
+        *views, source, step = views_and_args
+        lo, hi = ctx.rects[0].lo[0], ctx.rects[0].hi[0]
+        inputs, labels = source(step, lo, hi)
+        what = f"train_on: source({step}, {lo}, {hi})"
+        arrays, n = self._input_arrays(inputs, what)
+        if n != hi - lo:
+            raise ValueError(f"{what} gave {n} samples, expected {hi - lo}")
+        for view, a in zip(views, [arrays[t.name] for t in self.inputs] + [self._label_array(labels, n, what)]):
+            view[...] = a
 
     def _record(self, history: History, progress: "_Progress", it: int, futures) -> bool:
         """Add iteration `it`'s loss (and accuracy) to the history; False if the loss is not finite."""
@@ -711,6 +764,11 @@ def _padded(a: np.ndarray, rows: int) -> np.ndarray:
     if a.shape[0] == rows:
         return a
     return np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)])
+
+
+def _mean_loss(futures) -> float:
+    loss, _, count = _total(futures)
+    return loss / count
 
 
 def _total(futures) -> tuple[float, int, int]:

@@ -1,0 +1,402 @@
+"""The command line every benchmark app shares: flags, checks before any work, training, report.
+
+An app module gives a builder, its full and tiny sizes and a synthetic batch maker, and its
+`main` calls `run_app`:
+
+    from apps.cli import run_app
+
+    FULL = {"features": 784, "hidden": 1024, "classes": 10}       # the paper's configuration
+    TINY = {"features": 64, "hidden": 64, "classes": 10}          # same network, seconds on a CPU
+
+    def build(model, batch_size, dtype="float32", features=784, hidden=1024, classes=10):
+        x = model.input((batch_size, features), dtype, name="x")  # names are what strategies use
+        return model.softmax(model.dense(model.dense(x, hidden, activation="relu"), classes))
+
+    def make_batch(rng, model, batch_size, sizes):                # labels must follow the inputs
+        x = rng.standard_normal((batch_size, sizes["features"])).astype(np.float32)
+        return x, (x[:, :sizes["classes"]].argmax(1))
+
+    def main(argv=None):
+        return run_app("mlp", build, FULL, TINY, make_batch, argv, batch_size=64, lr=0.05)
+
+Contracts:
+- `build(model, batch_size, dtype=..., **sizes)` adds the network to a Model (its inputs of
+  batch `batch_size`, floats in `dtype`) and returns the tensor the loss applies to. It must
+  build the same graph every time: the checks run it on a graph-only model first.
+- `make_batch(rng, model, batch_size, sizes)` returns (inputs, labels) for `batch_size`
+  samples drawn from `rng`: inputs as Model.fit takes them (one array, a list in input order,
+  or a dict by input name). Anything fixed across samples (class templates, a teacher) must
+  come from `model.seed` and `sizes`, never from `rng`. The runs call it once per sample with
+  rng = default_rng([seed, step, sample]), on the rank that needs the sample, so the data
+  of a seed is the same on any number of ranks.
+
+Flags (`--help` lists them with defaults): --batch-size, --iterations, --warmup, --tiny,
+--strategy FILE | --baseline {data,model,expert,tensor}, --trace, --seed, --cpus-per-rank,
+--gpus-per-rank, --dtype, --optimizer, --lr. A bad flag gives one line on stderr,
+`error: --FLAG VALUE: what is wrong`, and exit status 2 on every rank, before any rank
+computes: every check whose answer could differ between ranks (files, devices) is agreed
+over MPI first, so no rank is left waiting. Rank 0 shows a progress line per iteration (a
+bar on a terminal) and prints one JSON object last (`RESULT_FIELDS`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ops.base import SAMPLE
+from ops.lower import compute_processors
+from ops.model import Model
+from ops.optimizers import SGD, Adam
+from ops.strategy import Strategy, StrategyError
+from ops.strategy import load as load_strategy
+from taskrt import Runtime
+from taskrt.machine import Machine, count_gpus, gpus_from_env, mpi_world_size_from_env
+
+BASELINE_NAMES = ("data", "model", "expert", "tensor")
+DTYPES = ("float32", "float64")
+OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Adam(lr=lr)}
+#: what the last line of a run (one JSON object) holds
+RESULT_FIELDS = ("app", "ranks", "devices", "batch_size", "iterations", "warmup", "samples_per_s",
+                 "mean_iteration_s", "first_loss", "final_loss", "strategy", "tiny", "dtype", "seed",
+                 "parameters", "trace")
+
+
+class FlagError(ValueError):
+    """A flag whose value cannot run; the message names the flag and the value."""
+
+
+@dataclass(frozen=True)
+class App:
+    """What an app gives the command line: its name (the model name strategy files use),
+    builder, sizes, batch maker and training defaults."""
+
+    name: str
+    build: Callable
+    full: dict
+    tiny: dict
+    make_batch: Callable
+    batch_size: int = 64
+    tiny_batch_size: int = 8
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    loss: str = "sparse_categorical_crossentropy"
+    description: str = ""
+
+    def sizes_for(self, tiny: bool) -> dict:
+        return dict(self.tiny if tiny else self.full)
+
+
+def run_app(name: str, build: Callable, sizes_full: dict, sizes_tiny: dict, make_batch: Callable,
+            argv=None, **options) -> dict:
+    """Parse `argv` (default sys.argv[1:]), check it, train, print the report; returns the report
+    (on every rank). `options` are App's defaults: batch_size, tiny_batch_size, optimizer, lr,
+    loss, description."""
+    return run(App(name, build, dict(sizes_full), dict(sizes_tiny), make_batch, **options), argv)
+
+
+def run(app: App, argv=None) -> dict:
+    """`run_app` for an App value."""
+    args = parser(app).parse_args(argv)
+    try:
+        plan = check(app, args)
+    except FlagError as e:
+        fail(str(e))
+    return train(app, args, plan)
+
+
+def fail(message: str) -> None:
+    """One line on stderr and exit status 2 (every rank calls it with the same message)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ---- flags --------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
+
+    def error(self, message):
+        fail(message)
+
+
+def _count(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
+        return value
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def parser(app: App) -> argparse.ArgumentParser:
+    """The app's flags, with its defaults in --help."""
+    p = _Parser(prog=f"python -m apps.{app.name}", description=app.description or None)
+    p.add_argument("--batch-size", type=_count(1), default=None, metavar="N",
+                   help=f"samples per iteration (default: {app.batch_size}; {app.tiny_batch_size} with --tiny)")
+    p.add_argument("--iterations", type=_count(1), default=10, metavar="N",
+                   help="training iterations (default: %(default)s)")
+    p.add_argument("--warmup", type=_count(0), default=2, metavar="N",
+                   help="first iterations left out of the timing, at most iterations - 1 (default: %(default)s)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a scaled-down configuration of the same architecture, seconds on a CPU")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--strategy", metavar="FILE", default=None,
+                       help="a strategy file for this model (default: data parallel)")
+    which.add_argument("--baseline", choices=BASELINE_NAMES, default=None,
+                       help="a baseline strategy (default: data)")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write a trace (under MPI one file per rank, the rank in its name; default: none)")
+    p.add_argument("--seed", type=_count(0), default=0, metavar="N",
+                   help="seed of the weights and of the synthetic data (default: %(default)s)")
+    p.add_argument("--cpus-per-rank", type=_count(1), default=None, metavar="N",
+                   help="CPU processors per rank (default: TASKRT_CPUS, else the node's cores shared by its ranks)")
+    p.add_argument("--gpus-per-rank", type=_count(0), default=None, metavar="N",
+                   help="GPUs per rank (default: TASKRT_GPUS, else those cupy sees, one a rank under MPI)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="floating-point type of the network (default: %(default)s)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=app.optimizer,
+                   help="SGD with momentum 0.9, or Adam (default: %(default)s)")
+    p.add_argument("--lr", type=_positive_float, default=app.lr, metavar="RATE",
+                   help="learning rate (default: %(default)s)")
+    return p
+
+
+# ---- checks before any work ---------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What the checks settled: batch size, sizes, the machine and the strategy to compile with."""
+
+    batch_size: int
+    sizes: dict
+    machine: Machine
+    strategy: Strategy
+    strategy_name: str
+    parameters: int
+
+
+def check(app: App, args) -> Plan:
+    """Every check of the flags, on every rank, before a Runtime exists; raises FlagError.
+
+    Checks whose answer could differ between ranks (files, devices) are agreed over MPI, then
+    the machine is discovered (collective) and the rest follows from it and the same files."""
+    ranks = mpi_world_size_from_env()
+    problem, strategy = None, None
+    try:
+        _check_devices(args, ranks)
+        if args.strategy is not None:
+            strategy = _load_strategy(args.strategy)
+    except FlagError as e:
+        problem = str(e)
+    _agree(problem, ranks)
+    machine = _discover(args, ranks)
+    batch = args.batch_size or (app.tiny_batch_size if args.tiny else app.batch_size)
+    sizes = app.sizes_for(args.tiny)
+    problem, plan = None, None
+    try:
+        plan = _check_graph(app, args, batch, sizes, machine, strategy)
+    except FlagError as e:
+        problem = str(e)
+    _agree(problem, ranks)
+    return plan
+
+
+def _check_devices(args, ranks: int) -> None:
+    """GPUs and CPU workers that this node has, for its ranks (all ranks of a one-node run)."""
+    local = _ranks_on_this_host(ranks)
+    cores = os.cpu_count() or 1
+    if args.cpus_per_rank is not None and args.cpus_per_rank * local > cores:
+        on = f"{local} ranks on {socket.gethostname()} need" if local > 1 else f"{socket.gethostname()} would need"
+        raise FlagError(f"--cpus-per-rank {args.cpus_per_rank}: {on} {args.cpus_per_rank * local} cores, "
+                        f"it has {cores}")
+    if args.gpus_per_rank:
+        visible = count_gpus()
+        if args.gpus_per_rank * local > visible:
+            raise FlagError(f"--gpus-per-rank {args.gpus_per_rank}: {local} rank(s) on {socket.gethostname()} "
+                            f"need {args.gpus_per_rank * local} GPUs, cupy sees {visible}")
+    try:
+        gpus_from_env()
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
+def _ranks_on_this_host(ranks: int) -> int:
+    if ranks == 1:
+        return 1
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.allgather(socket.gethostname()).count(socket.gethostname())
+
+
+def _load_strategy(path: str) -> Strategy:
+    try:
+        return load_strategy(path)
+    except StrategyError as e:
+        raise FlagError(f"--strategy {path}: {_problems(e, path)}") from None
+
+
+def _problems(e: StrategyError, path: str) -> str:
+    """A StrategyError's problems on one line, without the file name each starts with."""
+    return "; ".join(p[len(path) + 2:] if p.startswith(f"{path}: ") else p for p in e.problems)
+
+
+def _agree(problem: str | None, ranks: int) -> None:
+    """Exit on every rank if any rank found a problem (the lowest rank's message), else return."""
+    if ranks > 1:
+        from mpi4py import MPI
+        problem = next((p for p in MPI.COMM_WORLD.allgather(problem) if p is not None), None)
+    if problem is not None:
+        fail(problem)
+
+
+def _discover(args, ranks: int) -> Machine:
+    """The machine a Runtime made with these flags will have (collective under MPI)."""
+    if ranks == 1:
+        return Machine.local(args.cpus_per_rank, args.gpus_per_rank)
+    return Machine.discover(None, args.cpus_per_rank, args.gpus_per_rank)
+
+
+def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, strategy: Strategy | None) -> Plan:
+    """Build the graph alone (no weights) and check the dtype, the strategy and the batch against it."""
+    graph, _ = build_model(app.build, sizes, batch, dtype=args.dtype, weights=False,
+                           runtime=Runtime(machine=machine, execute=False))
+    floats = {t.dtype for op in graph.ops for t in op.outputs if np.dtype(t.dtype).kind == "f"}
+    if floats - {args.dtype}:
+        raise FlagError(f"--dtype {args.dtype}: {app.name} computes in {', '.join(sorted(floats))} "
+                        f"(its inputs are not floats)")
+    if args.baseline is not None or strategy is None:
+        from strategies.baselines import BASELINES
+        name = args.baseline or "data"
+        strategy = BASELINES[name](graph, machine)
+    else:
+        name = args.strategy
+        _check_batch(graph, strategy, batch, args.strategy)
+        try:
+            strategy.resolve(graph.ops, machine, name=app.name)
+        except StrategyError as e:
+            raise FlagError(f"--strategy {args.strategy}: {_problems(e, args.strategy)}") from None
+    return Plan(batch, sizes, machine, strategy, name, count_parameters(graph))
+
+
+def _check_batch(graph: Model, strategy: Strategy, batch: int, path: str) -> None:
+    """A strategy that splits an op's samples more ways than the batch has samples."""
+    by_name = {op.name: op for op in graph.ops}
+    for name, config in strategy.ops.items():
+        op = by_name.get(name)
+        if op is None or len(config.degrees) != len(op.tile_shape):
+            continue
+        for s in op.split_dims():
+            if s.kind == SAMPLE and config.degrees[s.dim] > batch:
+                raise FlagError(f"--batch-size {batch}: strategy {path} splits {op.kind} {name!r} "
+                                f"{config.degrees[s.dim]} ways along the batch")
+
+
+# ---- building and data --------------------------------------------------------------------------
+def build_model(build: Callable, sizes: dict, batch_size: int, dtype: str = "float32", seed: int = 0,
+                weights: bool = True, runtime: Runtime | None = None) -> tuple[Model, object]:
+    """(a Model with the network `build` adds at these sizes, the tensor its loss applies to);
+    weights=False builds the graph alone (shapes and weight shapes: counting parameters at full
+    size allocates nothing)."""
+    model = Model(runtime, seed=seed, weights=weights)
+    return model, build(model, batch_size, dtype=dtype, **sizes)
+
+
+def count_parameters(model: Model) -> int:
+    """Trainable weights of a model (built with or without weights), from their shapes."""
+    return sum(math.prod(s) for op in model.ops for s in op.weight_shapes().values())
+
+
+def batch_source(make_batch: Callable, model: Model, sizes: dict, seed: int) -> Callable:
+    """source(step, lo, hi) for Model.train_on: samples lo..hi-1 of a step, each drawn by
+    make_batch from default_rng([seed, step, sample]), so a sample is the same wherever it is made."""
+    names = [t.name for t in model.inputs]
+
+    def source(step: int, lo: int, hi: int):
+        parts = [make_batch(np.random.default_rng([seed, step, i]), model, 1, sizes) for i in range(lo, hi)]
+        inputs = [_as_list(p[0], names) for p in parts]
+        stacked = {name: np.concatenate([row[k] for row in inputs]) for k, name in enumerate(names)}
+        return stacked, np.concatenate([np.asarray(p[1]) for p in parts])
+
+    return source
+
+
+def _as_list(inputs, names: list[str]) -> list:
+    if isinstance(inputs, dict):
+        return [inputs[name] for name in names]
+    if isinstance(inputs, (list, tuple)):
+        return list(inputs)
+    return [inputs]
+
+
+# ---- training and the report --------------------------------------------------------------------
+def train(app: App, args, plan: Plan) -> dict:
+    """Build the model on a Runtime for these flags, train it and report (rank 0 prints)."""
+    rt = Runtime(cpus=args.cpus_per_rank, gpus=args.gpus_per_rank, trace=args.trace)
+    with rt:
+        model, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, seed=args.seed,
+                                    runtime=rt)
+        model.compile(OPTIMIZERS[args.optimizer](args.lr), loss=app.loss, output=output, strategy=plan.strategy)
+        source = batch_source(app.make_batch, model, plan.sizes, args.seed)
+        progress = Progress(app.name, args.iterations, sys.stdout if rt.rank == 0 else None)
+        losses, times = [], []
+        start = time.perf_counter()
+        for loss in model.train_on(source, args.iterations):
+            losses.append(loss)
+            times.append(time.perf_counter() - start)
+            progress.show(len(losses), loss, times)
+        rank, trace = rt.rank, rt.trace_path
+    warmup = min(args.warmup, args.iterations - 1)
+    span = times[-1] - (times[warmup - 1] if warmup else 0.0)
+    measured = args.iterations - warmup
+    report = {"app": app.name, "ranks": plan.machine.num_ranks, "devices": len(compute_processors(plan.machine)),
+              "batch_size": plan.batch_size, "iterations": args.iterations, "warmup": warmup,
+              "samples_per_s": plan.batch_size * measured / span, "mean_iteration_s": span / measured,
+              "first_loss": losses[0], "final_loss": losses[-1], "strategy": plan.strategy_name,
+              "tiny": bool(args.tiny), "dtype": args.dtype, "seed": args.seed, "parameters": plan.parameters,
+              "trace": trace}
+    if rank == 0:
+        print(json.dumps(report), flush=True)
+    return report
+
+
+class Progress:
+    """A line per iteration on rank 0: a bar redrawn in place on a terminal, plain lines otherwise."""
+
+    WIDTH = 24
+
+    def __init__(self, name: str, total: int, stream):
+        self.name, self.total, self.stream = name, total, stream
+        self.bar = stream is not None and stream.isatty()
+
+    def show(self, done: int, loss: float, times: list[float]) -> None:
+        if self.stream is None:
+            return
+        took = times[-1] - (times[-2] if len(times) > 1 else 0.0)
+        if self.bar:
+            filled = self.WIDTH * done // self.total
+            line = f"\r{self.name} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total}  " \
+                   f"loss {loss:.4f}  {took:.3f} s/it"
+            self.stream.write(line + ("\n" if done == self.total else ""))
+        else:
+            self.stream.write(f"{self.name} iteration {done}/{self.total}  loss {loss:.4f}  {took:.3f} s\n")
+        self.stream.flush()
