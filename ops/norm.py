@@ -1,11 +1,13 @@
 """Batch and layer normalization (PyTorch semantics).
 
-BatchNorm's statistics span batch, height and width, so only channels may be split;
-LayerNorm's span the trailing normalized dims, so only the leading dims may be.
-Either way a tile reads exactly its own rect of the input.
+BatchNorm's statistics span batch, height and width: any dim may be split, and the tiles
+that share a channel add up its statistics through REDUCE before they normalize (see
+BatchNorm). LayerNorm's span the trailing normalized dims, so only the leading dims may be
+split. Either way a tile reads exactly its own rect of the input.
 
 On the CPU BatchNorm on NCHW runs fused numba kernels on the input viewed as [N, C, H*W]:
-one pass for the statistics, one for normalize, scale, shift and relu; backward one pass
+one pass for the statistics (two when they are added up across tiles: the mean, then the
+squared deviations from it), one for normalize, scale, shift and relu; backward one pass
 for its two sums and one for dx. Per-channel sums accumulate in float64. Elsewhere (cupy,
 and [N, C] inputs, whose one value per channel and sample makes rows too short for the
 kernels' loops) it is plain array code.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.base import PARAMETER, Op, SplitDim, register_op, sample_split_dims
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op, sample_split_dims
 from ops.cpu_layout import flat_row, flat_rows
 from taskrt.geometry import Rect
 
@@ -36,18 +38,15 @@ def _row(rows, n, c, length):
 
 # reassoc lets LLVM vectorize the float64 sums (it reorders the additions, nothing else)
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc"})
-def _bn_stats_cpu(x, shape, mean, var):
-    """Per-channel mean and biased variance of the rows x of shape (N, C, L), in float64, in one pass.
-
-    The sums are of x minus the channel's first value, which keeps the variance accurate
-    when the mean is large against the spread."""
+def _bn_moments_cpu(x, shape, center, s, ss):
+    """Per channel of the rows x of shape (N, C, L), in float64: s = sum(x - center[c]) and
+    ss = sum((x - center[c])^2)."""
     n_, c_, l_ = shape
-    shift, s, ss = np.empty(c_), np.zeros(c_), np.zeros(c_)
-    for c in range(c_):
-        shift[c] = _row(x, 0, c, l_)[0]
+    s[:] = 0.0
+    ss[:] = 0.0
     for n in range(n_):
         for c in range(c_):
-            row, k = _row(x, n, c, l_), shift[c]
+            row, k = _row(x, n, c, l_), center[c]
             rs = 0.0
             rss = 0.0
             for i in range(l_):
@@ -56,12 +55,6 @@ def _bn_stats_cpu(x, shape, mean, var):
                 rss += v * v
             s[c] += rs
             ss[c] += rss
-    count = n_ * l_
-    for c in range(c_):
-        m = s[c] / count
-        v = ss[c] / count - m * m
-        mean[c] = shift[c] + m
-        var[c] = 0.0 if v < 0.0 else v  # keeps a NaN
 
 
 @numba.njit(nogil=True, cache=True)
@@ -132,6 +125,13 @@ class BatchNorm(Op):
     Training normalizes with the batch statistics and updates the running stats in the
     `state` tiles (unbiased variance, as PyTorch); inference uses the running stats,
     read from `state`, or from `weights` when no state is passed.
+
+    Every dim may be split: samples, channels (parameter) and the spatial dims. Tiles that
+    split a channel's values share its statistics, so they are added up across the tiles
+    (`partial_sum`, summed through REDUCE) before the kernels read them: in training forward
+    the mean, then the squared deviations from it (a sound variance); in backward the sums
+    of g and g * (x - mean) per channel. The first tile of each channel group (at 0 along
+    every dim but the channels) returns the weight gradients, which are those sums.
     """
 
     kind = "batch_norm"
@@ -152,6 +152,12 @@ class BatchNorm(Op):
     def _channels(self) -> int:
         return self.inputs[0].shape[1]
 
+    @property
+    def _count(self) -> int:
+        """Values per channel over the whole input: what the statistics average over."""
+        shape = self.inputs[0].shape
+        return shape[0] * int(np.prod(shape[2:], dtype=np.int64))
+
     def weight_shapes(self):
         return {"weight": (self._channels,), "bias": (self._channels,)}
 
@@ -165,7 +171,8 @@ class BatchNorm(Op):
                 "running_mean": np.zeros(c, dtype), "running_var": np.ones(c, dtype)}
 
     def split_dims(self):
-        return (SplitDim(1, PARAMETER),)
+        spatial = tuple(SplitDim(d, ATTRIBUTE) for d in range(2, len(self.tile_shape)))
+        return (SplitDim(0, SAMPLE), SplitDim(1, PARAMETER)) + spatial
 
     def input_rects(self, tile):
         return [tile]
@@ -173,6 +180,30 @@ class BatchNorm(Op):
     def weight_rects(self, tile):
         channels = Rect((tile.lo[1],), (tile.hi[1],))
         return {k: channels for k in ("weight", "bias", "running_mean", "running_var")}
+
+    def sum_shapes(self):
+        c = self._channels
+        return {"mean": (c,), "var": (c,), "grad": (2, c)}
+
+    def sum_rects(self, tile):
+        channels = Rect((tile.lo[1],), (tile.hi[1],))
+        return {"mean": channels, "var": channels, "grad": Rect((0, tile.lo[1]), (2, tile.hi[1]))}
+
+    def forward_sums(self, training):
+        return ("mean", "var") if training else ()
+
+    def backward_sums(self):
+        return ("grad",)
+
+    def partial_sum(self, xp, name, tile, inputs, sums, outputs=None, grad_outputs=None, saved=None):
+        (x,) = inputs
+        if name == "mean":
+            return self._moments(xp, x, None)[0] / self._count
+        if name == "var":
+            return self._moments(xp, x, sums["mean"])[1] / self._count
+        if name == "grad":
+            return xp.stack(self._grad_moments(xp, x, grad_outputs[0], outputs[0], saved[1]))
+        raise ValueError(f"{self.kind} {self.name!r}: no sum {name!r}; its sums are {list(self.sum_shapes())}")
 
     def flops(self, tile):
         # statistics (sum, squared deviation), normalize, scale and shift; plus the fused relu
@@ -186,8 +217,46 @@ class BatchNorm(Op):
 
     @staticmethod
     def _use_kernels(xp, x) -> bool:
-        """Whether the numba kernels run (NCHW on the CPU); forward and backward must agree."""
+        """Whether the numba kernels run (NCHW on the CPU)."""
         return xp is np and x.ndim == 4
+
+    def _moments(self, xp, x, center):
+        """Per channel, in float64: sum(x - center) and sum((x - center)^2) (center None: 0)."""
+        c = x.shape[1]
+        if self._use_kernels(xp, x):
+            s, ss = np.empty(c), np.empty(c)
+            _bn_moments_cpu(_rows(x), _shape3(x), np.zeros(c) if center is None else np.asarray(center, np.float64),
+                            s, ss)
+            return s, ss
+        xc = x.astype(xp.float64)
+        if center is not None:
+            xc -= self._bcast(xp.asarray(center, dtype=xp.float64), x.ndim)
+        axes = self._axes(x)
+        return xc.sum(axis=axes), (xc * xc).sum(axis=axes)
+
+    def _local_stats(self, xp, x):
+        """Mean and biased variance of a tile that holds all of its channels' values: one pass
+        over x minus each channel's first value (accurate when the mean is large against the
+        spread), in float64."""
+        shift = x[(0, slice(None)) + (0,) * (x.ndim - 2)].astype(xp.float64)
+        s, ss = self._moments(xp, x, shift)
+        m = s / self._count
+        var = ss / self._count - m * m
+        return shift + m, xp.where(var < 0, 0.0, var)  # keeps a NaN
+
+    def _grad_moments(self, xp, x, dy, y, mean):
+        """Per channel, in float64: sum(g) and sum(g * (x - mean)), g = dy where y > 0 if relu, else dy."""
+        c = x.shape[1]
+        if self._use_kernels(xp, x):
+            xr = _rows(x)
+            sum_g, sum_g_xmu = np.empty(c), np.empty(c)
+            _bn_grad_sums_cpu(xr, _rows(dy), _rows(y) if self.relu else xr, _shape3(x), self.relu,
+                              np.asarray(mean, np.float64), sum_g, sum_g_xmu)
+            return sum_g, sum_g_xmu
+        g = (dy * (y > 0) if self.relu else dy).astype(xp.float64)
+        xc = x.astype(xp.float64) - self._bcast(xp.asarray(mean, dtype=xp.float64), x.ndim)
+        axes = self._axes(x)
+        return g.sum(axis=axes), (g * xc).sum(axis=axes)
 
     def _running_update(self, state, mean, var, count) -> None:
         """running = (1 - momentum) * running + momentum * batch stat (unbiased variance), in place."""
@@ -195,81 +264,64 @@ class BatchNorm(Op):
         state["running_mean"][...] = (1 - m) * state["running_mean"] + m * mean
         state["running_var"][...] = (1 - m) * state["running_var"] + m * var * (count / (count - 1))
 
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
+    def _leads_channels(self, tile) -> bool:
+        """The tile at 0 along every dim but the channels: one per channel group."""
+        return all(a == 0 for d, a in enumerate(tile.lo) if d != 1)
+
+    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, sums=None):
         (x,) = inputs
-        count = x.size // x.shape[1]
+        count = self._count
         if training and count < 2:
             raise self.fail(f"needs more than 1 value per channel in training, got {count}")
-        if self._use_kernels(xp, x):
-            return self._forward_cpu(x, weights, training, state, count)
-        axes = self._axes(x)
         if training:
-            mean = x.mean(axis=axes)
-            var = ((x - self._bcast(mean, x.ndim)) ** 2).mean(axis=axes)
+            if sums is None:
+                mean, var = self._local_stats(xp, x)
+            else:  # copies: the sums' region is refilled next step, before backward reads `saved`
+                mean, var = xp.array(sums["mean"]), xp.array(sums["var"])
             if state is not None:
                 self._running_update(state, mean, var, count)
         else:
             stats = state if state is not None else weights
             mean, var = stats["running_mean"], stats["running_var"]
-        invstd = 1 / xp.sqrt(var + x.dtype.type(self.eps))
+        invstd = 1 / xp.sqrt(var.astype(xp.float64) + self.eps)
         scale = weights["weight"] * invstd
-        y = x * self._bcast(scale, x.ndim) + self._bcast(weights["bias"] - mean * scale, x.ndim)
-        if self.relu:
-            xp.maximum(y, 0, out=y)
-        return [y], (training, mean, invstd)
-
-    def _forward_cpu(self, x, weights, training, state, count):
-        """forward with the numba kernels; mean and invstd are saved in float64."""
-        rows, shape = _rows(x), _shape3(x)
-        if training:
-            mean, var = np.empty(shape[1]), np.empty(shape[1])
-            _bn_stats_cpu(rows, shape, mean, var)
-            if state is not None:
-                self._running_update(state, mean, var, count)
-        else:
-            stats = state if state is not None else weights
-            mean, var = stats["running_mean"].astype(np.float64), stats["running_var"].astype(np.float64)
-        invstd = 1 / np.sqrt(var + self.eps)
-        scale = weights["weight"] * invstd
-        shift = weights["bias"] - mean * scale
-        y = np.empty(x.shape, x.dtype)
-        _bn_apply_cpu(rows, shape, scale.astype(x.dtype), shift.astype(x.dtype), self.relu, _rows(y, writable=True))
-        return [y], (training, mean, invstd)
-
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
-        (x,), (dy,) = inputs, grad_outputs
-        training, mean, invstd = saved
+        shift = (weights["bias"] - mean * scale).astype(x.dtype)
+        scale = scale.astype(x.dtype)
         if self._use_kernels(xp, x):
-            return self._backward_cpu(x, dy, outputs[0], weights, training, mean, invstd)
-        axes, nd = self._axes(x), x.ndim
-        if self.relu:
-            dy = dy * (outputs[0] > 0)
-        xhat = (x - self._bcast(mean, nd)) * self._bcast(invstd, nd)
-        dbeta = dy.sum(axis=axes)
-        dgamma = (dy * xhat).sum(axis=axes)
-        scale = weights["weight"] * invstd
-        if training:
-            count = x.size // x.shape[1]
-            dx = self._bcast(scale, nd) * (dy - self._bcast(dbeta / count, nd) - xhat * self._bcast(dgamma / count, nd))
+            y = np.empty(x.shape, x.dtype)
+            _bn_apply_cpu(_rows(x), _shape3(x), scale, shift, self.relu, _rows(y, writable=True))
         else:
-            dx = dy * self._bcast(scale, nd)
-        return [dx], {"weight": dgamma, "bias": dbeta}
+            y = x * self._bcast(scale, x.ndim) + self._bcast(shift, x.ndim)
+            if self.relu:
+                xp.maximum(y, 0, out=y)
+        return [y], (training, xp.array(mean, dtype=xp.float64), invstd)
 
-    def _backward_cpu(self, x, dy, y, weights, training, mean, invstd):
-        """backward with the numba kernels: one pass for dbeta and dgamma, one for dx."""
-        shape = _shape3(x)
-        xr, gr = _rows(x), _rows(dy)
-        yr = _rows(y) if self.relu else xr  # y only masks the relu
-        dbeta, dgamma = np.empty(shape[1]), np.empty(shape[1])
-        _bn_grad_sums_cpu(xr, gr, yr, shape, self.relu, mean, dbeta, dgamma)
-        dgamma *= invstd
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, sums=None):
+        (x,), (dy,), (y,) = inputs, grad_outputs, outputs
+        training, mean, invstd = saved
+        count = self._count
+        if sums is None:
+            sum_g, sum_g_xmu = self._grad_moments(xp, x, dy, y, mean)
+        else:
+            sum_g, sum_g_xmu = sums["grad"][0], sums["grad"][1]
+        dbeta, dgamma = sum_g, sum_g_xmu * invstd
         # dx = scale * (g - dbeta / count - xhat * dgamma / count), xhat = (x - mean) * invstd
         scale = weights["weight"] * invstd
-        count = shape[0] * shape[2]
-        coef = np.stack([scale, -scale * invstd * dgamma / count, mean, -scale * dbeta / count]).astype(x.dtype)
-        dx = np.empty(x.shape, x.dtype)
-        _bn_dx_cpu(xr, gr, yr, shape, self.relu, training, coef, _rows(dx, writable=True))
+        coef = xp.stack([scale, -scale * invstd * dgamma / count, mean, -scale * dbeta / count]).astype(x.dtype)
+        if self._use_kernels(xp, x):
+            xr, gr = _rows(x), _rows(dy)
+            dx = np.empty(x.shape, x.dtype)
+            _bn_dx_cpu(xr, gr, _rows(y) if self.relu else xr, _shape3(x), self.relu, training, coef,
+                       _rows(dx, writable=True))
+        else:
+            nd = x.ndim
+            g = dy * (y > 0) if self.relu else dy
+            dx = self._bcast(coef[0], nd) * g
+            if training:
+                dx += self._bcast(coef[1], nd) * (x - self._bcast(coef[2], nd)) + self._bcast(coef[3], nd)
         wdt = weights["weight"].dtype
+        if sums is not None and not self._leads_channels(tile):
+            dgamma, dbeta = xp.zeros_like(dgamma), xp.zeros_like(dbeta)
         return [dx], {"weight": dgamma.astype(wdt), "bias": dbeta.astype(wdt)}
 
 

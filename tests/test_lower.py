@@ -72,8 +72,8 @@ def test_default_config_splits_the_sample_dim_over_the_compute_processors():
     assert default_config(conv, MACHINE4) == TileConfig((4, 1, 1, 1), (0, 1, 2, 3))
     small = Conv2d("c", [spec((2, 3, 6, 6))], out_channels=4, kernel=3)
     assert default_config(small, MACHINE4) == TileConfig((2, 1, 1, 1), (0, 2))
-    bn = BatchNorm("bn", [spec((8, 4, 5, 5))])  # no sample dim: one tile
-    assert default_config(bn, MACHINE4) == TileConfig((1, 1, 1, 1), (0,))
+    bn = BatchNorm("bn", [spec((8, 4, 5, 5))])  # statistics synchronized across sample tiles
+    assert default_config(bn, MACHINE4) == TileConfig((4, 1, 1, 1), (0, 1, 2, 3))
     fc = Dense("fc", [spec((8, 16))], out_features=6)  # the tile space has the input features
     assert default_config(fc, MACHINE4) == TileConfig((4, 1, 1), (0, 1, 2, 3))
     gpus = Machine.build(1, cpus_per_rank=2, gpus_per_rank=2)  # tiles go to the GPUs (indices 2, 3)
@@ -192,15 +192,15 @@ def _ones(m):
 
 CNN_CONFIGS = {
     "sample split on 4 processors": lambda m: {op.name: TileConfig((4,) + (1,) * (len(op.tile_shape) - 1))
-                                               for op in m.ops if op.kind != "batch_norm"},
+                                               for op in m.ops},
     "conv height and width split with halos": lambda m: {
         "conv2d_0": TileConfig((1, 1, 2, 2), (0, 1, 2, 3)), "relu_0": TileConfig((1, 1, 2, 2), (3, 2, 1, 0)),
         "pool2d_0": TileConfig((1, 1, 2, 2), (1, 1, 2, 2)), "batch_norm_0": TileConfig((1, 2, 1, 1), (2, 3))},
     "channel and parameter splits": lambda m: {
         "conv2d_0": TileConfig((2, 2, 1, 1), (0, 1, 2, 3)), "dense_0": TileConfig((1, 3, 1), (1, 2, 3)),
         "dense_1": TileConfig((2, 3, 1), (0, 1, 2, 3, 0, 1)), "softmax_0": TileConfig((4, 1), (3, 2, 1, 0))},
-    "dense over input features": lambda m: {
-        "batch_norm_0": TileConfig((1, 2, 1, 1), (3, 1)), "dense_1": TileConfig((1, 1, 3), (2, 0, 1)),
+    "batch norm over samples and rows, dense over input features": lambda m: {
+        "batch_norm_0": TileConfig((2, 1, 2, 1), (3, 1, 2, 0)), "dense_1": TileConfig((1, 1, 3), (2, 0, 1)),
         "dense_0": TileConfig((2, 2, 1), (0, 1, 2, 3))},
 }
 

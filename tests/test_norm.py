@@ -115,10 +115,17 @@ def test_batch_norm_variance_stays_accurate_with_a_large_mean():
 
 def test_batch_norm_rules_and_init():
     op = BatchNorm("bn", [spec((8, 6, 4, 4))], relu=True)
-    assert [(s.dim, s.kind) for s in op.split_dims()] == [(1, PARAMETER)]
+    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, PARAMETER), (2, ATTRIBUTE),
+                                                          (3, ATTRIBUTE)]
     tile = Rect((0, 2, 0, 0), (8, 5, 4, 4))
     assert op.input_rects(tile) == [tile]
     assert op.weight_rects(tile) == {k: Rect((2,), (5,)) for k in ("weight", "bias", "running_mean", "running_var")}
+    # statistics: shared by tiles that split a channel's values, not by a channel split
+    assert op.sum_shapes() == {"mean": (6,), "var": (6,), "grad": (2, 6)}
+    assert op.sum_rects(tile) == {"mean": Rect((2,), (5,)), "var": Rect((2,), (5,)), "grad": Rect((0, 2), (2, 5))}
+    assert op.forward_sums(True) == ("mean", "var") and op.forward_sums(False) == () and op.backward_sums() == ("grad",)
+    assert not op.shares_sums([Rect((0, 0, 0, 0), (8, 3, 4, 4)), Rect((0, 3, 0, 0), (8, 6, 4, 4))])
+    assert op.shares_sums([Rect((0, 0, 0, 0), (4, 6, 4, 4)), Rect((4, 0, 0, 0), (8, 6, 4, 4))])
     init = op.init_weights(np.random.default_rng(0))
     np.testing.assert_array_equal(init["weight"], np.ones(6, np.float32))
     np.testing.assert_array_equal(init["bias"], np.zeros(6, np.float32))
@@ -129,6 +136,26 @@ def test_batch_norm_rules_and_init():
     assert op.has_training_mode and op.attrs() == {"eps": 1e-5, "momentum": 0.1, "relu": True}
     assert op.flops(tile) == 8 * tile.volume and op.bytes_moved(tile) > 0
     assert OP_REGISTRY["batch_norm"] is BatchNorm and OP_REGISTRY["layer_norm"] is LayerNorm
+
+
+def test_batch_norm_statistics_added_up_across_tiles_stay_accurate():
+    """float32 values of mean 1000 and spread 0.01, split over samples and rows: the variance
+    comes from the mean first and the squared deviations after, in float64, not from E[x^2] - E[x]^2."""
+    op = BatchNorm("bn", [spec((8, 3, 6, 6))], momentum=1.0)
+    rng = np.random.default_rng(5)
+    x = (1000 + 0.01 * rng.standard_normal(op.inputs[0].shape)).astype(np.float32)
+    tiles = [Rect((n, 0, h, 0), (n + 4, 3, h + 3, 6)) for n in (0, 4) for h in (0, 3)]
+    total = {"mean": np.zeros(3), "var": np.zeros(3)}
+    for name in ("mean", "var"):
+        for t in tiles:
+            total[name] += op.partial_sum(np, name, t, [x[t.slices()]], {"mean": total["mean"]})
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(total["mean"], x64.mean(axis=(0, 2, 3)), rtol=1e-12)
+    np.testing.assert_allclose(total["var"], x64.var(axis=(0, 2, 3)), rtol=1e-9)
+    weights = {"weight": np.ones(3, np.float32), "bias": np.zeros(3, np.float32)}
+    state = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
+    check_tiled(op, [x], weights, [rng.standard_normal(x.shape).astype(np.float32)], rtol=1e-4, atol=1e-3,
+                state=state)
 
 
 def test_batch_norm_bad_inputs_name_the_op():
