@@ -8,12 +8,17 @@ recurrent gradient and finishes with three big GEMMs for dx, dW_ih and dW_hh.
 Gates, per step t, in PyTorch's order (i, f, g, o):
     i, f, o = sigmoid(.), g = tanh(.) of x_t W_ih^T + b_ih + h_{t-1} W_hh^T + b_hh
     c_t = f * c_{t-1} + i * g,    h_t = o * tanh(c_t)
+
+The sequence is an ordered split: a tile is a chunk of time steps, and chunk k starts from
+the (h, c) that chunk k-1 left in the op's carry (backward: from the gradient of them that
+chunk k+1 left). The runtime orders the chunks by that carry alone, so stacked layers on
+different devices run as a wavefront: chunk k of layer 2 beside chunk k+1 of layer 1.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ops.base import SAMPLE, Op, SplitDim, batch_rect, register_op
+from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op
 from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
 
@@ -30,10 +35,11 @@ def _sigmoid_(xp, a) -> None:
 class LSTM(Op):
     """y, h_n, c_n = LSTM(x, h0, c0) for x [batch, seq, in]; y is [batch, seq, hidden], h_n and c_n [batch, hidden].
 
-    h0 and c0 are inputs 1 and 2 when `with_initial_state`, zeros otherwise. Only the
-    batch dim may be split (the recurrence runs along the sequence, and every gate
-    needs all of h): a tile reads its batch rows of every input and writes its batch
-    rows of every output.
+    h0 and c0 are inputs 1 and 2 when `with_initial_state`, zeros otherwise. The batch dim
+    may be split, and the sequence (an ordered attribute dim: the recurrence runs along it),
+    not the hidden units (every gate needs all of h): a tile reads its rows and steps of x,
+    its rows of h0 and c0 when it holds step 0, and writes its rows and steps of y, and its
+    rows of h_n and c_n when it holds the last step.
     """
 
     kind = "lstm"
@@ -70,15 +76,33 @@ class LSTM(Op):
                 for k, s in self.weight_shapes().items()}
 
     def split_dims(self):
-        return (SplitDim(0, SAMPLE),)
+        return (SplitDim(0, SAMPLE), SplitDim(1, ATTRIBUTE, ordered=True))
+
+    def _ends(self, tile: Rect) -> tuple[bool, bool]:
+        """Whether the tile holds the first step, and the last."""
+        return tile.lo[1] == 0, tile.hi[1] == self.inputs[0].shape[1]
 
     def input_rects(self, tile: Rect) -> list[Rect]:
-        return [batch_rect(tile, t.shape) for t in self.inputs]
+        first, _ = self._ends(tile)
+        x = Rect((tile.lo[0], tile.lo[1], 0), (tile.hi[0], tile.hi[1], self.inputs[0].shape[2]))
+        return [x] + [batch_rect(tile, t.shape) if first else _no_rows(tile) for t in self.inputs[1:]]
 
     def output_rects(self, tile: Rect) -> list[Rect]:
-        return [batch_rect(tile, t.shape) for t in self.outputs]
+        _, last = self._ends(tile)
+        return [tile] + [batch_rect(tile, t.shape) if last else _no_rows(tile) for t in self.outputs[1:]]
 
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
+    def _check_carry(self, tile: Rect, carry, needed: bool) -> None:
+        if needed and carry is None:
+            raise self.fail(f"tile {tile!r} holds steps {tile.lo[1]}..{tile.hi[1] - 1} of "
+                            f"{self.inputs[0].shape[1]}, so it needs the carry of its neighbour chunk; got none")
+
+    def carry_shapes(self):
+        return {"state": (2, self.inputs[0].shape[0], int(self.hidden_size))}
+
+    def carry_rects(self, tile: Rect) -> dict[str, Rect]:
+        return {"state": Rect((0, tile.lo[0], 0), (2, tile.hi[0], int(self.hidden_size)))}
+
+    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, carry=None):
         x = inputs[0]
         batch, seq, n_in = x.shape
         h = int(self.hidden_size)
@@ -86,7 +110,11 @@ class LSTM(Op):
         w_ih, w_hh = weights["weight_ih"], weights["weight_hh"]
         if w_ih.shape != (4 * h, n_in):
             raise self.fail(f"weight_ih is {tuple(w_ih.shape)}, expected {(4 * h, n_in)} for input features {n_in}")
-        if self.with_initial_state:
+        first, last = self._ends(tile)
+        self._check_carry(tile, carry, not first)
+        if not first:  # copies: the carry is overwritten before backward reads `saved`
+            h_prev, c_prev = carry["state"][0].copy(), carry["state"][1].copy()
+        elif self.with_initial_state:
             h_prev, c_prev = inputs[1], inputs[2]
         else:
             h_prev = c_prev = xp.zeros((batch, h), dtype=dt)
@@ -120,9 +148,12 @@ class LSTM(Op):
             xp.multiply(o, tc_t, out=h_t)
             h_prev, c_prev = h_t, c_t
         saved = (gates, cs, tanh_cs, y, h0, c0)
-        return [y, y[:, -1].copy(), cs[:, -1].copy()], saved
+        if carry is not None:
+            carry["state"][0] = y[:, -1]
+            carry["state"][1] = cs[:, -1]
+        return [y, y[:, -1].copy() if last else None, cs[:, -1].copy() if last else None], saved
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, carry=None):
         x = inputs[0]
         batch, seq, n_in = x.shape
         h = int(self.hidden_size)
@@ -130,8 +161,13 @@ class LSTM(Op):
         gates, cs, tanh_cs, y, h0, c0 = saved
         w_ih, w_hh = weights["weight_ih"], weights["weight_hh"]
         dy, dh_n, dc_n = grad_outputs
-        dh = xp.zeros((batch, h), dtype=dt) if dh_n is None else dh_n.astype(dt, copy=True)
-        dc = xp.zeros((batch, h), dtype=dt) if dc_n is None else dc_n.astype(dt, copy=True)
+        first, last = self._ends(tile)
+        self._check_carry(tile, carry, not last)
+        if not last:
+            dh, dc = carry["state"][0].astype(dt, copy=True), carry["state"][1].astype(dt, copy=True)
+        else:
+            dh = xp.zeros((batch, h), dtype=dt) if dh_n is None else dh_n.astype(dt, copy=True)
+            dc = xp.zeros((batch, h), dtype=dt) if dc_n is None else dc_n.astype(dt, copy=True)
 
         dgates = xp.empty((batch, seq, 4 * h), dtype=dt)  # grads of the pre-activation gates
         tmp = xp.empty((batch, h), dtype=dt)
@@ -185,13 +221,22 @@ class LSTM(Op):
             "bias_ih": db,
             "bias_hh": db.copy(),
         }
-        grad_inputs = [dx, dh, dc] if self.with_initial_state else [dx]
-        return grad_inputs, grads
+        if carry is not None:
+            carry["state"][0] = dh
+            carry["state"][1] = dc
+        if not self.with_initial_state:
+            return [dx], grads
+        return [dx, dh, dc] if first else [dx, None, None], grads
 
     def flops(self, tile: Rect) -> int:
-        batch = tile.shape[0]
-        _, seq, n_in = self.inputs[0].shape
+        batch, seq = tile.shape[0], tile.shape[1]
+        n_in = self.inputs[0].shape[2]
         h = int(self.hidden_size)
         gemm = 2 * batch * seq * 4 * h * (n_in + h)
         # biases, 3 sigmoids, 2 tanh, the cell and hidden updates: ~30 per hidden unit per step
         return gemm + 30 * batch * seq * h
+
+
+def _no_rows(tile: Rect) -> Rect:
+    """The empty [batch, hidden] rect of a tile that does not touch h0, c0, h_n or c_n."""
+    return Rect((tile.lo[0], 0), (tile.hi[0], 0))

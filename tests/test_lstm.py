@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.base import OP_REGISTRY, SAMPLE, ShapeError
+from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
 from ops.lstm import LSTM
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
@@ -92,10 +92,18 @@ def test_lstm_rects_split_dims_and_flops():
     op = LSTM("rnn", [spec((8, 5, 3)), spec((8, 4), name="h0"), spec((8, 4), name="c0")], hidden_size=4,
               with_initial_state=True)
     assert [t.shape for t in op.outputs] == [(8, 5, 4), (8, 4), (8, 4)]
-    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE)]
+    assert [(s.dim, s.kind, s.ordered) for s in op.split_dims()] == [(0, SAMPLE, False), (1, ATTRIBUTE, True)]
+    assert op.ordered_dim() == 1 and op.carry_shapes() == {"state": (2, 8, 4)}
     tile = Rect((2, 0, 0), (6, 5, 4))
     assert op.input_rects(tile) == [Rect((2, 0, 0), (6, 5, 3)), Rect((2, 0), (6, 4)), Rect((2, 0), (6, 4))]
     assert op.output_rects(tile) == [tile, Rect((2, 0), (6, 4)), Rect((2, 0), (6, 4))]
+    # time chunks: only the first reads h0 and c0, only the last writes h_n and c_n; all share the carry rows
+    first, middle, last = Rect((2, 0, 0), (6, 2, 4)), Rect((2, 2, 0), (6, 3, 4)), Rect((2, 3, 0), (6, 5, 4))
+    assert op.input_rects(first)[1:] == [Rect((2, 0), (6, 4))] * 2
+    assert all(r.empty for r in op.input_rects(middle)[1:] + op.output_rects(middle)[1:])
+    assert op.input_rects(last)[0] == Rect((2, 3, 0), (6, 5, 3)) and op.output_rects(last)[1:] == [Rect((2, 0), (6, 4))] * 2
+    assert {op.carry_rects(t)["state"] for t in (first, middle, last)} == {Rect((0, 2, 0), (2, 6, 4))}
+    assert op.flops(middle) * 5 == op.flops(tile)
     gemm = 2 * 4 * 5 * 16 * (3 + 4)
     assert gemm < op.flops(tile) < 2 * gemm
     assert op.weight_rects(tile)["weight_hh"] == Rect((0, 0), (16, 4))
@@ -122,6 +130,41 @@ def test_lstm_without_grads_for_final_states():
         np.testing.assert_array_equal(a, b)
     for k in gw:
         np.testing.assert_array_equal(gw[k], gw0[k])
+
+
+def test_a_later_chunk_without_a_carry_names_the_op_and_steps():
+    op, xs, w, gs = lstm_case(2, 6, 3, 4, False)
+    chunk = Rect((0, 2, 0), (2, 4, 4))
+    with pytest.raises(ShapeError, match=r"lstm 'rnn': tile .* holds steps 2..3 of 6, so it needs the carry"):
+        op.forward(np, chunk, [xs[0][:, 2:4]], op.input_rects(chunk), w)
+
+
+def test_chunks_chained_through_the_carry_equal_the_whole_sequence():
+    """Three chunks run in order through one carry (and back in backward) give torch's numbers."""
+    op, xs, w, gs = lstm_case(3, 7, 2, 5, True, seed=4, dtype=np.float64)
+    outs, gin, gw, _ = run_whole(op, xs, w, grad_outputs=gs)
+    chunks = [Rect((0, a, 0), (3, b, 5)) for a, b in ((0, 2), (2, 5), (5, 7))]
+    carry = np.full((2, 3, 5), np.nan)  # the first chunk must not read it
+    runs, y = [], np.zeros_like(outs[0])
+    for t in chunks:
+        rects = op.input_rects(t)
+        ins = [x[r.slices()] for x, r in zip(xs, rects)]
+        touts, saved = op.forward(np, t, ins, rects, w, carry={"state": carry})
+        y[t.slices()] = touts[0]
+        runs.append((t, rects, ins, touts, saved))
+    np.testing.assert_allclose(y, outs[0], rtol=1e-12)
+    np.testing.assert_allclose(runs[-1][3][1], outs[1], rtol=1e-12)
+    carry[...] = np.nan  # the last chunk's backward starts from dh_n, dc_n
+    total = {k: np.zeros_like(v) for k, v in gw.items()}
+    for t, rects, ins, touts, saved in reversed(runs):
+        g = [gs[i][r.slices()] if not r.empty else None for i, r in enumerate(op.output_rects(t))]
+        tgin, tgw = op.backward(np, t, ins, rects, w, touts, g, saved, carry={"state": carry})
+        for k in total:
+            total[k] += tgw[k]
+    np.testing.assert_allclose(tgin[1], gin[1], rtol=1e-10)  # dh0 and dc0 from the first chunk
+    np.testing.assert_allclose(tgin[2], gin[2], rtol=1e-10)
+    for k in total:
+        np.testing.assert_allclose(total[k], gw[k], rtol=1e-10, err_msg=k)
 
 
 @pytest.mark.parametrize("inputs,attrs,needle", [
