@@ -20,9 +20,9 @@ and tile color; the backward task of the same tile pops it. Both launches place 
 on the same processor (the config's device), so on many ranks the entry is always on the
 rank that needs it; backward READs the outputs forward WROTE, so it runs after it.
 
-Gradients: at the start of a backward pass every grad region is filled with zeros (the
-loss's output grad with ones: the loss ops' backward then gives the gradient of the mean
-loss over the batch). Each backward task REDUCEs (sum) into its inputs' grad regions at
+Gradients: at the start of a backward pass every grad region is filled with zeros where its
+producer's tiles will read it, on their devices (the loss's output grad with ones: the loss
+ops' backward then gives the gradient of the mean loss over the batch). Each backward task REDUCEs (sum) into its inputs' grad regions at
 its input rects, so the halos of neighbouring tiles and the consumers of a tensor used
 twice add up, and into the weight-grad regions at its weight rects, so sample-split tiles
 add up. The optimizer update is an index launch over a disjoint tiling of each weight.
@@ -465,9 +465,9 @@ def _first_users(colors: list, rects: dict) -> dict:
     return out
 
 
-def _zero_launches(parts: list[Partition], colors: list, placement: dict) -> list[PlanLaunch]:
-    """One launch per partition writing zeros into its distinct rects, each on the processor of
-    the first color that has it."""
+def _zero_launches(parts: list[Partition], colors: list, placement: dict, value: float = 0.0) -> list[PlanLaunch]:
+    """One launch per partition writing zeros (or `value`) into its distinct rects, each on the
+    processor of the first color that has it."""
     launches = []
     for p in parts:
         pieces: dict[Rect, int] = {}
@@ -479,8 +479,8 @@ def _zero_launches(parts: list[Partition], colors: list, placement: dict) -> lis
             continue
         zcolors = [(i,) for i in range(len(pieces))]
         zero = Partition.from_rects(p.region, dict(zip(zcolors, pieces)), name=f"{p.name}.zero")
-        launches.append(PlanLaunch(f"fill:{p.region.name}", _zero_kernel, zcolors, [req(zero, WRITE)],
-                                   dict(zip(zcolors, pieces.values()))))
+        launches.append(PlanLaunch(f"fill:{p.region.name}", _fill_kernel, zcolors, [req(zero, WRITE)],
+                                   dict(zip(zcolors, pieces.values())), (value,)))
     return launches
 
 
@@ -546,8 +546,8 @@ def _weight_blocks(whole: Rect, plan: OpPlan, short: str) -> dict[Rect, list[int
     return {whole: devices or [plan.placement[plan.colors[0]]]}
 
 
-def _zero_kernel(view) -> None:
-    view[...] = 0
+def _fill_kernel(view, value) -> None:
+    view[...] = value
 
 
 # ---- the lowered graph --------------------------------------------------------------------------
@@ -650,20 +650,42 @@ class Lowering:
         if self.loss is None:
             raise RuntimeError("this graph was lowered without a loss: there is nothing to differentiate")
         rt = self.rt
-        for name, region in self.grads.items():
-            rt.fill(region, 1.0 if name == self.loss_output else 0.0)
+        self.fill_activation_grads()
         self.zero_weight_grads()
         for op in reversed(self.ops):
             for launch in self.plans[op.name].backward_launches():
                 rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
                                 placement=launch.placement, op=op.name)
 
+    def fill_activation_grads(self) -> None:
+        """Fill every activation gradient (ones for the loss's output, zeros elsewhere) where its
+        producer's backward reads it: each output tile's rect on that tile's device, so that the
+        folds of the consumers' contributions find it there and no memory serves them all."""
+        rt, filled = self.rt, set()
+        for op in self.ops:
+            plan = self.plans[op.name]
+            if plan.bwd_reqs is None:
+                continue
+            outputs = [t for t in op.outputs if t.name in self.grads]
+            for t, part in zip(outputs, plan._gouts):
+                value = 1.0 if t.name == self.loss_output else 0.0
+                pieces = {r for r in part.rects.values() if not r.empty}
+                if not pairwise_disjoint(pieces) or sum(r.volume for r in pieces) != part.region.rect.volume:
+                    continue
+                for launch in _zero_launches([part], plan.colors, plan.placement, value):
+                    rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
+                                    placement=launch.placement, op=op.name)
+                filled.add(t.name)
+        for name, region in self.grads.items():
+            if name not in filled:
+                rt.fill(region, 1.0 if name == self.loss_output else 0.0)
+
     def zero_weight_grads(self) -> None:
         """Zero every weight gradient: where it is updated in shards, each shard on its own
         device (so the folds of the shard find it there), else on the host."""
         sharded = {u.param.name for u in self.updates}
         for u in self.updates:
-            self.rt.index_launch(_zero_kernel, u.colors, u.grad_fill, name=f"fill:{u.param.grad.name}",
+            self.rt.index_launch(_fill_kernel, u.colors, u.grad_fill, args=(0.0,), name=f"fill:{u.param.grad.name}",
                                  placement=u.placement, op=u.op_name)
         for p in self.params.values():
             if p.grad is not None and p.name not in sharded:

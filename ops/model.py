@@ -301,6 +301,27 @@ class Model:
         return self.inputs[0].shape[0] if self.inputs else 0
 
     # ---- compile --------------------------------------------------------------------------
+    def training_graph(self, loss: str = "sparse_categorical_crossentropy", output=None):
+        """(ops with the loss op last, inputs with the labels last, the loss op): what compile lowers,
+        also for the simulator, which lowers it without weights or a running runtime. `output` is the
+        tensor the loss applies to (default: the last op's first output)."""
+        if not isinstance(loss, str) or loss not in LOSSES:
+            raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
+        out = self.ops[-1].outputs[0] if output is None else self._tensor(output, "compile output")
+        if np.dtype(out.dtype).kind != "f" or out.name not in {t.name for op in self.ops for t in op.outputs}:
+            raise ValueError(f"compile: the loss needs a float op output, got {out!r}")
+        producer = next(op for op in self.ops if out in op.outputs)
+        taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
+        labels_name = _free_name("labels", taken)
+        if loss == "sparse_categorical_crossentropy":
+            labels = TensorSpec(out.shape[:-1], "int64", labels_name)  # [N, C] -> [N]; [N, T, V] -> [N, T]
+            loss_op = SparseCategoricalCrossEntropy(_free_name("loss", taken | {labels_name}), [out, labels],
+                                                    from_logits=producer.kind != "softmax")
+        else:
+            labels = TensorSpec(out.shape, out.dtype, labels_name)
+            loss_op = MeanSquaredError(_free_name("loss", taken | {labels_name}), [out, labels])
+        return self.ops + [loss_op], self.inputs + [labels], loss_op
+
     def compile(self, optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=(), configs=None,
                 output=None, strategy=None) -> None:
         """Choose optimizer, loss and metrics, and lower the graph onto the runtime.
@@ -332,20 +353,8 @@ class Model:
         if len(batches) > 1:
             raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
                              f"{[(t.name, t.shape) for t in self.inputs]}")
-        out = self.ops[-1].outputs[0] if output is None else self._tensor(output, "compile output")
-        if np.dtype(out.dtype).kind != "f" or out.name not in {t.name for op in self.ops for t in op.outputs}:
-            raise ValueError(f"compile: the loss needs a float op output, got {out!r}")
-        producer = next(op for op in self.ops if out in op.outputs)
-        taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
-        labels_name = _free_name("labels", taken)
-        if loss == "sparse_categorical_crossentropy":
-            labels = TensorSpec(out.shape[:-1], "int64", labels_name)  # [N, C] -> [N]; [N, T, V] -> [N, T]
-            loss_op = SparseCategoricalCrossEntropy(_free_name("loss", taken | {labels_name}), [out, labels],
-                                                    from_logits=producer.kind != "softmax")
-        else:
-            labels = TensorSpec(out.shape, out.dtype, labels_name)
-            loss_op = MeanSquaredError(_free_name("loss", taken | {labels_name}), [out, labels])
-        graph = self.ops + [loss_op]
+        graph, inputs, loss_op = self.training_graph(loss, output)
+        out = loss_op.inputs[0]
         configs = dict(configs or {})
         known = {op.name: op for op in graph}
         for k in configs:
@@ -367,7 +376,7 @@ class Model:
                           "configs": {k: v.to_dict() for k, v in resolved.items()}}
         self._loss_op, self.optimizer = loss_op, opt
         classify = loss == "sparse_categorical_crossentropy"
-        self._low = Lowering(self.rt, graph, self.inputs + [labels], resolved, opt, loss=loss_op.name,
+        self._low = Lowering(self.rt, graph, inputs, resolved, opt, loss=loss_op.name,
                              summarize=functools.partial(_loss_summary, classify), tag=self._tag)
         self._low.init_values(self._values)
         self._values = {}

@@ -1,0 +1,101 @@
+"""The task graph of one steady-state training iteration, built by the runtime's own lowering.
+
+The simulator times exactly the graph that the runtime would run: the ops are lowered by
+ops.lower.Lowering onto a Runtime with execute=False (no threads, no data), and one training
+iteration is issued twice; the second is the steady state (the first starts from where the
+weights were attached). Weights, optimizer state and inputs are filled, not attached, so
+nothing is allocated. The nodes of the second iteration, with the edges among them, are
+the iteration graph: edges into the iteration before are dropped, since that iteration has
+ended before this one starts.
+
+Every task says what it computes through `TaskCost`: the op, its phase (forward, backward,
+update, fill; fence for the node that stands for what came before a replayed block) and the
+rect it works on, which is what a cost model needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ops.base import Op, TensorSpec
+from ops.lower import Lowering, TileConfig
+from ops.optimizers import SGD
+from taskrt import Runtime
+from taskrt.geometry import Rect
+from taskrt.machine import Machine
+from taskrt.taskgraph import TaskNode
+
+FORWARD, BACKWARD, UPDATE, FILL, FENCE = "forward", "backward", "update", "fill", "fence"
+
+
+@dataclass(frozen=True)
+class TaskCost:
+    """What a task computes: `op` (None for a fill), `phase`, and the rect of its tile (forward,
+    backward), of its weight shard (update) or of what it fills."""
+
+    op: Op | None
+    phase: str
+    rect: Rect
+    param: str | None = None
+
+    def __repr__(self) -> str:
+        what = self.op.name if self.op is not None else "fill"
+        return f"TaskCost({what} {self.phase} {self.rect!r})"
+
+
+@dataclass
+class IterationGraph:
+    """The nodes of one steady-state iteration in program order, the preds of each (indices into
+    `nodes`), and the lowering that made them (its plans tell each task's tile)."""
+
+    nodes: list
+    preds: list[tuple[int, ...]]
+    lowering: Lowering
+    machine: Machine
+
+    def __repr__(self) -> str:
+        tasks = sum(isinstance(n, TaskNode) for n in self.nodes)
+        return f"IterationGraph({tasks} tasks, {len(self.nodes) - tasks} copies, {sum(map(len, self.preds))} edges)"
+
+    def task_cost(self, node: TaskNode) -> TaskCost:
+        """The op, phase and rect of a task of this graph."""
+        low = self.lowering
+        name = node.name
+        if node.fn is None:
+            return TaskCost(None, FENCE, Rect((), ()))
+        if name.startswith("fill:"):
+            return TaskCost(None, FILL, node.reqs[0].rect if node.reqs else Rect((), ()))
+        if name.endswith(".update"):
+            param = name[:-len(".update")]
+            update = next(u for u in low.updates if u.param.name == param)
+            return TaskCost(low.plans[update.op_name].op, UPDATE, update.reqs[0].partition[node.point], param)
+        plan = low.plans[node.op]
+        phase = BACKWARD if name.endswith(".bwd") else FORWARD
+        return TaskCost(plan.op, phase, plan.tiles[node.point])
+
+
+def build_iteration(ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, configs: dict[str, TileConfig],
+                    machine: Machine, optimizer=None) -> IterationGraph:
+    """Lower `ops` (the loss op among them, named `loss`) under `configs` on `machine` and return
+    the graph of the second training iteration. `optimizer` defaults to SGD with momentum."""
+    optimizer = optimizer or SGD(lr=0.01, momentum=0.9)
+    rt = Runtime(machine, execute=False)
+    low = Lowering(rt, ops, inputs, configs, optimizer, loss=loss, tag="simulated")
+    for p in low.params.values():
+        rt.fill(p.value, 0.0)
+        for region in p.state.values():
+            rt.fill(region, 0.0)
+    for region in low.stats.values():
+        rt.fill(region, 0.0)
+    first = 0
+    for step in (1, 2):
+        for t in inputs:
+            rt.fill(low.values[t.name], 0)
+        first = rt._next_id
+        low.train_step(step)
+    ids = range(first, rt._next_id)
+    index = {nid: i for i, nid in enumerate(ids)}
+    nodes = [rt.graph.nodes[nid] for nid in ids]
+    preds = [tuple(sorted(index[p] for p in rt.graph.preds[nid] if p in index)) for nid in ids]
+    return IterationGraph(nodes, preds, low, machine)
+
