@@ -8,6 +8,11 @@ Heads are strided views of the projected [batch, seq, E] arrays (no transposed c
 the per-head GEMMs write straight into [batch, seq, heads, d] buffers. Backward uses
 the flash-attention identity rowsum(dP * P) = rowsum(dctx * ctx), which avoids one
 pass over the [batch, heads, Lq, Lk] scores.
+
+The heads are a partial parameter split (the tile space is [batch, Lq, E, heads]): a tile
+projects and attends with its own heads only, and its output projection, over its heads'
+columns of ctx, is a partial output that the tiles sum (the out-projection bias on the
+first head tile only).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import math
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
 from taskrt.geometry import Rect
 
 
@@ -36,9 +41,12 @@ def _softmax_last_(xp, s) -> None:
 class MultiHeadAttention(Op):
     """out = MHA(query [b, Lq, E], key [b, Lk, E], value [b, Lk, E]) -> [b, Lq, E].
 
-    `causal` masks key j for query i when j > i (only when Lq == Lk). Dim 0 is the
-    sample dim and dim 1 (query positions) an attribute: a tile reads its query rows
-    and all keys and values of its samples, and all weights.
+    `causal` masks key j for query i when j > i (only when Lq == Lk). The tile space is
+    [batch, Lq, E, heads]: dim 0 is the sample dim, dim 1 (query positions) an attribute and
+    dim 3 the heads, a partial parameter dim. A tile reads its query rows and all keys and
+    values of its samples; of the weights, the columns of out_proj_weight that its heads
+    own, and all of in_proj_weight and in_proj_bias (a set of heads owns three bands of
+    their rows, q, k and v, which no one rect holds; its gradient is zero outside them).
     """
 
     kind = "multihead_attention"
@@ -97,8 +105,15 @@ class MultiHeadAttention(Op):
             out[k] = rng.uniform(-bound, bound, size=s).astype(self.weight_dtype(k))
         return out
 
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return self.outputs[0].shape + (int(self.num_heads),)
+
     def split_dims(self):
-        return (SplitDim(0, SAMPLE), SplitDim(1, ATTRIBUTE))
+        return (SplitDim(0, SAMPLE), SplitDim(1, ATTRIBUTE), SplitDim(3, PARAMETER, partial=True))
+
+    def output_rects(self, tile: Rect) -> list[Rect]:
+        return [Rect(tile.lo[:3], tile.hi[:3])]
 
     def input_rects(self, tile: Rect) -> list[Rect]:
         e = self.embed_dim
@@ -108,27 +123,46 @@ class MultiHeadAttention(Op):
         kv = Rect((b0, 0, 0), (b1, lk, e))
         return [query, kv, kv]
 
-    def _project(self, x, weights, which: int):
-        """x [b, n, E] @ W_which^T + b_which, which = 0 (q), 1 (k), 2 (v)."""
+    def _columns(self, tile: Rect) -> slice:
+        """The columns of the projected [.., E] arrays that the tile's heads own."""
+        d = self.embed_dim // int(self.num_heads)
+        return slice(tile.lo[3] * d, tile.hi[3] * d)
+
+    def weight_rects(self, tile: Rect) -> dict[str, Rect]:
+        rects = {k: Rect.from_shape(s) for k, s in self.weight_shapes().items()}
+        cols = self._columns(tile)
+        rects["out_proj_weight"] = Rect((0, cols.start), (self.embed_dim, cols.stop))
+        return rects
+
+    def bias_weights(self):
+        return ("out_proj_bias",) if self.use_bias else ()
+
+    def _rows(self, which: int, cols: slice) -> slice:
+        """Rows of in_proj_weight projecting to q (0), k (1) or v (2) for the columns `cols`."""
         e = self.embed_dim
-        w = weights["in_proj_weight"][which * e:(which + 1) * e]
-        y = x.reshape(-1, e) @ w.T
+        return slice(which * e + cols.start, which * e + cols.stop)
+
+    def _project(self, x, weights, which: int, cols: slice):
+        """x [b, n, E] @ W_which^T + b_which over the columns `cols` of q (0), k (1) or v (2)."""
+        rows = self._rows(which, cols)
+        y = x.reshape(-1, self.embed_dim) @ weights["in_proj_weight"][rows].T
         if self.use_bias:
-            y += weights["in_proj_bias"][which * e:(which + 1) * e]
-        return y.reshape(x.shape)
+            y += weights["in_proj_bias"][rows]
+        return y.reshape(x.shape[:2] + (rows.stop - rows.start,))
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         query, key, value = inputs
         b, lq, e = query.shape
         lk = key.shape[1]
-        nh = int(self.num_heads)
-        d = e // nh
+        nh = tile.shape[3]
+        d = e // int(self.num_heads)
         if weights["in_proj_weight"].shape != (3 * e, e):
             raise self.fail(f"in_proj_weight is {tuple(weights['in_proj_weight'].shape)}, expected {(3 * e, e)}")
-        q = self._project(query, weights, 0)
+        cols = self._columns(tile)
+        q = self._project(query, weights, 0, cols)
         q *= q.dtype.type(1.0 / math.sqrt(d))
-        k = self._project(key, weights, 1)
-        v = self._project(value, weights, 2)
+        k = self._project(key, weights, 1, cols)
+        v = self._project(value, weights, 2, cols)
 
         p = xp.matmul(_heads(q, nh), _heads(k, nh).swapaxes(-1, -2))  # [b, nh, lq, lk]
         if self.causal:
@@ -137,11 +171,11 @@ class MultiHeadAttention(Op):
             mask[xp.arange(lk)[None, :] > (q0 + xp.arange(lq))[:, None]] = -xp.inf
             p += mask
         _softmax_last_(xp, p)
-        ctx = xp.empty((b, lq, e), dtype=q.dtype)
+        ctx = xp.empty((b, lq, nh * d), dtype=q.dtype)
         xp.matmul(p, _heads(v, nh), out=_heads(ctx, nh))
 
-        out = ctx.reshape(-1, e) @ weights["out_proj_weight"].T
-        if self.use_bias:
+        out = ctx.reshape(-1, nh * d) @ weights["out_proj_weight"].T
+        if "out_proj_bias" in weights:
             out += weights["out_proj_bias"]
         return [out.reshape(b, lq, e)], (q, k, v, p, ctx)
 
@@ -151,48 +185,54 @@ class MultiHeadAttention(Op):
         q, k, v, p, ctx = saved
         b, lq, e = query.shape
         lk = key.shape[1]
-        nh = int(self.num_heads)
-        scale = q.dtype.type(1.0 / math.sqrt(e // nh))
+        nh = tile.shape[3]
+        d = e // int(self.num_heads)
+        et = nh * d  # the tile's heads' columns
+        scale = q.dtype.type(1.0 / math.sqrt(d))
         w_in, w_out = weights["in_proj_weight"], weights["out_proj_weight"]
 
         d2 = dout.reshape(-1, e)
-        grads = {"out_proj_weight": d2.T @ ctx.reshape(-1, e)}
-        if self.use_bias:
+        grads = {"out_proj_weight": d2.T @ ctx.reshape(-1, et)}
+        if "out_proj_bias" in weights:
             grads["out_proj_bias"] = d2.sum(axis=0)
-        dctx = (d2 @ w_out).reshape(b, lq, e)
+        dctx = (d2 @ w_out).reshape(b, lq, et)
         dctx_h = _heads(dctx, nh)
 
-        dv = xp.empty((b, lk, e), dtype=q.dtype)
+        dv = xp.empty((b, lk, et), dtype=q.dtype)
         xp.matmul(p.swapaxes(-1, -2), dctx_h, out=_heads(dv, nh))
         ds = xp.matmul(dctx_h, _heads(v, nh).swapaxes(-1, -2))  # dP, then dS in place
         # rowsum(dP * P) = rowsum(dctx * ctx) per head: [b, nh, lq, 1]
-        row = (dctx * ctx).reshape(b, lq, nh, e // nh).sum(axis=-1).transpose(0, 2, 1)[..., None]
+        row = (dctx * ctx).reshape(b, lq, nh, d).sum(axis=-1).transpose(0, 2, 1)[..., None]
         ds -= row
         ds *= p
-        dq = xp.empty((b, lq, e), dtype=q.dtype)
+        dq = xp.empty((b, lq, et), dtype=q.dtype)
         xp.matmul(ds, _heads(k, nh), out=_heads(dq, nh))
         dq *= scale  # q was scaled after projection
-        dk = xp.empty((b, lk, e), dtype=q.dtype)
+        dk = xp.empty((b, lk, et), dtype=q.dtype)
         xp.matmul(ds.swapaxes(-1, -2), _heads(q, nh), out=_heads(dk, nh))
 
-        g_in = xp.empty((3 * e, e), dtype=w_in.dtype)
+        cols = self._columns(tile)
+        whole = nh == int(self.num_heads)
+        g_in = (xp.empty if whole else xp.zeros)((3 * e, e), dtype=w_in.dtype)
+        g_bias = (xp.empty if whole else xp.zeros)((3 * e,), dtype=w_in.dtype)
         grad_inputs = []
         for which, (x, dproj) in enumerate(zip((query, key, value), (dq, dk, dv))):
-            rows = slice(which * e, (which + 1) * e)
-            dp2 = dproj.reshape(-1, e)
+            rows = self._rows(which, cols)
+            dp2 = dproj.reshape(-1, et)
             xp.matmul(dp2.T, x.reshape(-1, e), out=g_in[rows])
+            g_bias[rows] = dp2.sum(axis=0)
             grad_inputs.append((dp2 @ w_in[rows]).reshape(x.shape))
         grads["in_proj_weight"] = g_in
         if self.use_bias:
-            grads["in_proj_bias"] = xp.concatenate([dq.reshape(-1, e).sum(axis=0), dk.reshape(-1, e).sum(axis=0),
-                                                    dv.reshape(-1, e).sum(axis=0)])
+            grads["in_proj_bias"] = g_bias
         return grad_inputs, grads
 
     def flops(self, tile: Rect) -> int:
-        b, lq = tile.shape[0], tile.shape[1]
+        b, lq, heads = tile.shape[0], tile.shape[1], tile.shape[3]
         e = self.embed_dim
+        et = heads * (e // int(self.num_heads))  # the tile's heads' width
         lk = self.inputs[1].shape[1]
-        projections = 2 * b * (2 * lq + 2 * lk) * e * e  # q and out on the tile's rows, k and v on all keys
-        attention = 4 * b * lq * lk * e  # q k^T and P v over all heads (heads * d = E)
-        softmax = 5 * b * int(self.num_heads) * lq * lk
+        projections = 2 * b * (2 * lq + 2 * lk) * e * et  # q and out on the tile's rows, k and v on all keys
+        attention = 4 * b * lq * lk * et  # q k^T and P v over the tile's heads
+        softmax = 5 * b * heads * lq * lk
         return projections + attention + softmax

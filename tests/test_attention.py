@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops.attention import MultiHeadAttention
-from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
+from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 
@@ -89,6 +89,34 @@ def test_attention_any_shape(batch, lq, lk, heads, d, use_bias, causal, seed):
     check_tiled(op64, xs64, w64, [g64])
 
 
+def test_head_tiles_sum_to_the_whole_attention():
+    """Each head alone: its projections, attention and partial output projection; the partial
+    outputs and input grads add up to torch's, its weight grads are zero outside its heads' rows."""
+    op, xs, w, g = mha_case(2, 4, 5, 12, 3, dtype=np.float64)
+    outs, gin, gw, _ = run_whole(op, xs, w, grad_outputs=[g])
+    total_out, total_gin = np.zeros_like(outs[0]), [np.zeros_like(x) for x in xs]
+    total_gw = {k: np.zeros_like(v) for k, v in w.items()}
+    for h in range(3):
+        tile = Rect((0, 0, 0, h), (2, 4, 12, h + 1))
+        rects = op.tile_weight_rects(tile)
+        ws = {k: w[k][r.slices()] for k, r in rects.items() if not r.empty}
+        (out,), saved = op.forward(np, tile, xs, op.input_rects(tile), ws)
+        tgin, tgw = op.backward(np, tile, xs, op.input_rects(tile), ws, [out], [g], saved)
+        total_out += out
+        for a, t in zip(total_gin, tgin):
+            a += t
+        for k, t in tgw.items():
+            total_gw[k][rects[k].slices()] += t
+        own = np.zeros(36, bool)
+        own[[r + which * 12 for which in range(3) for r in range(4 * h, 4 * h + 4)]] = True
+        assert not tgw["in_proj_weight"][~own].any() and not tgw["in_proj_bias"][~own].any()
+    np.testing.assert_allclose(total_out, outs[0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(total_gin, gin):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    for k in gw:
+        np.testing.assert_allclose(total_gw[k], gw[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
 def test_softmax_is_stable_for_huge_scores():
     op, xs, w, g = mha_case(2, 4, 4, 8, 2, causal=True)
     xs = [1e3 * x for x in xs]
@@ -114,14 +142,23 @@ def test_causal_first_query_sees_only_the_first_key():
 def test_attention_rects_split_dims_and_flops():
     op = MultiHeadAttention("attn", [spec((4, 6, 8), name="q"), spec((4, 9, 8), name="k"), spec((4, 9, 8), name="v")],
                             num_heads=2)
-    assert [(s.dim, s.kind) for s in op.split_dims()] == [(0, SAMPLE), (1, ATTRIBUTE)]
-    tile = Rect((1, 2, 0), (3, 5, 8))
+    assert op.tile_shape == (4, 6, 8, 2)
+    assert [(s.dim, s.kind, s.partial) for s in op.split_dims()] == [(0, SAMPLE, False), (1, ATTRIBUTE, False),
+                                                                     (3, PARAMETER, True)]
+    tile = Rect((1, 2, 0, 0), (3, 5, 8, 2))
     kv = Rect((1, 0, 0), (3, 9, 8))
     assert op.input_rects(tile) == [Rect((1, 2, 0), (3, 5, 8)), kv, kv]
+    assert op.output_rects(tile) == [Rect((1, 2, 0), (3, 5, 8))]
     assert op.weight_rects(tile) == {k: Rect.from_shape(s) for k, s in op.weight_shapes().items()}
     b, lq, lk, e, h, d = 2, 3, 9, 8, 2, 4
     want = 2 * b * lq * e * e * 2 + 2 * b * lk * e * e * 2 + 2 * 2 * b * h * lq * lk * d + 5 * b * h * lq * lk
     assert op.flops(tile) == want
+    # head 1 of 2: its columns of out_proj_weight, no out-projection bias (head 0 adds it), half the work
+    head = Rect((1, 2, 0, 1), (3, 5, 8, 2))
+    assert op.output_rects(head) == op.output_rects(tile) and op.input_rects(head) == op.input_rects(tile)
+    assert op.tile_weight_rects(head) == {"in_proj_weight": Rect((0, 0), (24, 8)), "in_proj_bias": Rect((0,), (24,)),
+                                          "out_proj_weight": Rect((0, 4), (8, 8)), "out_proj_bias": Rect((0,), (0,))}
+    assert op.flops(head) * 2 == want
     assert OP_REGISTRY["multihead_attention"] is MultiHeadAttention
     assert op.attrs() == {"num_heads": 2, "use_bias": True, "causal": False}
 
