@@ -1,0 +1,198 @@
+"""Machine models: the shipped files, node counts, the Machine they stand for, links and channels,
+and one test per malformed field (one line naming the file and the field)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from ops.lower import compute_processors
+from strategies.machine_model import (SAME_MEMORY, DeviceSpec, MachineError, load_machine, machine_path,
+                                      shipped_machines, write_efficiency)
+from taskrt.machine import Memory
+
+
+def test_every_shipped_machine_loads():
+    assert {"p100", "k80", "h100", "local"} <= set(shipped_machines())
+    for name in shipped_machines():
+        mm = load_machine(name)
+        assert mm.name == name and mm.notes and mm.nodes >= 1 and mm.devices_per_node >= 1
+        assert 0 < mm.efficiency_of("no such kind") <= 1
+        assert mm.device.peak_flops > 0 and mm.device.mem_bandwidth > 0 and mm.device.mem_bytes > 0
+        assert name in repr(mm) and "FLOP/s" in repr(mm)
+
+
+def test_the_papers_clusters_and_a_modern_one():
+    p100, k80, h100 = load_machine("p100"), load_machine("k80"), load_machine("h100")
+    assert (p100.nodes, p100.devices_per_node, p100.device.peak_flops) == (4, 4, 10.6e12)
+    assert p100.inter_node.bandwidth == 12.5e9  # 100 Gb/s EDR
+    assert (k80.nodes, k80.devices_per_node) == (16, 4)
+    assert k80.inter_node.bandwidth == pytest.approx(56e9 / 8, rel=0.05)  # 56 Gb/s FDR
+    assert h100.devices_per_node == 8 and h100.inter_node.bandwidth == 50e9  # 400 Gb/s
+    assert h100.intra_node.bandwidth > p100.intra_node.bandwidth > k80.intra_node.bandwidth
+
+
+def test_nodes_override_and_a_path_load(tmp_path):
+    assert load_machine("k80", nodes=3).nodes == 3
+    assert load_machine(machine_path("p100")).name == "p100"
+    copied = tmp_path / "mine.json"
+    copied.write_text(machine_path("h100").read_text())
+    assert load_machine(str(copied), nodes=2).to_machine().num_ranks == 2
+    with pytest.raises(MachineError, match=r"nodes must be a whole number >= 1, got 0"):
+        load_machine("p100", nodes=0)
+
+
+def test_an_unknown_name_lists_the_shipped_ones():
+    with pytest.raises(MachineError, match=r"machine 'p101': no such file.*h100, k80, local, p100"):
+        load_machine("p101")
+
+
+def test_to_machine_gpu_models_have_a_host_cpu_and_the_gpus_per_rank():
+    machine = load_machine("p100", nodes=2).to_machine()
+    assert machine.num_ranks == 2
+    assert sum(p.kind == "gpu" for p in machine.processors) == 8
+    assert sum(p.kind == "cpu" for p in machine.processors) == 2
+    assert len(compute_processors(machine)) == 8
+    assert all(machine.processors[i].kind == "gpu" for i in compute_processors(machine))
+
+
+def test_local_is_this_machines_cpu_workers_with_memories_of_their_own(monkeypatch):
+    monkeypatch.setenv("TASKRT_CPUS", "3")
+    mm = load_machine("local")
+    assert mm.devices_per_node == 3 and mm.device.kind == "cpu" and mm.host is mm.device
+    machine = mm.to_machine()
+    assert [p.kind for p in machine.processors] == ["cpu"] * 3
+    assert len({p.memory for p in machine.processors}) == 3
+    assert len(compute_processors(machine)) == 3
+    assert load_machine("local", nodes=2).to_machine().num_ranks == 2
+
+
+def test_links_same_memory_host_intra_and_inter_node():
+    mm = load_machine("p100", nodes=2)
+    host, g0, g1 = Memory("sys", 0, 0), Memory("gpu", 0, 0), Memory("gpu", 0, 1)
+    far = Memory("gpu", 1, 0)
+    assert mm.link(g0, g0) is SAME_MEMORY
+    assert mm.link(g0, g1) == mm.intra_node
+    assert mm.link(host, g1) == mm.host_link and mm.link(g1, host) == mm.host_link
+    assert mm.link(g0, far) == mm.inter_node and mm.link(host, far) == mm.inter_node
+    local = load_machine("local")
+    assert local.link(Memory("sys", 0, 0), Memory("sys", 0, 1)) == local.intra_node
+
+
+def test_channels_name_the_link_a_copy_queues_on():
+    p100 = load_machine("p100", nodes=2)  # NVLink per pair, InfiniBand per node
+    g0, g1, g2 = (Memory("gpu", 0, i) for i in range(3))
+    far0, far1 = Memory("gpu", 1, 0), Memory("gpu", 1, 1)
+    assert p100.channel(g0, g0) is None
+    assert p100.channel(g0, g1) != p100.channel(g0, g2) != p100.channel(g1, g0)
+    assert p100.channel(g0, far0) == p100.channel(g1, far1) == ("inter", 0)
+    h100 = load_machine("h100")  # NVSwitch: a GPU's port is shared by its copies
+    assert h100.channel(g0, g1) == h100.channel(g0, g2) != h100.channel(g1, g2)
+
+
+def test_device_of_a_processor():
+    mm = load_machine("k80", nodes=1)
+    machine = mm.to_machine()
+    kinds = {p.kind: mm.device_of(p) for p in machine.processors}
+    assert kinds["gpu"] is mm.device and kinds["cpu"] is mm.host and mm.host.kind == "cpu"
+    local = load_machine("local")
+    assert all(local.device_of(p) is local.device for p in local.to_machine().processors)
+
+
+def test_device_spec_repr_is_readable():
+    d = DeviceSpec("gpu", "X", 10.6e12, 732e9, 16_000_000_000)
+    assert repr(d) == "DeviceSpec(gpu 'X': 10.6 TFLOP/s, 732 GB/s, 16 GB)"
+
+
+def test_write_efficiency_keeps_the_rest_of_the_file(tmp_path):
+    path = tmp_path / "local.json"
+    path.write_text(machine_path("local").read_text())
+    write_efficiency(path, {"default": 0.25, "dense": 0.5}, "cpu:test, 2 ops")
+    data = json.loads(path.read_text())
+    assert data["devices_per_node"] is None and data["device"]["name"] is None
+    mm = load_machine(path)
+    assert mm.efficiency == {"default": 0.25, "dense": 0.5} and mm.fitted == "cpu:test, 2 ops"
+
+
+# ---- malformed files: one line naming the file and the field ------------------------------------
+def _p100() -> dict:
+    return json.loads(machine_path("p100").read_text())
+
+
+def _local() -> dict:
+    return json.loads(machine_path("local").read_text())
+
+
+def _set(data: dict, dotted: str, value) -> dict:
+    data = copy.deepcopy(data)
+    *path, last = dotted.split(".")
+    target = data
+    for k in path:
+        target = target[k]
+    target[last] = value
+    return data
+
+
+def _drop(data: dict, dotted: str) -> dict:
+    data = copy.deepcopy(data)
+    *path, last = dotted.split(".")
+    target = data
+    for k in path:
+        target = target[k]
+    del target[last]
+    return data
+
+
+BAD = [
+    ("version", lambda: _set(_p100(), "version", 2), "must be 1"),
+    ("version", lambda: _drop(_p100(), "version"), "missing field"),
+    ("devices", lambda: _set(_p100(), "devices", 4), "unknown field"),
+    ("name", lambda: _set(_p100(), "name", ""), "non-empty string"),
+    ("notes", lambda: _set(_p100(), "notes", [1, 2]), "list of strings"),
+    ("nodes", lambda: _set(_p100(), "nodes", 0), "whole number >= 1"),
+    ("nodes", lambda: _set(_p100(), "nodes", "4"), "whole number >= 1"),
+    ("nodes", lambda: _drop(_p100(), "nodes"), "missing field"),
+    ("devices_per_node", lambda: _set(_p100(), "devices_per_node", 2.5), "whole number >= 1"),
+    ("devices_per_node", lambda: _set(_p100(), "devices_per_node", None), "only for cpu devices"),
+    ("device", lambda: _set(_p100(), "device", [1]), "must be an object"),
+    ("device.kind", lambda: _set(_p100(), "device.kind", "tpu"), "must be one of"),
+    ("device.peak_flops", lambda: _set(_p100(), "device.peak_flops", -1), "positive number"),
+    ("device.mem_bandwidth", lambda: _set(_p100(), "device.mem_bandwidth", "fast"), "positive number"),
+    ("device.mem_bytes", lambda: _drop(_p100(), "device.mem_bytes"), "missing field"),
+    ("device.name", lambda: _set(_p100(), "device.name", None), "only for a machine's cpu devices"),
+    ("device.clock", lambda: _set(_p100(), "device.clock", 1e9), "unknown field"),
+    ("host", lambda: _drop(_p100(), "host"), "missing field"),
+    ("host", lambda: _set(_local(), "host", _p100()["host"]), "only for gpu machines"),
+    ("host.mem_bytes", lambda: _set(_p100(), "host.mem_bytes", None), "only for a machine's cpu devices"),
+    ("intra_node.bandwidth", lambda: _set(_p100(), "intra_node.bandwidth", 0), "positive number"),
+    ("inter_node.latency", lambda: _set(_p100(), "inter_node.latency", -1e-6), "a number >= 0"),
+    ("host_link.shared_by", lambda: _set(_p100(), "host_link.shared_by", "all"), "must be one of"),
+    ("inter_node.speed", lambda: _set(_p100(), "inter_node.speed", 1), "unknown field"),
+    ("host_link", lambda: _set(_local(), "host_link", _p100()["host_link"]), "only for gpu machines"),
+    ("launch_overhead", lambda: _set(_p100(), "launch_overhead", -1), "a number >= 0"),
+    ("efficiency", lambda: _set(_p100(), "efficiency", {"dense": 0.5}), "'default' entry"),
+    ("efficiency.dense", lambda: _set(_p100(), "efficiency.dense", 1.5), "fraction in (0, 1]"),
+    ("fitted", lambda: _set(_p100(), "fitted", 3), "string or null"),
+]
+
+
+@pytest.mark.parametrize("field,make,says", BAD, ids=[f"{f}:{s}" for f, _, s in BAD])
+def test_a_malformed_field_is_one_line_naming_file_and_field(tmp_path, field, make, says):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(make()))
+    with pytest.raises(MachineError) as info:
+        load_machine(str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and f"'{field}'" in message and says in message
+    assert "\n" not in message
+
+
+def test_malformed_json_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"version": 1,\n "name": "x",,\n}')
+    with pytest.raises(MachineError, match=rf"^{path}:2:\d+: malformed JSON"):
+        load_machine(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(MachineError, match=rf"^{path}: a machine file holds a JSON object, got list"):
+        load_machine(str(path))
