@@ -37,7 +37,7 @@ def main() -> None:
         n = len(rt.machine.processors)
         # tile i of each split op on processor i mod P: GPU and CPU tiles on different ranks
         configs = {name: TileConfig(degrees, tuple(i % n for i in range(int(np.prod(degrees)))))
-                   for name, degrees in [("conv1", (2, 1, 2, 1)), ("conv2", (2, 1, 2, 1)), ("fc", (1, 3))]}
+                   for name, degrees in [("conv1", (2, 1, 2, 1)), ("conv2", (2, 1, 2, 1)), ("fc", (1, 3, 1))]}
         losses, params = build_and_train(rt, configs, images, labels, iterations=4)
         rank = rt.rank
     if rank == 0:

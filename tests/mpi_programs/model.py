@@ -50,7 +50,7 @@ def main():
         assert rt.transport is not None and n >= 2, f"Runtime() under mpiexec: {rt!r}"
         # 2 x 2 tiles: tile i on processor i*n//4, so the tiles of one conv span every rank
         configs = {"conv1": TileConfig((2, 1, 2, 1)), "conv2": TileConfig((2, 1, 2, 1)),
-                   "fc": TileConfig((1, min(3, n)))}
+                   "fc": TileConfig((1, min(3, n), 1))}
         losses, params = build_and_train(rt, configs, images, labels, iterations=6)
         rank = rt.rank
     everyone = MPI.COMM_WORLD.allgather((losses, params))
