@@ -61,6 +61,8 @@ from ops.strategy import load as load_strategy
 from taskrt import Runtime
 from taskrt.machine import Machine, count_gpus, gpus_from_env, mpi_world_size_from_env
 
+#: the benchmark apps, each a module apps.NAME whose main() calls run_app
+APPS = ("mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm", "nmt")
 BASELINE_NAMES = ("data", "model", "expert", "tensor")
 DTYPES = ("float32", "float64")
 OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Adam(lr=lr)}

@@ -11,10 +11,7 @@ Data: class c's samples are a fixed random template of class c (from the seed) p
 """
 from __future__ import annotations
 
-import functools
-
-import numpy as np
-
+from apps import synthetic
 from apps.cli import run_app
 
 FULL = {"features": 784, "hidden": 1024, "layers": 3, "classes": 10, "input_dropout": 0.2, "dropout": 0.5}
@@ -30,18 +27,9 @@ def build(model, batch_size, dtype="float32", features=784, hidden=1024, layers=
     return model.softmax(model.dense(h, classes, name="out"), name="prob")
 
 
-@functools.lru_cache(maxsize=8)
-def templates(seed: int, classes: int, features: int) -> np.ndarray:
-    """One fixed random template per class, from the seed alone."""
-    return np.random.default_rng([seed, 101]).standard_normal((classes, features)).astype(np.float32)
-
-
 def make_batch(rng, model, batch_size, sizes):
-    """(x, labels): a class's template plus N(0, 1) noise."""
-    mu = templates(model.seed, sizes["classes"], sizes["features"])
-    labels = rng.integers(0, sizes["classes"], batch_size)
-    x = mu[labels] + rng.standard_normal((batch_size, sizes["features"]), dtype=np.float32)
-    return x, labels
+    """(x, labels): a class's template plus unit noise."""
+    return synthetic.vectors(rng, model.seed, batch_size, sizes["classes"], sizes["features"])
 
 
 def main(argv=None) -> dict:

@@ -1,0 +1,20 @@
+"""python -m apps NAME [flags]: run benchmark app NAME, the same as python -m apps.NAME [flags]."""
+import importlib
+import sys
+
+from apps.cli import APPS, fail
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m apps NAME [flags]   (NAME: {', '.join(APPS)}; python -m apps.NAME --help for flags)")
+        sys.exit(0 if argv else 2)
+    name = argv[0]
+    if name not in APPS:
+        fail(f"unknown app {name!r}; the apps are {', '.join(APPS)}")
+    return importlib.import_module(f"apps.{name}").main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
