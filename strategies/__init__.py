@@ -7,7 +7,12 @@ _LAZY = {"Strategy": "ops.strategy", "StrategyError": "ops.strategy", "load": "o
          "BASELINES": "strategies.baselines", "data_parallel": "strategies.baselines",
          "model_parallel": "strategies.baselines", "expert": "strategies.baselines",
          "tensor_parallel": "strategies.baselines",
-         "random_config": "strategies.random", "random_strategy": "strategies.random"}
+         "random_config": "strategies.random", "random_strategy": "strategies.random",
+         "MachineModel": "strategies.machine_model", "DeviceSpec": "strategies.machine_model",
+         "LinkSpec": "strategies.machine_model", "MachineError": "strategies.machine_model",
+         "load_machine": "strategies.machine_model",
+         "CostModel": "strategies.cost", "CostKey": "strategies.cost", "fit_efficiency": "strategies.cost",
+         "peak_memory": "strategies.memory", "fits": "strategies.memory"}
 
 __all__ = sorted(_LAZY)
 

@@ -47,7 +47,7 @@ import os
 import platform
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 from taskrt.machine import Machine, Memory, Processor
 
@@ -262,15 +262,27 @@ def write_efficiency(path, efficiency: Mapping[str, float], fitted: str) -> None
 
 
 def format_machine(data: dict) -> str:
-    """A machine file's text: one top-level field a line (notes one a line), objects on one line."""
+    """A machine file's text: one top-level field a line (notes one a line), objects on one line,
+    large and small numbers in engineering notation (78.4e9, 80e-6)."""
     lines = []
     for k, v in data.items():
         if k == "notes" and isinstance(v, list):
             body = ",\n".join(f"    {json.dumps(n)}" for n in v)
             lines.append(f'  "notes": [\n{body}\n  ]')
         else:
-            lines.append(f"  {json.dumps(k)}: {json.dumps(v)}")
+            lines.append(f"  {json.dumps(k)}: {_json(v)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def _json(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_json(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, float) and value != 0 and math.isfinite(value) and not 1e-3 <= abs(value) < 1e4:
+        exp = 3 * math.floor(math.log10(abs(value)) / 3)
+        text = f"{value / 10 ** exp:.12g}e{exp}"
+        if float(text) == value:
+            return text
+    return json.dumps(value)
 
 
 def from_dict(data, where: str = "machine") -> MachineModel:

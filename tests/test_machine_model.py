@@ -8,8 +8,8 @@ import json
 import pytest
 
 from ops.lower import compute_processors
-from strategies.machine_model import (SAME_MEMORY, DeviceSpec, MachineError, load_machine, machine_path,
-                                      shipped_machines, write_efficiency)
+from strategies.machine_model import (SAME_MEMORY, DeviceSpec, MachineError, format_machine, load_machine,
+                                      machine_path, shipped_machines, write_efficiency)
 from taskrt.machine import Memory
 
 
@@ -196,3 +196,9 @@ def test_malformed_json_names_the_file_and_line(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(MachineError, match=rf"^{path}: a machine file holds a JSON object, got list"):
         load_machine(str(path))
+
+
+def test_shipped_files_are_written_as_write_efficiency_writes_them():
+    for name in shipped_machines():
+        text = machine_path(name).read_text()
+        assert format_machine(json.loads(text)) == text, name

@@ -1,0 +1,179 @@
+"""Measuring kernels here: an op tile's forward and backward, or an optimizer update, on random
+arrays of exactly the rects the tile reads, timed as the median of a few runs after a warm-up.
+
+`tile_arrays` builds the arrays as lowering would hand them to the kernels (only weights and
+state with non-empty rects; valid indices for integer inputs); `Backend` is numpy under the
+BLAS thread limit a CPU worker gets, or cupy on GPU 0 with a sync around every timed part;
+`Progress` is the one-line progress bar of CostModel.measure_all (strategies/cost.py).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from ops.base import Op
+from taskrt.geometry import Rect
+
+#: the exclusive bound of each integer input of the ops that index with one (no op declares it):
+#: op kind -> function of (op, input index); other integer inputs get zeros, a valid index anywhere
+_INDEX_BOUNDS = {"embedding": lambda op, i: int(op.num_embeddings),
+                 "sparse_categorical_crossentropy": lambda op, i: int(op.inputs[0].shape[-1])}
+
+
+def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
+    """Random host arrays for one tile: (inputs at its input rects, weights, state), as lowering
+    gives them: only the weights and state with non-empty rects. Floats are uniform in
+    [0.5, 1.5) (no zeros, no negatives under a log); integer inputs are valid indices."""
+    def floats(shape, dtype):
+        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+
+    inputs = []
+    for i, (spec, rect) in enumerate(zip(op.inputs, op.input_rects(tile))):
+        if np.dtype(spec.dtype).kind in "iu":
+            bound = _INDEX_BOUNDS[op.kind](op, i) if op.kind in _INDEX_BOUNDS else 1
+            inputs.append(rng.integers(0, bound, size=rect.shape).astype(spec.dtype))
+        else:
+            inputs.append(floats(rect.shape, spec.dtype))
+    rects = op.tile_weight_rects(tile)
+    weights = {k: floats(rects[k].shape, op.weight_dtype(k)) for k in op.weight_shapes() if not rects[k].empty}
+    state = {k: floats(rects[k].shape, op.weight_dtype(k)) for k in op.state_shapes() if not rects[k].empty}
+    return inputs, weights, state or None
+
+
+def _kernel_extras(op: Op) -> dict:
+    """The keyword arguments only some kernels take, as lowering passes them to an unsplit
+    ordered dim and unshared sums: none of either, step 0."""
+    extra = {}
+    if op.uses_step:
+        extra["step"] = 0
+    if op.sum_shapes():
+        extra["sums"] = None
+    if op.carry_shapes():
+        extra["carry"] = None
+    return extra
+
+
+class Backend:
+    """Where measurements run: numpy under a BLAS thread limit, or cupy on GPU 0 with syncs."""
+
+    def __init__(self, kind: str, blas_threads: int):
+        self.kind, self.blas_threads = kind, blas_threads
+        if kind == "gpu":
+            from taskrt.backends import gpu
+            self.xp = gpu.module()
+        else:
+            self.xp = np
+
+    def context(self):
+        if self.kind == "gpu":
+            return self.xp.cuda.Device(0)
+        from threadpoolctl import threadpool_limits
+        return threadpool_limits(limits=self.blas_threads, user_api="blas")
+
+    def put(self, array):
+        return array if self.kind == "cpu" or array is None else self.xp.asarray(array)
+
+    def sync(self) -> None:
+        if self.kind == "gpu":
+            self.xp.cuda.Device().synchronize()
+
+
+def _median_times(step, runs: int, warmup: int, sync) -> list[float]:
+    """Per-part medians of `runs` calls of step() (after `warmup`), where step returns the
+    perf_counter marks between its parts (synced before each mark)."""
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(runs):
+        marks = step()
+        samples.append([b - a for a, b in zip(marks, marks[1:])])
+    return [statistics.median(s[i] for s in samples) for i in range(len(samples[0]))]
+
+
+def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: int = 1,
+                 seed: int = 0) -> tuple[float, float]:
+    """Median (forward, backward) kernel seconds of one op tile; every run does a training forward
+    then a backward on the arrays and saved values that forward made."""
+    rng = np.random.default_rng(seed)
+    inputs, weights, state = tile_arrays(op, tile, rng)
+    in_rects = op.input_rects(tile)
+    put = backend.put
+    inputs = [put(x) for x in inputs]
+    weights = {k: put(v) for k, v in weights.items()}
+    grads = []
+    for spec, rect in zip(op.outputs, op.output_rects(tile)):
+        float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
+        grads.append(put(rng.uniform(0.5, 1.5, size=rect.shape).astype(spec.dtype)) if float_out else None)
+    extra = _kernel_extras(op)
+    xp, sync = backend.xp, backend.sync
+
+    def step():
+        st = None if state is None else {k: put(v.copy()) for k, v in state.items()}
+        sync()
+        t0 = time.perf_counter()
+        outs, saved = op.forward(xp, tile, inputs, in_rects, weights, training=True, state=st, **extra)
+        sync()
+        t1 = time.perf_counter()
+        bwd_extra = {k: v for k, v in extra.items() if k != "step"}
+        op.backward(xp, tile, inputs, in_rects, weights, outs, grads, saved, **bwd_extra)
+        sync()
+        return [t0, t1, time.perf_counter()]
+
+    with backend.context():
+        fwd, bwd = _median_times(step, runs, warmup, sync)
+    return fwd, bwd
+
+
+def measure_update(optimizer, shard: Rect, dtype: str, backend: Backend, runs: int = 5,
+                   warmup: int = 1) -> float:
+    """Median seconds of one optimizer update of a weight shard (a step past the first)."""
+    rng = np.random.default_rng(0)
+    put = backend.put
+    value, grad = (put(rng.uniform(0.5, 1.5, size=shard.shape).astype(dtype)) for _ in range(2))
+    state = {s: put(rng.uniform(0.5, 1.5, size=shard.shape).astype(dtype)) for s in optimizer.state_names()}
+
+    def step():
+        backend.sync()
+        t0 = time.perf_counter()
+        optimizer.update(backend.xp, value, grad, state, 2)
+        backend.sync()
+        return [t0, time.perf_counter()]
+
+    with backend.context():
+        return _median_times(step, runs, warmup, backend.sync)[0]
+
+
+# ---- progress -----------------------------------------------------------------------------------
+class Progress:
+    """One line rewritten in place (\\r) on a terminal; elsewhere a line at the start, about every
+    tenth, and at the end; nothing without a stream."""
+
+    def __init__(self, stream, total: int, what: str):
+        self.stream, self.total, self.what = stream, total, what
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.width, self.t0 = 0, time.perf_counter()
+        self.every = max(1, total // 10)
+        if stream is not None and not self.tty:
+            self._write(f"measuring {total} {what}\n")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def show(self, done: int, label: str) -> None:
+        if self.stream is None:
+            return
+        if self.tty:
+            line = f"\rmeasuring {self.what}: {done}/{self.total} {label}"
+            self.width = max(self.width, len(line))
+            self._write(line.ljust(self.width))
+        elif done and done % self.every == 0 and done < self.total:
+            self._write(f"  {done}/{self.total} {label}\n")
+
+    def close(self) -> None:
+        if self.stream is None:
+            return
+        line = f"measured {self.total} {self.what} in {time.perf_counter() - self.t0:.1f} s"
+        self._write(("\r" + line.ljust(self.width) if self.tty else line) + "\n")

@@ -1,0 +1,137 @@
+"""Peak memory per device under a strategy, from the lowered graph's own plans.
+
+What a device keeps during an iteration, each region counted once per memory (the union of
+the rects that memory holds of it):
+- weights and state (batch norm's running stats): the weight and state rects of the tiles on it;
+- gradients: the same rects of every trained weight's gradient;
+- optimizer state: the state of the update shards on it (ops/lower.py UpdatePlan: a weight
+  replicated over P devices keeps 1/P of its state on each);
+- activations kept for backward: every op's input and output rects on its tiles' devices.
+Not counted: activation gradients (REDUCE buffers live one op at a time), what a kernel saves
+for backward besides its inputs and outputs, and host memory (attached inputs, initial weights).
+
+A strategy whose peak exceeds a device's `mem_bytes` does not fit (`fits`): the search treats
+it as invalid.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Mapping, Sequence
+
+from ops.base import Op
+from ops.lower import Lowering, TileConfig, default_config, resolve_config
+from strategies.machine_model import MachineModel
+from taskrt import Runtime
+from taskrt.geometry import Rect, pairwise_disjoint
+from taskrt.machine import Machine, Memory
+
+
+def union_volume(rects) -> int:
+    """Elements covered by the union of `rects` (each counted once where they overlap)."""
+    rects = [r for r in set(rects) if not r.empty]
+    if len(rects) <= 1 or pairwise_disjoint(rects):
+        return sum(r.volume for r in rects)
+    if rects[0].ndim == 0:
+        return 1
+    cuts = sorted({r.lo[0] for r in rects} | {r.hi[0] for r in rects})
+    total = 0
+    for a, b in zip(cuts, cuts[1:]):
+        inside = [Rect(r.lo[1:], r.hi[1:]) for r in rects if r.lo[0] <= a and r.hi[0] >= b]
+        if inside:
+            total += (b - a) * union_volume(inside)
+    return total
+
+
+def _sources(ops: Sequence[Op]) -> list:
+    """The tensors the ops read that no op makes (model inputs and labels), in first-use order."""
+    made = {t.name for op in ops for t in op.outputs}
+    seen: dict[str, object] = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.name not in made:
+                seen.setdefault(t.name, t)
+    return list(seen.values())
+
+
+def _holdings(low: Lowering, machine: Machine) -> dict[Memory, dict[str, tuple[list[Rect], int]]]:
+    """memory -> region name -> (the rects of it the memory holds, its itemsize)."""
+    held: dict[Memory, dict[str, tuple[list[Rect], int]]] = defaultdict(dict)
+
+    def add(proc: int, region, rect: Rect) -> None:
+        if rect.empty:
+            return
+        rects, _ = held[machine.processors[proc].memory].setdefault(region.name, ([], region.dtype.itemsize))
+        rects.append(rect)
+
+    for op in low.ops:
+        plan = low.plans[op.name]
+        for color, proc in plan.placement.items():
+            for t, rect in zip(op.inputs, plan.in_rects[color]):
+                add(proc, low.values[t.name], rect)
+            for t, rect in zip(op.outputs, plan.out_rects[color]):
+                add(proc, low.values[t.name], rect)
+            for k, rect in plan.weight_rects[color].items():
+                param = low.params[f"{op.name}.{k}"]
+                add(proc, param.value, rect)
+                if param.grad is not None:
+                    add(proc, param.grad, rect)
+            for k, rect in plan.state_rects[color].items():
+                add(proc, low.stats[f"{op.name}.{k}"], rect)
+    for update in low.updates:
+        for color, rect in update.reqs[0].partition.rects.items():
+            for region in update.param.state.values():
+                add(update.placement[color], region, rect)
+    return held
+
+
+def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]], machine_model: MachineModel,
+                optimizer=None, loss: str | None = None) -> dict[int, int]:
+    """Bytes each device (processor index of the machine) keeps under a strategy; see the module doc.
+
+    `graph` is a Lowering (Model.compile's, on its runtime's machine) or (ops, configs): the ops
+    in graph order with the loss op last (or named by `loss`), each op's TileConfig (missing
+    ones get the data-parallel default), lowered here on machine_model.to_machine() with
+    `optimizer` (its state count; None: no optimizer state)."""
+    if isinstance(graph, Lowering):
+        return _peak(graph, graph.rt.machine)
+    ops, configs = graph
+    ops = list(ops)
+    if not ops:
+        raise ValueError("peak_memory: the graph has no ops")
+    machine = machine_model.to_machine()
+    resolved = {op.name: resolve_config(op, configs[op.name], machine) if op.name in configs
+                else default_config(op, machine) for op in ops}
+    with Runtime(machine, execute=False) as rt:
+        low = Lowering(rt, ops, _sources(ops), resolved, optimizer, loss=loss or ops[-1].name, tag="memory")
+        return _peak(low, machine)
+
+
+def _peak(low: Lowering, machine: Machine) -> dict[int, int]:
+    first = {}
+    for i, p in enumerate(machine.processors):
+        first.setdefault(p.memory, i)
+    peak: dict[int, int] = {}
+    for memory, regions in _holdings(low, machine).items():
+        total = sum(union_volume(rects) * itemsize for rects, itemsize in regions.values())
+        peak[first[memory]] = peak.get(first[memory], 0) + int(total)
+    return dict(sorted(peak.items()))
+
+
+def over_capacity(peak: Mapping[int, int], machine_model: MachineModel,
+                  machine: Machine | None = None) -> dict[int, tuple[int, int]]:
+    """The devices whose peak exceeds their memory: processor index -> (peak bytes, capacity)."""
+    machine = machine or machine_model.to_machine()
+    over = {}
+    for proc, nbytes in peak.items():
+        capacity = machine_model.device_of(machine.processors[proc]).mem_bytes
+        if nbytes > capacity:
+            over[proc] = (nbytes, capacity)
+    return over
+
+
+def fits(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]], machine_model: MachineModel,
+         optimizer=None, loss: str | None = None) -> bool:
+    """Whether every device's peak memory under the strategy fits its memory size."""
+    machine = graph.rt.machine if isinstance(graph, Lowering) else None
+    return not over_capacity(peak_memory(graph, machine_model, optimizer, loss), machine_model, machine)
+

@@ -1,0 +1,297 @@
+"""The cost model: roofline numbers by hand, measured times cached on disk and reused, cost keys,
+fitted efficiencies, copies, and peak memory of data- and model-parallel strategies by hand."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from ops.base import TensorSpec
+from ops.activation import ElementUnary
+from ops.embedding import Embedding
+from ops.linear import Dense
+from ops.loss import SparseCategoricalCrossEntropy
+from ops.lower import Lowering, TileConfig
+from ops.optimizers import SGD, Adam
+from strategies.cost import CostModel, Measurement, copy_time, fit_efficiency, op_key, roofline
+from strategies.machine_model import SAME_MEMORY, DeviceSpec, LinkSpec, MachineModel, load_machine
+from strategies.memory import fits, peak_memory, union_volume
+from taskrt import Runtime
+from taskrt.geometry import Rect
+
+GPU = DeviceSpec("gpu", "Test GPU", peak_flops=1e12, mem_bandwidth=1e11, mem_bytes=10**9)
+
+
+def spec(*shape, dtype="float32", name="x"):
+    return TensorSpec(tuple(shape), dtype, name)
+
+
+def gpu_model(**kw) -> MachineModel:
+    host = DeviceSpec("cpu", "Test CPU", 1e11, 1e10, 10**10)
+    return MachineModel("test", 1, 2, GPU, LinkSpec(1e10, 1e-6), LinkSpec(1e9, 5e-6, "sender"),
+                        kw.pop("efficiency", {"default": 0.5, "dense": 0.25}), host=host,
+                        host_link=LinkSpec(5e9, 2e-6), launch_overhead=1e-5, **kw)
+
+
+def cpu_model(mem_bytes: int = 10**9) -> MachineModel:
+    device = DeviceSpec("cpu", "Two cores", 1e10, 1e9, mem_bytes)
+    return MachineModel("two", 1, 2, device, LinkSpec(1e9, 1e-5), LinkSpec(1e9, 1e-4), {"default": 0.5})
+
+
+# ---- analytic -----------------------------------------------------------------------------------------
+def test_roofline_of_a_compute_bound_dense_by_hand():
+    op = Dense("fc", [spec(64, 512)], 256, use_bias=False)
+    tile = Rect.from_shape(op.tile_shape)
+    cost = CostModel(gpu_model(), measured=False)
+    flops = 64 * 256 * 2 * 512
+    nbytes = (64 * 512 + 256 * 512 + 64 * 256) * 4
+    assert (op.flops(tile), op.bytes_moved(tile)) == (flops, nbytes)
+    assert cost.task_time(op, "forward", tile, GPU) == pytest.approx(flops / (1e12 * 0.25) + 1e-5)
+    assert cost.task_time(op, "backward", tile, "gpu") == pytest.approx(2 * flops / (1e12 * 0.25) + 1e-5)
+    assert cost.stats == {"measured": 0, "cached": 0, "analytic": 2}
+
+
+def test_roofline_of_a_memory_bound_relu_by_hand():
+    op = ElementUnary("relu", [spec(1024, 1024)], "relu")
+    tile = Rect.from_shape(op.tile_shape)
+    cost = CostModel(gpu_model(), measured=False)
+    nbytes = 2 * 1024 * 1024 * 4
+    assert cost.analytic_time(op, "forward", tile, GPU) == pytest.approx(nbytes / 1e11)
+    half = Rect((0, 0), (512, 1024))
+    assert cost.task_time(op, "forward", half, GPU) == pytest.approx(nbytes / 2 / 1e11 + 1e-5)
+
+
+def test_update_time_counts_the_optimizers_state():
+    op = Dense("fc", [spec(8, 100)], 100)
+    shard = Rect((0, 0), (50, 100))
+    mm = gpu_model(efficiency={"default": 1.0})
+    for optimizer, states in ((SGD(lr=0.1), 0), (SGD(lr=0.1, momentum=0.9), 1), (Adam(), 2)):
+        cost = CostModel(mm, measured=False, optimizer=optimizer)
+        nbytes = 5000 * 4 * (3 + 2 * states)
+        assert cost.task_time(op, "update", shard, GPU, param="fc.weight") == pytest.approx(nbytes / 1e11 + 1e-5)
+
+
+def test_processors_and_kinds_name_devices():
+    mm = gpu_model()
+    machine = mm.to_machine()
+    cost = CostModel(mm, measured=False)
+    gpu = next(p for p in machine.processors if p.kind == "gpu")
+    cpu = next(p for p in machine.processors if p.kind == "cpu")
+    assert cost.device(gpu) is GPU and cost.device("gpu") is GPU
+    assert cost.device(cpu) is mm.host and cost.device("cpu") is mm.host
+    with pytest.raises(ValueError, match=r"no 'tpu' device"):
+        cost.device("tpu")
+
+
+def test_copy_fill_and_fold_times():
+    link = LinkSpec(1e10, 2e-6)
+    assert copy_time(10**6, link) == pytest.approx(2e-6 + 1e-4)
+    assert copy_time(0, link) == 2e-6
+    assert copy_time(10**9, SAME_MEMORY) == 0.0
+    cost = CostModel(gpu_model(), measured=False)
+    assert cost.copy_time(10**6, link) == copy_time(10**6, link)
+    assert cost.fill_time(10**6, GPU) == pytest.approx(1e-5 + 1e-5)
+    assert cost.fold_time(10**6, GPU) == pytest.approx(3e-5 + 1e-5)
+
+
+# ---- which devices are measured ------------------------------------------------------------------
+def test_devices_that_are_not_here_are_analytic(tmp_path):
+    local = load_machine("local")
+    assert CostModel(local, cache_path=tmp_path / "c.json").measures(local.device)
+    assert not CostModel(local, measured=False, cache_path=tmp_path / "c.json").measures(local.device)
+    p100 = load_machine("p100")
+    assert not CostModel(p100).measures(p100.device)  # TASKRT_GPUS=0 in tests, and no P100 here
+    assert not CostModel(p100).measures(p100.host)  # another CPU model
+    assert CostModel(p100, measured=True).measures(p100.host)  # measured=True: any CPU is measured here
+    with pytest.raises(ValueError, match=r"measured must be True, False or None, got 'yes'"):
+        CostModel(p100, measured="yes")
+
+
+# ---- measured and cached -------------------------------------------------------------------------
+class CountingDense(Dense):
+    """A dense layer that counts its kernel calls (not registered: it is the same op kind)."""
+
+    calls = {"forward": 0, "backward": 0}
+
+    def forward(self, *args, **kwargs):
+        CountingDense.calls["forward"] += 1
+        return super().forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        CountingDense.calls["backward"] += 1
+        return super().backward(*args, **kwargs)
+
+
+def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
+    path = tmp_path / "costs.json"
+    mm = load_machine("local")
+    op = CountingDense("fc", [spec(16, 32)], 24, activation="relu")
+    tile = Rect((0, 0, 0), (8, 24, 32))
+    CountingDense.calls.update(forward=0, backward=0)
+    cost = CostModel(mm, cache_path=path, repeats=3, warmup=1)
+    fwd = cost.task_time(op, "forward", tile, mm.device)
+    bwd = cost.task_time(op, "backward", tile, mm.device)
+    assert fwd > mm.launch_overhead and bwd > mm.launch_overhead
+    assert CountingDense.calls == {"forward": 4, "backward": 4}  # one warm-up and 3 runs, both phases at once
+    assert cost.stats == {"measured": 1, "cached": 1, "analytic": 0}
+    entries = json.loads(path.read_text())["entries"]
+    key = cost.key(op, "forward", tile, mm.device)
+    assert entries[key.text]["seconds"] == pytest.approx(fwd - mm.launch_overhead)
+    again = CostModel(mm, cache_path=path)
+    assert again.task_time(op, "forward", tile, mm.device) == fwd
+    assert again.task_time(op, "backward", tile, mm.device) == bwd
+    assert CountingDense.calls == {"forward": 4, "backward": 4}
+    assert again.stats == {"measured": 0, "cached": 2, "analytic": 0}
+
+
+def test_measure_all_measures_each_key_once_with_a_progress_line(tmp_path):
+    mm = load_machine("local")
+    emb = Embedding("emb", [spec(6, 5, dtype="int64", name="idx")], 50, 8)
+    dense = Dense("fc", [spec(6, 5, 8)], 16)
+    loss = SparseCategoricalCrossEntropy("loss", [spec(6, 16), spec(6, dtype="int64", name="labels")],
+                                         from_logits=True)
+    halves = [Rect((0, 0, 0, 0), (3, 5, 8, 50)), Rect((3, 0, 0, 0), (6, 5, 8, 50))]  # same shape: one key
+    tasks = [(emb, ph, r, mm.device) for r in halves for ph in ("forward", "backward")]
+    tasks += [(dense, "forward", Rect.from_shape(dense.tile_shape), mm.device),
+              (loss, "backward", Rect.from_shape(loss.tile_shape), mm.device),
+              (dense, "update", Rect((0, 0), (8, 8)), mm.device, "weight")]
+    out = io.StringIO()
+    cost = CostModel(mm, cache_path=tmp_path / "costs.json", repeats=1, warmup=0, progress=out)
+    assert cost.measure_all(tasks) == 4  # emb, dense, loss (forward and backward each), the update
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("measuring 4 kernels on cpu:") and lines[-1].startswith("measured 4 kernels on cpu:")
+    assert cost.measure_all(tasks) == 0
+    assert all(cost.task_time(*t) > 0 for t in tasks)
+    assert cost.stats["measured"] == 4
+
+
+def test_progress_rewrites_one_line_on_a_terminal(tmp_path):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    mm = load_machine("local")
+    ops = [ElementUnary(f"relu{i}", [spec(4, 8 + i)], "relu") for i in range(3)]
+    cost = CostModel(mm, cache_path=tmp_path / "costs.json", repeats=1, warmup=0, progress=out)
+    cost.measure_all([(op, "forward", Rect.from_shape(op.tile_shape), "cpu") for op in ops])
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.count("\r") >= 3 and "measured 3 kernels" in text
+
+
+# ---- cost keys ------------------------------------------------------------------------------------
+def test_cost_keys_are_stable_text():
+    op = Dense("fc", [spec(64, 512)], 256)
+    key = op_key(op, "forward", Rect((0, 0, 0), (32, 256, 512)), "cpu:X/1t")
+    assert key.text == ('["dense",{"activation":null,"out_features":256,"use_bias":true},"forward",[32,256,512],'
+                        '[[32,512]],[["bias",[256]],["weight",[256,512]]],["float32"],"cpu:X/1t"]')
+    assert key == op_key(Dense("other", [spec(64, 512, name="y")], 256), "forward",
+                         Rect((32, 0, 0), (64, 256, 512)), "cpu:X/1t")
+    assert hash(key) == hash(op_key(op, "forward", Rect((0, 0, 0), (32, 256, 512)), "cpu:X/1t"))
+    assert str(key) == "dense forward [32x256x512] on cpu:X/1t"
+
+
+def test_cost_keys_tell_shapes_attrs_phases_dtypes_and_devices_apart():
+    tile = Rect((0, 0, 0), (32, 256, 512))
+    base = op_key(Dense("fc", [spec(64, 512)], 256), "forward", tile, "cpu:X/1t")
+    others = [
+        op_key(Dense("fc", [spec(64, 512)], 256), "forward", Rect((0, 0, 0), (16, 256, 512)), "cpu:X/1t"),
+        op_key(Dense("fc", [spec(64, 512)], 256, activation="relu"), "forward", tile, "cpu:X/1t"),
+        op_key(Dense("fc", [spec(64, 512)], 256, use_bias=False), "forward", tile, "cpu:X/1t"),
+        op_key(Dense("fc", [spec(64, 512)], 256), "backward", tile, "cpu:X/1t"),
+        op_key(Dense("fc", [spec(64, 512, dtype="float64")], 256), "forward", tile, "cpu:X/1t"),
+        op_key(Dense("fc", [spec(64, 512)], 256), "forward", tile, "cpu:X/2t"),
+        # a bias-less tile of a partial (reduce) group reads no bias
+        op_key(Dense("fc", [spec(64, 1024)], 256), "forward", Rect((0, 0, 512), (32, 256, 1024)), "cpu:X/1t"),
+    ]
+    texts = {base.text} | {k.text for k in others}
+    assert len(texts) == 1 + len(others)
+
+
+# ---- fitting ---------------------------------------------------------------------------------------
+def test_fit_efficiency_recovers_known_efficiencies():
+    rng = np.random.default_rng(0)
+    truth = {"dense": 0.37, "conv2d": 0.61}
+    samples = []
+    for kind, eff in truth.items():
+        for _ in range(6):
+            flops, nbytes = float(rng.uniform(1e9, 1e11)), float(rng.uniform(1e5, 1e7))
+            samples.append(Measurement(kind, flops, nbytes, roofline(flops, nbytes, GPU, eff)))
+    for _ in range(4):  # memory-bound: any efficiency above a bound explains them
+        nbytes = float(rng.uniform(1e8, 1e9))
+        samples.append(Measurement("unary", nbytes / 4, nbytes, roofline(nbytes / 4, nbytes, GPU, 0.5)))
+    fitted = fit_efficiency(samples, GPU)
+    assert fitted["dense"] == pytest.approx(0.37, rel=1e-4)
+    assert fitted["conv2d"] == pytest.approx(0.61, rel=1e-4)
+    assert 0.0 < fitted["default"] <= 1.0
+    for s in samples:
+        if s.kind == "unary":
+            assert roofline(s.flops, s.bytes, GPU, fitted["unary"]) == pytest.approx(s.seconds)
+    with pytest.raises(ValueError, match="no measurements"):
+        fit_efficiency([], GPU)
+
+
+def test_fit_efficiency_is_a_least_squares_fit_of_noisy_times():
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(40):
+        flops = float(rng.uniform(1e9, 1e11))
+        samples.append(Measurement("dense", flops, 1.0, roofline(flops, 1.0, GPU, 0.5) * rng.uniform(0.95, 1.05)))
+    assert fit_efficiency(samples, GPU)["dense"] == pytest.approx(0.5, rel=0.02)
+
+
+# ---- memory -----------------------------------------------------------------------------------------
+def _mlp():
+    """x [8, 16] -> dense 32 -> dense 4 -> cross-entropy with labels [8], no biases."""
+    x, labels = spec(8, 16), spec(8, dtype="int64", name="labels")
+    fc1 = Dense("fc1", [x], 32, use_bias=False)
+    fc2 = Dense("fc2", [fc1.outputs[0]], 4, use_bias=False)
+    loss = SparseCategoricalCrossEntropy("loss", [fc2.outputs[0], labels], from_logits=True)
+    return [fc1, fc2, loss]
+
+
+def test_peak_memory_data_parallel_by_hand():
+    ops = _mlp()
+    dp = {"fc1": TileConfig((2, 1, 1), (0, 1)), "fc2": TileConfig((2, 1, 1), (0, 1)),
+          "loss": TileConfig((2,), (0, 1))}
+    peak = peak_memory((ops, dp), cpu_model(), optimizer=SGD(lr=0.1, momentum=0.9))
+    activations = (4 * 16 + 4 * 32 + 4 * 4 + 4) * 4 + 4 * 8  # x, h, y, loss rows; labels (int64)
+    weights = (32 * 16 + 4 * 32) * 4  # each device holds every weight
+    state = weights // 2  # momentum: the replicated weights' state is split over both devices
+    assert peak == {0: activations + 2 * weights + state, 1: activations + 2 * weights + state}
+    assert peak[0] == 7280
+
+
+def test_peak_memory_model_parallel_by_hand():
+    ops = _mlp()
+    mp = {"fc1": TileConfig((1, 1, 1), (0,)), "fc2": TileConfig((1, 1, 1), (1,)), "loss": TileConfig((1,), (1,))}
+    peak = peak_memory((ops, mp), cpu_model(), optimizer=SGD(lr=0.1, momentum=0.9))
+    w1, w2 = 32 * 16 * 4, 4 * 32 * 4
+    assert peak == {0: (8 * 16 + 8 * 32) * 4 + 3 * w1,  # x, h; fc1's weight, gradient, momentum
+                    1: (8 * 32 + 8 * 4 + 8) * 4 + 8 * 8 + 3 * w2}  # h, y, loss, labels; fc2's three
+    assert peak == {0: 7680, 1: 2784}
+    dp = {"fc1": TileConfig((2, 1, 1), (0, 1)), "fc2": TileConfig((2, 1, 1), (0, 1)),
+          "loss": TileConfig((2,), (0, 1))}
+    small = cpu_model(mem_bytes=7500)
+    assert fits((ops, dp), small, optimizer=SGD(lr=0.1, momentum=0.9))
+    assert not fits((ops, mp), small, optimizer=SGD(lr=0.1, momentum=0.9))
+
+
+def test_peak_memory_of_a_lowering_and_without_optimizer_state():
+    ops = _mlp()
+    mm = cpu_model()
+    machine = mm.to_machine()
+    mp = {"fc1": TileConfig((1, 1, 1), (0,)), "fc2": TileConfig((1, 1, 1), (1,)), "loss": TileConfig((1,), (1,))}
+    with Runtime(machine, execute=False) as rt:
+        low = Lowering(rt, ops, [ops[0].inputs[0], ops[2].inputs[1]], mp, optimizer=SGD(lr=0.1), loss="loss")
+        assert peak_memory(low, mm) == {0: 7680 - 2048, 1: 2784 - 512}  # plain SGD keeps no state
+
+
+def test_union_volume_counts_overlaps_once():
+    a, b = Rect((0, 0), (4, 4)), Rect((2, 2), (6, 6))
+    assert union_volume([a, b]) == 16 + 16 - 4
+    assert union_volume([a, a, Rect((4, 0), (8, 4))]) == 32
+    assert union_volume([Rect((0,), (0,))]) == 0
+    assert union_volume([a, Rect((1, 1), (2, 2))]) == 16
