@@ -107,6 +107,7 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
         float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
         grads.append(put(rng.uniform(0.5, 1.5, size=rect.shape).astype(spec.dtype)) if float_out else None)
     extra = _kernel_extras(op)
+    bwd_extra = {k: v for k, v in extra.items() if k != "step"}
     xp, sync = backend.xp, backend.sync
 
     def step():
@@ -116,7 +117,6 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
         outs, saved = op.forward(xp, tile, inputs, in_rects, weights, training=True, state=st, **extra)
         sync()
         t1 = time.perf_counter()
-        bwd_extra = {k: v for k, v in extra.items() if k != "step"}
         op.backward(xp, tile, inputs, in_rects, weights, outs, grads, saved, **bwd_extra)
         sync()
         return [t0, t1, time.perf_counter()]
