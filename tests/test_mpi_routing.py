@@ -191,7 +191,7 @@ def test_with_nothing_finished_a_node_waits_for_exactly_its_nearest_local_ancest
     assert not set(me.router.frontier) & set(me.joins)
 
 
-@settings(max_examples=200)
+@settings(max_examples=100)
 @given(graphs(), st.integers(0, 2), st.data())
 def test_as_nodes_finish_every_unfinished_ancestor_is_still_waited_for(graph, rank, data):
     """Local nodes finish in any order their preds allow, between issues and sweeps: a
