@@ -15,10 +15,19 @@ A lowered graph (class Lowering) holds:
 - plans:  op name -> OpPlan            the op's config, tiles, partitions and requirement lists;
 - saved:  (op name, tile color) -> x   the side store: what a tile's forward keeps for its backward.
 
+Splits beyond independent tiles (ops/base.py declares them, OpPlan lowers them the same way
+for every op): the tiles of a split partial dim REDUCE (sum) into zero-filled outputs, and
+only the leader of each partial group gets the biases; statistics that tiles share (batch
+norm's) are summed through REDUCE into small float64 regions by launches of their own
+before the kernels read them; tiles along a split ordered dim (an LSTM's time chunks) are
+one launch per position, chained through a small carry region (a carry-grad region in
+backward), so that the dependence analysis alone orders them.
+
 Saved tensors: a forward task puts the op's `saved` object in `saved` under its op name
-and tile color; the backward task of the same tile pops it. Both launches place a tile
-on the same processor (the config's device), so on many ranks the entry is always on the
-rank that needs it; backward READs the outputs forward WROTE, so it runs after it.
+and tile color; the backward task of the same tile pops it (a backward sum's task reads
+it before). All of a tile's launches place it on the same processor (the config's
+device), so on many ranks the entry is always on the rank that needs it; backward READs
+the outputs forward WROTE, so it runs after it.
 
 Gradients: at the start of a backward pass every grad region is filled with zeros where its
 producer's tiles will read it, on their devices (the loss's output grad with ones: the loss
@@ -230,7 +239,7 @@ class OpPlan:
         self.state_names = list(op.state_shapes())
         self.weight_rects = {c: {k: r[k] for k in self.weight_names} for c, r in w_rects.items()}
         self.state_rects = {c: {k: r[k] for k in self.state_names} for c, r in w_rects.items()}
-        self.updated_state_rects = _first_users(self.colors, self.state_rects)
+        self.updated_state_rects = first_users(self.colors, self.state_rects)
         self.partial = any(s.partial and config.degrees[s.dim] > 1 for s in op.split_dims())
         ordered = op.ordered_dim()
         self.ordered = ordered if ordered is not None and config.degrees[ordered] > 1 else None
@@ -453,8 +462,9 @@ class OpPlan:
             buf[...] = g
 
 
-def _first_users(colors: list, rects: dict) -> dict:
-    """Per color, its rects with each one cut to empty unless the color is the first to have it."""
+def first_users(colors: list, rects: dict) -> dict:
+    """Per color, its rects (name -> Rect) with each cut to empty unless the color is the first
+    (in `colors` order) to have it: who updates a state rect that several tiles share."""
     seen, out = set(), {}
     for c in colors:
         out[c] = {}

@@ -19,6 +19,7 @@ import itertools
 import numpy as np
 
 from ops.base import TensorSpec
+from ops.lower import first_users
 from taskrt.geometry import Rect
 
 
@@ -78,21 +79,6 @@ def tiles_of(shape, degrees):
         yield Rect(tuple(a for a, _ in combo), tuple(b for _, b in combo))
 
 
-def _first_state_rects(op, tiles):
-    """Per tile, its state rects with each cut to empty unless the tile is the first to have it."""
-    seen, out = set(), []
-    names = list(op.state_shapes())
-    for tile in tiles:
-        wr = op.tile_weight_rects(tile)
-        rects = {}
-        for k in names:
-            r = wr[k]
-            rects[k] = r if not r.empty and (k, r) not in seen else Rect(r.lo, r.lo)
-            seen.add((k, r))
-        out.append(rects)
-    return out
-
-
 def _add_up(op, tiles, names, part_of):
     """The totals of sums `names` over `tiles`, in order: part_of(i, tile, name, earlier totals)
     gives tile i's part; a later sum sees the earlier totals at the tile's rects."""
@@ -130,7 +116,9 @@ def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, trainin
         shared = op.shares_sums(tiles)
         dtype = next((o.dtype for o in ref_outs if o is not None), np.float64)
         carry = {k: np.zeros(s, dtype) for k, s in op.carry_shapes().items()} if chained else None
-        state_rects = _first_state_rects(op, tiles) if training else [op.tile_weight_rects(t) for t in tiles]
+        state_rects = {i: op.tile_weight_rects(t) for i, t in enumerate(tiles)}
+        if training:
+            state_rects = first_users(list(state_rects), state_rects)
         sums = None
         if shared:
             sums = _add_up(op, tiles, op.forward_sums(training), lambda i, tile, k, before: op.partial_sum(
@@ -138,7 +126,7 @@ def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, trainin
         outs = [np.zeros_like(o) for o in ref_outs]
         new_state = None if state is None else {k: v.copy() for k, v in state.items()}
         runs = []
-        for tile, srects in zip(tiles, state_rects):
+        for tile, srects in zip(tiles, state_rects.values()):
             in_rects, ins, wr, ws, touts, saved, st = _tile(op, tile, inputs, weights, training, state, srects,
                                                             **_extra(op, tile, sums, carry))
             for full, r, t in zip(outs, op.output_rects(tile), touts):
@@ -149,7 +137,8 @@ def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, trainin
             if st is not None:
                 for k in st:
                     new_state[k][srects[k].slices()] = st[k]
-            tgouts = [None if g is None or r.empty else g[r.slices()] for g, r in zip(grad_outputs, op.output_rects(tile))]
+            tgouts = [None if g is None or r.empty else g[r.slices()]
+                      for g, r in zip(grad_outputs, op.output_rects(tile))]
             runs.append((tile, in_rects, ins, wr, ws, touts, tgouts, saved))
         if shared:
             sums = _add_up(op, tiles, op.backward_sums(), lambda i, tile, k, before: op.partial_sum(
@@ -164,7 +153,8 @@ def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, trainin
                 if full is not None and t is not None and not r.empty:
                     assert t.shape == r.shape, f"{op.kind}: grad input shape {t.shape} != rect {r}"
                     full[r.slices()] += t
-            assert set(tg_w) == set(ws), f"{op.kind}: tile {tile} returned grads {sorted(tg_w)} for weights {sorted(ws)}"
+            assert set(tg_w) == set(ws), (f"{op.kind}: tile {tile} returned grads {sorted(tg_w)} for weights "
+                                          f"{sorted(ws)}")
             for k, t in tg_w.items():
                 assert t.shape == wr[k].shape, f"{op.kind}: grad {k} shape {t.shape} != weight rect {wr[k]}"
                 gw[k][wr[k].slices()] += t

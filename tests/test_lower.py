@@ -58,7 +58,8 @@ def test_resolve_config_names_op_dim_and_kind():
         resolve_config(relu, TileConfig((1, 1, 2)), MACHINE4)
     with pytest.raises(ConfigError, match=r"dense 'fc'.* splits dim 1 \(parameter\) 7 ways, more than its extent 6"):
         resolve_config(dense, TileConfig((1, 7, 1)), MACHINE4)
-    with pytest.raises(ConfigError, match=r"dense 'fc'.* has 2 degrees but the op's tile space \(8, 6, 16\) has 3 dims"):
+    with pytest.raises(ConfigError, match=r"dense 'fc'.* has 2 degrees but the op's tile space \(8, 6, 16\) has "
+                                          r"3 dims"):
         resolve_config(dense, TileConfig((1, 1)), MACHINE4)
     with pytest.raises(ConfigError, match=r"places tile 1 on processor 4, but .* has processors 0..3"):
         resolve_config(dense, TileConfig((2, 1, 1), (0, 4)), MACHINE4)

@@ -101,7 +101,8 @@ def test_lstm_rects_split_dims_and_flops():
     first, middle, last = Rect((2, 0, 0), (6, 2, 4)), Rect((2, 2, 0), (6, 3, 4)), Rect((2, 3, 0), (6, 5, 4))
     assert op.input_rects(first)[1:] == [Rect((2, 0), (6, 4))] * 2
     assert all(r.empty for r in op.input_rects(middle)[1:] + op.output_rects(middle)[1:])
-    assert op.input_rects(last)[0] == Rect((2, 3, 0), (6, 5, 3)) and op.output_rects(last)[1:] == [Rect((2, 0), (6, 4))] * 2
+    assert op.input_rects(last)[0] == Rect((2, 3, 0), (6, 5, 3))
+    assert op.output_rects(last)[1:] == [Rect((2, 0), (6, 4))] * 2
     assert {op.carry_rects(t)["state"] for t in (first, middle, last)} == {Rect((0, 2, 0), (2, 6, 4))}
     assert op.flops(middle) * 5 == op.flops(tile)
     gemm = 2 * 4 * 5 * 16 * (3 + 4)

@@ -102,6 +102,31 @@ def test_batch_norm_numba_kernels_match_the_array_code(relu, training):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_sample_tiles_with_added_up_sums_agree_on_both_code_paths(relu):
+    """Two sample tiles, their sums added up, through the CPU kernels and the array code (the GPU path)."""
+    shape = (4, 3, 5, 6)
+    op = BatchNorm("bn", [spec(shape, "float64")], relu=relu)
+    x, weights, state, g = bn_data(op, seed=6, dtype=np.float64)
+    tiles = [Rect((0, 0, 0, 0), (2, 3, 5, 6)), Rect((2, 0, 0, 0), (4, 3, 5, 6))]
+    results = []
+    for xp in (np, ArrayCodePath()):
+        sums = {"mean": np.zeros(3), "var": np.zeros(3), "grad": np.zeros((2, 3))}
+        for name in op.forward_sums(True):
+            for t in tiles:
+                sums[name] += op.partial_sum(xp, name, t, [x[t.slices()]], sums)
+        runs = [op.forward(xp, t, [x[t.slices()]], [t], weights, sums=sums) for t in tiles]
+        for t, ((y,), saved) in zip(tiles, runs):
+            sums["grad"] += op.partial_sum(xp, "grad", t, [x[t.slices()]], sums, [y], [g[t.slices()]], saved)
+        out = []
+        for t, ((y,), saved) in zip(tiles, runs):
+            (gx,), gw = op.backward(xp, t, [x[t.slices()]], [t], weights, [y], [g[t.slices()]], saved, sums=sums)
+            out += [y, gx, gw["weight"], gw["bias"]]
+        results.append(out)
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_batch_norm_variance_stays_accurate_with_a_large_mean():
     op = BatchNorm("bn", [spec((8, 3, 6, 6), "float64")], momentum=1.0)
     rng = np.random.default_rng(4)

@@ -1,4 +1,4 @@
-"""The paper's kinds of network under random SOAP configs: every split each op declares
+"""The paper's kinds of network (and a batch-matmul mixer) under random SOAP configs: every split each op declares
 (sample, attribute, parameter, partial-sum reduce, head, ordered sequence chunks, batch
 norm's synchronized statistics) trains to the numbers of one device; and the Operation
 dimension: branches on disjoint devices run at the same time, stacked LSTM layers on two
@@ -58,6 +58,16 @@ def transformer(rt, seed=3):
     return m
 
 
+def mixer(rt, seed=4):
+    """Token mixing written with batch matmuls (scores x x^T, a softmax, scores @ x), then a dense."""
+    m = Model(rt, seed=seed)
+    x = m.input((4, 6, 8), name="seq")
+    h = m.dense(x, 8)
+    mixed = m.batch_matmul(m.softmax(m.batch_matmul(h, m.transpose(h, [0, 2, 1]))), h)
+    m.dense(m.add(x, mixed), 8)
+    return m
+
+
 def data(kind: str):
     """(inputs, labels, loss) of one batch for a model kind."""
     rng = np.random.default_rng(7)
@@ -70,7 +80,7 @@ def data(kind: str):
         "mean_squared_error"
 
 
-MODELS = {"cnn": cnn, "rnn": rnn, "transformer": transformer}
+MODELS = {"cnn": cnn, "rnn": rnn, "transformer": transformer, "mixer": mixer}
 
 
 def train(m: Model, kind: str, configs: dict) -> tuple[list[float], dict, dict]:
@@ -120,7 +130,8 @@ def test_every_new_split_at_once_trains_like_one_device(runtimes):
                         ("rnn", {"embedding_0": (1, 2, 1, 2), "lstm_0": (2, 2, 1), "lstm_1": (1, 4, 1),
                                  "dense_0": (2, 1, 2)}),
                         ("transformer", {"multihead_attention_0": (1, 2, 1, 2), "dense_0": (1, 1, 4, 1),
-                                         "dense_1": (1, 1, 1, 4)})):
+                                         "dense_1": (1, 1, 1, 4)}),
+                        ("mixer", {"batch_matmul_0": (1, 1, 2, 2), "batch_matmul_1": (2, 1, 1, 2)})):
         m = MODELS[kind](rt)
         configs = {name: TileConfig(degrees) for name, degrees in split.items()}
         loss, params, stats = train(m, kind, configs)
