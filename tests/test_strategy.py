@@ -74,7 +74,8 @@ def test_a_strategy_reads_well_and_checks_itself():
 def test_files_round_trip_losslessly(tmp_path):
     m = small_cnn()
     s = Strategy(model_fingerprint(m.ops), {"conv2d_0": TileConfig((2, 2, 1, 1), (3, 2, 1, 0)),
-                                            "dense_0": TileConfig((1, 3)), "dense_1": TileConfig((4, 1), (0, 0, 1, 1))})
+                                            "dense_0": TileConfig((1, 3, 1)),
+                                            "dense_1": TileConfig((4, 1, 1), (0, 0, 1, 1))})
     text = s.to_json()
     assert text.splitlines()[4] == '    "conv2d_0": {"degrees": [2, 2, 1, 1], "devices": [3, 2, 1, 0]},'
     assert Strategy.from_json(text) == s and list(Strategy.from_json(text).ops) == list(s.ops)
@@ -99,10 +100,12 @@ def test_the_fingerprint_hashes_kinds_names_and_shapes():
 
 def test_resolve_fills_in_devices_and_names_the_ops_left_to_the_default():
     m = small_cnn()
-    s = Strategy(model_fingerprint(m.ops), {"dense_0": TileConfig((1, 4)), "conv2d_0": TileConfig((2, 1, 1, 1), (3, 1))})
+    s = Strategy(model_fingerprint(m.ops), {"dense_0": TileConfig((1, 4, 1)),
+                                            "conv2d_0": TileConfig((2, 1, 1, 1), (3, 1))})
     configs, defaulted = s.resolve(m.ops, MACHINE4)
     assert list(configs) == [op.name for op in m.ops]
-    assert configs["dense_0"] == TileConfig((1, 4), (0, 1, 2, 3)) and configs["conv2d_0"] == TileConfig((2, 1, 1, 1), (3, 1))
+    assert configs["dense_0"] == TileConfig((1, 4, 1), (0, 1, 2, 3))
+    assert configs["conv2d_0"] == TileConfig((2, 1, 1, 1), (3, 1))
     assert configs["relu_0"] == TileConfig((4, 1, 1, 1), (0, 1, 2, 3))
     assert defaulted == ["relu_0", "pool2d_0", "flat_0", "dense_1", "softmax_0"]
     named = Strategy("cnn", {})
@@ -136,8 +139,8 @@ def test_degrees_on_a_dimension_that_may_not_be_split(tmp_path):
 
 
 def test_degrees_larger_than_the_extent(tmp_path):
-    message = problem(write(tmp_path, {"dense_1": entry([1, 5])}))
-    assert "dense 'dense_1': config 1x5 splits dim 1 (parameter) 5 ways, more than its extent 4" in message
+    message = problem(write(tmp_path, {"dense_1": entry([1, 5, 1])}))
+    assert "dense 'dense_1': config 1x5x1 splits dim 1 (parameter) 5 ways, more than its extent 4" in message
 
 
 def test_a_device_list_of_the_wrong_length(tmp_path):
@@ -146,8 +149,8 @@ def test_a_device_list_of_the_wrong_length(tmp_path):
 
 
 def test_devices_the_machine_does_not_have(tmp_path):
-    message = problem(write(tmp_path, {"dense_0": entry([1, 2], [0, 4])}))
-    assert ("dense 'dense_0': config 1x2 on [0, 4] places tile 1 on processor 4, but Machine(1 ranks, 4 cpus, "
+    message = problem(write(tmp_path, {"dense_0": entry([1, 2, 1], [0, 4])}))
+    assert ("dense 'dense_0': config 1x2x1 on [0, 4] places tile 1 on processor 4, but Machine(1 ranks, 4 cpus, "
             "0 gpus, 1 memories) has processors 0..3") in message
 
 
@@ -191,7 +194,7 @@ def test_a_missing_file(tmp_path):
 
 
 def test_every_problem_of_a_file_is_named_on_its_own_line(tmp_path):
-    path = write(tmp_path, {"dense_2": entry([1, 2]), "dense_1": entry([1, 5]), "conv2d_0": entry([9, 1, 1, 1])})
+    path = write(tmp_path, {"dense_2": entry([1, 2]), "dense_1": entry([1, 5, 1]), "conv2d_0": entry([9, 1, 1, 1])})
     with pytest.raises(StrategyError) as info:
         load(path).resolve(small_cnn().ops, MACHINE4)
     lines = str(info.value).splitlines()
@@ -215,13 +218,13 @@ def test_a_bad_strategy_stops_compile_before_any_work(rt, tmp_path):
 
 def test_compile_says_which_ops_get_the_default_and_configs_override(rt):
     m = small_cnn(rt)
-    s = Strategy(model_fingerprint(m.ops), {"dense_0": TileConfig((1, 4)), "dense_1": TileConfig((1, 2))})
+    s = Strategy(model_fingerprint(m.ops), {"dense_0": TileConfig((1, 4, 1)), "dense_1": TileConfig((1, 2, 1))})
     with pytest.warns(UserWarning, match=r"names no config for \['conv2d_0', 'relu_0', 'pool2d_0', 'flat_0'\]; "
                                          r"they get the data-parallel default"):
-        m.compile(SGD(lr=0.1), strategy=s, configs={"dense_1": TileConfig((2, 1)), "softmax_0": TileConfig((1, 1))})
+        m.compile(SGD(lr=0.1), strategy=s, configs={"dense_1": TileConfig((2, 1, 1)), "softmax_0": TileConfig((1, 1))})
     assert m.default_ops == ["conv2d_0", "relu_0", "pool2d_0", "flat_0", "loss"]
-    assert m.configs["dense_0"] == TileConfig((1, 4), (0, 1, 2, 3))
-    assert m.configs["dense_1"] == TileConfig((2, 1), (0, 2)) and m.configs["softmax_0"] == TileConfig((1, 1), (0,))
+    assert m.configs["dense_0"] == TileConfig((1, 4, 1), (0, 1, 2, 3))
+    assert m.configs["dense_1"] == TileConfig((2, 1, 1), (0, 2)) and m.configs["softmax_0"] == TileConfig((1, 1), (0,))
     full = small_cnn(rt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
