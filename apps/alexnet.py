@@ -10,7 +10,7 @@ the one torchvision and the SOAP paper's benchmarks use:
     conv 384 3x3 pad 1, relu    conv 256 3x3 pad 1, relu    conv 256 3x3 pad 1, relu, maxpool 3/2
     dropout, fc 4096, relu, dropout, fc 4096, relu, fc 1000          61,100,840 parameters
 
-Tiny: the same layers at 3x64x64 with a quarter of the channels (16, 48, 96, 64, 64), fc 256, 10 classes.
+Tiny: the same layers at 3x64x64 with a quarter of the channels (16, 48, 96, 64, 64), fc 256, 4 classes.
 Data: class c is a coarse random pattern of its own stretched over the image, plus noise.
 
     python -m apps.alexnet [--tiny] [--batch-size 64] [--iterations 10] ...   (--help for all flags)
@@ -21,7 +21,7 @@ from apps import synthetic
 from apps.cli import run_app
 
 FULL = {"image": 224, "channels": (64, 192, 384, 256, 256), "hidden": 4096, "classes": 1000, "dropout": 0.5}
-TINY = {"image": 64, "channels": (16, 48, 96, 64, 64), "hidden": 256, "classes": 10, "dropout": 0.5}
+TINY = {"image": 64, "channels": (16, 48, 96, 64, 64), "hidden": 256, "classes": 4, "dropout": 0.5}
 
 
 def build(model, batch_size, dtype="float32", image=224, channels=(64, 192, 384, 256, 256), hidden=4096,

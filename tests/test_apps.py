@@ -1,0 +1,352 @@
+"""The benchmark apps (mlp, alexnet, resnet101, inception_v3, transformer) and their command line.
+
+Sizes: parameter counts and shapes of the full-size graphs (built alone, nothing allocated)
+and of the tiny ones against the papers' layer tables written out as formulas here. Runs:
+every app --tiny for two iterations on 1 rank (data parallel and another baseline) and
+under mpiexec -n 2; the tiny MLP and AlexNet learn; one test per bad flag.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import pytest
+
+from apps import alexnet, inception_v3, mlp, resnet101, transformer
+from apps.__main__ import main as apps_main
+from apps.cli import build_model, count_parameters
+from taskrt.machine import count_gpus
+from taskrt.tracing import read_trace
+from tests.test_mpi import ROOT, _mpiexec, output, python_path
+
+APPS = {"mlp": mlp, "alexnet": alexnet, "resnet101": resnet101, "inception_v3": inception_v3,
+        "transformer": transformer}
+#: a baseline other than data parallel that each app's tiny run also trains with
+OTHER_BASELINE = {"mlp": "tensor", "alexnet": "expert", "resnet101": "expert", "inception_v3": "expert",
+                  "transformer": "tensor"}
+
+
+# ---- the papers' layer tables as parameter formulas ----------------------------------------------
+def conv(cin, cout, kh, kw=None, bias=True):
+    return cin * cout * kh * (kh if kw is None else kw) + (cout if bias else 0)
+
+
+def fc(cin, cout):
+    return cin * cout + cout
+
+
+def alexnet_params(s):
+    c1, c2, c3, c4, c5 = s["channels"]
+    side = (s["image"] + 2 * 2 - 11) // 4 + 1
+    for _ in range(3):  # three 3x3/2 max pools; the 5x5 and 3x3 convs keep the size
+        side = (side - 3) // 2 + 1
+    return (conv(3, c1, 11) + conv(c1, c2, 5) + conv(c2, c3, 3) + conv(c3, c4, 3) + conv(c4, c5, 3)
+            + fc(c5 * side * side, s["hidden"]) + fc(s["hidden"], s["hidden"]) + fc(s["hidden"], s["classes"]))
+
+
+def conv_bn(cin, cout, kh, kw=None):
+    """A convolution without bias and its batch norm's scale and shift."""
+    return conv(cin, cout, kh, kw, bias=False) + 2 * cout
+
+
+def resnet_params(s):
+    widths, total, cin = s["widths"], conv_bn(3, s["widths"][0], 7), s["widths"][0]
+    for w, count in zip(widths, s["blocks"]):
+        for i in range(count):
+            total += conv_bn(cin, w, 1) + conv_bn(w, w, 3) + conv_bn(w, 4 * w, 1)
+            if i == 0:
+                total += conv_bn(cin, 4 * w, 1)  # the projection shortcut
+            cin = 4 * w
+    return total + fc(cin, s["classes"])
+
+
+def inception_params(s):
+    """Szegedy et al.'s modules with the released model's branch widths, each scaled by `width`."""
+    c = lambda n: max(1, round(n * s["width"]))  # noqa: E731
+
+    def a(cin, pf):
+        return (conv_bn(cin, c(64), 1) + conv_bn(cin, c(48), 1) + conv_bn(c(48), c(64), 5) + conv_bn(cin, c(64), 1)
+                + conv_bn(c(64), c(96), 3) + conv_bn(c(96), c(96), 3) + conv_bn(cin, c(pf), 1)), \
+            2 * c(64) + c(96) + c(pf)
+
+    def c7(cin, n):
+        return (conv_bn(cin, c(192), 1) + conv_bn(cin, c(n), 1) + conv_bn(c(n), c(n), 1, 7)
+                + conv_bn(c(n), c(192), 7, 1) + conv_bn(cin, c(n), 1) + 3 * conv_bn(c(n), c(n), 7, 1)
+                + conv_bn(c(n), c(192), 1, 7) + conv_bn(cin, c(192), 1)), 4 * c(192)
+
+    def e(cin):
+        return (conv_bn(cin, c(320), 1) + conv_bn(cin, c(384), 1) + 2 * conv_bn(c(384), c(384), 1, 3)
+                + conv_bn(cin, c(448), 1) + conv_bn(c(448), c(384), 3) + 2 * conv_bn(c(384), c(384), 1, 3)
+                + conv_bn(cin, c(192), 1)), c(320) + 4 * c(384) + c(192)
+
+    total = (conv_bn(3, c(32), 3) + conv_bn(c(32), c(32), 3) + conv_bn(c(32), c(64), 3)
+             + conv_bn(c(64), c(80), 1) + conv_bn(c(80), c(192), 3))
+    cin = c(192)
+    for pf in (32, 64, 64):
+        n, cin = a(cin, pf)
+        total += n
+    total += conv_bn(cin, c(384), 3) + conv_bn(cin, c(64), 1) + conv_bn(c(64), c(96), 3) + conv_bn(c(96), c(96), 3)
+    cin += c(384) + c(96)
+    for n7 in (128, 160, 160, 192):
+        n, cin = c7(cin, n7)
+        total += n
+    if s["aux"]:
+        total += conv_bn(cin, c(128), 1) + conv_bn(c(128), c(768), 5) + fc(c(768), s["classes"])
+    total += (conv_bn(cin, c(192), 1) + conv_bn(c(192), c(320), 3) + conv_bn(cin, c(192), 1)
+              + 2 * conv_bn(c(192), c(192), 1, 7) + conv_bn(c(192), c(192), 3))
+    cin += c(320) + c(192)
+    for _ in range(2):
+        n, cin = e(cin)
+        total += n
+    return total + fc(cin, s["classes"])
+
+
+def bert_params(s):
+    h, f = s["hidden"], s["ff"]
+    embeddings = (s["vocab"] + s["positions"] + s["types"]) * h + 2 * h
+    layer = 4 * h * h + 4 * h + 2 * h + fc(h, f) + fc(f, h) + 2 * h
+    return embeddings + s["layers"] * layer + fc(h, h) + fc(h, s["classes"])
+
+
+def mlp_params(s):
+    return fc(s["features"], s["hidden"]) + (s["layers"] - 1) * fc(s["hidden"], s["hidden"]) \
+        + fc(s["hidden"], s["classes"])
+
+
+FORMULAS = {"mlp": mlp_params, "alexnet": alexnet_params, "resnet101": resnet_params,
+            "inception_v3": inception_params, "transformer": bert_params}
+#: full-size counts (torchvision's alexnet, resnet101, inception_v3; BERT-base with a 2-class head)
+FULL_COUNTS = {"mlp": 2_913_290, "alexnet": 61_100_840, "resnet101": 44_549_160, "inception_v3": 23_834_568,
+               "transformer": 109_482_240 + 768 * 2 + 2}
+
+
+def shapes(model) -> dict:
+    return {op.name: op.outputs[0].shape for op in model.ops}
+
+
+@pytest.mark.parametrize("name", APPS)
+def test_full_size_graph_builds_without_weights(name):
+    module = APPS[name]
+    tracemalloc.start()
+    model, out = build_model(module.build, module.FULL, batch_size=2, weights=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert count_parameters(model) == FULL_COUNTS[name] == FORMULAS[name](module.FULL)
+    assert out.shape == (2, module.FULL["classes"])
+    assert peak < 32 << 20, f"{peak / 2**20:.1f} MiB allocated"
+
+
+def test_inception_aux_head_and_the_papers_grids():
+    with_aux, _ = build_model(inception_v3.build, {**inception_v3.FULL, "aux": True}, 2, weights=False)
+    assert count_parameters(with_aux) == 27_161_264 == inception_params({**inception_v3.FULL, "aux": True})
+    s = shapes(with_aux)
+    assert s["maxpool2"] == (2, 192, 35, 35) and s["Mixed_5d"] == (2, 288, 35, 35)
+    assert s["Mixed_6e"] == (2, 768, 17, 17) and s["Mixed_7c"] == (2, 2048, 8, 8)
+    assert s["aux.fc"] == (2, 1000)
+
+
+def test_full_size_feature_maps():
+    s = shapes(build_model(alexnet.build, alexnet.FULL, 2, weights=False)[0])
+    assert s["relu1"] == (2, 64, 55, 55) and s["pool5"] == (2, 256, 6, 6) and s["fc6"] == (2, 4096)
+    s = shapes(build_model(resnet101.build, resnet101.FULL, 2, weights=False)[0])
+    assert s["pool1"] == (2, 64, 56, 56) and s["layer3.22.relu"] == (2, 1024, 14, 14)
+    assert s["layer4.2.relu"] == (2, 2048, 7, 7) and sum(k.endswith(".conv") for k in s) == 1 + 3 * 33 + 4
+    s = shapes(build_model(transformer.build, transformer.FULL, 2, weights=False)[0])
+    assert s["layer11.output_norm"] == (2, 128, 768) and s["pooler"] == (2, 768)
+
+
+@pytest.mark.parametrize("name", APPS)
+def test_tiny_sizes_follow_the_formulas(name):
+    module = APPS[name]
+    model, out = build_model(module.build, module.TINY, batch_size=3, weights=False)
+    assert count_parameters(model) == FORMULAS[name](module.TINY)
+    assert out.shape == (3, module.TINY["classes"])
+
+
+# ---- running the apps ------------------------------------------------------------------------
+def run_here(module, *flags, capsys) -> tuple[dict, list[str]]:
+    """Run an app's main in this process; (its report, its stdout lines)."""
+    report = module.main([*map(str, flags)])
+    lines = capsys.readouterr().out.splitlines()
+    assert json.loads(lines[-1]) == report
+    return report, lines
+
+
+def run_mpi_app(n: int, name: str, *flags, timeout: float = 120):
+    env = {**os.environ, "TASKRT_MPI_TIMEOUT": "30", "PYTHONPATH": python_path()}
+    cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", f"apps.{name}", *map(str, flags)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+    return proc, time.monotonic() - t0
+
+
+def check_report(report: dict, name: str, ranks: int, strategy: str, iterations: int = 2) -> None:
+    assert report["app"] == name and report["ranks"] == ranks and report["strategy"] == strategy
+    assert report["iterations"] == iterations and report["tiny"] is True
+    assert report["samples_per_s"] > 0 and math.isfinite(report["final_loss"])
+    assert report["parameters"] == FORMULAS[name](APPS[name].TINY)
+
+
+@pytest.mark.parametrize("name", APPS)
+def test_tiny_app_on_one_rank(name, capsys):
+    report, lines = run_here(APPS[name], "--tiny", "--iterations", 2, "--cpus-per-rank", 2, capsys=capsys)
+    check_report(report, name, 1, "data")
+    assert [line.split("  ")[0] for line in lines[:-1]] == [f"{name} iteration 1/2", f"{name} iteration 2/2"]
+    other = OTHER_BASELINE[name]
+    report, _ = run_here(APPS[name], "--tiny", "--iterations", 2, "--baseline", other, "--cpus-per-rank", 2,
+                         capsys=capsys)
+    check_report(report, name, 1, other)
+
+
+@pytest.mark.parametrize("name", ["mlp", "alexnet", "resnet101", "inception_v3", "transformer"])
+def test_tiny_app_on_two_ranks(name, tmp_path):
+    baseline = "data" if name in ("mlp", "transformer") else OTHER_BASELINE[name]
+    trace = tmp_path / "run.trace.jsonl"
+    proc, _ = run_mpi_app(2, name, "--tiny", "--iterations", 2, "--cpus-per-rank", 1, "--baseline", baseline,
+                          "--trace", trace)
+    assert proc.returncode == 0, output(proc)
+    report = json.loads(proc.stdout.splitlines()[-1])
+    check_report(report, name, 2, baseline)
+    assert proc.stdout.count('"app"') == 1, output(proc)  # rank 0 alone reports
+    for rank in (0, 1):  # each rank made its own share of every batch
+        _, events = read_trace(str(tmp_path / f"run.trace.rank{rank}.jsonl"))
+        assert sum(e["name"] == "source" for e in events) == 2, rank
+
+
+def test_data_is_the_same_on_one_and_two_ranks(capsys):
+    one, _ = run_here(mlp, "--tiny", "--iterations", 2, "--cpus-per-rank", 2, "--seed", 5, capsys=capsys)
+    proc, _ = run_mpi_app(2, "mlp", "--tiny", "--iterations", 2, "--cpus-per-rank", 1, "--seed", 5)
+    assert proc.returncode == 0, output(proc)
+    two = json.loads(proc.stdout.splitlines()[-1])
+    assert two["first_loss"] == pytest.approx(one["first_loss"], rel=1e-5)
+    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
+
+
+def losses(lines: list[str]) -> list[float]:
+    return [float(re.search(r"loss (\S+)", line).group(1)) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("name, flags", [("mlp", ["--optimizer", "adam", "--lr", 0.01]),
+                                         ("alexnet", ["--optimizer", "adam", "--lr", 0.002])])
+def test_tiny_app_learns(name, flags, capsys):
+    _, lines = run_here(APPS[name], "--tiny", "--iterations", 40, *flags, capsys=capsys)
+    curve = losses(lines)
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert last < 0.75 * first, curve
+
+
+def test_help_lists_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        alexnet.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--batch-size", "--iterations", "--tiny", "--strategy", "--baseline", "--trace", "--seed",
+                 "--cpus-per-rank", "--gpus-per-rank", "--dtype"):
+        assert flag in text
+    assert "default: 64; 16 with --tiny" in text and "(default: 10)" in text
+
+
+# ---- bad flags: one line naming the flag and the value, exit status 2 ----------------------------
+def bad(capsys, module, *flags) -> str:
+    with pytest.raises(SystemExit) as e:
+        module.main([*map(str, flags)])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("error: ") and "\n" not in err and '"app"' not in captured.out, captured
+    return err
+
+
+def strategy_file(tmp_path, text: str) -> str:
+    path = tmp_path / "s.json"
+    path.write_text(text)
+    return str(path)
+
+
+def test_unknown_app(capsys):
+    with pytest.raises(SystemExit) as e:
+        apps_main(["lenet", "--tiny"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: unknown app 'lenet'; the apps are mlp, alexnet, resnet101, "
+                                               "inception_v3, transformer, rnntc, rnnlm, nmt")
+
+
+def test_unknown_baseline(capsys):
+    assert "argument --baseline: invalid choice: 'pipeline'" in bad(capsys, mlp, "--baseline", "pipeline")
+
+
+def test_bad_batch_size_value(capsys):
+    assert bad(capsys, mlp, "--batch-size", 0) == "error: argument --batch-size: 0 must be >= 1"
+
+
+def test_strategy_and_baseline_together(capsys):
+    err = bad(capsys, mlp, "--strategy", "s.json", "--baseline", "data")
+    assert "--baseline" in err and "--strategy" in err
+
+
+def test_missing_strategy_file(capsys, tmp_path):
+    path = tmp_path / "nowhere.json"
+    err = bad(capsys, mlp, "--tiny", "--strategy", path)
+    assert err == f"error: --strategy {path}: can't read the strategy file: No such file or directory"
+
+
+def test_malformed_strategy_file(capsys, tmp_path):
+    path = strategy_file(tmp_path, '{"version": 1,\n "model": "mlp",\n "ops": {"fc1": }}\n')
+    assert bad(capsys, mlp, "--tiny", "--strategy", path).startswith(f"error: --strategy {path}: {path}:3:")
+
+
+def test_strategy_file_for_another_model(capsys, tmp_path):
+    path = strategy_file(tmp_path, '{"version": 1, "model": "alexnet", "ops": {}}')
+    err = bad(capsys, mlp, "--tiny", "--strategy", path)
+    assert err == f"error: --strategy {path}: made for model 'alexnet', but this model is 'mlp'"
+
+
+def test_strategy_unknown_operator(capsys, tmp_path):
+    path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", "ops": {"fc9": {"degrees": [2, 1, 1]}}}')
+    assert "unknown operator 'fc9'" in bad(capsys, mlp, "--tiny", "--strategy", path)
+
+
+def test_batch_size_the_strategy_cannot_split(capsys, tmp_path):
+    path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [4, 1, 1]}}}')
+    err = bad(capsys, mlp, "--tiny", "--batch-size", 2, "--strategy", path)
+    assert err == f"error: --batch-size 2: strategy {path} splits dense 'fc1' 4 ways along the batch"
+
+
+def test_strategy_devices_the_machine_lacks(capsys, tmp_path):
+    path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", '
+                                   '"ops": {"fc1": {"degrees": [2, 1, 1], "devices": [0, 5]}}}')
+    err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", 2, "--strategy", path)
+    assert err.startswith(f"error: --strategy {path}: dense 'fc1': config 2x1x1 on [0, 5] places tile 1 on "
+                          f"processor 5")
+
+
+def test_more_cpus_than_cores(capsys):
+    cores = os.cpu_count()
+    err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", cores + 1)
+    assert err.startswith(f"error: --cpus-per-rank {cores + 1}: ") and f"it has {cores}" in err
+
+
+def test_more_gpus_than_the_node_has(capsys):
+    want = count_gpus() + 1
+    err = bad(capsys, mlp, "--tiny", "--gpus-per-rank", want)
+    assert err.startswith(f"error: --gpus-per-rank {want}: ") and f"cupy sees {want - 1}" in err
+
+
+def test_dtype_the_network_does_not_compute_in(capsys):
+    err = bad(capsys, transformer, "--tiny", "--dtype", "float64")
+    assert err == "error: --dtype float64: transformer computes in float32 (its inputs are not floats)"
+
+
+def test_bad_strategy_stops_every_rank_before_work(tmp_path):
+    path = strategy_file(tmp_path, '{"version": 1, "model": "alexnet", "ops": {}}')
+    proc, seconds = run_mpi_app(2, "mlp", "--tiny", "--cpus-per-rank", 1, "--strategy", path, timeout=60)
+    assert proc.returncode != 0 and seconds < 30, output(proc)
+    line = f"error: --strategy {path}: made for model 'alexnet', but this model is 'mlp'"
+    assert proc.stderr.count(line) == 2 and "iteration" not in proc.stdout, output(proc)
