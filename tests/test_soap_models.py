@@ -200,3 +200,14 @@ def test_stacked_lstms_on_two_devices_form_a_wavefront():
             back = _ancestors(graph, tasks[f"l1.bwd[{k}]"])
             assert tasks[f"l2.bwd[{k}]"] in back
             assert all(tasks[f"l2.bwd[{j}]"] not in back for j in range(k)), f"layer 1 chunk {k} waits too long"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_random_configs_on_mpi_ranks_train_like_one_device(ranks, seed):
+    """tests/mpi_programs/soap_models.py: every model kind under a random strategy over 2 and 4
+    ranks (tiles, partial sums, carries and weight shards crossing ranks) equals one device."""
+    from tests.test_mpi import assert_every_rank_ok, run_mpi
+    proc, _ = run_mpi(ranks, "soap_models.py", seed, timeout=180)
+    assert_every_rank_ok(proc, ranks)
