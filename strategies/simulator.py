@@ -1,0 +1,185 @@
+"""The execution simulator: one training iteration under a strategy, timed without running it.
+
+It times the graph the runtime would run (strategies/graph.py: the runtime's own lowering
+and dependence analysis on an execute=False runtime) against a cost model, as a null
+device would: every task takes its cost model time on its processor, every copy its link's
+latency plus bytes over bandwidth on its channel (copies on one channel take turns, so
+contention counts), a fold from another memory its copy plus the fold on the target, a fold
+within one memory its fold on that memory's copy worker. Each processor, channel and memory
+runs one node at a time in order of readiness (strategies/timing.py).
+
+    sim = Simulator.for_model(model, load_machine("p100"))
+    result = sim.simulate(data_parallel(model, sim.machine))
+    result.time, result.busy, result.peak_memory
+
+A result also writes a trace in the runtime's format (`write_trace`), so the trace tools
+read simulations and real runs alike.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ops.base import Op, TensorSpec
+from ops.lower import TileConfig, default_config, resolve_config
+from ops.strategy import Strategy, model_fingerprint
+from strategies.cost import CostModel
+from strategies.graph import BACKWARD, FENCE, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
+from strategies.machine_model import MachineModel
+from strategies.memory import peak_memory
+from strategies.timing import Timing, schedule
+from taskrt.taskgraph import CopyNode
+
+
+@dataclass
+class SimResult:
+    """A simulated iteration: its time (seconds), the busy seconds of each processor (global
+    index), the peak bytes of each processor's memory, and the schedule behind them."""
+
+    time: float
+    busy: dict[int, float]
+    peak_memory: dict[int, int]
+    fits: bool
+    graph: IterationGraph
+    timing: Timing
+    resources: list
+
+    def __repr__(self) -> str:
+        return (f"SimResult({self.time * 1e3:.3f} ms, {len(self.graph.nodes)} nodes, "
+                f"peak memory {max(self.peak_memory.values(), default=0) / 2**20:.1f} MiB"
+                f"{'' if self.fits else ', does not fit'})")
+
+    def records(self):
+        """Trace events in the runtime's format (README.md), microseconds from the iteration's start."""
+        for i, node in enumerate(self.graph.nodes):
+            if isinstance(node, CopyNode):
+                where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
+                point = None
+            else:
+                if node.fn is None:
+                    continue
+                where, rank, kind, point = str(node.proc), node.proc.rank, node.kind, list(node.point)
+            yield {"id": node.id, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
+                   "start": round(float(self.timing.start[i]) * 1e6, 3), "end": round(float(self.timing.end[i]) * 1e6, 3),
+                   "bytes": node.nbytes, "point": point}
+
+    def write_trace(self, path: str) -> str:
+        """One JSON line per task and copy after a meta line (kind 'meta', simulated: true)."""
+        events = list(self.records())
+        with open(path, "w") as f:
+            f.write(json.dumps({"kind": "meta", "rank": 0, "unit": "us", "events": len(events), "simulated": True,
+                                "iteration_us": round(self.time * 1e6, 3)}) + "\n")
+            for e in events:
+                f.write(json.dumps(e) + "\n")
+        return path
+
+
+class Simulator:
+    """Times training iterations of one graph (its ops with the loss op, its inputs with the labels)
+    on one machine model with one cost model."""
+
+    def __init__(self, ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, machine_model: MachineModel,
+                 cost: CostModel | None = None, optimizer=None, fingerprint: str | None = None):
+        self.ops = list(ops)
+        self.inputs = list(inputs)
+        self.loss = loss
+        self.machine_model = machine_model
+        self.machine = machine_model.to_machine()
+        self.cost = cost or CostModel(machine_model)
+        self.optimizer = optimizer
+        self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
+        self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
+        self._memory_proc = {p.memory: p for p in self.machine.processors}
+
+    @classmethod
+    def for_model(cls, model, machine_model: MachineModel, cost: CostModel | None = None, loss: str | None = None,
+                  optimizer=None) -> "Simulator":
+        """A simulator of `model` (built with or without weights; it need not be compiled)."""
+        ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy")
+        return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops))
+
+    def __repr__(self) -> str:
+        return f"Simulator({len(self.ops)} ops on {self.machine_model.name}, {len(self.machine.processors)} processors)"
+
+    # ---- configs -------------------------------------------------------------------------------
+    def configs(self, strategy: Strategy | dict | None) -> dict[str, TileConfig]:
+        """Every op's resolved config: from a Strategy (checked) or a dict; the rest data parallel."""
+        if isinstance(strategy, Strategy):
+            configs, _ = strategy.resolve(self.ops, self.machine, fingerprint=self.fingerprint)
+            return configs
+        given = dict(strategy or {})
+        return {op.name: resolve_config(op, given[op.name], self.machine) if op.name in given
+                else default_config(op, self.machine) for op in self.ops}
+
+    # ---- simulation ----------------------------------------------------------------------------
+    def graph(self, strategy) -> IterationGraph:
+        return build_iteration(self.ops, self.inputs, self.loss, self.configs(strategy), self.machine, self.optimizer)
+
+    def simulate(self, strategy) -> SimResult:
+        """Simulate one steady-state iteration under `strategy` (a Strategy or op name -> TileConfig)."""
+        graph = self.graph(strategy)
+        res, dur, resources = self.node_costs(graph)
+        ptr = np.zeros(len(graph.nodes) + 1, np.int64)
+        ptr[1:] = np.cumsum([len(p) for p in graph.preds])
+        idx = np.fromiter((q for p in graph.preds for q in p), np.int64, count=int(ptr[-1]))
+        timing = schedule(res, dur, ptr, idx, len(resources))
+        busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources) if r[0] == "proc"}
+        peak = peak_memory(graph.lowering, self.machine_model)
+        capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
+        fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
+        return SimResult(timing.time, busy, peak, fits, graph, timing, resources)
+
+    def node_costs(self, graph: IterationGraph) -> tuple[np.ndarray, np.ndarray, list]:
+        """(resource index of each node, its seconds, the resources): processors ('proc', p),
+        link channels ('link', channel) and memories' copy workers ('memory', m)."""
+        resources: dict[tuple, int] = {}
+        res = np.empty(len(graph.nodes), np.int64)
+        dur = np.empty(len(graph.nodes))
+        cost = self.cost
+        for i, node in enumerate(graph.nodes):
+            if isinstance(node, CopyNode):
+                key, seconds = self._copy_cost(node)
+            else:
+                tc = graph.task_cost(node)
+                if tc.phase == FENCE:
+                    res[i], dur[i] = -1, 0.0
+                    continue
+                key = ("proc", node.proc)
+                if tc.phase == FILL:
+                    seconds = cost.fill_time(node.nbytes, node.proc)
+                elif tc.phase == UPDATE:
+                    seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
+                else:
+                    seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
+            res[i] = resources.setdefault(key, len(resources))
+            dur[i] = seconds
+        return res, dur, list(resources)
+
+    def _copy_cost(self, node: CopyNode) -> tuple[tuple, float]:
+        mm, cost = self.machine_model, self.cost
+        device = self._memory_proc[node.dst]
+        if node.src == node.dst:
+            return ("memory", node.dst), cost.fold_time(node.nbytes, device)
+        seconds = cost.copy_time(node.nbytes, mm.link(node.src, node.dst))
+        if node.redop is not None:
+            seconds += cost.fold_time(node.nbytes, device)
+        return ("link", mm.channel(node.src, node.dst)), seconds
+
+    def tasks_to_measure(self, strategy) -> list[tuple]:
+        """(op, phase, rect, processor[, param]) of every task of the iteration, for CostModel.measure_all
+        (measure once, then simulate from the cache)."""
+        graph = self.graph(strategy)
+        out = []
+        for node in graph.nodes:
+            if isinstance(node, CopyNode):
+                continue
+            tc = graph.task_cost(node)
+            if tc.phase in (FORWARD, BACKWARD):
+                out.append((tc.op, tc.phase, tc.rect, node.proc))
+            elif tc.phase == UPDATE:
+                out.append((tc.op, UPDATE, tc.rect, node.proc, tc.param))
+        return out
+

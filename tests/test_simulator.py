@@ -1,0 +1,105 @@
+"""The simulator times the runtime's own graph of one iteration against the cost model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from ops.model import Model
+from strategies import data_parallel, model_parallel
+from strategies.cost import CostModel
+from strategies.graph import FENCE, build_iteration
+from strategies.machine_model import load_machine
+from strategies.simulator import Simulator
+from taskrt import Runtime, TaskNode
+from taskrt.taskgraph import CopyNode
+
+
+def mlp(batch=64, width=256):
+    m = Model(Runtime(execute=False), weights=False)
+    x = m.input((batch, width), name="x")
+    h = m.dense(x, width, activation="relu")
+    m.dense(h, 10)
+    return m
+
+
+def test_one_device_runs_every_task_in_turn():
+    mm = load_machine("p100", nodes=1)
+    mm = dataclasses.replace(mm, devices_per_node=1)
+    sim = Simulator.for_model(mlp(), mm, CostModel(mm, measured=False))
+    result = sim.simulate(data_parallel(mlp(), sim.machine))
+    graph = result.graph
+    gpu = next(i for i, p in enumerate(sim.machine.processors) if p.kind == "gpu")
+    on_gpu = [i for i, n in enumerate(graph.nodes) if isinstance(n, TaskNode) and n.fn is not None
+              and sim.machine.processors.index(n.proc) == gpu]
+    res, dur, _ = sim.node_costs(graph)
+    assert result.busy[gpu] == pytest.approx(sum(dur[i] for i in on_gpu))
+    assert result.time >= result.busy[gpu]
+    # tasks on one processor never overlap
+    spans = sorted((result.timing.start[i], result.timing.end[i]) for i in on_gpu)
+    assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
+
+
+def test_the_graph_is_the_runtimes_second_iteration():
+    m = mlp(batch=8, width=16)
+    ops, inputs, loss = m.training_graph()
+    mm = load_machine("p100", nodes=1)
+    machine = mm.to_machine()
+    from ops.lower import default_config
+    graph = build_iteration(ops, inputs, loss.name, {op.name: default_config(op, machine) for op in ops}, machine)
+    phases = {graph.task_cost(n).phase for n in graph.nodes if isinstance(n, TaskNode)}
+    assert {"forward", "backward", "update", "fill"} <= phases
+    names = [n.name for n in graph.nodes if isinstance(n, TaskNode)]
+    assert names.index("dense_0.fwd") < names.index("dense_1.fwd") < names.index("dense_1.bwd") \
+        < names.index("dense_0.bwd") < names.index("dense_0.weight.update")
+    # weights are sharded over the 4 GPUs: each update has 4 pieces, each gradient shard 3 remote folds
+    assert names.count("dense_0.weight.update") == 4
+    folds = [n for n in graph.nodes if isinstance(n, CopyNode) and n.redop and n.region.name == "dense_0.weight.grad"
+             and n.src != n.dst]
+    assert len(folds) == 4 * 3
+    for i, preds in enumerate(graph.preds):
+        assert all(p < i for p in preds)
+
+
+def test_more_devices_share_the_compute_and_pay_for_copies():
+    model = mlp(batch=256, width=1024)
+    times = {}
+    for nodes in (1, 2):
+        mm = load_machine("p100", nodes=nodes)
+        sim = Simulator.for_model(model, mm, CostModel(mm, measured=False))
+        result = sim.simulate(data_parallel(model, sim.machine))
+        times[nodes] = result
+        gpu_busy = [b for i, b in result.busy.items() if sim.machine.processors[i].kind == "gpu"]
+        assert len(gpu_busy) == 4 * nodes and max(gpu_busy) < 1.5 * min(gpu_busy)
+    assert max(times[2].busy.values()) < max(times[1].busy.values())
+    # every weight byte crosses a link twice per step (reduce-scatter and all-gather): copies exist
+    assert any(isinstance(n, CopyNode) and n.src.rank != n.dst.rank for n in times[2].graph.nodes)
+
+
+def test_a_strategy_that_does_not_fit_is_flagged():
+    model = mlp(batch=64, width=512)
+    mm = load_machine("p100", nodes=1)
+    small = dataclasses.replace(mm, device=dataclasses.replace(mm.device, mem_bytes=1 << 16))
+    sim = Simulator.for_model(model, small, CostModel(small, measured=False))
+    result = sim.simulate(data_parallel(model, sim.machine))
+    assert not result.fits and max(result.peak_memory.values()) > 1 << 16
+    roomy = Simulator.for_model(model, mm, CostModel(mm, measured=False)).simulate(model_parallel(model, sim.machine))
+    assert roomy.fits
+
+
+def test_the_trace_is_in_the_runtimes_format(tmp_path):
+    model = mlp(batch=16, width=32)
+    mm = load_machine("k80", nodes=1)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False))
+    result = sim.simulate(model_parallel(model, sim.machine))
+    path = result.write_trace(str(tmp_path / "sim.jsonl"))
+    lines = [json.loads(line) for line in open(path)]
+    assert lines[0]["kind"] == "meta" and lines[0]["simulated"] is True
+    events = lines[1:]
+    assert {"id", "name", "kind", "op", "rank", "proc", "start", "end", "bytes", "point"} <= set(events[0])
+    assert max(e["end"] for e in events) == pytest.approx(result.time * 1e6, abs=1e-3)
+    assert all(e["end"] >= e["start"] for e in events)
+    fences = sum(1 for n in result.graph.nodes if isinstance(n, TaskNode) and result.graph.task_cost(n).phase == FENCE)
+    assert len(events) == len(result.graph.nodes) - fences
