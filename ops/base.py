@@ -146,6 +146,11 @@ class Op(ABC):
         """Dtype of each output; by default that of input 0."""
         return [self.inputs[0].dtype] * self._num_outputs
 
+    def index_bound(self, i: int) -> int | None:
+        """For an integer input that indexes something (embedding rows, class labels): the exclusive
+        upper bound of its values, so the model API can check data before any work; else None."""
+        return None
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Trainable parameters: short name ('weight', 'bias') to shape. Default: none."""
         return {}

@@ -63,6 +63,9 @@ class Embedding(Op):
                 raise self.fail(f"{attr} must be a positive int, got {v!r}")
         return [tuple(shape) + (int(self.embedding_dim),)]
 
+    def index_bound(self, i: int) -> int | None:
+        return int(self.num_embeddings) if i == 0 else None
+
     def output_dtypes(self):
         return ["float32"]
 

@@ -63,6 +63,9 @@ class SparseCategoricalCrossEntropy(Op):
     def split_dims(self):
         return (SplitDim(0, SAMPLE),)
 
+    def index_bound(self, i: int) -> int | None:
+        return int(self.inputs[0].shape[-1]) if i == 1 else None
+
     def input_rects(self, tile: Rect) -> list[Rect]:
         return [batch_rect(tile, t.shape) for t in self.inputs]
 

@@ -425,6 +425,11 @@ class Model:
             raise ValueError(f"{what}: expects one batch of {self.batch_size} samples, got {n}")
         if n == 0:
             raise ValueError(f"{what}: no samples (every input has 0 rows)")
+        for op in self.ops:
+            for i, t in enumerate(op.inputs):
+                bound = op.index_bound(i)
+                if bound is not None and t.name in arrays:
+                    _check_indices(arrays[t.name], bound, f"{what}: input {t.name!r} ({op.kind} {op.name!r})")
         return arrays, n
 
     @property
@@ -712,6 +717,14 @@ class Model:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def _check_indices(a: np.ndarray, bound: int, what: str) -> None:
+    """Every value of an index array in [0, bound), or a ValueError naming the first that is not."""
+    bad = (a < 0) | (a >= bound)
+    if a.size and bool(bad.any()):
+        where = tuple(int(k) for k in np.argwhere(bad)[0])
+        raise ValueError(f"{what}: index {a[where]} at {where} is out of range [0, {bound})")
+
+
 def _numeric(value, what: str) -> np.ndarray:
     """`value` as an array of numbers (bool, int or float); strings and objects are refused."""
     try:

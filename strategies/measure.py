@@ -16,12 +16,6 @@ import numpy as np
 from ops.base import Op
 from taskrt.geometry import Rect
 
-#: the exclusive bound of each integer input of the ops that index with one (no op declares it):
-#: op kind -> function of (op, input index); other integer inputs get zeros, a valid index anywhere
-_INDEX_BOUNDS = {"embedding": lambda op, i: int(op.num_embeddings),
-                 "sparse_categorical_crossentropy": lambda op, i: int(op.inputs[0].shape[-1])}
-
-
 def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
     """Random host arrays for one tile: (inputs at its input rects, weights, state), as lowering
     gives them: only the weights and state with non-empty rects. Floats are uniform in
@@ -32,7 +26,7 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
     inputs = []
     for i, (spec, rect) in enumerate(zip(op.inputs, op.input_rects(tile))):
         if np.dtype(spec.dtype).kind in "iu":
-            bound = _INDEX_BOUNDS[op.kind](op, i) if op.kind in _INDEX_BOUNDS else 1
+            bound = op.index_bound(i) or 1  # an integer input that indexes nothing gets zeros
             inputs.append(rng.integers(0, bound, size=rect.shape).astype(spec.dtype))
         else:
             inputs.append(floats(rect.shape, spec.dtype))

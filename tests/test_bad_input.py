@@ -152,3 +152,22 @@ def test_a_task_that_fails_on_bad_data_leaves_the_runtime_usable():
         np.testing.assert_array_equal(rt.read(r), np.full(4, 2.0, "float32"))
         m = _mlp(rt)
         m.fit({"x": np.ones((4, 3))}, np.zeros(4, "int64"), iterations=1, verbose=False)
+
+
+def test_an_embedding_index_out_of_range_is_refused_before_any_work():
+    with Runtime(cpus=2) as rt:
+        m = Model(rt, seed=0)
+        ids = m.input((4, 3), dtype="int64", name="ids")
+        m.dense(m.flat(m.embedding(ids, 10, 4)), 2)
+        m.compile()
+        bad = np.full((4, 3), 2)
+        bad[1, 2] = 12
+        launched = rt._launch_count
+        with pytest.raises(ValueError, match=r"fit: input 'ids' \(embedding 'embedding_0'\): index 12 at \(1, 2\) "
+                                             r"is out of range \[0, 10\)"):
+            m.fit({"ids": bad}, np.zeros(4, "int64"), iterations=1, verbose=False)
+        with pytest.raises(ValueError, match=r"predict: input 'ids' .* index -1"):
+            m.predict({"ids": np.full((4, 3), -1)})
+        assert rt._launch_count == launched and m.step == 0
+        history = m.fit({"ids": np.full((4, 3), 2)}, np.zeros(4, "int64"), iterations=1, verbose=False)
+        assert np.isfinite(history.loss[0])
