@@ -69,7 +69,7 @@ OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Ada
 #: what the last line of a run (one JSON object) holds
 RESULT_FIELDS = ("app", "ranks", "devices", "batch_size", "iterations", "warmup", "samples_per_s",
                  "mean_iteration_s", "first_loss", "final_loss", "strategy", "tiny", "dtype", "seed",
-                 "parameters", "trace")
+                 "optimizer", "lr", "parameters", "trace")
 
 
 class FlagError(ValueError):
@@ -374,8 +374,8 @@ def train(app: App, args, plan: Plan) -> dict:
               "batch_size": plan.batch_size, "iterations": args.iterations, "warmup": warmup,
               "samples_per_s": plan.batch_size * measured / span, "mean_iteration_s": span / measured,
               "first_loss": losses[0], "final_loss": losses[-1], "strategy": plan.strategy_name,
-              "tiny": bool(args.tiny), "dtype": args.dtype, "seed": args.seed, "parameters": plan.parameters,
-              "trace": trace}
+              "tiny": bool(args.tiny), "dtype": args.dtype, "seed": args.seed, "optimizer": args.optimizer,
+              "lr": args.lr, "parameters": plan.parameters, "trace": trace}
     if rank == 0:
         print(json.dumps(report), flush=True)
     return report
