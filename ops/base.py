@@ -308,6 +308,29 @@ class Op(ABC):
         return "float32"
 
 
+def int_attr(kind: str, name: str, attr: str, value, least: int = 1) -> int:
+    """An int attribute of op `name`, or a ShapeError naming it and the value: floats (even 3.0),
+    bools and strings are refused, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ShapeError(f"{kind} {name!r}: {attr} must be an int, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ShapeError(f"{kind} {name!r}: {attr} must be >= {least}, got {value!r}")
+    return int(value)
+
+
+def float_attr(kind: str, name: str, attr: str, value, lo: float | None = None, hi: float | None = None,
+               lo_open: bool = False) -> float:
+    """A finite real attribute of op `name` in [lo, hi] ((lo, hi] with lo_open), or a ShapeError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(value):
+        raise ShapeError(f"{kind} {name!r}: {attr} must be a finite number, got {type(value).__name__} {value!r}")
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        low, high = ("-inf" if lo is None else f"{lo:g}"), ("inf" if hi is None else f"{hi:g}")
+        bounds = f"{'(' if lo_open else '['}{low}, {high}]"
+        raise ShapeError(f"{kind} {name!r}: {attr} must be in {bounds}, got {value!r}")
+    return float(value)
+
+
 def sample_split_dims(count: int) -> tuple[SplitDim, ...]:
     """Dims 0..count-1 splittable: dim 0 is the sample dimension, the others attributes."""
     return tuple(SplitDim(d, SAMPLE if d == 0 else ATTRIBUTE) for d in range(count))

@@ -15,7 +15,7 @@ import importlib
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, int_attr, register_op
 from ops.cpu_layout import flat_row, flat_rows
 from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
@@ -24,11 +24,13 @@ from taskrt.geometry import Rect
 _CHUNK_BYTES = 8 << 20
 
 
-def _pair(value) -> tuple[int, ...]:
-    """3 -> (3, 3); (2, 3) -> (2, 3). A wrong length is left for infer_shapes to report."""
+def _pair(kind: str, name: str, attr: str, value, least: int) -> tuple[int, ...]:
+    """3 -> (3, 3); (2, 3) -> (2, 3), each an int >= least (ShapeError naming the op otherwise).
+    A wrong length is left for infer_shapes to report."""
     if isinstance(value, (tuple, list)):
-        return tuple(int(v) for v in value)
-    return (int(value), int(value))
+        return tuple(int_attr(kind, name, attr, v, least) for v in value)
+    v = int_attr(kind, name, attr, value, least)
+    return (v, v)
 
 
 def _check_window(op: Op, shape, kernel, stride, padding) -> tuple[int, int]:
@@ -139,8 +141,11 @@ class Conv2d(Op):
 
     def __init__(self, name, inputs, out_channels: int, kernel, stride=1, padding=0, groups: int = 1,
                  use_bias: bool = True):
-        super().__init__(name, inputs, out_channels=int(out_channels), kernel=_pair(kernel), stride=_pair(stride),
-                         padding=_pair(padding), groups=int(groups), use_bias=bool(use_bias))
+        k = self.kind
+        super().__init__(name, inputs, out_channels=int_attr(k, name, "out_channels", out_channels),
+                         kernel=_pair(k, name, "kernel", kernel, 1), stride=_pair(k, name, "stride", stride, 1),
+                         padding=_pair(k, name, "padding", padding, 0), groups=int_attr(k, name, "groups", groups),
+                         use_bias=bool(use_bias))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:
@@ -459,8 +464,10 @@ class Pool2d(Op):
     POOL_TYPES = ("max", "avg")
 
     def __init__(self, name, inputs, kernel, stride=None, padding=0, pool_type: str = "max"):
-        super().__init__(name, inputs, kernel=_pair(kernel), stride=_pair(kernel if stride is None else stride),
-                         padding=_pair(padding), pool_type=pool_type)
+        k = self.kind
+        super().__init__(name, inputs, kernel=_pair(k, name, "kernel", kernel, 1),
+                         stride=_pair(k, name, "stride", kernel if stride is None else stride, 1),
+                         padding=_pair(k, name, "padding", padding, 0), pool_type=pool_type)
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:

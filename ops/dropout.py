@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ops.base import Op, register_op, sample_split_dims
+from ops.base import Op, float_attr, int_attr, register_op, sample_split_dims
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -60,7 +60,8 @@ class Dropout(Op):
     uses_step = True
 
     def __init__(self, name, inputs, rate: float = 0.5, seed: int = 0):
-        super().__init__(name, inputs, rate=float(rate), seed=int(seed))
+        super().__init__(name, inputs, rate=float_attr(self.kind, name, "rate", rate, 0.0, 1.0),
+                         seed=int_attr(self.kind, name, "seed", seed, 0))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:

@@ -41,7 +41,7 @@ from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
 from taskrt import WRITE, Partition, Runtime, TaskError, req
-from taskrt.geometry import Rect, as_int
+from taskrt.geometry import Rect, as_int, as_int_tuple
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
@@ -161,9 +161,9 @@ class Model:
     def input(self, shape, dtype="float32", name: str | None = None) -> TensorSpec:
         """A model input of `shape` (dim 0 is the batch) and `dtype`."""
         self._check_open("input")
-        shape = tuple(int(s) for s in shape)
-        if len(shape) < 1 or any(s < 1 for s in shape):
-            raise ValueError(f"input shape must have at least 1 dim (the batch), all >= 1, got {shape}")
+        shape = as_int_tuple("input shape", shape, least=1)
+        if len(shape) < 1:
+            raise ValueError(f"input shape must have at least 1 dim (the batch), got {shape}")
         t = TensorSpec(shape, np.dtype(dtype).name, self._name("input", name))
         self._count("input", t.name)
         self.inputs.append(t)

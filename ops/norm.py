@@ -17,7 +17,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op, sample_split_dims
+from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, int_attr, register_op,
+                      sample_split_dims)
 from ops.cpu_layout import flat_row, flat_rows
 from taskrt.geometry import Rect
 
@@ -138,7 +139,8 @@ class BatchNorm(Op):
     has_training_mode = True
 
     def __init__(self, name, inputs, eps: float = 1e-5, momentum: float = 0.1, relu: bool = False):
-        super().__init__(name, inputs, eps=float(eps), momentum=float(momentum), relu=bool(relu))
+        super().__init__(name, inputs, eps=float_attr(self.kind, name, "eps", eps, 0.0, lo_open=True),
+                         momentum=float_attr(self.kind, name, "momentum", momentum, 0.0, 1.0), relu=bool(relu))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:
@@ -334,7 +336,9 @@ class LayerNorm(Op):
     def __init__(self, name, inputs, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True):
         if isinstance(normalized_shape, int):
             normalized_shape = (normalized_shape,)
-        super().__init__(name, inputs, normalized_shape=tuple(int(s) for s in normalized_shape), eps=float(eps),
+        shape = tuple(int_attr(self.kind, name, "normalized_shape", s) for s in normalized_shape)
+        super().__init__(name, inputs, normalized_shape=shape, eps=float_attr(self.kind, name, "eps", eps, 0.0,
+                                                                              lo_open=True),
                          elementwise_affine=bool(elementwise_affine))
 
     def infer_shapes(self, in_shapes):

@@ -171,3 +171,20 @@ def test_an_embedding_index_out_of_range_is_refused_before_any_work():
         assert rt._launch_count == launched and m.step == 0
         history = m.fit({"ids": np.full((4, 3), 2)}, np.zeros(4, "int64"), iterations=1, verbose=False)
         assert np.isfinite(history.loss[0])
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda m, x: m.input((4.0, 3)), r"input shape must be ints, got float 4.0"),
+    (lambda m, x: m.conv2d(x, 2.5, 3), r"conv2d 'conv2d_0': out_channels must be an int, got float 2.5"),
+    (lambda m, x: m.pool2d(x, 2.5), r"pool2d 'pool2d_0': kernel must be an int, got float 2.5"),
+    (lambda m, x: m.batch_norm(x, eps="a"), r"batch_norm 'batch_norm_0': eps must be a finite number, got str"),
+    (lambda m, x: m.batch_norm(x, momentum=2), r"momentum must be in \[0, 1\], got 2"),
+    (lambda m, x: m.layer_norm(x, eps=-1), r"layer_norm 'layer_norm_0': eps must be in \(0, inf\], got -1"),
+    (lambda m, x: m.dropout(x, rate=float("nan")), r"dropout 'dropout_0': rate must be a finite number"),
+])
+def test_operator_attributes_are_checked_not_truncated(build, match):
+    m = Model(Runtime(execute=False), weights=False)
+    x = m.input((4, 3, 8, 8), name="x")
+    with pytest.raises((TypeError, ValueError), match=match):
+        build(m, x)
+    assert len(m.ops) == 0

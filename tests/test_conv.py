@@ -149,8 +149,12 @@ def test_conv_bad_inputs_name_the_op():
         make_conv((1, 3, 8, 8), out_channels=4, kernel=3, groups=2)
     with pytest.raises(ShapeError, match=r"conv2d 'conv': expects an NCHW input \(4 dims\), got shape \(3, 8, 8\)"):
         make_conv((3, 8, 8), out_channels=4, kernel=3)
-    with pytest.raises(ShapeError, match=r"conv2d 'conv': stride must be 2 ints >= 1, got \(0, 0\)"):
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': stride must be >= 1, got 0"):
         make_conv((1, 3, 8, 8), out_channels=4, kernel=3, stride=0)
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': kernel must be an int, got float 3.0"):
+        make_conv((1, 3, 8, 8), out_channels=4, kernel=3.0)
+    with pytest.raises(ShapeError, match=r"conv2d 'conv': out_channels must be an int, got float 2.5"):
+        make_conv((1, 3, 8, 8), out_channels=2.5, kernel=3)
     with pytest.raises(ShapeError, match=r"conv2d 'conv': kernel must be 2 ints"):
         make_conv((1, 3, 8, 8), out_channels=4, kernel=(3, 3, 3))
 
