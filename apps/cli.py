@@ -48,7 +48,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 
@@ -108,14 +108,10 @@ def run_app(name: str, build: Callable, sizes_full: dict, sizes_tiny: dict, make
 def run(app: App, argv=None) -> dict:
     """`run_app` for an App value."""
     args = parser(app).parse_args(argv)
-    try:
-        plan = check(app, args)
-    except FlagError as e:
-        fail(str(e))
-    return train(app, args, plan)
+    return train(app, args, check(app, args))
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """One line on stderr and exit status 2 (every rank calls it with the same message)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -138,7 +134,6 @@ def _count(least: int):
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
         return value
-    parse.__name__ = f"integer >= {least}"
     return parse
 
 
@@ -199,7 +194,7 @@ class Plan:
 
 
 def check(app: App, args) -> Plan:
-    """Every check of the flags, on every rank, before a Runtime exists; raises FlagError.
+    """Every check of the flags, on every rank, before a Runtime exists; a problem ends every rank.
 
     Checks whose answer could differ between ranks (files, devices) are agreed over MPI, then
     the machine is discovered (collective) and the rest follows from it and the same files."""

@@ -20,7 +20,7 @@ import pytest
 
 from apps import alexnet, inception_v3, mlp, resnet101, transformer
 from apps.__main__ import main as apps_main
-from apps.cli import build_model, count_parameters
+from apps.cli import RESULT_FIELDS, build_model, count_parameters
 from taskrt.machine import count_gpus
 from taskrt.tracing import read_trace
 from tests.test_mpi import ROOT, _mpiexec, output, python_path
@@ -188,6 +188,7 @@ def run_mpi_app(n: int, name: str, *flags, timeout: float = 120):
 
 
 def check_report(report: dict, name: str, ranks: int, strategy: str, iterations: int = 2) -> None:
+    assert tuple(report) == RESULT_FIELDS
     assert report["app"] == name and report["ranks"] == ranks and report["strategy"] == strategy
     assert report["iterations"] == iterations and report["tiny"] is True
     assert report["samples_per_s"] > 0 and math.isfinite(report["final_loss"])
@@ -218,6 +219,11 @@ def test_tiny_app_on_two_ranks(name, tmp_path):
     for rank in (0, 1):  # each rank made its own share of every batch
         _, events = read_trace(str(tmp_path / f"run.trace.rank{rank}.jsonl"))
         assert sum(e["name"] == "source" for e in events) == 2, rank
+
+
+def test_float64(capsys):
+    report, _ = run_here(mlp, "--tiny", "--iterations", 2, "--dtype", "float64", capsys=capsys)
+    assert report["dtype"] == "float64" and math.isfinite(report["final_loss"])
 
 
 def test_data_is_the_same_on_one_and_two_ranks(capsys):
