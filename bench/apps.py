@@ -1,7 +1,7 @@
 """Samples per second of each tiny app on 1 and 2 ranks against the same network in PyTorch, same run.
 
 Ours: `python -m apps.NAME --tiny` (1 rank with every core as a CPU processor; 2 ranks under
-mpiexec with half the cores each). PyTorch: the very graph the app builds, translated op by op
+mpiexec with half the cores each; one BLAS thread per processor). PyTorch: the very graph the app builds, translated op by op
 into torch calls with the app's initial weights (so it is the same network), trained on the
 same synthetic batches (made per sample by the same generator) with the same optimizer, with
 torch.set_num_threads equal to our CPU processors (OpenMP threads that sleep rather than spin
@@ -207,8 +207,11 @@ def ours(name: str, ranks: int, cpus: int, iterations: int, warmup: int, trace: 
            "--cpus-per-rank", str(cpus)] + (["--trace", trace] if trace else [])
     if ranks > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] + cmd
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TASKRT_GPUS": "0"}, check=True, text=True,
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # one BLAS thread per CPU processor, as PyTorch gets one thread per processor: the runtime leaves
+    # BLAS unlimited on a rank of one CPU processor even when other ranks share the node
+    env = {**os.environ, "TASKRT_GPUS": "0", "TASKRT_BLAS_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, text=True, stdout=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -252,7 +255,7 @@ def where_time_goes(name: str, ranks: int, cpus: int, iterations: int, warmup: i
 
     module = importlib.import_module(f"apps.{name}")
     graph, _ = build_model(module.build, module.TINY, 2, weights=False)
-    kinds = {op.name: op.kind for op in graph.ops}
+    kinds = {"loss": "loss", **{op.name: op.kind for op in graph.ops}}  # compile names the loss op 'loss'
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "app.trace.jsonl")

@@ -2,8 +2,8 @@
 
 Sizes: parameter counts and shapes of the full-size graphs (built alone, nothing allocated)
 and of the tiny ones against the papers' layer tables written out as formulas here. Runs:
-every app --tiny for two iterations on 1 rank (data parallel and another baseline) and
-under mpiexec -n 2; the tiny MLP and AlexNet learn; one test per bad flag.
+every app --tiny for two iterations, data parallel on 1 rank, with another baseline on 1 or
+2 ranks, and under mpiexec -n 2; the tiny MLP and AlexNet learn; one test per bad flag.
 """
 from __future__ import annotations
 
@@ -27,9 +27,6 @@ from tests.test_mpi import ROOT, _mpiexec, output, python_path
 
 APPS = {"mlp": mlp, "alexnet": alexnet, "resnet101": resnet101, "inception_v3": inception_v3,
         "transformer": transformer}
-#: a baseline other than data parallel that each app's tiny run also trains with
-OTHER_BASELINE = {"mlp": "tensor", "alexnet": "expert", "resnet101": "expert", "inception_v3": "expert",
-                  "transformer": "tensor"}
 
 
 # ---- the papers' layer tables as parameter formulas ----------------------------------------------
@@ -195,20 +192,28 @@ def check_report(report: dict, name: str, ranks: int, strategy: str, iterations:
     assert report["parameters"] == FORMULAS[name](APPS[name].TINY)
 
 
-@pytest.mark.parametrize("name", APPS)
-def test_tiny_app_on_one_rank(name, capsys):
-    report, lines = run_here(APPS[name], "--tiny", "--iterations", 2, "--cpus-per-rank", 2, capsys=capsys)
-    check_report(report, name, 1, "data")
+#: every app trains data parallel on 1 rank and with another baseline on 1 or 2 ranks, and on 2 ranks
+ONE_RANK = [("mlp", "data"), ("mlp", "tensor"), ("alexnet", "data"), ("alexnet", "expert"), ("resnet101", "data"),
+            ("inception_v3", "data"), ("transformer", "data"), ("transformer", "tensor")]
+TWO_RANKS = [("mlp", "data"), ("alexnet", "expert"), ("resnet101", "expert"), ("inception_v3", "expert"),
+             ("transformer", "tensor")]
+
+
+@pytest.mark.parametrize("name, baseline", ONE_RANK)
+def test_tiny_app_on_one_rank(name, baseline, capsys):
+    report, lines = run_here(APPS[name], "--tiny", "--iterations", 2, "--cpus-per-rank", 2, "--baseline", baseline,
+                             capsys=capsys)
+    check_report(report, name, 1, baseline)
     assert [line.split("  ")[0] for line in lines[:-1]] == [f"{name} iteration 1/2", f"{name} iteration 2/2"]
-    other = OTHER_BASELINE[name]
-    report, _ = run_here(APPS[name], "--tiny", "--iterations", 2, "--baseline", other, "--cpus-per-rank", 2,
-                         capsys=capsys)
-    check_report(report, name, 1, other)
 
 
-@pytest.mark.parametrize("name", ["mlp", "alexnet", "resnet101", "inception_v3", "transformer"])
-def test_tiny_app_on_two_ranks(name, tmp_path):
-    baseline = "data" if name in ("mlp", "transformer") else OTHER_BASELINE[name]
+def test_no_strategy_flag_means_data_parallel(capsys):
+    report, _ = run_here(mlp, "--tiny", "--iterations", 2, capsys=capsys)
+    check_report(report, "mlp", 1, "data")
+
+
+@pytest.mark.parametrize("name, baseline", TWO_RANKS)
+def test_tiny_app_on_two_ranks(name, baseline, tmp_path):
     trace = tmp_path / "run.trace.jsonl"
     proc, _ = run_mpi_app(2, name, "--tiny", "--iterations", 2, "--cpus-per-rank", 1, "--baseline", baseline,
                           "--trace", trace)
