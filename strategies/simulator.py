@@ -96,9 +96,10 @@ class Simulator:
 
     @classmethod
     def for_model(cls, model, machine_model: MachineModel, cost: CostModel | None = None, loss: str | None = None,
-                  optimizer=None) -> "Simulator":
-        """A simulator of `model` (built with or without weights; it need not be compiled)."""
-        ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy")
+                  optimizer=None, output=None) -> "Simulator":
+        """A simulator of `model` (built with or without weights; it need not be compiled), its loss
+        on `output` (default: the last op's first output)."""
+        ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy", output)
         return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops))
 
     def __repr__(self) -> str:

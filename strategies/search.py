@@ -1,0 +1,214 @@
+"""MCMC search over SOAP strategies on simulated iteration time (FlexFlow's Metropolis-Hastings).
+
+A proposal gives one random operator a random valid config (strategies.random_config: any
+split kind it declares, devices drawn from the machine); the simulator times the new
+strategy, and the chain moves there with probability min(1, exp(beta * (old - new))).
+Strategies that do not fit a device's memory are rejected. Chains start from data
+parallelism, the expert strategy and a random strategy in turn, sharing the budget; each
+stops at its share of proposals or seconds, or when its best has not improved for half of
+its share. The whole search is reproducible for a seed.
+
+    result = search(Simulator.for_model(model, load_machine("p100")), budget=1000, seed=0)
+    result.best, result.best_time, result.baselines
+
+`python -m strategies.search --app NAME --machine M --budget N -o strategy.json` does the
+same from the command line (see main).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ops.strategy import Strategy
+from strategies.baselines import BASELINES
+from strategies.random import random_config, random_strategy
+from strategies.simulator import Simulator
+
+STARTS = ("data", "expert", "random")
+
+
+@dataclass
+class SearchResult:
+    """The best strategy found, its predicted iteration time (s), the baselines' predicted times,
+    and the search's counts: proposals made, accepted, rejected for memory, seconds spent."""
+
+    best: Strategy
+    best_time: float
+    baselines: dict[str, float]
+    proposals: int = 0
+    accepted: int = 0
+    infeasible: int = 0
+    seconds: float = 0.0
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (f"SearchResult(best {self.best_time * 1e3:.3f} ms after {self.proposals} proposals, "
+                f"{self.accepted} accepted, {self.seconds:.1f} s)")
+
+    def speedup_over_baselines(self) -> float:
+        """The best baseline's predicted time over the searched one's."""
+        feasible = [t for t in self.baselines.values() if math.isfinite(t)]
+        return min(feasible) / self.best_time if feasible else math.inf
+
+
+class _Bar:
+    """One line, rewritten in place on a terminal (every 1% otherwise), with the best time so far."""
+
+    def __init__(self, stream, total: int):
+        self.stream, self.total = stream, max(1, total)
+        self.tty = stream is not None and hasattr(stream, "isatty") and stream.isatty()
+        self.shown = -1
+
+    def show(self, done: int, best: float) -> None:
+        if self.stream is None:
+            return
+        pct = 100 * done // self.total
+        if not self.tty and (pct == self.shown or pct % 10):
+            return
+        self.shown = pct
+        bar = "#" * (pct // 5) + "." * (20 - pct // 5)
+        line = f"search [{bar}] {done}/{self.total} proposals, best {best * 1e3:.3f} ms"
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _time(sim: Simulator, strategy: Strategy) -> float:
+    """Predicted seconds of one iteration; infinite when the strategy does not fit the memory."""
+    result = sim.simulate(strategy)
+    return result.time if result.fits else math.inf
+
+
+def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = None, beta: float | None = None,
+           starts=STARTS, model=None, progress=None) -> SearchResult:
+    """Search `budget` proposals (and at most `seconds`) over `sim`'s graph; `beta` in 1/seconds
+    (default: 5 over the data-parallel time, so a proposal 20% slower than that is taken with
+    probability 1/e). `model` is what the baselines take (default: the simulator's ops)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"search: budget must be a positive int (proposals), got {budget!r}")
+    unknown = [s for s in starts if s not in STARTS]
+    if unknown or not starts:
+        raise ValueError(f"search: starts must be some of {list(STARTS)}, got {list(starts)}")
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    graph_ops = model if model is not None else [op for op in sim.ops if op.name != sim.loss]
+    baselines = {}
+    starting = {}
+    for name, make in BASELINES.items():
+        s = _complete(sim, make(graph_ops, sim.machine))
+        baselines[name] = _time(sim, s)
+        starting[name] = s
+    starting["random"] = _complete(sim, random_strategy(graph_ops, sim.machine, rng))
+    beta = beta if beta is not None else 5.0 / baselines["data"] if math.isfinite(baselines["data"]) else 1.0
+    best_name = min(baselines, key=baselines.get)
+    best, best_time = starting[best_name], baselines[best_name]
+    result = SearchResult(best, best_time, baselines)
+    bar = _Bar(progress, budget)
+    share = [budget // len(starts) + (1 if i < budget % len(starts) else 0) for i in range(len(starts))]
+    deadline = None if seconds is None else t0 + seconds
+    ops = sim.ops
+    for start, n in zip(starts, share):
+        current = starting[start]
+        current_time = baselines.get(start) if start in baselines else _time(sim, current)
+        chain_best, since = current_time, 0
+        for _ in range(n):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            op = ops[int(rng.integers(len(ops)))]
+            proposal = current.replace(op.name, random_config(op, sim.machine, rng))
+            t = _time(sim, proposal)
+            result.proposals += 1
+            if not math.isfinite(t):
+                result.infeasible += 1
+            elif t <= current_time or rng.random() < math.exp(beta * (current_time - t)):
+                current, current_time = proposal, t
+                result.accepted += 1
+            if current_time < chain_best:
+                chain_best, since = current_time, 0
+            else:
+                since += 1
+            if current_time < result.best_time:
+                result.best, result.best_time = current, current_time
+                result.history.append((result.proposals, current_time))
+            bar.show(result.proposals, result.best_time)
+            if since > n // 2:
+                break
+    bar.close()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _complete(sim: Simulator, strategy: Strategy) -> Strategy:
+    """The strategy with every op of the simulator's graph named (the loss op included)."""
+    configs = sim.configs(strategy)
+    return Strategy(sim.fingerprint, configs)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def app_graph(name: str, batch_size: int | None = None, tiny: bool = False):
+    """(the graph of app `name` built without weights, the tensor its loss applies to), at its full
+    or tiny sizes; batch 64 (16 tiny) unless given."""
+    import importlib
+
+    from apps.cli import build_model
+    module = importlib.import_module(f"apps.{name}")
+    sizes = module.TINY if tiny else module.FULL
+    batch = batch_size or (16 if tiny else 64)
+    return build_model(module.build, dict(sizes), batch, weights=False)
+
+
+def main(argv=None) -> int:
+    """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
+    strategy's predicted time beside the baselines', write the strategy file the apps take."""
+    from apps.cli import APPS
+    from strategies.machine_model import MachineError, load_machine
+
+    p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--app", required=True, choices=sorted(APPS), help="the network to search for")
+    p.add_argument("--tiny", action="store_true", help="its scaled-down configuration")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the app's)")
+    p.add_argument("--machine", default="local", help="a machine model: p100, k80, h100, local, or a file")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the machine model (default: its own)")
+    p.add_argument("--budget", type=int, default=1000, help="proposals")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", default=None, help="write the best strategy here")
+    args = p.parse_args(argv)
+    try:
+        mm = load_machine(args.machine, nodes=args.nodes)
+    except MachineError as e:
+        print(f"error: --machine {args.machine}: {e}", file=sys.stderr)
+        return 2
+    if args.budget < 1:
+        print(f"error: --budget {args.budget}: must be at least 1", file=sys.stderr)
+        return 2
+    model, output = app_graph(args.app, args.batch_size, args.tiny)
+    sim = Simulator.for_model(model, mm, output=output)
+    result = search(sim, args.budget, args.seed, args.seconds, model=model, progress=sys.stderr)
+    named = Strategy(args.app, {op.name: result.best.ops[op.name] for op in model.ops})
+    if args.output:
+        named.save(args.output)
+    for name, t in sorted(result.baselines.items(), key=lambda kv: kv[1]):
+        print(f"  {name:8s} {t * 1e3:10.3f} ms")
+    print(f"  {'searched':8s} {result.best_time * 1e3:10.3f} ms  ({result.speedup_over_baselines():.2f}x the best "
+          f"baseline, {result.proposals} proposals in {result.seconds:.1f} s)")
+    print(json.dumps({"app": args.app, "machine": mm.name, "devices": mm.num_devices, "proposals": result.proposals,
+                      "seconds": round(result.seconds, 3), "best_ms": result.best_time * 1e3,
+                      "baselines_ms": {k: v * 1e3 for k, v in result.baselines.items()},
+                      "speedup_over_best_baseline": result.speedup_over_baselines(), "strategy": args.output}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""MCMC search on simulated time: reproducible, never worse than the baselines, memory-aware."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ops.model import Model
+from strategies.cost import CostModel
+from strategies.machine_model import load_machine
+from strategies.search import search
+from strategies.simulator import Simulator
+from taskrt import Runtime
+
+
+def mlp():
+    m = Model(Runtime(execute=False), weights=False)
+    x = m.input((32, 64), name="x")
+    m.dense(m.dense(x, 64, activation="relu"), 8)
+    return m
+
+
+def simulator(model, mm=None):
+    mm = mm or dataclasses.replace(load_machine("p100", nodes=1), devices_per_node=2)
+    return Simulator.for_model(model, mm, CostModel(mm, measured=False))
+
+
+def test_search_is_reproducible_and_no_worse_than_every_baseline():
+    model = mlp()
+    a = search(simulator(model), budget=24, seed=3, model=model)
+    b = search(simulator(model), budget=24, seed=3, model=model)
+    assert a.best == b.best and a.best_time == b.best_time and a.history == b.history
+    assert 0 < a.proposals <= 24
+    assert a.best_time <= min(a.baselines.values())
+    assert set(a.baselines) == {"data", "model", "expert", "tensor"}
+    # the predicted time of the result is what the simulator says of it
+    assert simulator(model).simulate(a.best).time == pytest.approx(a.best_time)
+
+
+def test_strategies_that_do_not_fit_are_rejected():
+    model = mlp()
+    mm = dataclasses.replace(load_machine("p100", nodes=1), devices_per_node=2)
+    tight = dataclasses.replace(mm, device=dataclasses.replace(mm.device, mem_bytes=60_000))
+    result = search(simulator(model, tight), budget=30, seed=1, model=model)
+    assert result.infeasible > 0
+    assert math.isfinite(result.best_time) and simulator(model, tight).simulate(result.best).fits
+
+
+def test_bad_budgets_are_refused():
+    with pytest.raises(ValueError, match="budget must be a positive int"):
+        search(simulator(mlp()), budget=0)
+    with pytest.raises(ValueError, match="starts must be some of"):
+        search(simulator(mlp()), budget=5, starts=("nonsense",))
+
+
+def test_the_command_line_writes_a_strategy_the_app_trains_with(tmp_path):
+    out = tmp_path / "mlp.json"
+    proc = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--tiny", "--machine", "local",
+                           "--nodes", "1", "--budget", "6", "-o", str(out)], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["app"] == "mlp" and report["proposals"] <= 6 and "searched" in proc.stdout
+    assert json.loads(out.read_text())["model"] == "mlp"
+    run = subprocess.run([sys.executable, "-m", "apps.mlp", "--tiny", "--iterations", "2", "--strategy", str(out)],
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["strategy"] == str(out)
+    bad = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--machine", "nowhere"],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --machine nowhere:")
