@@ -384,6 +384,7 @@ class Progress:
     def __init__(self, name: str, total: int, stream):
         self.name, self.total, self.stream = name, total, stream
         self.bar = stream is not None and stream.isatty()
+        self.width = 0
 
     def show(self, done: int, loss: float, times: list[float]) -> None:
         if self.stream is None:
@@ -393,7 +394,8 @@ class Progress:
             filled = self.WIDTH * done // self.total
             line = f"\r{self.name} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total}  " \
                    f"loss {loss:.4f}  {took:.3f} s/it"
-            self.stream.write(line + ("\n" if done == self.total else ""))
+            self.width = max(self.width, len(line))
+            self.stream.write(line.ljust(self.width) + ("\n" if done == self.total else ""))
         else:
             self.stream.write(f"{self.name} iteration {done}/{self.total}  loss {loss:.4f}  {took:.3f} s\n")
         self.stream.flush()
