@@ -44,7 +44,7 @@ from .mpi_control import (Alive, Checkpoint, Dispatch, Get, Launches, Push, Quer
 from .mpi_copies import COPY_IN_PROGRESS_BYTES, Copies, RecvHalf, SendHalf
 from .mpi_divergence import Divergence, ShutdownBarrier
 from .mpi_futures import RemoteValues
-from .mpi_progress import Op, Progress
+from .mpi_progress import SHARED_CORE_SPIN_S, SPIN_S, Op, Progress
 from .mpi_routing import FRONTIER_MAX, Route, Router, route
 from .mpi_watchdog import (ABORT_GRACE_S, DEFAULT_TIMEOUT_S, HEARTBEAT_S, STALL_S, Abort, Watchdog,
                            abort_on_uncaught_exceptions, timeout_from_env)
@@ -98,7 +98,10 @@ class MPITransport:
         self.hdr = self.world.Dup()
         self.ctl = self.world.Dup()
         self.clock = sync_clocks(self.ctl, runtime.tracer)
-        self.progress = Progress(f"taskrt-mpi-r{rank}", self._tick, self._request_failed, fatal)
+        # a blocking wait is MPICH polling: only where the node has a core for it does it wait long
+        fits = runtime.machine.threads_fit_node(rank, extra_per_rank=1)
+        self.progress = Progress(f"taskrt-mpi-r{rank}", self._tick, self._request_failed, fatal,
+                                 spin_s=SPIN_S if fits else SHARED_CORE_SPIN_S)
         self.values = RemoteValues(rank, self.size, ex, self.progress, self._send_ctl, self.watchdog.block)
         self.dispatch = Dispatch({
             Checkpoint: self._on_checkpoint,
@@ -116,7 +119,7 @@ class MPITransport:
         self.copies = Copies(rank, ex, runtime.store, self.progress, self.hdr, self.data,
                              int(self.world.Get_attr(MPI.TAG_UB) or 32767), self.divergence.found, fatal,
                              native=mpi_native.available() is None,
-                             spin=runtime.machine.threads_fit_node(rank, extra_per_rank=1))
+                             spin=fits)
         self.progress.start()
 
     # ---- launches and nodes (main thread) ------------------------------------------------------

@@ -38,7 +38,12 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+#: after a message, the progress thread waits inside MPI this long for the next one (a core's
+#: polling in MPICH); SHARED_CORE_SPIN_S where the node has no core to spare for it, since
+#: there that polling takes the workers' time (a 2-core node with a message every 2-3 ms:
+#: 37-42 ms of a CNN step's CPU at 2 ms, 10-20 ms at 0.2 ms)
 SPIN_S = 0.002
+SHARED_CORE_SPIN_S = 0.0002
 SPIN_NAP_S = 5e-6
 MAX_NAP_S = 0.001
 IDLE_TICK_S = 0.002
@@ -66,8 +71,10 @@ class Progress:
     thread every turn and returns whether it did something; `failed(reqs, ops)` is called
     when an MPI call on the requests raises; `fatal(text)` when the thread itself breaks."""
 
-    def __init__(self, name: str, tick: Callable[[], bool], failed: Callable, fatal: Callable[[str], None]):
+    def __init__(self, name: str, tick: Callable[[], bool], failed: Callable, fatal: Callable[[str], None],
+                 spin_s: float = SPIN_S):
         self.name = name
+        self.spin_s = spin_s
         self.tick = tick
         self.failed = failed
         self.fatal = fatal
@@ -179,7 +186,7 @@ class Progress:
                 if not busy and not self.incoming:
                     self.wake.wait(IDLE_TICK_S)
                 continue
-            recent = time.monotonic() - self.last_activity < SPIN_S
+            recent = time.monotonic() - self.last_activity < self.spin_s
             if recent and self.receiving and not self.stopping:
                 self._wait_blocked()
             elif self._test() or busy:

@@ -439,7 +439,8 @@ class Runtime:
 def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
     """Give each CPU processor of this rank its share of the cores for BLAS (numpy's matmul):
     P workers each running a BLAS that starts one thread per core oversubscribe the machine
-    many times over, and OpenBLAS's spinning threads then slow everything down. `threads`
+    many times over, and OpenBLAS's spinning threads then slow everything down (ranks that
+    share a node share its cores, one worker each included). `threads`
     overrides the share (TASKRT_BLAS_THREADS too). Returns the limiter (restored at
     shutdown), or None when nothing is limited."""
     cpus = sum(p.kind == "cpu" for p in machine.rank_processors(rank))
@@ -447,12 +448,12 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
         env = os.environ.get("TASKRT_BLAS_THREADS")
         if env:
             threads = int(env)
-        elif cpus <= 1:
-            return None
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             ranks_here = max(1, len(machine.ranks_on_host(rank)))
-            threads = max(1, cores // (ranks_here * cpus))
+            threads = max(1, cores // (ranks_here * max(1, cpus)))
+            if threads >= cores:
+                return None  # one worker alone on the node: BLAS may use every core
     if threads < 1:
         raise ValueError(f"blas_threads must be >= 1, got {threads}")
     from threadpoolctl import threadpool_limits
