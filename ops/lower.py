@@ -494,6 +494,11 @@ def _zero_launches(parts: list[Partition], colors: list, placement: dict, value:
     return launches
 
 
+#: a replicated weight is cut into shards of at least this many bytes (so at most its bytes over
+#: this many shards): below it, a shard's messages cost more than the bytes they save
+MIN_SHARD_BYTES = 1024
+
+
 class UpdatePlan:
     """The optimizer update of one weight, sharded over the devices that hold its replicas.
 
@@ -504,7 +509,8 @@ class UpdatePlan:
     runtime folds the replicas' partial gradients of that shard into that device alone (a
     reduce-scatter), and the next forward's reads gather the updated shards (an
     all-gather): no device moves more than about 2(P-1)/P of the weight per step, and the
-    optimizer state lives only in the shards (ZeRO stage 1). When the op's weight rects
+    optimizer state lives only in the shards (ZeRO stage 1). A small weight gets fewer shards
+    (MIN_SHARD_BYTES each at least; a bias is one piece). When the op's weight rects
     overlap without being equal, the whole weight is one block over all its devices.
     `rotate` turns which device takes which shard, so that weights with fewer shards than
     devices spread their shards over different devices.
@@ -517,7 +523,8 @@ class UpdatePlan:
         self.state_names = list(optimizer.state_names())
         shards = {}
         for block, devices in _weight_blocks(param.value.rect, plan, short).items():
-            degrees = shard_degrees(block.shape, len(devices))
+            nbytes = block.volume * np.dtype(param.value.dtype).itemsize
+            degrees = shard_degrees(block.shape, max(1, min(len(devices), nbytes // MIN_SHARD_BYTES)))
             pieces = [r.translate(block.lo) for r in tile_rects(block.shape, degrees).values()]
             for i, r in enumerate(pieces):
                 if not r.empty:

@@ -64,10 +64,10 @@ def test_data_parallel_moves_about_2_p_minus_1_over_p_of_the_weights_per_memory(
 def test_the_folds_of_different_shards_do_not_wait_for_each_other():
     machine = Machine.build(1, 4, separate_memories=True)
     with Runtime(machine, execute=False) as rt:
-        model = _mlp(rt, batch=8, width=16)
+        model = _mlp(rt, batch=8, width=64)
         model.compile(optimizer=SGD(lr=0.1))
         low = model._low
-        model._attach({"x": np.zeros((8, 16), "float32")}, np.zeros(8, "int64"))
+        model._attach({"x": np.zeros((8, 64), "float32")}, np.zeros(8, "int64"))
         low.train_step(1)
         first = rt._next_id
         low.train_step(2)
@@ -101,14 +101,15 @@ def _ancestors(graph, targets):
 def test_optimizer_state_lives_only_in_its_shard():
     machine = Machine.build(1, 4, separate_memories=True)
     with Runtime(machine) as rt:
-        model = _mlp(rt, batch=8, width=16)
+        model = _mlp(rt, batch=8, width=64)
         model.compile(optimizer=Adam(lr=0.01))
         rng = np.random.default_rng(0)
-        model.fit({"x": rng.standard_normal((8, 16)).astype("float32")}, rng.integers(0, 10, 8), iterations=2,
+        model.fit({"x": rng.standard_normal((8, 64)).astype("float32")}, rng.integers(0, 10, 8), iterations=2,
                   verbose=False)
         rt.wait()
         low = model._low
         update = next(u for u in low.updates if u.param.name == "dense_0.weight")
+        assert len(update.colors) == 4
         state = low.params["dense_0.weight"].state["exp_avg"]
         st = rt.analyzer.state(state)
         # every piece of the state is valid in exactly one memory: its shard's device
@@ -133,3 +134,13 @@ def test_sharded_updates_equal_one_device(optimizer):
     np.testing.assert_allclose(loss4, loss1, rtol=1e-5)
     for k in params1:
         np.testing.assert_allclose(params4[k], params1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_small_weights_take_fewer_shards_than_devices():
+    machine = Machine.build(1, 4, separate_memories=True)
+    with Runtime(machine, execute=False) as rt:
+        model = _mlp(rt, batch=8, width=64)
+        model.compile(optimizer=SGD(lr=0.1))
+        shards = {u.param.name: len(u.colors) for u in model._low.updates}
+    # 16 KiB over 4 devices: 4 shards; 256 B of bias: one piece; 2.5 KiB: 2 shards of >= 1 KiB
+    assert shards == {"dense_0.weight": 4, "dense_0.bias": 1, "dense_1.weight": 2, "dense_1.bias": 1}

@@ -43,7 +43,7 @@ def test_one_device_runs_every_task_in_turn():
 
 
 def test_the_graph_is_the_runtimes_second_iteration():
-    m = mlp(batch=8, width=16)
+    m = mlp(batch=8, width=64)
     ops, inputs, loss = m.training_graph()
     mm = load_machine("p100", nodes=1)
     machine = mm.to_machine()
