@@ -14,7 +14,8 @@ setup(
         "threadpoolctl>=3.1",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6.80", "dask>=2023.1", "torch>=2.0"],
+        "tools": ["matplotlib>=3.5"],
+        "test": ["pytest>=7", "hypothesis>=6.80", "dask>=2023.1", "torch>=2.0", "matplotlib>=3.5"],
         "gpu": ["cupy-cuda12x>=13"],
     },
 )
