@@ -53,18 +53,24 @@ class SimResult:
                 f"{'' if self.fits else ', does not fit'})")
 
     def records(self):
-        """Trace events in the runtime's format (README.md), microseconds from the iteration's start."""
+        """Trace events in the runtime's format (README.md), microseconds from the iteration's start,
+        each with `preds`: the ids of the traced nodes it waits on (through untraced fences)."""
+        # stands_for[i]: the traced ids that node i stands for as a pred (itself, or a fence's preds)
+        stands_for: list[frozenset] = []
         for i, node in enumerate(self.graph.nodes):
+            waits = frozenset().union(*(stands_for[p] for p in self.graph.preds[i]))
+            untraced = not isinstance(node, CopyNode) and node.fn is None
+            stands_for.append(waits if untraced else frozenset((node.id,)))
+            if untraced:
+                continue
             if isinstance(node, CopyNode):
                 where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
                 point = None
             else:
-                if node.fn is None:
-                    continue
                 where, rank, kind, point = str(node.proc), node.proc.rank, node.kind, list(node.point)
             yield {"id": node.id, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
                    "start": round(float(self.timing.start[i]) * 1e6, 3), "end": round(float(self.timing.end[i]) * 1e6, 3),
-                   "bytes": node.nbytes, "point": point}
+                   "bytes": node.nbytes, "point": point, "preds": sorted(waits)}
 
     def write_trace(self, path: str) -> str:
         """One JSON line per task and copy after a meta line (kind 'meta', simulated: true)."""
