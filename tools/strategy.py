@@ -1,0 +1,319 @@
+"""Look at strategy files: a table of their configs, a drawing of the graph by device, a diff.
+
+    python -m tools.strategy show FILE [--app NAME [--tiny] [--batch-size N]]
+    python -m tools.strategy draw FILE --app NAME [--tiny] [--batch-size N] -o out.png [--engine auto|dot|matplotlib]
+    python -m tools.strategy diff A B
+
+`show` lists each op's degrees, named by SOAP kind when the app gives the op (S sample,
+A attribute, P parameter, R reduce: "S2 P2"), its devices and, given the app, its kind and
+output shape. `draw` lays the app's ops out in layers of their topological order, an edge
+from each producer to its consumers, each op coloured by the set of devices its tiles run
+on (graphviz's `dot` when it is on PATH, else matplotlib). `diff` prints the ops whose
+configs differ and exits 1 if any do, like diff(1). A missing or malformed file, an
+unknown app or a strategy that does not fit the app gives one line on stderr and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import NoReturn, Sequence
+
+from ops.base import Op
+from ops.lower import TileConfig
+from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
+
+#: one letter per SOAP kind, as in SplitDim's str
+LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
+#: inches per layer (down) and per op in the widest layer (across), and the figure's dpi
+LAYER_IN, COLUMN_IN, DPI = 0.9, 1.8, 100
+DEFAULT = "default"
+
+
+class ToolError(Exception):
+    """A problem with the command's input; its message is the one line printed."""
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def read(path: str) -> Strategy:
+    """The strategy in `path`; ToolError with its problems on one line."""
+    try:
+        return load(path)
+    except StrategyError as e:
+        raise ToolError("; ".join(e.problems)) from None
+
+
+def app_ops(app: str, tiny: bool = False, batch: int | None = None) -> list[Op]:
+    """The ops of app `app`'s graph (built without weights)."""
+    from apps.cli import APPS
+    from strategies.search import app_graph
+    if app not in APPS:
+        raise ToolError(f"--app {app}: unknown app; the apps are {', '.join(APPS)}")
+    model, _ = app_graph(app, batch, tiny)
+    return list(model.ops)
+
+
+def check_fits(strategy: Strategy, ops: Sequence[Op], app: str) -> None:
+    """The strategy was made for this app (name or fingerprint), names only its ops, and gives
+    each a degree per tile dim; ToolError naming the first problem."""
+    where = strategy.source or "strategy"
+    if is_fingerprint(strategy.model):
+        if strategy.model != model_fingerprint(ops):
+            raise ToolError(f"{where}: made for model {strategy.model}, but --app {app} is "
+                            f"{model_fingerprint(ops)} (try --tiny or --batch-size)")
+    elif strategy.model != app:
+        raise ToolError(f"{where}: made for model {strategy.model!r}, not --app {app}")
+    by_name = {op.name: op for op in ops}
+    for name, config in strategy.ops.items():
+        op = by_name.get(name)
+        if op is None:
+            raise ToolError(f"{where}: op {name!r} is not in --app {app}")
+        if len(config.degrees) != len(op.tile_shape):
+            raise ToolError(f"{where}: op {name!r} ({op.kind}) has {len(op.tile_shape)} tile dims, "
+                            f"the strategy gives {len(config.degrees)} degrees")
+
+
+# ---- show ---------------------------------------------------------------------------------------
+def split_text(config: TileConfig | None, op: Op | None = None) -> str:
+    """Degrees named by SOAP kind ("S2 P2") given the op, else "2x1x1"; "1" for one tile."""
+    if config is None:
+        return DEFAULT
+    if op is None:
+        return "x".join(map(str, config.degrees))
+    kinds = {s.dim: LETTERS[s.kind] for s in op.split_dims()}
+    parts = [f"{kinds.get(d, '?')}{n}" for d, n in enumerate(config.degrees) if n > 1]
+    return " ".join(parts) or "1"
+
+
+def devices_text(config: TileConfig | None) -> str:
+    if config is None or config.devices is None:
+        return DEFAULT
+    return ",".join(map(str, config.devices))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of `show`: the op's name, kind, split, devices and output shape ('' when unknown)."""
+
+    name: str
+    kind: str
+    split: str
+    devices: str
+    shape: str
+
+
+def rows(strategy: Strategy, ops: Sequence[Op] | None = None) -> list[Row]:
+    """The strategy's ops in file order, or, given the app's ops, every op in graph order."""
+    if ops is None:
+        return [Row(name, "", split_text(c), devices_text(c), "") for name, c in strategy.ops.items()]
+    out = []
+    for op in ops:
+        config = strategy.ops.get(op.name)
+        shape = " ".join("x".join(map(str, t.shape)) for t in op.outputs)
+        out.append(Row(op.name, op.kind, split_text(config, op), devices_text(config), shape))
+    return out
+
+
+def format_table(table: list[Row]) -> str:
+    """Columns padded to their widest cell; columns empty in every row left out."""
+    heads = ("op", "kind", "split", "devices", "output")
+    cols = [[h] + [getattr(r, f) for r in table] for h, f in zip(heads, Row.__dataclass_fields__)]
+    cols = [c for c in cols if any(c[1:])]
+    widths = [max(map(len, c)) for c in cols]
+    lines = ["  ".join(c[i].ljust(w) for c, w in zip(cols, widths)).rstrip() for i in range(len(table) + 1)]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
+
+
+# ---- draw ---------------------------------------------------------------------------------------
+def edges(ops: Sequence[Op]) -> list[tuple[str, str]]:
+    """(producer, consumer) for every op input made by another op, in graph order."""
+    producer = {t.name: op.name for op in ops for t in op.outputs}
+    return [(producer[t.name], op.name) for op in ops for t in op.inputs if t.name in producer]
+
+
+def layers(ops: Sequence[Op]) -> list[list[str]]:
+    """Ops by their longest path from a model input (graph order within a layer)."""
+    depth: dict[str, int] = {}
+    into: dict[str, list[str]] = {op.name: [] for op in ops}
+    for a, b in edges(ops):
+        into[b].append(a)
+    for op in ops:  # model.ops is in topological order: producers come first
+        depth[op.name] = 1 + max((depth[a] for a in into[op.name]), default=-1)
+    out: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
+    for op in ops:
+        out[depth[op.name]].append(op.name)
+    return out
+
+
+def device_groups(strategy: Strategy, ops: Sequence[Op]) -> dict[str, str]:
+    """op name -> its device set's label ("0,1", or 'default' where the file leaves it out)."""
+    out = {}
+    for op in ops:
+        config = strategy.ops.get(op.name)
+        devs = None if config is None or config.devices is None else sorted(set(config.devices))
+        out[op.name] = DEFAULT if devs is None else ",".join(map(str, devs))
+    return out
+
+
+def colours(groups: dict[str, str]) -> dict[str, str]:
+    """A hex colour per device-set label, from matplotlib's tab10 in order of first use; grey for 'default'."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+    cmap = colormaps["tab10"]
+    labels = list(dict.fromkeys(groups.values()))
+    picked = [lab for lab in labels if lab != DEFAULT]
+    out = {lab: to_hex(cmap(i % 10)) for i, lab in enumerate(picked)}
+    if DEFAULT in labels:
+        out[DEFAULT] = "#bbbbbb"
+    return out
+
+
+def figure_size(ops: Sequence[Op]) -> tuple[float, float]:
+    """(width, height) in inches of the matplotlib drawing: a column per op of the widest layer
+    (and one for the legend), a row per layer."""
+    ls = layers(ops)
+    return COLUMN_IN * (max(map(len, ls), default=1) + 1), LAYER_IN * max(len(ls), 1) + 0.6
+
+
+def draw_matplotlib(strategy: Strategy, ops: Sequence[Op], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    groups = device_groups(strategy, ops)
+    colour = colours(groups)
+    by_name = {op.name: op for op in ops}
+    ls = layers(ops)
+    width = max(map(len, ls), default=1)
+    pos = {name: ((i + 0.5) * width / len(layer), -depth) for depth, layer in enumerate(ls)
+           for i, name in enumerate(layer)}
+    fig, ax = plt.subplots(figsize=figure_size(ops), dpi=DPI)
+    for a, b in edges(ops):
+        ax.annotate("", xy=pos[b], xytext=pos[a],
+                    arrowprops=dict(arrowstyle="->", color="#555555", shrinkA=12, shrinkB=12))
+    for name, (x, y) in pos.items():
+        text = f"{name}\n{by_name[name].kind} {split_text(strategy.ops.get(name), by_name[name])}"
+        ax.text(x, y, text, ha="center", va="center", fontsize=7,
+                bbox=dict(boxstyle="round", facecolor=colour[groups[name]], edgecolor="#333333"))
+    ax.set_xlim(-0.2, width + 0.2)
+    ax.set_ylim(-len(ls) + 0.4, 0.6)
+    ax.axis("off")
+    ax.set_title(title, fontsize=9)
+    ax.legend(handles=[Patch(facecolor=c, label=f"devices {lab}") for lab, c in colour.items()],
+              loc="upper right", fontsize=7, frameon=False)
+    fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.01)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def dot_source(strategy: Strategy, ops: Sequence[Op], title: str) -> str:
+    """The graph in graphviz's language, top to bottom, filled boxes coloured by device set."""
+    groups = device_groups(strategy, ops)
+    colour = colours(groups)
+    lines = ["digraph strategy {", f"  label={_quote(title)}; labelloc=t; rankdir=TB;",
+             '  node [shape=box, style="rounded,filled", fontsize=10];']
+    for op in ops:
+        label = f"{op.name}\\n{op.kind} {split_text(strategy.ops.get(op.name), op)}\\ndevices {groups[op.name]}"
+        lines.append(f'  {_quote(op.name)} [label="{label}", fillcolor="{colour[groups[op.name]]}"];')
+    lines += [f"  {_quote(a)} -> {_quote(b)};" for a, b in edges(ops)]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def draw(strategy: Strategy, ops: Sequence[Op], path: str, title: str, engine: str = "auto") -> str:
+    """Write the drawing to `path` (PNG); returns the engine used ('dot' or 'matplotlib')."""
+    if engine == "auto":
+        engine = "dot" if shutil.which("dot") else "matplotlib"
+    if engine == "dot":
+        if not shutil.which("dot"):
+            raise ToolError("--engine dot: graphviz's dot is not on PATH")
+        with tempfile.NamedTemporaryFile("w", suffix=".dot") as f:
+            f.write(dot_source(strategy, ops, title))
+            f.flush()
+            done = subprocess.run(["dot", "-Tpng", "-o", path, f.name], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ToolError(f"dot exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    else:
+        draw_matplotlib(strategy, ops, path, title)
+    return engine
+
+
+# ---- diff ---------------------------------------------------------------------------------------
+def differences(a: Strategy, b: Strategy) -> list[str]:
+    """One line per op whose config differs (or that only one strategy names), in A's order then B's."""
+    out = []
+    for name in dict.fromkeys([*a.ops, *b.ops]):
+        ca, cb = a.ops.get(name), b.ops.get(name)
+        if ca != cb:
+            out.append(f"{name}: {ca if ca is not None else '(not named)'} -> {cb if cb is not None else '(not named)'}")
+    return out
+
+
+# ---- command line -------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m tools.strategy", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def app_flags(q, required):
+        q.add_argument("--app", required=required, help="the benchmark app the strategy is for")
+        q.add_argument("--tiny", action="store_true", help="the app's tiny sizes")
+        q.add_argument("--batch-size", type=int, default=None, help="the app's batch (default: 64, 16 tiny)")
+
+    show = sub.add_parser("show", help="a table of the strategy's configs")
+    show.add_argument("file")
+    app_flags(show, False)
+    drw = sub.add_parser("draw", help="the app's graph coloured by devices, as a PNG")
+    drw.add_argument("file")
+    app_flags(drw, True)
+    drw.add_argument("-o", "--output", required=True, help="the PNG to write")
+    drw.add_argument("--engine", choices=("auto", "dot", "matplotlib"), default="auto")
+    diff = sub.add_parser("diff", help="the ops whose configs differ")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "diff":
+            lines = differences(read(args.a), read(args.b))
+            print("\n".join(lines) if lines else "no differences")
+            return 1 if lines else 0
+        strategy = read(args.file)
+        ops = None
+        if args.app is not None:
+            ops = app_ops(args.app, args.tiny, args.batch_size)
+            check_fits(strategy, ops, args.app)
+        if args.command == "show":
+            print(f"{args.file}: model {strategy.model}, {len(strategy.ops)} ops")
+            print(format_table(rows(strategy, ops)))
+            return 0
+        engine = draw(strategy, ops, args.output, f"{args.file} ({args.app})", args.engine)
+        print(f"wrote {args.output} ({engine})")
+        return 0
+    except ToolError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename}: {e.strerror}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
