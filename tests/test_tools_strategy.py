@@ -1,0 +1,162 @@
+"""tools/strategy: show, draw and diff on strategies made here, PNG sizes, and every error case."""
+import shutil
+import struct
+
+import pytest
+
+from ops.lower import TileConfig
+from ops.strategy import Strategy
+from strategies.search import app_graph
+from tools import strategy as tool
+
+
+def mlp_strategy(path, **overrides) -> str:
+    """The tiny MLP (batch 16): fc1 split over parameters on 2 devices, the rest over samples."""
+    model, _ = app_graph("mlp", 16, tiny=True)
+    configs = {op.name: TileConfig((2,) + (1,) * (len(op.tile_shape) - 1), (0, 1)) for op in model.ops}
+    configs["fc1"] = TileConfig((1, 2, 1), (1, 0))
+    configs["drop_in"] = TileConfig((1, 1), (0,))
+    configs.update(overrides)
+    Strategy("mlp", configs).save(path)
+    return str(path)
+
+
+def run(capsys, *argv):
+    """(exit status, stdout, stderr) of the command."""
+    try:
+        status = tool.main([str(a) for a in argv])
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def png_size(path) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_show_without_app_lists_degrees_and_devices(tmp_path, capsys):
+    status, out, _ = run(capsys, "show", mlp_strategy(tmp_path / "s.json"))
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].endswith("model mlp, 9 ops")
+    assert lines[1].split() == ["op", "split", "devices"]
+    assert "fc1      1x2x1  1,0" in out and "drop_in  1x1    0" in out
+
+
+def test_show_with_app_names_soap_kinds_and_shapes(tmp_path, capsys):
+    path = mlp_strategy(tmp_path / "s.json", fc2=TileConfig((2, 2, 1), (0, 1, 1, 0)), drop1=TileConfig((1, 2), (0, 1)))
+    status, out, _ = run(capsys, "show", path, "--app", "mlp", "--tiny")
+    assert status == 0
+    table = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
+    assert table["fc1"] == ["fc1", "dense", "P2", "1,0", "16x64"]
+    assert table["fc2"][:5] == ["fc2", "dense", "S2", "P2", "0,1,1,0"]
+    assert table["drop1"][:3] == ["drop1", "dropout", "A2"]
+    assert table["drop_in"] == ["drop_in", "dropout", "1", "0", "16x64"]
+    assert table["out"][-1] == "16x10"
+
+
+def test_show_marks_ops_left_to_the_default(tmp_path, capsys):
+    Strategy("mlp", {"fc1": TileConfig((2, 1, 1))}).save(tmp_path / "s.json")
+    status, out, _ = run(capsys, "show", tmp_path / "s.json", "--app", "mlp", "--tiny")
+    assert status == 0
+    table = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
+    assert table["fc1"][2:4] == ["S2", "default"] and table["fc2"][2:4] == ["default", "default"]
+    assert len(table) == 9
+
+
+def test_draw_matplotlib_png_of_the_expected_size(tmp_path, capsys):
+    png = tmp_path / "g.png"
+    status, out, _ = run(capsys, "draw", mlp_strategy(tmp_path / "s.json"), "--app", "mlp", "--tiny",
+                         "-o", png, "--engine", "matplotlib")
+    assert status == 0 and "matplotlib" in out
+    model, _ = app_graph("mlp", 16, tiny=True)
+    w, h = tool.figure_size(model.ops)
+    assert png_size(png) == (round(w * tool.DPI), round(h * tool.DPI))
+    assert png_size(png) == (360, 870)  # 9 layers of one op each
+
+
+def test_layers_edges_and_colours_of_a_branching_graph():
+    model, _ = app_graph("inception_v3", 4, tiny=True)
+    ops = model.ops
+    layers = tool.layers(ops)
+    depth = {name: d for d, layer in enumerate(layers) for name in layer}
+    assert all(depth[a] < depth[b] for a, b in tool.edges(ops))
+    assert max(map(len, layers)) > 1
+    strategy = Strategy("inception_v3", {ops[0].name: TileConfig((1,) * len(ops[0].tile_shape), (0,))})
+    groups = tool.device_groups(strategy, ops)
+    colours = tool.colours(groups)
+    assert groups[ops[0].name] == "0" and groups[ops[1].name] == "default"
+    assert colours["default"] == "#bbbbbb" and len(set(colours.values())) == len(colours)
+
+
+def test_dot_source_names_every_op_and_edge(tmp_path):
+    model, _ = app_graph("mlp", 16, tiny=True)
+    text = tool.dot_source(tool.read(mlp_strategy(tmp_path / "s.json")), model.ops, "t")
+    assert text.startswith("digraph") and text.count("->") == len(tool.edges(model.ops)) == 8
+    assert '"fc1" [label="fc1\\ndense P2\\ndevices 0,1"' in text
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not on PATH")
+def test_draw_dot_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "g.png"
+    status, out, _ = run(capsys, "draw", mlp_strategy(tmp_path / "s.json"), "--app", "mlp", "--tiny",
+                         "-o", png, "--engine", "dot")
+    assert status == 0 and "dot" in out
+    w, h = png_size(png)
+    assert w > 50 and h > 9 * 30
+
+
+def test_diff(tmp_path, capsys):
+    a = mlp_strategy(tmp_path / "a.json")
+    b = mlp_strategy(tmp_path / "b.json", fc2=TileConfig((1, 2, 1), (0, 1)))
+    assert run(capsys, "diff", a, a) == (0, "no differences\n", "")
+    status, out, _ = run(capsys, "diff", a, b)
+    assert status == 1 and out == "fc2: 2x1x1 on [0, 1] -> 1x2x1 on [0, 1]\n"
+    Strategy("mlp", {"fc1": TileConfig((2, 1, 1))}).save(tmp_path / "c.json")
+    status, out, _ = run(capsys, "diff", tmp_path / "c.json", a)
+    lines = out.splitlines()
+    assert status == 1 and lines[0] == "fc1: 2x1x1 -> 1x2x1 on [1, 0]" and len(lines) == 9
+    assert "drop_in: (not named) -> 1x1 on [0]" in lines
+
+
+@pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",
+                                  "arity", "fingerprint", "diff missing", "no output", "no app", "bad engine",
+                                  "no command"])
+def test_errors_one_line_exit_2(tmp_path, capsys, case):
+    good = mlp_strategy(tmp_path / "s.json")
+    bad = tmp_path / "bad.json"
+    argv = {"missing": ["show", tmp_path / "nope.json"],
+            "malformed": ["show", bad],
+            "bad field": ["show", bad],
+            "unknown app": ["show", good, "--app", "lenet"],
+            "other model": ["show", bad, "--app", "alexnet", "--tiny"],
+            "unknown op": ["show", bad, "--app", "mlp", "--tiny"],
+            "arity": ["draw", bad, "--app", "mlp", "--tiny", "-o", tmp_path / "g.png"],
+            "fingerprint": ["show", bad, "--app", "mlp", "--tiny"],
+            "diff missing": ["diff", good, tmp_path / "nope.json"],
+            "no output": ["draw", good, "--app", "mlp"],
+            "no app": ["draw", good, "-o", tmp_path / "g.png"],
+            "bad engine": ["draw", good, "--app", "mlp", "-o", tmp_path / "g.png", "--engine", "svg"],
+            "no command": []}[case]
+    text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
+            "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
+            "other model": Strategy("mlp", {}).to_json(),
+            "unknown op": Strategy("mlp", {"fc9": TileConfig((2, 1, 1))}).to_json(),
+            "arity": Strategy("mlp", {"fc1": TileConfig((2, 1))}).to_json(),
+            "fingerprint": Strategy("graph:0123456789abcdef", {}).to_json()}.get(case)
+    if text is not None:
+        bad.write_text(text)
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert not (tmp_path / "g.png").exists()
+    expect = {"missing": "nope.json: can't read", "malformed": "malformed JSON", "bad field": "'fc1'",
+              "unknown app": "--app lenet: unknown app", "other model": "not --app alexnet",
+              "unknown op": "'fc9' is not in --app mlp", "arity": "3 tile dims, the strategy gives 2",
+              "fingerprint": "graph:0123456789abcdef", "diff missing": "nope.json", "no output": "-o",
+              "no app": "--app", "bad engine": "--engine", "no command": "command"}[case]
+    assert expect in err
