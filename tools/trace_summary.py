@@ -1,31 +1,34 @@
-"""Summarize a taskrt trace file: time per processor, busy fraction, copies and bytes moved.
+"""Summarize a taskrt trace: the old entry point, now a thin alias of `python -m tools.trace summary`.
 
     python -m tools.trace_summary traces/demo.trace.jsonl
+
+`summarize(events)` and `format_summary(summary)` keep their shape (per processor or copy channel:
+count, busy microseconds, bytes, utilization; the span) for callers such as apps/demo.py.
 """
 from __future__ import annotations
 
-import argparse
-from collections import defaultdict
+import sys
 
-from taskrt.tracing import read_trace
+from tools import trace
 
 
 def summarize(events: list[dict]) -> dict:
-    """Per processor (or copy channel): count, busy microseconds, bytes; and the run's span."""
+    """Per processor (or copy channel): count, busy microseconds, bytes, utilization; and the run's span."""
     if not events:
         return {"span_us": 0.0, "by_proc": {}}
-    start = min(e["start"] for e in events)
-    end = max(e["end"] for e in events)
-    by_proc: dict[str, dict] = defaultdict(lambda: {"count": 0, "busy_us": 0.0, "bytes": 0})
-    for e in events:
-        row = by_proc[e["proc"]]
-        row["count"] += 1
-        row["busy_us"] += e["end"] - e["start"]
-        row["bytes"] += e["bytes"]
-    span = end - start
+    # the old callers' events may carry only proc, start, end, bytes and kind
+    full = sorted(({"rank": 0, "name": "", "op": "", "kind": "task", "bytes": 0, **e} for e in events),
+                  key=lambda e: e["start"])
+    s = trace.summary(trace.Trace(full))
+    by_proc: dict[str, dict] = {}
+    for r in s["rows"]:
+        row = by_proc.setdefault(r["proc"], {"count": 0, "busy_us": 0.0, "bytes": 0, "utilization": 0.0})
+        row["count"] += r["count"]
+        row["busy_us"] += r["busy_us"] + r["copy_us"]
+        row["bytes"] += r["bytes"]
     for row in by_proc.values():
-        row["utilization"] = row["busy_us"] / span if span > 0 else 0.0
-    return {"span_us": span, "by_proc": dict(by_proc)}
+        row["utilization"] = row["busy_us"] / s["span_us"] if s["span_us"] > 0 else 0.0
+    return {"span_us": s["span_us"], "by_proc": by_proc}
 
 
 def format_summary(summary: dict) -> str:
@@ -37,13 +40,10 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace")
-    args = parser.parse_args(argv)
-    _, events = read_trace(args.trace)
-    print(format_summary(summarize(events)))
+def main(argv=None) -> int:
+    """`python -m tools.trace summary ARGS`."""
+    return trace.main(["summary", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

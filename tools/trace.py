@@ -1,0 +1,669 @@
+"""Trace tools: merge, export, draw, summarize, find the critical path and compare traces.
+
+    python -m tools.trace merge run.rank0.jsonl run.rank1.jsonl -o run.jsonl
+    python -m tools.trace chrome run.jsonl -o run.chrome.json [--flows ID]
+    python -m tools.trace timeline run.jsonl -o run.png
+    python -m tools.trace summary run.jsonl [--json]
+    python -m tools.trace critical-path sim.jsonl [--json]
+    python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json]
+
+A path that does not exist but whose rank files do (run.jsonl -> run.rank0.jsonl, ...) stands
+for all of them. Every command reads its traces with `load`, which checks them: a truncated,
+empty or foreign file raises `TraceError` naming the file and the line (the CLI prints that
+one line and exits with status 2).
+
+Dependences: a simulator trace carries each event's `preds` (node ids); the runtime's traces do
+not, so for them the dependences are inferred from timing: an event waits on the event before
+it on its processor or link and on the latest event anywhere that ended before it started.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from taskrt.tracing import rank_trace_path
+
+REQUIRED = ("id", "name", "kind", "rank", "proc", "start", "end", "bytes")
+PHASE_SUFFIXES = ((".fwd", "forward"), (".bwd", "backward"), (".update", "update"), (".infer", "inference"))
+#: timeline geometry in pixels: fixed width, a fixed margin plus a fixed height per row
+DPI, WIDTH_PX, MARGIN_PX, ROW_PX = 100, 1400, 160, 18
+#: how far (us) an event may start before the end of the one it waits on (rounding of the times)
+EPS_US = 0.01
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read as a taskrt trace: the message names the file and line."""
+
+
+@dataclass
+class Trace:
+    """Events of one or more ranks on one clock, sorted by start; `meta` holds the ranks, the
+    source files, whether simulated, and each file's own meta line (`per_file`)."""
+
+    events: list[dict]
+    meta: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self.events)} events, ranks {self.ranks}, {self.span_us / 1e3:.3f} ms)"
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e["rank"] for e in self.events})
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.meta.get("simulated"))
+
+    @property
+    def start_us(self) -> float:
+        return min((e["start"] for e in self.events), default=0.0)
+
+    @property
+    def end_us(self) -> float:
+        return max((e["end"] for e in self.events), default=0.0)
+
+    @property
+    def span_us(self) -> float:
+        return self.end_us - self.start_us
+
+    def rows(self) -> list[tuple[int, str]]:
+        """(rank, processor or link) of every track: by rank, processors before links, in index order."""
+        return sorted({(e["rank"], e["proc"]) for e in self.events}, key=_row_key)
+
+
+def _row_key(row: tuple[int, str]):
+    rank, proc = row
+    natural = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", proc)]
+    return rank, "->" in proc, natural
+
+
+def row_label(row: tuple[int, str]) -> str:
+    """A track's name: the processor, or a link with the rank it was seen from when that is not obvious."""
+    rank, proc = row
+    return proc if proc.startswith(f"r{rank}.") else f"{proc} @r{rank}"
+
+
+def phase(event: dict) -> str:
+    """forward, backward, update, inference or fill for tasks by name; copy or reduce for the rest."""
+    kind, name = event["kind"], event["name"]
+    if kind != "task":
+        return "reduce" if kind == "reduce" else "copy"
+    if name.startswith("fill:"):
+        return "fill"
+    for suffix, ph in PHASE_SUFFIXES:
+        if name.endswith(suffix):
+            return ph
+    return name.split(":")[0] if ":" in name else "task"
+
+
+def operator(event: dict) -> str:
+    """The model operator of an event, else its name's stem ('stencil_ab', 'attach')."""
+    return event.get("op") or event["name"].split(":")[0]
+
+
+def is_task(event: dict) -> bool:
+    return event["kind"] == "task"
+
+
+# ---- reading ---------------------------------------------------------------------------------
+def _read_file(path: str) -> tuple[dict, list[dict]]:
+    """(meta, events) of one file, checked line by line."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror}") from None
+    lines = text.split("\n")
+    if not text.strip():
+        raise TraceError(f"{path}:1: empty file, not a taskrt trace")
+    meta, events = None, []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            last = lineno == len(lines) or not any(x.strip() for x in lines[lineno:])
+            what = "truncated" if last and not text.endswith("\n") else "not JSON"
+            raise TraceError(f"{path}:{lineno}: {what}: {e.msg} at column {e.colno}") from None
+        if meta is None:
+            if not isinstance(rec, dict) or rec.get("kind") != "meta":
+                raise TraceError(f"{path}:{lineno}: not a taskrt trace: the first line is not a meta line "
+                                 f"(kind 'meta'), it is {line[:60]!r}")
+            meta = rec
+            continue
+        events.append(_check_event(rec, path, lineno))
+    if not events:
+        raise TraceError(f"{path}:{len(lines)}: no events after the meta line")
+    want = meta.get("events")
+    if isinstance(want, int) and want != len(events):
+        raise TraceError(f"{path}:{len(lines)}: truncated: the meta line says {want} events, the file has "
+                         f"{len(events)}")
+    return meta, events
+
+
+def _check_event(rec, path: str, lineno: int) -> dict:
+    if not isinstance(rec, dict):
+        raise TraceError(f"{path}:{lineno}: an event must be an object, not {type(rec).__name__}")
+    missing = [k for k in REQUIRED if k not in rec]
+    if missing:
+        raise TraceError(f"{path}:{lineno}: not a taskrt event: it lacks {missing}")
+    start, end = rec["start"], rec["end"]
+    if not all(isinstance(t, (int, float)) for t in (start, end)) or end < start:
+        raise TraceError(f"{path}:{lineno}: bad times: start {start!r}, end {end!r} (microseconds, end >= start)")
+    return rec
+
+
+def _expand(paths) -> list[str]:
+    """Paths as given, a run's base path standing for its rank files."""
+    out = []
+    for p in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        p = str(p)
+        if not os.path.exists(p) and os.path.exists(rank_trace_path(p, 0)):
+            r = 0
+            while os.path.exists(rank_trace_path(p, r)):
+                out.append(rank_trace_path(p, r))
+                r += 1
+        else:
+            out.append(p)
+    if not out:
+        raise TraceError("no trace files given")
+    return out
+
+
+def load(paths) -> Trace:
+    """One trace from one or more files (a run's ranks), checked and merged on one clock.
+
+    Each rank's runtime already adds its clock offset against rank 0 (the meta's
+    `clock_offset_us`), so the times of all ranks count from rank 0's origin; merging keeps
+    them and sorts the events by start. Two files of one rank, or a simulated file with a
+    measured one, are an error."""
+    files = _expand(paths)
+    events, per_file, seen = [], {}, {}
+    simulated = set()
+    for path in files:
+        meta, evs = _read_file(path)
+        ranks = meta.get("ranks") or sorted({e["rank"] for e in evs})
+        for r in ranks:
+            if r in seen:
+                raise TraceError(f"{path}:1: rank {r} is also in {seen[r]}")
+            seen[r] = path
+        simulated.add(bool(meta.get("simulated")))
+        if len(simulated) > 1:
+            raise TraceError(f"{path}:1: cannot merge a simulated trace with a measured one")
+        per_file[path] = meta
+        events.extend(evs)
+    events.sort(key=lambda e: (e["start"], e["end"], e["rank"]))
+    meta = {"kind": "meta", "ranks": sorted(seen), "sources": files, "unit": "us", "simulated": simulated.pop(),
+            "per_file": per_file}
+    return Trace(events, meta)
+
+
+def write_merged(trace: Trace, path: str) -> str:
+    """The merged trace as one file in the same format (meta: ranks, sources)."""
+    meta = {k: v for k, v in trace.meta.items() if k != "per_file"}
+    meta.update(events=len(trace.events), rank=trace.ranks[0] if trace.ranks else 0)
+    iteration = [m["iteration_us"] for m in trace.meta.get("per_file", {}).values() if "iteration_us" in m]
+    if iteration:
+        meta["iteration_us"] = max(iteration)
+    with open(path, "w") as f:
+        f.write(json.dumps(meta) + "\n")
+        for e in trace.events:
+            f.write(json.dumps(e) + "\n")
+    return path
+
+
+# ---- dependences and the critical path ---------------------------------------------------------
+def dependences(trace: Trace) -> list[list[int]]:
+    """For each event (by index), the indices of the events it waited on: its `preds` where the
+    trace has them, else inferred from timing; and, always, the previous event on its track."""
+    events = trace.events
+    by_row: dict[tuple, list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        by_row[(e["rank"], e["proc"])].append(i)
+    deps: list[list[int]] = [[] for _ in events]
+    for idx in by_row.values():
+        for a, b in zip(idx, idx[1:]):
+            if events[a]["end"] <= events[b]["start"] + EPS_US:
+                deps[b].append(a)
+    if any("preds" in e for e in events):
+        by_id: dict = defaultdict(list)
+        for i, e in enumerate(events):
+            by_id[e["id"]].append(i)
+        for i, e in enumerate(events):
+            deps[i].extend(j for p in e.get("preds", ()) for j in by_id.get(p, ()) if j != i)
+    else:
+        order = sorted(range(len(events)), key=lambda i: events[i]["end"])
+        ends = [events[i]["end"] for i in order]
+        for i, e in enumerate(events):
+            k = bisect.bisect_right(ends, e["start"] + EPS_US)
+            while k > 0 and order[k - 1] == i:
+                k -= 1
+            if k > 0:
+                deps[i].append(order[k - 1])
+    return deps
+
+
+def critical_path(trace: Trace) -> list[dict]:
+    """The chain that ends last, walked back through each event's latest-ending dependence: in
+    order, each with its duration, the wait before it and its share of the trace's span."""
+    events, deps = trace.events, dependences(trace)
+    if not events:
+        return []
+    span = trace.span_us or 1.0
+    i = max(range(len(events)), key=lambda k: events[k]["end"])
+    chain = [i]
+    while True:
+        e = events[i]
+        ready = [j for j in deps[i] if events[j]["end"] <= e["start"] + EPS_US]
+        if not ready:
+            break
+        i = max(ready, key=lambda j: events[j]["end"])
+        chain.append(i)
+    chain.reverse()
+    out, prev_end = [], trace.start_us
+    for i in chain:
+        e = events[i]
+        dur = e["end"] - e["start"]
+        out.append({"id": e["id"], "name": e["name"], "kind": e["kind"], "op": operator(e), "phase": phase(e),
+                    "rank": e["rank"], "proc": e["proc"], "start_us": e["start"], "end_us": e["end"],
+                    "duration_us": round(dur, 3), "wait_us": round(max(0.0, e["start"] - prev_end), 3),
+                    "share": dur / span})
+        prev_end = e["end"]
+    return out
+
+
+def format_critical_path(path: list[dict], span_us: float) -> str:
+    busy = sum(p["duration_us"] for p in path)
+    lines = [f"critical path: {len(path)} events, {busy / 1e3:.3f} ms busy of {span_us / 1e3:.3f} ms "
+             f"({busy / span_us if span_us else 0:.0%}), the rest waiting",
+             f"{'start ms':>10}{'ms':>9}{'wait ms':>9}{'share':>7}  {'where':<22}event"]
+    t0 = path[0]["start_us"] - path[0]["wait_us"] if path else 0.0
+    for p in path:
+        lines.append(f"{(p['start_us'] - t0) / 1e3:>10.3f}{p['duration_us'] / 1e3:>9.3f}{p['wait_us'] / 1e3:>9.3f}"
+                     f"{p['share']:>7.1%}  {p['proc']:<22}{p['name']} ({p['phase']})")
+    return "\n".join(lines)
+
+
+# ---- summary -----------------------------------------------------------------------------------
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def summary(trace: Trace, top: int = 10) -> dict:
+    """Per track: events, task (busy) and copy microseconds, idle time and utilization over the
+    trace's span; the `top` operators by task time; totals per rank and per phase."""
+    span = trace.span_us
+    spans: dict[tuple, list] = defaultdict(list)
+    rows: dict[tuple, dict] = {}
+    for e in trace.events:
+        key = (e["rank"], e["proc"])
+        row = rows.setdefault(key, {"rank": e["rank"], "proc": e["proc"], "link": "->" in e["proc"], "count": 0,
+                                    "busy_us": 0.0, "copy_us": 0.0, "bytes": 0})
+        row["count"] += 1
+        row["busy_us" if is_task(e) else "copy_us"] += e["end"] - e["start"]
+        row["bytes"] += e["bytes"] or 0
+        spans[key].append((e["start"], e["end"]))
+    for key, row in rows.items():
+        used = _union_us(spans[key])
+        row["idle_us"] = max(0.0, span - used)
+        row["utilization"] = used / span if span > 0 else 0.0
+    ops: dict[str, dict] = {}
+    phases: dict[str, float] = defaultdict(float)
+    task_total = 0.0
+    for e in trace.events:
+        if not is_task(e):
+            continue
+        dur = e["end"] - e["start"]
+        o = ops.setdefault(operator(e), {"op": operator(e), "count": 0, "time_us": 0.0, "phases": defaultdict(float)})
+        o["count"] += 1
+        o["time_us"] += dur
+        o["phases"][phase(e)] += dur
+        phases[phase(e)] += dur
+        task_total += dur
+    ranked = sorted(ops.values(), key=lambda o: -o["time_us"])
+    for o in ranked:
+        o["share"] = o["time_us"] / task_total if task_total else 0.0
+        o["phases"] = dict(o["phases"])
+    ranks: dict[str, dict] = {}
+    for row in rows.values():
+        r = ranks.setdefault(str(row["rank"]), {"tracks": 0, "events": 0, "busy_us": 0.0, "copy_us": 0.0, "bytes": 0})
+        r["tracks"] += 1
+        r["events"] += row["count"]
+        r["busy_us"] += row["busy_us"]
+        r["copy_us"] += row["copy_us"]
+        r["bytes"] += row["bytes"]
+    return {"span_us": span, "simulated": trace.simulated, "events": len(trace.events),
+            "rows": [rows[k] for k in sorted(rows, key=_row_key)], "operators": ranked[:top],
+            "phases": dict(phases), "ranks": ranks}
+
+
+def format_summary(s: dict) -> str:
+    """The summary as terminal tables: tracks, operators, ranks."""
+    lines = [f"span {s['span_us'] / 1e3:.3f} ms, {s['events']} events{' (simulated)' if s['simulated'] else ''}",
+             f"{'processor / link':<30}{'events':>7}{'busy ms':>10}{'copy ms':>10}{'idle ms':>10}{'util':>6}"
+             f"{'MB':>9}"]
+    for r in s["rows"]:
+        lines.append(f"{row_label((r['rank'], r['proc'])):<30}{r['count']:>7}{r['busy_us'] / 1e3:>10.3f}"
+                     f"{r['copy_us'] / 1e3:>10.3f}{r['idle_us'] / 1e3:>10.3f}{r['utilization']:>6.0%}"
+                     f"{r['bytes'] / 1e6:>9.2f}")
+    lines += ["", f"{'operator':<30}{'tasks':>7}{'ms':>10}{'share':>7}  phases (ms)"]
+    for o in s["operators"]:
+        ph = ", ".join(f"{k} {v / 1e3:.3f}" for k, v in sorted(o["phases"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"{o['op']:<30}{o['count']:>7}{o['time_us'] / 1e3:>10.3f}{o['share']:>7.1%}  {ph}")
+    lines += ["", f"{'rank':<6}{'tracks':>7}{'events':>8}{'busy ms':>10}{'copy ms':>10}{'MB':>9}"]
+    for rank, r in sorted(s["ranks"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"{rank:<6}{r['tracks']:>7}{r['events']:>8}{r['busy_us'] / 1e3:>10.3f}{r['copy_us'] / 1e3:>10.3f}"
+                     f"{r['bytes'] / 1e6:>9.2f}")
+    return "\n".join(lines)
+
+
+# ---- Chrome trace export -------------------------------------------------------------------------
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def chrome_label(event: dict) -> str:
+    """'conv1 forward' for a task of an operator, the name for other tasks, 'copy:x 4.0 KiB' for copies."""
+    if is_task(event):
+        ph = phase(event)
+        return f"{operator(event)} {ph}" if event.get("op") else event["name"]
+    return f"{event['name']} {_human_bytes(event['bytes'] or 0)}"
+
+
+def chrome_events(trace: Trace, flows_for=None) -> list[dict]:
+    """Chrome Trace Event records: a process per rank, a thread (track) per processor and link, a
+    complete ('X') event per task and copy, and flow arrows in and out of the nodes `flows_for`."""
+    rows = trace.rows()
+    tid = {row: i + 1 for i, row in enumerate(rows)}
+    out = []
+    for rank in trace.ranks:
+        out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+    for row in rows:
+        out.append({"ph": "M", "name": "thread_name", "pid": row[0], "tid": tid[row], "args": {"name": row_label(row)}})
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": row[0], "tid": tid[row],
+                    "args": {"sort_index": tid[row]}})
+    for e in trace.events:
+        args = {"id": e["id"], "name": e["name"], "op": e.get("op") or "", "bytes": e["bytes"]}
+        if e.get("point") is not None:
+            args["point"] = e["point"]
+        out.append({"ph": "X", "name": chrome_label(e), "cat": phase(e), "pid": e["rank"],
+                    "tid": tid[(e["rank"], e["proc"])], "ts": e["start"], "dur": round(e["end"] - e["start"], 3),
+                    "args": args})
+    if flows_for is not None:
+        out.extend(_flows(trace, tid, flows_for))
+    return out
+
+
+def _flows(trace: Trace, tid: dict, flows_for) -> list[dict]:
+    wanted = {flows_for} if isinstance(flows_for, (int, str)) else set(flows_for)
+    events, deps = trace.events, dependences(trace)
+    chosen = [i for i, e in enumerate(events) if e["id"] in wanted]
+    if not chosen:
+        raise TraceError(f"{trace.meta.get('sources', ['trace'])[0]}: no event with id {sorted(wanted)} for flows")
+    succ = defaultdict(list)
+    for i, ds in enumerate(deps):
+        for j in ds:
+            succ[j].append(i)
+    pairs = {(j, i) for i in chosen for j in deps[i]} | {(i, k) for i in chosen for k in succ[i]}
+    out = []
+    for n, (a, b) in enumerate(sorted(pairs), 1):
+        src, dst = events[a], events[b]
+        common = {"name": "dependence", "cat": "dependence", "id": n}
+        out.append({"ph": "s", "pid": src["rank"], "tid": tid[(src["rank"], src["proc"])], "ts": src["start"],
+                    **common})
+        out.append({"ph": "f", "bp": "e", "pid": dst["rank"], "tid": tid[(dst["rank"], dst["proc"])],
+                    "ts": dst["start"], **common})
+    return out
+
+
+def write_chrome(trace: Trace, path: str, flows_for=None) -> str:
+    """A JSON file that Perfetto and chrome://tracing open (times in microseconds)."""
+    doc = {"traceEvents": chrome_events(trace, flows_for), "displayTimeUnit": "ms",
+           "otherData": {"ranks": trace.ranks, "simulated": trace.simulated,
+                         "sources": trace.meta.get("sources", [])}}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+# ---- images --------------------------------------------------------------------------------------
+def figure_height_px(rows: int) -> int:
+    return MARGIN_PX + ROW_PX * max(rows, 1)
+
+
+def _colors(traces: list[Trace], most: int = 20) -> dict[str, object]:
+    """A colour for each of the `most` operators with the most task time; 'other' and 'copy' grey."""
+    import matplotlib
+
+    time_of: dict[str, float] = defaultdict(float)
+    for t in traces:
+        for e in t.events:
+            if is_task(e):
+                time_of[operator(e)] += e["end"] - e["start"]
+    cmap = matplotlib.colormaps["tab20"]
+    ranked = sorted(time_of, key=lambda o: -time_of[o])[:most]
+    colors = {o: cmap(i % 20) for i, o in enumerate(ranked)}
+    colors["other"], colors["copy"] = (0.6, 0.6, 0.6, 1.0), (0.2, 0.2, 0.2, 1.0)
+    return colors
+
+
+def _draw(ax, trace: Trace, colors: dict, xmax_ms: float, title: str | None) -> None:
+    rows = trace.rows()
+    y = {row: i for i, row in enumerate(rows)}
+    bars: dict[tuple, list] = defaultdict(list)
+    t0 = trace.start_us
+    for e in trace.events:
+        key = "copy" if not is_task(e) else (operator(e) if operator(e) in colors else "other")
+        bars[(y[(e["rank"], e["proc"])], key)].append(((e["start"] - t0) / 1e3, max((e["end"] - e["start"]) / 1e3,
+                                                                                    xmax_ms * 1e-4)))
+    for (row, key), spans in bars.items():
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors[key], linewidth=0)
+    ax.set_yticks(range(len(rows)), [row_label(r) for r in rows], fontsize=7 if len(rows) > 24 else 9)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, xmax_ms or 1.0)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
+def _legend(fig, colors: dict, used: set) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in colors.items() if k in used]
+    fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False, bbox_to_anchor=(0.995, 0.98))
+
+
+def _used_keys(traces: list[Trace], colors: dict) -> set:
+    return {("copy" if not is_task(e) else (operator(e) if operator(e) in colors else "other"))
+            for t in traces for e in t.events}
+
+
+def write_timeline(trace: Trace, path: str, title: str | None = None) -> str:
+    """A PNG of WIDTH_PX by figure_height_px(tracks) pixels: a row per processor and link, tasks
+    coloured by operator (legend at the right), copies dark grey, time in ms from the first event."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = _colors([trace])
+    fig = plt.figure(figsize=(WIDTH_PX / DPI, figure_height_px(len(trace.rows())) / DPI), dpi=DPI)
+    ax = fig.add_axes(_axes_rect(0.0, 1.0, fig))
+    _draw(ax, trace, colors, trace.span_us / 1e3, title or _default_title(trace))
+    _legend(fig, colors, _used_keys([trace], colors))
+    fig.savefig(path, dpi=DPI, format="png")
+    plt.close(fig)
+    return path
+
+
+def _axes_rect(bottom: float, top: float, fig) -> list[float]:
+    """Axes inside [bottom, top] of the figure, leaving fixed pixel margins for labels and the legend."""
+    h = fig.get_figheight() * DPI
+    pad_b, pad_t = 45 / h, 30 / h
+    return [0.16, bottom + pad_b, 0.70, (top - bottom) - pad_b - pad_t]
+
+
+def _default_title(trace: Trace) -> str:
+    what = "simulated" if trace.simulated else "measured"
+    return f"{what}: {len(trace.events)} events on ranks {trace.ranks}, {trace.span_us / 1e3:.3f} ms"
+
+
+def compare(simulated: Trace, measured: Trace) -> dict:
+    """Predicted against measured task time per operator and per processor, per iteration (the
+    measured run's iterations: its task count over the simulated one's), with relative errors."""
+    sim_tasks = [e for e in simulated.events if is_task(e)]
+    meas_tasks = [e for e in measured.events if is_task(e)]
+    iterations = max(1, round(len(meas_tasks) / max(1, len(sim_tasks))))
+
+    def table(key) -> list[dict]:
+        sim, meas = defaultdict(float), defaultdict(float)
+        for e in sim_tasks:
+            sim[key(e)] += e["end"] - e["start"]
+        for e in meas_tasks:
+            meas[key(e)] += (e["end"] - e["start"]) / iterations
+        rows = [{"name": k, "simulated_us": sim.get(k, 0.0), "measured_us": meas.get(k, 0.0),
+                 "error": _rel(sim.get(k, 0.0), meas.get(k, 0.0))} for k in set(sim) | set(meas)]
+        return sorted(rows, key=lambda r: -max(r["simulated_us"], r["measured_us"]))
+
+    sim_total = sum(e["end"] - e["start"] for e in sim_tasks)
+    meas_total = sum(e["end"] - e["start"] for e in meas_tasks) / iterations
+    sim_iter = simulated.span_us
+    meas_iter = measured.span_us / iterations
+    return {"iterations": iterations,
+            "iteration": {"simulated_us": sim_iter, "measured_us": meas_iter, "error": _rel(sim_iter, meas_iter)},
+            "task_time": {"simulated_us": sim_total, "measured_us": meas_total, "error": _rel(sim_total, meas_total)},
+            "operators": table(operator), "processors": table(lambda e: e["proc"])}
+
+
+def _rel(predicted: float, measured: float) -> float | None:
+    return (predicted - measured) / measured if measured else None
+
+
+def format_compare(c: dict) -> str:
+    def err(x):
+        return "-" if x is None else f"{x:+.0%}"
+
+    it, tt = c["iteration"], c["task_time"]
+    lines = [f"measured run: {c['iterations']} iteration(s); per iteration, simulated against measured:",
+             f"iteration time {it['simulated_us'] / 1e3:.3f} ms vs {it['measured_us'] / 1e3:.3f} ms ({err(it['error'])}); "
+             f"task time {tt['simulated_us'] / 1e3:.3f} ms vs {tt['measured_us'] / 1e3:.3f} ms ({err(tt['error'])})"]
+    for title, rows in (("operator", c["operators"]), ("processor", c["processors"])):
+        lines += ["", f"{title:<30}{'simulated ms':>14}{'measured ms':>13}{'error':>8}"]
+        for r in rows:
+            lines.append(f"{r['name']:<30}{r['simulated_us'] / 1e3:>14.3f}{r['measured_us'] / 1e3:>13.3f}"
+                         f"{err(r['error']):>8}")
+    return "\n".join(lines)
+
+
+def write_compare(simulated: Trace, measured: Trace, path: str) -> dict:
+    """Both timelines in one PNG (simulated above, measured below, on one time scale, one legend)
+    and the comparison table (`compare`), which it returns."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = compare(simulated, measured)
+    colors = _colors([simulated, measured])
+    rs, rm = len(simulated.rows()), len(measured.rows())
+    height = 2 * MARGIN_PX + ROW_PX * (max(rs, 1) + max(rm, 1))
+    fig = plt.figure(figsize=(WIDTH_PX / DPI, height / DPI), dpi=DPI)
+    split = 1.0 - (MARGIN_PX + ROW_PX * max(rs, 1)) / height
+    xmax = max(simulated.span_us, measured.span_us / result["iterations"]) / 1e3
+    ax_s = fig.add_axes(_axes_rect(split, 1.0, fig))
+    ax_m = fig.add_axes(_axes_rect(0.0, split, fig))
+    _draw(ax_s, simulated, colors, xmax, f"simulated: {simulated.span_us / 1e3:.3f} ms an iteration")
+    _draw(ax_m, measured, colors, measured.span_us / 1e3 if result["iterations"] == 1 else xmax * result["iterations"],
+          f"measured: {measured.span_us / 1e3:.3f} ms for {result['iterations']} iteration(s)")
+    _legend(fig, colors, _used_keys([simulated, measured], colors))
+    fig.savefig(path, dpi=DPI, format="png")
+    plt.close(fig)
+    return result
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="per-rank traces into one file, on one clock")
+    m.add_argument("traces", nargs="+")
+    m.add_argument("-o", "--output", required=True)
+    c = sub.add_parser("chrome", help="export for Perfetto / chrome://tracing")
+    c.add_argument("traces", nargs="+")
+    c.add_argument("-o", "--output", required=True)
+    c.add_argument("--flows", type=int, action="append", metavar="ID", help="draw the dependences of node ID")
+    t = sub.add_parser("timeline", help="a PNG, one row per processor and link")
+    t.add_argument("traces", nargs="+")
+    t.add_argument("-o", "--output", required=True)
+    t.add_argument("--title")
+    s = sub.add_parser("summary", help="busy, copy and idle time per processor; top operators; ranks")
+    s.add_argument("traces", nargs="+")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--top", type=int, default=10)
+    k = sub.add_parser("critical-path", help="the chain of tasks and copies that sets the time")
+    k.add_argument("traces", nargs="+")
+    k.add_argument("--json", action="store_true")
+    q = sub.add_parser("compare", help="a simulated trace against a measured one")
+    q.add_argument("simulated")
+    q.add_argument("measured", nargs="+")
+    q.add_argument("-o", "--output", required=True)
+    q.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except TraceError as e:
+        print(f"tools.trace: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"tools.trace: {e.filename}: cannot write: {e.strerror}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    if args.command == "compare":
+        result = write_compare(load(args.simulated), load(args.measured), args.output)
+        print(json.dumps(result, indent=1) if args.json else format_compare(result) + f"\nwrote {args.output}")
+        return 0
+    trace = load(args.traces)
+    if args.command == "merge":
+        write_merged(trace, args.output)
+        print(f"wrote {args.output}: {len(trace.events)} events of ranks {trace.ranks}")
+    elif args.command == "chrome":
+        write_chrome(trace, args.output, flows_for=args.flows)
+        print(f"wrote {args.output}")
+    elif args.command == "timeline":
+        write_timeline(trace, args.output, args.title)
+        print(f"wrote {args.output}")
+    elif args.command == "summary":
+        s = summary(trace, args.top)
+        print(json.dumps(s, indent=1) if args.json else format_summary(s))
+    elif args.command == "critical-path":
+        path = critical_path(trace)
+        print(json.dumps(path, indent=1) if args.json else format_critical_path(path, trace.span_us))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
