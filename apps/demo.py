@@ -1,151 +1,164 @@
-"""The main demo on the local CPU: a tiled computation and a small network, both traced.
+"""The main demo: search a strategy for a tiny app, train with it and with data parallelism,
+and set the measured throughputs beside the simulator's predictions.
 
-1. A 2-d heat-diffusion stencil on a grid split into tiles with one-cell halos (an aliased
-   partition), run as index launches on several CPU processors with separate memories,
-   so the runtime moves halos between memories by itself; the time loop is replayed; the
-   result is checked against plain NumPy and the trace is written and summarized.
-2. A small CNN (conv, batch norm, relu, pool, dense, softmax) learns a synthetic task
-   through the model API: every operator runs as index launches, convolutions split
-   over the batch and the image height (tiles with halos), each iteration replayed.
+1. The MCMC search (strategies.search) times proposals on the simulator for the machine the
+   runs will have: `ranks` MPI ranks of one CPU worker each (the `local` machine model, one
+   device a node), or one GPU a rank where cupy sees enough of them (the `h100` model, one
+   device a node). The searched strategy is saved, named after the app.
+2. The app trains under `mpiexec -n RANKS` twice, with the searched strategy and with the
+   data-parallel baseline, each writing a trace; their JSON reports give samples/s and the
+   mean iteration time.
+3. A table shows both, measured and predicted; the searched run's traces become a Chrome
+   trace (chrome://tracing, Perfetto) and a timeline PNG (tools/trace.py).
 
-    python -m apps.demo [--cpus 4] [--size 512] [--steps 40] [--trace traces/demo.trace.jsonl]
+    python -m apps.demo [--app mlp] [--ranks 2] [--budget 300] [--iterations 30] [--out traces]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
+from apps.cli import APPS
+from ops.strategy import Strategy
+from strategies.machine_model import MachineModel, load_machine
+from strategies.search import SearchResult, app_graph, search
+from strategies.simulator import Simulator
+from taskrt.machine import count_gpus
+from taskrt.tracing import rank_trace_path
 
-from taskrt import READ, WRITE, Partition, Rect, Runtime, req
-from tools.trace_summary import format_summary, summarize
-from taskrt.tracing import read_trace
-
-
-def heat_step_numpy(u: np.ndarray) -> np.ndarray:
-    p = np.pad(u, 1, mode="edge")
-    return u + 0.2 * (p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:] - 4 * u)
-
-
-def stencil(ctx, src, dst):
-    """One step on a tile: `src` is the tile with its halo (rects[0]), `dst` the tile (rects[1])."""
-    halo, tile = ctx.rects
-    full = heat_step_numpy(src)
-    off = [t - h for t, h in zip(tile.lo, halo.lo)]
-    dst[...] = full[off[0]:off[0] + dst.shape[0], off[1]:off[1] + dst.shape[1]]
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def halo_partition(region, tiles: Partition) -> Partition:
-    rects = {}
-    for color, r in tiles.rects.items():
-        lo = [max(0, a - 1) for a in r.lo]
-        hi = [min(s, b + 1) for b, s in zip(r.hi, region.shape)]
-        rects[color] = Rect.make(lo, hi)
-    return Partition(region, rects, name=f"{region.name}.halo")
+@dataclass(frozen=True)
+class Setup:
+    """What the runs use: ranks, GPUs per rank (0: CPU only) and the machine model that matches them."""
+
+    ranks: int
+    gpus_per_rank: int
+    machine_model: MachineModel
+
+    def flags(self) -> list[str]:
+        """The app flags that give each rank the processors the machine model has."""
+        return ["--cpus-per-rank", "1", "--gpus-per-rank", str(self.gpus_per_rank)]
+
+    def describe(self) -> str:
+        each = "1 GPU" if self.gpus_per_rank else "1 CPU worker"
+        return f"{self.ranks} MPI rank{'s' * (self.ranks != 1)} of {each} each"
 
 
-def run(cpus: int, size: int, steps: int, trace: str) -> dict:
-    rng = np.random.default_rng(0)
-    u0 = rng.random((size, size))
-    os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+def machine_setup(ranks: int, gpus: int | None = None) -> Setup:
+    """One GPU a rank when `gpus` (default: those cupy sees) is at least one, on min(ranks, gpus)
+    ranks; else `ranks` ranks of one CPU worker. Machine.build's numbering for one device a node
+    (CPU: rank r's worker is processor r) is what the apps' Machine.discover makes under mpiexec."""
+    gpus = count_gpus() if gpus is None else gpus
+    if gpus > 0:
+        ranks = min(ranks, gpus)
+        return Setup(ranks, 1, dataclasses.replace(load_machine("h100", nodes=ranks), devices_per_node=1))
+    return Setup(ranks, 0, dataclasses.replace(load_machine("local", nodes=ranks), devices_per_node=1))
+
+
+def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int = 0,
+                    progress=None) -> tuple[Strategy, SearchResult]:
+    """(the best strategy for the tiny `app` at `batch` on the setup's machine, named after the app;
+    the search's result, whose baselines hold the data-parallel prediction)."""
+    model, output = app_graph(app, batch, tiny=True)
+    sim = Simulator.for_model(model, setup.machine_model, output=output)
+    result = search(sim, budget, seed, model=model, progress=progress)
+    return Strategy(app, {op.name: result.best.ops[op.name] for op in model.ops}), result
+
+
+def train_mpi(app: str, setup: Setup, batch: int, iterations: int, which: list[str], trace: str,
+              timeout: float = 600) -> dict:
+    """Train the tiny app under mpiexec with `which` (--strategy FILE or --baseline NAME) and
+    return rank 0's JSON report; a failed run raises RuntimeError with its last output."""
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    cmd = [str(mpiexec), "-n", str(setup.ranks), sys.executable, "-m", f"apps.{app}", "--tiny",
+           "--batch-size", str(batch), "--iterations", str(iterations), *which, *setup.flags(), "--trace", trace]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{tail}")
+    return json.loads(lines[-1])
+
+
+def table(rows: list[dict]) -> str:
+    """Strategy, measured samples/s and ms per iteration, predicted ms and measured over predicted."""
+    head = f"{'strategy':10s} {'samples/s':>10s} {'iter ms':>9s} {'predicted ms':>13s} {'measured/pred':>14s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ms = r["mean_iteration_s"] * 1e3
+        lines.append(f"{r['name']:10s} {r['samples_per_s']:10.1f} {ms:9.2f} {r['predicted_ms']:13.2f} "
+                     f"{ms / r['predicted_ms']:14.2f}")
+    return "\n".join(lines)
+
+
+def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks: int = 2, seed: int = 0,
+             gpus: int | None = None, say=print) -> dict:
+    """Search, train both ways, print the table and write the trace files; returns the rows,
+    the search's result and the paths written (strategy, per-rank traces, chrome, timeline)."""
+    from tools.trace import load, write_chrome, write_timeline
+
+    if app not in APPS:
+        raise ValueError(f"demo: app {app!r} is not one of {', '.join(APPS)}")
+    batch = 16
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    setup = machine_setup(ranks, gpus)
+    say(f"demo: the tiny {app} (batch {batch}) on {setup.describe()}, "
+        f"machine model {setup.machine_model.name!r} with {setup.machine_model.num_devices} devices")
     t0 = time.perf_counter()
-    with Runtime(cpus=cpus, separate_memories=True, trace=trace) as rt:
-        a, b = rt.region((size, size), "float64", "a"), rt.region((size, size), "float64", "b")
-        rt.attach(a, u0)
-        grid = (cpus, 2) if cpus > 1 else (2, 2)
-        ta, tb = a.partition(grid), b.partition(grid)
-        ha, hb = halo_partition(a, ta), halo_partition(b, tb)
-        for _ in range(steps // 2):
-            with rt.replay("two-steps"):
-                rt.index_launch(stencil, ta, req(ha, READ), req(tb, WRITE), name="stencil_ab")
-                rt.index_launch(stencil, tb, req(hb, READ), req(ta, WRITE), name="stencil_ba")
-        result = rt.read(a)
-        stats = dict(rt.replay_stats)
-        rank, ranks, path = rt.rank, rt.num_ranks, rt.trace_path
-        processors = describe_processors(rt.machine, rank)
-    elapsed = time.perf_counter() - t0
-    want = u0
-    for _ in range(2 * (steps // 2)):
-        want = heat_step_numpy(want)
-    err = float(np.abs(result - want).max())
-    _, events = read_trace(path)
-    return {"elapsed_s": elapsed, "max_error": err, "replay": stats, "events": events, "trace": path,
-            "rank": rank, "ranks": ranks, "processors": processors}
-
-
-def describe_processors(machine, rank: int) -> str:
-    """'4 CPU processors', or '4 CPU processors and 1 GPU' where the rank has GPUs (tiles go to those)."""
-    procs = machine.rank_processors(rank)
-    cpus, gpus = sum(p.kind == "cpu" for p in procs), sum(p.kind == "gpu" for p in procs)
-    text = f"{cpus} CPU processor{'s' * (cpus != 1)}"
-    return text + (f" and {gpus} GPU{'s' * (gpus != 1)}" if gpus else "")
-
-
-def train_cnn(cpus: int, iterations: int, trace: str) -> dict:
-    """A small CNN on synthetic images: class = which quadrant holds a bright blob."""
-    from ops import Model, SGD, TileConfig
-
-    rng = np.random.default_rng(1)
-    n, batch = 512, 32
-    labels = rng.integers(0, 4, n)
-    images = rng.normal(0, 0.5, (n, 1, 16, 16)).astype(np.float32)
-    for i, c in enumerate(labels):
-        r, q = divmod(int(c), 2)
-        images[i, 0, r * 8 + 2:r * 8 + 6, q * 8 + 2:q * 8 + 6] += 0.6
-    rt = Runtime(cpus=cpus, trace=trace)
-    m = Model(runtime=rt, seed=0)
-    x = m.input((batch, 1, 16, 16), name="images")
-    h = m.conv2d(x, 8, 3, padding=1, name="conv1")
-    h = m.pool2d(m.relu(m.batch_norm(h, name="bn1")), 2, name="pool1")
-    h = m.relu(m.conv2d(h, 16, 3, padding=1, name="conv2"))
-    m.softmax(m.dense(m.flat(h), 4, name="fc"))
-    split = min(cpus, 2)
-    configs = {"conv1": TileConfig((split, 1, 2, 1)), "conv2": TileConfig((split, 1, 2, 1))}
-    m.compile(optimizer=SGD(lr=0.1, momentum=0.9), loss="sparse_categorical_crossentropy",
-              metrics=["accuracy"], configs=configs)
-    t0 = time.perf_counter()
-    history = m.fit(images, labels, iterations=iterations, verbose=False)
-    elapsed = time.perf_counter() - t0
-    stats = dict(rt.replay_stats)
-    m.close()
-    rt.shutdown()
-    return {"loss_first": history.loss[0], "loss_last": history.loss[-1], "accuracy": history.accuracy[-1],
-            "elapsed_s": elapsed, "replay": stats, "iterations": iterations,
-            "trace": rt.trace_path}
+    strategy, result = search_strategy(app, batch, setup, budget, seed, progress=None)
+    path = str(out / f"demo.{app}.strategy.json")
+    strategy.save(path)
+    say(f"search: {result.proposals} proposals in {result.seconds:.1f} s, predicted {result.best_time * 1e3:.2f} ms "
+        f"an iteration ({result.speedup_over_baselines():.2f}x the best baseline); saved {path}")
+    rows, files = [], {"strategy": path}
+    for name, which in (("searched", ["--strategy", path]), ("data", ["--baseline", "data"])):
+        trace = str(out / f"demo.{name}.jsonl")
+        report = train_mpi(app, setup, batch, iterations, which, trace)
+        predicted = result.best_time if name == "searched" else result.baselines["data"]
+        rows.append({"name": name, "samples_per_s": report["samples_per_s"],
+                     "mean_iteration_s": report["mean_iteration_s"], "predicted_ms": predicted * 1e3,
+                     "final_loss": report["final_loss"]})
+        files[f"{name}_traces"] = [report["trace"]] + [rank_trace_path(trace, r) for r in range(1, setup.ranks)]
+        say(f"trained {name}: {iterations} iterations, loss {report['first_loss']:.3f} -> {report['final_loss']:.3f}")
+    say("")
+    say(table(rows))
+    trace = load(files["searched_traces"])
+    files["chrome"] = str(out / "demo.searched.chrome.json")
+    files["timeline"] = str(out / "demo.searched.timeline.png")
+    write_chrome(trace, files["chrome"])
+    write_timeline(trace, files["timeline"], title=f"{app} (tiny), searched strategy, {setup.describe()}")
+    say("")
+    say(f"files ({time.perf_counter() - t0:.0f} s in all):")
+    say(f"  strategy        {files['strategy']}")
+    for name in ("searched", "data"):
+        say(f"  {name + ' traces':15s} {', '.join(files[name + '_traces'])}")
+    say(f"  chrome trace    {files['chrome']}  (chrome://tracing or ui.perfetto.dev)")
+    say(f"  timeline        {files['timeline']}")
+    return {"rows": rows, "search": result, "files": files, "setup": setup}
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="taskrt demo: a traced, replayed, tiled stencil")
-    parser.add_argument("--cpus", type=int, default=4)
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--trace", default="traces/demo.trace.jsonl")
-    parser.add_argument("--iterations", type=int, default=40, help="CNN training iterations")
-    args = parser.parse_args(argv)
-    out = run(args.cpus, args.size, args.steps, args.trace)
-    # under mpiexec every rank runs the demo; rank 0 reports (its own rank's trace)
-    say = print if out["rank"] == 0 else (lambda *a, **k: None)
-    tasks = sum(e["kind"] == "task" for e in out["events"])
-    copies = sum(e["kind"] != "task" for e in out["events"])
-    where = out["processors"] + (f" on each of {out['ranks']} ranks" if out["ranks"] > 1 else "")
-    say(f"heat stencil {args.size}x{args.size}, {args.steps} steps on {where} with separate memories: "
-        f"{out['elapsed_s']:.2f} s")
-    say(f"max |runtime - numpy| = {out['max_error']:.2e}; {tasks} tasks, {copies} copies; replay {out['replay']}")
-    say(format_summary(summarize(out["events"])))
-    say(f"trace written to {out['trace']}")
-    if out["max_error"] > 1e-12:
-        raise SystemExit("demo result differs from NumPy")
-    cnn_trace = args.trace.replace(".trace.jsonl", "") + ".cnn.trace.jsonl"
-    cnn = train_cnn(args.cpus, args.iterations, cnn_trace)
-    say(f"\nsmall CNN, {cnn['iterations']} iterations of batch 32 on {where}: "
-        f"{cnn['elapsed_s']:.2f} s; loss {cnn['loss_first']:.3f} -> {cnn['loss_last']:.3f}, "
-        f"accuracy {cnn['accuracy']:.2f}; replay {cnn['replay']}")
-    _, events = read_trace(cnn["trace"])
-    say(format_summary(summarize(events)))
-    say(f"trace written to {cnn['trace']}")
-    if not cnn["loss_last"] < 0.5 * cnn["loss_first"]:
-        raise SystemExit("the CNN did not learn")
+    p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
+    p.add_argument("--ranks", type=int, default=2, help="MPI ranks")
+    p.add_argument("--budget", type=int, default=300, help="search proposals")
+    p.add_argument("--iterations", type=int, default=30, help="training iterations of each run")
+    p.add_argument("--seed", type=int, default=0, help="the search's seed")
+    p.add_argument("--out", default="traces", help="folder for the strategy, traces and timeline")
+    args = p.parse_args(argv)
+    run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed)
 
 
 if __name__ == "__main__":

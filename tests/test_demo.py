@@ -1,14 +1,57 @@
-"""apps/demo: the stencil matches NumPy exactly and the small CNN learns, both traced."""
-from apps.demo import run, train_cnn
-from taskrt.tracing import read_trace
+"""apps/demo: the machine it simulates is the one the runs make, and the whole demo at tiny numbers."""
+import json
+import struct
+
+import pytest
+
+from apps.demo import machine_setup, run_demo, table, train_mpi
+from taskrt.machine import Machine, RankSpec
 
 
-def test_demo_stencil_and_cnn(tmp_path):
-    out = run(cpus=2, size=48, steps=8, trace=str(tmp_path / "demo.trace.jsonl"))
-    assert out["max_error"] == 0.0
-    assert out["replay"]["replayed"] >= 1
-    assert any(e["kind"] == "copy" for e in out["events"])
-    cnn = train_cnn(cpus=2, iterations=12, trace=str(tmp_path / "cnn.trace.jsonl"))
-    assert cnn["loss_last"] < cnn["loss_first"]
-    _, events = read_trace(str(tmp_path / "cnn.trace.jsonl"))
-    assert {e["op"] for e in events} >= {"conv1", "fc"}
+def test_cpu_setup_matches_the_runs_machine():
+    setup = machine_setup(2, gpus=0)
+    assert setup.ranks == 2 and setup.gpus_per_rank == 0
+    assert setup.flags() == ["--cpus-per-rank", "1", "--gpus-per-rank", "0"]
+    # what Machine.discover builds under mpiexec -n 2 with --cpus-per-rank 1 --gpus-per-rank 0
+    discovered = Machine.from_ranks([RankSpec(1, ()), RankSpec(1, ())])
+    assert setup.machine_model.to_machine().processors == discovered.processors
+
+
+def test_gpu_setup_one_gpu_a_rank():
+    setup = machine_setup(2, gpus=1)
+    assert setup.ranks == 1 and setup.gpus_per_rank == 1 and setup.machine_model.device.kind == "gpu"
+    two = machine_setup(2, gpus=4)
+    discovered = Machine.from_ranks([RankSpec(1, (0,)), RankSpec(1, (1,))])
+    assert [(p.kind, p.rank) for p in two.machine_model.to_machine().processors] == \
+        [(p.kind, p.rank) for p in discovered.processors]
+
+
+def test_table_rows():
+    text = table([{"name": "searched", "samples_per_s": 400.0, "mean_iteration_s": 0.04, "predicted_ms": 5.0}])
+    assert text.splitlines()[2].split() == ["searched", "400.0", "40.00", "5.00", "8.00"]
+
+
+def test_a_failed_run_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="--strategy"):
+        train_mpi("mlp", machine_setup(1, gpus=0), 16, 2, ["--strategy", str(tmp_path / "nope.json")],
+                  str(tmp_path / "t.jsonl"), timeout=120)
+
+
+def test_run_demo_writes_every_file(tmp_path):
+    lines = []
+    out = run_demo(budget=12, iterations=4, out_dir=str(tmp_path), gpus=0, say=lines.append)
+    assert [r["name"] for r in out["rows"]] == ["searched", "data"]
+    assert all(r["samples_per_s"] > 0 and r["predicted_ms"] > 0 for r in out["rows"])
+    files = out["files"]
+    assert len(files["searched_traces"]) == len(files["data_traces"]) == 2
+    for path in [files["strategy"], *files["searched_traces"], *files["data_traces"]]:
+        assert (tmp_path / path.split("/")[-1]).exists()
+    assert json.load(open(files["strategy"]))["model"] == "mlp"
+    chrome = json.load(open(files["chrome"]))
+    assert chrome
+    with open(files["timeline"], "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and min(struct.unpack(">II", head[16:24])) > 100
+    text = "\n".join(lines)
+    assert "samples/s" in text and "predicted ms" in text
+    assert all(path in text for path in (files["strategy"], files["chrome"], files["timeline"]))
