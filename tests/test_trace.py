@@ -1,0 +1,250 @@
+"""tools/trace: every command on traces made here by the runtime, the simulator and 2 MPI ranks."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from ops import SGD, Model
+from strategies import data_parallel
+from strategies.cost import CostModel
+from strategies.machine_model import load_machine
+from strategies.simulator import Simulator
+from taskrt import Runtime
+from taskrt.tracing import read_trace
+from tests.test_mpi import assert_every_rank_ok, run_mpi
+from tools import trace as tt
+
+
+def tiny(model: Model) -> Model:
+    x = model.input((16, 32), name="x")
+    model.softmax(model.dense(model.dense(x, 32, activation="relu", name="d1"), 4, name="d2"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("measured") / "run.jsonl")
+    rt = Runtime(cpus=2, separate_memories=True, trace=path)
+    m = tiny(Model(runtime=rt, seed=0))
+    m.compile(optimizer=SGD(lr=0.1), loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    m.fit(rng.normal(size=(64, 32)).astype(np.float32), rng.integers(0, 4, 64), iterations=3, verbose=False)
+    m.close()
+    rt.shutdown()
+    return path
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory) -> str:
+    mm = load_machine("local", nodes=1)
+    m = tiny(Model(Runtime(execute=False), weights=False))
+    sim = Simulator.for_model(m, mm, CostModel(mm, measured=False))
+    return sim.simulate(data_parallel(m, sim.machine)).write_trace(str(tmp_path_factory.mktemp("sim") / "sim.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    base = tmp_path_factory.mktemp("mpi") / "run.jsonl"
+    proc, _ = run_mpi(2, "traces.py", base)
+    assert_every_rank_ok(proc, 2)
+    return str(base)
+
+
+def png_size(path) -> tuple[int, int]:
+    data = open(path, "rb").read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = tt.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ---- load and merge ------------------------------------------------------------------------------
+def test_load_and_phases(measured, simulated):
+    t = tt.load(measured)
+    assert not t.simulated and t.ranks == [0] and len(t.events) == read_trace(measured)[0]["events"]
+    assert [e["start"] for e in t.events] == sorted(e["start"] for e in t.events)
+    phases = {tt.phase(e) for e in t.events}
+    assert {"forward", "backward", "update", "fill", "copy", "reduce"} <= phases
+    s = tt.load(simulated)
+    assert s.simulated and all("preds" in e for e in s.events)
+    assert tt.phase({"kind": "task", "name": "d1.infer"}) == "inference"
+
+
+def test_merge_two_ranks_on_one_clock(two_ranks, tmp_path, capsys):
+    rc, out, _ = run_cli(capsys, "merge", two_ranks, "-o", tmp_path / "merged.jsonl")
+    assert rc == 0 and "ranks [0, 1]" in out
+    per_rank = [read_trace(two_ranks.replace(".jsonl", f".rank{r}.jsonl"))[1] for r in range(2)]
+    meta, events = read_trace(str(tmp_path / "merged.jsonl"))
+    assert meta["ranks"] == [0, 1] and meta["events"] == len(events) == sum(map(len, per_rank))
+    assert [e["start"] for e in events] == sorted(e["start"] for e in events)
+    merged = tt.load(str(tmp_path / "merged.jsonl"))
+    assert merged.ranks == [0, 1]
+    # every receive ends after its send started: both ranks count from rank 0's origin
+    sends = {e["id"]: e for e in merged.events if e["kind"] == "send"}
+    assert sends and all(e["end"] >= sends[e["id"]]["start"] for e in merged.events if e["kind"] == "recv")
+    with pytest.raises(tt.TraceError, match="rank 0 is also in"):
+        tt.load([two_ranks.replace(".jsonl", ".rank0.jsonl"), str(tmp_path / "merged.jsonl")])
+
+
+# ---- chrome --------------------------------------------------------------------------------------
+def test_chrome_export_follows_the_format(two_ranks, simulated, tmp_path):
+    t = tt.load(two_ranks)
+    path = tt.write_chrome(t, str(tmp_path / "c.json"))
+    doc = json.load(open(path))
+    events = doc["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(t.events)
+    for e in complete:
+        assert {"name", "ph", "ts", "dur", "pid", "tid", "cat", "args"} <= set(e)
+        assert isinstance(e["ts"], (int, float)) and e["dur"] >= 0
+    # times stay microseconds: the first event's ts is the trace's own start
+    assert min(e["ts"] for e in complete) == pytest.approx(t.start_us)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(names.values()) == sorted(tt.row_label(r) for r in t.rows())
+    assert len(set(names)) == len(names) == len(t.rows())
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
+    assert all((e["pid"], e["tid"]) in names for e in complete)
+
+    s = tt.load(simulated)
+    node = next(e for e in s.events if e["name"] == "d2.fwd")
+    doc = json.load(open(tt.write_chrome(s, str(tmp_path / "s.json"), flows_for=node["id"])))
+    labels = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert {"d1 forward", "d2 backward", "d1 update"} <= labels
+    assert any(n.startswith("copy:") and n.endswith("B") for n in labels)
+    starts = [e for e in doc["traceEvents"] if e["ph"] == "s"]
+    ends = [e for e in doc["traceEvents"] if e["ph"] == "f"]
+    assert len(starts) == len(ends) >= len(node["preds"])
+    assert {e["id"] for e in starts} == {e["id"] for e in ends}
+    assert sum(e["ts"] == node["start"] for e in ends) >= len(node["preds"])
+    with pytest.raises(tt.TraceError, match="no event with id"):
+        tt.write_chrome(s, str(tmp_path / "x.json"), flows_for=10**9)
+
+
+# ---- images --------------------------------------------------------------------------------------
+def test_timeline_png_size(measured, two_ranks, tmp_path, capsys):
+    for source in (measured, two_ranks):
+        t = tt.load(source)
+        out = tmp_path / "t.png"
+        rc, _, _ = run_cli(capsys, "timeline", source, "-o", out, "--title", "tiny")
+        assert rc == 0
+        assert png_size(out) == (1400, 160 + 18 * len(t.rows()))
+
+
+def test_timeline_of_64_processors(tmp_path):
+    events = [{"id": i, "name": f"op{i % 7}.fwd", "kind": "task", "op": f"op{i % 7}", "rank": i // 512,
+               "proc": f"r{i // 512}.cpu{(i // 8) % 64}", "start": float(i % 8) * 10, "end": float(i % 8) * 10 + 9,
+               "bytes": 0, "point": None} for i in range(1024)]
+    t = tt.Trace(events)
+    assert len(t.rows()) == 128
+    assert png_size(tt.write_timeline(t, str(tmp_path / "big.png"))) == (1400, 160 + 18 * 128)
+
+
+def test_compare(simulated, measured, tmp_path, capsys):
+    result = tt.write_compare(tt.load(simulated), tt.load(measured), str(tmp_path / "cmp.png"))
+    s, m = tt.load(simulated), tt.load(measured)
+    assert png_size(tmp_path / "cmp.png") == (1400, 2 * 160 + 18 * (len(s.rows()) + len(m.rows())))
+    assert result["iterations"] == 3
+    ops = {r["name"]: r for r in result["operators"]}
+    assert {"d1", "d2", "loss"} <= set(ops) and ops["d1"]["simulated_us"] > 0 and ops["d1"]["measured_us"] > 0
+    d1 = ops["d1"]
+    assert d1["error"] == pytest.approx((d1["simulated_us"] - d1["measured_us"]) / d1["measured_us"])
+    assert {r["name"] for r in result["processors"]} == {"r0.cpu0", "r0.cpu1"}
+    assert result["iteration"]["simulated_us"] == pytest.approx(s.span_us)
+    rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c2.png")
+    assert rc == 0 and "iteration time" in out and "r0.cpu1" in out
+    rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c3.png", "--json")
+    assert json.loads(out)["iterations"] == 3
+
+
+# ---- summary and critical path -------------------------------------------------------------------
+def test_summary(measured, two_ranks, capsys):
+    t = tt.load(measured)
+    s = tt.summary(t)
+    rows = {r["proc"]: r for r in s["rows"]}
+    cpu0 = rows["r0.cpu0"]
+    tasks = [e for e in t.events if e["proc"] == "r0.cpu0"]
+    assert cpu0["busy_us"] == pytest.approx(sum(e["end"] - e["start"] for e in tasks))
+    assert cpu0["idle_us"] == pytest.approx(s["span_us"] - cpu0["busy_us"], abs=1e-3)
+    assert 0 < cpu0["utilization"] <= 1 and cpu0["copy_us"] == 0
+    link = next(r for r in s["rows"] if r["link"])
+    assert link["copy_us"] > 0 and link["busy_us"] == 0
+    assert s["operators"][0]["time_us"] >= s["operators"][-1]["time_us"]
+    assert sum(o["share"] for o in tt.summary(t, top=100)["operators"]) == pytest.approx(1.0)
+    rc, out, _ = run_cli(capsys, "summary", measured)
+    assert rc == 0 and "r0.cpu0" in out and "d1" in out and "rank" in out
+    rc, out, _ = run_cli(capsys, "summary", two_ranks, "--json")
+    assert rc == 0 and set(json.loads(out)["ranks"]) == {"0", "1"}
+
+
+def test_critical_path_of_the_simulation_sets_its_time(simulated, measured, capsys):
+    s = tt.load(simulated)
+    path = tt.critical_path(s)
+    assert path[-1]["end_us"] == pytest.approx(s.end_us)
+    assert all(a["end_us"] <= b["start_us"] + tt.EPS_US for a, b in zip(path, path[1:]))
+    # the simulator starts each node when its last pred or its track frees: no waits on the chain
+    assert sum(p["duration_us"] for p in path) == pytest.approx(s.span_us, rel=1e-3)
+    assert sum(p["share"] for p in path) == pytest.approx(1.0, rel=1e-3)
+    by_id = {e["id"]: e for e in s.events}
+    for a, b in zip(path, path[1:]):
+        e = by_id[b["id"]]
+        assert a["id"] in e["preds"] or a["proc"] == b["proc"]
+    m = tt.load(measured)
+    mpath = tt.critical_path(m)
+    assert mpath[-1]["end_us"] == m.end_us and 0 < sum(p["share"] for p in mpath) <= 1
+    rc, out, _ = run_cli(capsys, "critical-path", simulated)
+    assert rc == 0 and "critical path" in out and "d1.fwd" in out
+    rc, out, _ = run_cli(capsys, "critical-path", measured, "--json")
+    assert len(json.loads(out)) == len(mpath)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_bad_traces_give_one_line_and_a_nonzero_exit(measured, tmp_path, capsys):
+    lines = open(measured).read().splitlines(keepends=True)
+    cut_mid = write(tmp_path, "cut.jsonl", "".join(lines[:5]) + lines[5][:20])
+    cut_line = write(tmp_path, "short.jsonl", "".join(lines[:5]))
+    cases = {
+        write(tmp_path, "empty.jsonl", ""): ":1: empty file",
+        write(tmp_path, "meta.jsonl", lines[0]): ":2: no events",
+        cut_mid: ":6: truncated",
+        cut_line: "truncated: the meta line says",
+        write(tmp_path, "csv.jsonl", "proc,start,end\nr0.cpu0,1,2\n"): ":1: not JSON",
+        write(tmp_path, "other.jsonl", '{"traceEvents": []}\n'): ":1: not a taskrt trace",
+        write(tmp_path, "keys.jsonl", lines[0] + '{"id": 1, "name": "x"}\n'): ":2: not a taskrt event",
+        write(tmp_path, "times.jsonl", lines[0] + lines[1].replace('"end": ', '"end": -')): ":2: bad times",
+        str(tmp_path / "missing.jsonl"): "cannot read",
+    }
+    for path, message in cases.items():
+        with pytest.raises(tt.TraceError, match=message) as info:
+            tt.load(path)
+        assert path in str(info.value) and "\n" not in str(info.value)
+        for command in (["summary"], ["critical-path"], ["timeline", "-o", tmp_path / "x.png"],
+                        ["chrome", "-o", tmp_path / "x.json"], ["merge", "-o", tmp_path / "x.jsonl"]):
+            rc, out, err = run_cli(capsys, command[0], path, *command[1:])
+            assert rc == 2 and out == "" and err.count("\n") == 1 and path in err and message.strip(":") in err
+        rc, _, err = run_cli(capsys, "compare", path, measured, "-o", tmp_path / "x.png")
+        assert rc == 2 and path in err
+    with pytest.raises(tt.TraceError, match="simulated trace with a measured"):
+        sim_meta = json.dumps({"kind": "meta", "rank": 1, "simulated": True, "events": 1})
+        tt.load([measured, write(tmp_path, "sim1.jsonl", sim_meta + "\n" + lines[1].replace('"rank": 0', '"rank": 1'))])
+
+
+def test_trace_summary_alias(measured, capsys):
+    from tools import trace_summary
+
+    assert trace_summary.main([measured]) == 0
+    assert "r0.cpu0" in capsys.readouterr().out
+    s = trace_summary.summarize(read_trace(measured)[1])
+    assert set(s["by_proc"]) >= {"r0.cpu0", "r0.cpu1"} and "r0.cpu0" in trace_summary.format_summary(s)
