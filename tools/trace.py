@@ -637,6 +637,8 @@ def main(argv=None) -> int:
         print(f"tools.trace: {e}", file=sys.stderr)
         return 2
     except OSError as e:
+        if e.filename is None:
+            raise
         print(f"tools.trace: {e.filename}: cannot write: {e.strerror}", file=sys.stderr)
         return 2
 
