@@ -271,6 +271,8 @@ class Runtime:
     def _emit(self, node, preds) -> None:
         preds = tuple(preds)
         self.graph.add(node, preds)
+        if self.tracer is not None:
+            self.tracer.preds[node.id] = preds
         sinks = self._sinks
         for p in preds:
             sinks.discard(p)

@@ -28,6 +28,9 @@ class TraceRecorder:
         self.clock_offset = clock_offset
         self.meta: dict = {}
         self.events: list[tuple] = []
+        #: node id -> the ids it waits for, noted when the node is made (the graph's edges, so the
+        #: trace tools find real dependences: critical paths, flow arrows)
+        self.preds: dict[int, tuple] = {}
 
     def __call__(self, node, start: float, end: float) -> None:
         # keep the facts, not the node: a node holds its task's arguments (arrays, say)
@@ -52,6 +55,7 @@ class TraceRecorder:
                 "end": round((end - self.origin) * 1e6 + self.clock_offset, 3),
                 "bytes": nbytes,
                 "point": None if point is None else list(point),
+                "preds": list(self.preds.get(nid, ())),
             }
 
     def write(self, path: str) -> None:

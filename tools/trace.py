@@ -12,9 +12,10 @@ for all of them. Every command reads its traces with `load`, which checks them: 
 empty or foreign file raises `TraceError` naming the file and the line (the CLI prints that
 one line and exits with status 2).
 
-Dependences: a simulator trace carries each event's `preds` (node ids); the runtime's traces do
-not, so for them the dependences are inferred from timing: an event waits on the event before
-it on its processor or link and on the latest event anywhere that ended before it started.
+Dependences: runtime and simulator traces carry each event's `preds` (the task graph's edges,
+node ids; on many ranks they may name another rank's nodes, which a merged trace holds). For a
+trace without them they are inferred from timing: an event waits on the event before it on its
+processor or link and on the latest event anywhere that ended before it started.
 """
 from __future__ import annotations
 
