@@ -455,7 +455,11 @@ def test_trace_file_records_tasks_and_copies(tmp_path):
     assert copy["proc"] == "r0.sys0->r0.sys1" and copy["bytes"] == 16
     for e in events:
         assert e["end"] >= e["start"] >= 0
-        assert set(e) >= {"name", "kind", "op", "rank", "proc", "start", "end", "bytes"}
+        assert set(e) >= {"name", "kind", "op", "rank", "proc", "start", "end", "bytes", "preds"}
+    # the graph's edges: the copy waits for the fill, each look for the fill and (one of them) the copy
+    fill = next(e for e in events if e["name"] == "fill:x")
+    assert copy["preds"] == [fill["id"]]
+    assert all(fill["id"] in e["preds"] for e in look) and any(copy["id"] in e["preds"] for e in look)
 
 
 def test_empty_rects_order_nothing_and_leave_no_pending_reduction():
