@@ -68,8 +68,8 @@ DTYPES = ("float32", "float64")
 OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Adam(lr=lr)}
 #: what the last line of a run (one JSON object) holds
 RESULT_FIELDS = ("app", "ranks", "devices", "batch_size", "iterations", "warmup", "samples_per_s",
-                 "mean_iteration_s", "first_loss", "final_loss", "strategy", "tiny", "dtype", "seed",
-                 "optimizer", "lr", "parameters", "trace")
+                 "mean_iteration_s", "predicted_iteration_s", "first_loss", "final_loss", "strategy", "tiny",
+                 "dtype", "seed", "optimizer", "lr", "parameters", "trace")
 
 
 class FlagError(ValueError):
@@ -163,6 +163,14 @@ def parser(app: App) -> argparse.ArgumentParser:
                        help="a strategy file for this model (default: data parallel)")
     which.add_argument("--baseline", choices=BASELINE_NAMES, default=None,
                        help="a baseline strategy (default: data)")
+    which.add_argument("--search-budget", type=_count(1), default=None, metavar="N",
+                       help="search a strategy first, N proposals of the MCMC search on the simulator "
+                            "(strategies.search), and train with it (default: no search)")
+    p.add_argument("--machine", metavar="M", default=None,
+                   help="the machine model the search simulates: p100, k80, h100, local or a file, with as many "
+                        "devices as this run (default: this machine, as the 'local' model)")
+    p.add_argument("--export-strategy", metavar="FILE", default=None,
+                   help="write the strategy trained with (searched or not) to FILE")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="write a trace (under MPI one file per rank, the rank in its name; default: none)")
     p.add_argument("--seed", type=_count(0), default=0, metavar="N",
@@ -191,6 +199,7 @@ class Plan:
     strategy: Strategy
     strategy_name: str
     parameters: int
+    predicted_s: float | None = None
 
 
 def check(app: App, args) -> Plan:
@@ -216,7 +225,64 @@ def check(app: App, args) -> Plan:
     except FlagError as e:
         problem = str(e)
     _agree(problem, ranks)
+    if args.search_budget is not None:
+        plan = _search(app, args, plan, ranks)
+    if args.export_strategy is not None and _rank() == 0:
+        Strategy(app.name, {op: c for op, c in plan.strategy.ops.items()}).save(args.export_strategy)
     return plan
+
+
+def _rank() -> int:
+    if mpi_world_size_from_env() == 1:
+        return 0
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.rank
+
+
+def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
+    """Rank 0 searches (the cost model may measure kernels, so only one rank decides) and every
+    rank takes its strategy; a machine model that does not match this run is a flag error."""
+    from strategies.search import search
+    from strategies.simulator import Simulator
+    problem, found = None, None
+    if _rank() == 0:
+        try:
+            mm = _machine_model(args, plan.machine)
+            graph, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, weights=False,
+                                        runtime=Runtime(machine=plan.machine, execute=False))
+            sim = Simulator.for_model(graph, mm, loss=app.loss, output=output)
+            result = search(sim, args.search_budget, seed=args.seed, model=graph,
+                            progress=sys.stderr if sys.stderr.isatty() else None)
+            mine = {op.name for op in graph.ops}
+            found = (Strategy(app.name, {k: v for k, v in result.best.ops.items() if k in mine}).to_json(),
+                     result.best_time)
+        except FlagError as e:
+            problem = str(e)
+    _agree(problem, ranks)
+    if ranks > 1:
+        from mpi4py import MPI
+        found = MPI.COMM_WORLD.bcast(found, root=0)
+    text, predicted = found
+    return Plan(plan.batch_size, plan.sizes, plan.machine, Strategy.from_json(text), "searched", plan.parameters,
+                predicted)
+
+
+def _machine_model(args, machine: Machine):
+    """--machine's model, or this machine as the 'local' model; its devices must be this run's."""
+    import dataclasses
+
+    from strategies.machine_model import MachineError, load_machine
+    devices = len(compute_processors(machine))
+    if args.machine is None:
+        per_rank = devices // machine.num_ranks
+        return dataclasses.replace(load_machine("local", nodes=machine.num_ranks), devices_per_node=per_rank)
+    try:
+        mm = load_machine(args.machine)
+    except MachineError as e:
+        raise FlagError(f"--machine {args.machine}: {e}") from None
+    if mm.num_devices != devices:
+        raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} devices, this run has {devices}")
+    return mm
 
 
 def _check_devices(args, ranks: int) -> None:
@@ -368,6 +434,7 @@ def train(app: App, args, plan: Plan) -> dict:
     report = {"app": app.name, "ranks": plan.machine.num_ranks, "devices": len(compute_processors(plan.machine)),
               "batch_size": plan.batch_size, "iterations": args.iterations, "warmup": warmup,
               "samples_per_s": plan.batch_size * measured / span, "mean_iteration_s": span / measured,
+              "predicted_iteration_s": plan.predicted_s,
               "first_loss": losses[0], "final_loss": losses[-1], "strategy": plan.strategy_name,
               "tiny": bool(args.tiny), "dtype": args.dtype, "seed": args.seed, "optimizer": args.optimizer,
               "lr": args.lr, "parameters": plan.parameters, "trace": trace}

@@ -361,3 +361,32 @@ def test_bad_strategy_stops_every_rank_before_work(tmp_path):
     assert proc.returncode != 0 and seconds < 30, output(proc)
     line = f"error: --strategy {path}: made for model 'alexnet', but this model is 'mlp'"
     assert proc.stderr.count(line) == 2 and "iteration" not in proc.stdout, output(proc)
+
+
+# ---- searching before training (strategies.search through --search-budget) ----------------------
+def test_search_budget_searches_trains_with_it_and_exports_it(capsys, tmp_path):
+    out = tmp_path / "searched.json"
+    report, _ = run_here(mlp, "--tiny", "--iterations", 3, "--search-budget", 8, "--export-strategy", out,
+                         capsys=capsys)
+    assert report["strategy"] == "searched" and report["predicted_iteration_s"] > 0
+    assert set(report) == set(RESULT_FIELDS)
+    saved = json.loads(out.read_text())
+    assert saved["model"] == "mlp" and "loss" not in saved["ops"]
+    again, _ = run_here(mlp, "--tiny", "--iterations", 3, "--strategy", out, capsys=capsys)
+    assert again["strategy"] == str(out) and again["predicted_iteration_s"] is None
+
+
+def test_search_budget_on_two_ranks_agrees_on_one_strategy(tmp_path):
+    out = tmp_path / "searched.json"
+    proc, _ = run_mpi_app(2, "mlp", "--tiny", "--iterations", 3, "--cpus-per-rank", 1, "--search-budget", 6,
+                          "--export-strategy", out)
+    assert proc.returncode == 0, output(proc)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 2 and report["strategy"] == "searched" and out.exists()
+
+
+def test_a_machine_model_that_does_not_match_the_run_is_a_bad_flag(capsys):
+    err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "p100")
+    assert err.startswith("error: --machine p100: its model has 16 devices, this run has")
+    err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "/no/such.json")
+    assert err.startswith("error: --machine /no/such.json:")
