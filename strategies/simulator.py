@@ -27,7 +27,7 @@ from ops.base import Op, TensorSpec
 from ops.lower import TileConfig, default_config, resolve_config
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
-from strategies.graph import BACKWARD, FENCE, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
+from strategies.graph import BACKWARD, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
 from strategies.machine_model import MachineModel
 from strategies.memory import peak_memory
 from strategies.timing import Timing, schedule
@@ -54,15 +54,9 @@ class SimResult:
 
     def records(self):
         """Trace events in the runtime's format (README.md), microseconds from the iteration's start,
-        each with `preds`: the ids of the traced nodes it waits on (through untraced fences)."""
-        # stands_for[i]: the traced ids that node i stands for as a pred (itself, or a fence's preds)
-        stands_for: list[frozenset] = []
+        each with `preds`: the ids of the nodes it waits on within the iteration."""
+        ids = [node.id for node in self.graph.nodes]
         for i, node in enumerate(self.graph.nodes):
-            waits = frozenset().union(*(stands_for[p] for p in self.graph.preds[i]))
-            untraced = not isinstance(node, CopyNode) and node.fn is None
-            stands_for.append(waits if untraced else frozenset((node.id,)))
-            if untraced:
-                continue
             if isinstance(node, CopyNode):
                 where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
                 point = None
@@ -70,7 +64,7 @@ class SimResult:
                 where, rank, kind, point = str(node.proc), node.proc.rank, node.kind, list(node.point)
             yield {"id": node.id, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
                    "start": round(float(self.timing.start[i]) * 1e6, 3), "end": round(float(self.timing.end[i]) * 1e6, 3),
-                   "bytes": node.nbytes, "point": point, "preds": sorted(waits)}
+                   "bytes": node.nbytes, "point": point, "preds": [ids[p] for p in self.graph.preds[i]]}
 
     def write_trace(self, path: str) -> str:
         """One JSON line per task and copy after a meta line (kind 'meta', simulated: true)."""
@@ -151,9 +145,6 @@ class Simulator:
                 key, seconds = self._copy_cost(node)
             else:
                 tc = graph.task_cost(node)
-                if tc.phase == FENCE:
-                    res[i], dur[i] = -1, 0.0
-                    continue
                 key = ("proc", node.proc)
                 if tc.phase == FILL:
                     seconds = cost.fill_time(node.nbytes, node.proc)

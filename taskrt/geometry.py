@@ -15,11 +15,14 @@ class Rect:
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     _hash: int = field(init=False, repr=False, compare=False)
+    _empty: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if len(self.lo) != len(self.hi):
             raise ValueError(f"Rect lo {self.lo} and hi {self.hi} have different dimensions")
         object.__setattr__(self, "_hash", hash((self.lo, self.hi)))
+        # asked for on every access the analysis makes: computed once
+        object.__setattr__(self, "_empty", any(b <= a for a, b in zip(self.lo, self.hi)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -55,16 +58,19 @@ class Rect:
 
     @property
     def empty(self) -> bool:
-        return any(b <= a for a, b in zip(self.lo, self.hi))
+        return self._empty
 
     def intersect(self, other: "Rect") -> "Rect":
         self._check_dims(other)
         return Rect(tuple(map(max, self.lo, other.lo)), tuple(map(min, self.hi, other.hi)))
 
     def overlaps(self, other: "Rect") -> bool:
-        """True when the two boxes share at least one point (fast path, no allocation)."""
+        """True when the two boxes share at least one point (the analysis's hottest test: no
+        allocation, and two comparisons a dim once neither box is empty)."""
+        if self._empty or other._empty:
+            return False
         for a0, a1, b0, b1 in zip(self.lo, self.hi, other.lo, other.hi):
-            if max(a0, b0) >= min(a1, b1):
+            if a0 >= b1 or b0 >= a1:
                 return False
         return True
 

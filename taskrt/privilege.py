@@ -58,10 +58,10 @@ class Privilege:
 
     def conflicts(self, other: "Privilege") -> bool:
         """Two accesses to overlapping data must be ordered unless both read, or both reduce with one op."""
-        if self.mode == "R" and other.mode == "R":
-            return False
-        if self.is_reduce and other.is_reduce and self.redop == other.redop:
-            return False
+        if self.mode == "R":
+            return other.mode != "R"
+        if self.mode == "Reduce":
+            return other.mode != "Reduce" or self.redop != other.redop
         return True
 
 

@@ -10,7 +10,7 @@ import pytest
 from ops.model import Model
 from strategies import data_parallel, model_parallel
 from strategies.cost import CostModel
-from strategies.graph import FENCE, build_iteration
+from strategies.graph import build_iteration
 from strategies.machine_model import load_machine
 from strategies.simulator import Simulator
 from taskrt import Runtime, TaskNode
@@ -32,7 +32,7 @@ def test_one_device_runs_every_task_in_turn():
     result = sim.simulate(data_parallel(mlp(), sim.machine))
     graph = result.graph
     gpu = next(i for i, p in enumerate(sim.machine.processors) if p.kind == "gpu")
-    on_gpu = [i for i, n in enumerate(graph.nodes) if isinstance(n, TaskNode) and n.fn is not None
+    on_gpu = [i for i, n in enumerate(graph.nodes) if isinstance(n, TaskNode)
               and sim.machine.processors.index(n.proc) == gpu]
     res, dur, _ = sim.node_costs(graph)
     assert result.busy[gpu] == pytest.approx(sum(dur[i] for i in on_gpu))
@@ -101,5 +101,7 @@ def test_the_trace_is_in_the_runtimes_format(tmp_path):
     assert {"id", "name", "kind", "op", "rank", "proc", "start", "end", "bytes", "point"} <= set(events[0])
     assert max(e["end"] for e in events) == pytest.approx(result.time * 1e6, abs=1e-3)
     assert all(e["end"] >= e["start"] for e in events)
-    fences = sum(1 for n in result.graph.nodes if isinstance(n, TaskNode) and result.graph.task_cost(n).phase == FENCE)
-    assert len(events) == len(result.graph.nodes) - fences
+    assert len(events) == len(result.graph.nodes)
+    ids = {e["id"] for e in events}
+    assert all(set(e["preds"]) <= ids for e in events) and sum(len(e["preds"]) for e in events) == sum(
+        map(len, result.graph.preds))
