@@ -30,6 +30,10 @@ FLOP/s, bytes/s, bytes, seconds):
   GPU's NVSwitch port, a node's network card).
 - `launch_overhead`: seconds each task costs besides its kernel (a CUDA launch; the
   runtime's Python per task on CPUs).
+- `issue_overhead` (optional, default 0): seconds each graph node costs each rank's
+  program to issue (control replication: every rank analyzes or replays every node) and its
+  executor to hand on; on a cpu machine this work shares the rank's cores with its workers,
+  on a gpu machine it runs on the host beside the kernels. An iteration takes at least that.
 - `efficiency`: op kind -> the fraction of `peak_flops` its kernels reach ("default" for
   the others), the roofline's compute term (strategies/cost.py); `fitted` says what
   they were fitted on (null: estimates, not fitted).
@@ -56,7 +60,7 @@ MACHINES_DIR = Path(__file__).with_name("machines")
 DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
-           "host_link", "launch_overhead", "efficiency", "fitted")
+           "host_link", "launch_overhead", "issue_overhead", "efficiency", "fitted")
 _GPU_ONLY = ("host", "host_link")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
 _LINK_FIELDS = ("bandwidth", "latency", "shared_by")
@@ -132,6 +136,7 @@ class MachineModel:
     host: DeviceSpec | None = None
     host_link: LinkSpec | None = None
     launch_overhead: float = 0.0
+    issue_overhead: float = 0.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     fitted: str | None = None
     source: str | None = field(default=None, compare=False)
@@ -333,6 +338,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         host=None if cpu else _device(_object(data, "host", "", where), "host.", where, discover=False),
         host_link=None if cpu else _link(data, "host_link", where),
         launch_overhead=_positive(data, "launch_overhead", "", where, zero=True),
+        issue_overhead=_positive(data, "issue_overhead", "", where, zero=True) if "issue_overhead" in data else 0.0,
         notes=tuple(notes), fitted=fitted, source=where)
 
 

@@ -36,8 +36,9 @@ from taskrt.taskgraph import CopyNode
 
 @dataclass
 class SimResult:
-    """A simulated iteration: its time (seconds), the busy seconds of each processor (global
-    index), the peak bytes of each processor's memory, and the schedule behind them."""
+    """A simulated iteration: its time (seconds: the schedule's, or the machine's issue floor when
+    that is longer), the busy seconds of each processor (global index), the peak bytes of each
+    processor's memory, and the schedule behind them."""
 
     time: float
     busy: dict[int, float]
@@ -128,10 +129,25 @@ class Simulator:
         idx = np.fromiter((q for p in graph.preds for q in p), np.int64, count=int(ptr[-1]))
         timing = schedule(res, dur, ptr, idx, len(resources))
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources) if r[0] == "proc"}
+        time = max(timing.time, self.issue_floor(len(graph.nodes), busy))
         peak = peak_memory(graph.lowering, self.machine_model)
         capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
         fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
-        return SimResult(timing.time, busy, peak, fits, graph, timing, resources)
+        return SimResult(time, busy, peak, fits, graph, timing, resources)
+
+    def issue_floor(self, nodes: int, busy: dict[int, float]) -> float:
+        """The least an iteration of `nodes` graph nodes takes for issuing them: every rank issues
+        every node (control replication), at the machine model's issue_overhead each; on a cpu
+        machine beside its workers' busy time on the rank's cores, on a gpu machine on the host."""
+        mm = self.machine_model
+        issue = nodes * mm.issue_overhead
+        if mm.device.kind != "cpu" or not issue:
+            return issue
+        per_rank: dict[int, float] = {}
+        for i, b in busy.items():
+            rank = self.machine.processors[i].rank
+            per_rank[rank] = per_rank.get(rank, 0.0) + b
+        return max((b + issue) / mm.devices_per_node for b in per_rank.values())
 
     def node_costs(self, graph: IterationGraph) -> tuple[np.ndarray, np.ndarray, list]:
         """(resource index of each node, its seconds, the resources): processors ('proc', p),

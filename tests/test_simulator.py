@@ -105,3 +105,20 @@ def test_the_trace_is_in_the_runtimes_format(tmp_path):
     ids = {e["id"] for e in events}
     assert all(set(e["preds"]) <= ids for e in events) and sum(len(e["preds"]) for e in events) == sum(
         map(len, result.graph.preds))
+
+
+def test_issuing_every_node_on_every_rank_bounds_the_iteration():
+    model = mlp(batch=16, width=32)
+    gpu = dataclasses.replace(load_machine("p100", nodes=2), issue_overhead=1e-3)
+    result = Simulator.for_model(model, gpu, CostModel(gpu, measured=False)).simulate(
+        data_parallel(model, gpu.to_machine()))
+    assert result.time == pytest.approx(len(result.graph.nodes) * 1e-3) and result.time > result.timing.time
+    cpu = dataclasses.replace(load_machine("local", nodes=2), devices_per_node=1, issue_overhead=1e-4)
+    sim = Simulator.for_model(model, cpu, CostModel(cpu, measured=False))
+    result = sim.simulate(data_parallel(model, sim.machine))
+    per_rank = [sum(b for i, b in result.busy.items() if sim.machine.processors[i].rank == r) for r in (0, 1)]
+    floor = max(per_rank) + len(result.graph.nodes) * 1e-4  # the issuing shares the rank's one core
+    assert result.time == pytest.approx(max(result.timing.time, floor))
+    plain = dataclasses.replace(cpu, issue_overhead=0.0)
+    assert Simulator.for_model(model, plain, CostModel(plain, measured=False)).simulate(
+        data_parallel(model, sim.machine)).time == pytest.approx(result.timing.time)
