@@ -252,7 +252,7 @@ class Op(ABC):
         """This tile's part of sum `name`, shaped as sum_rects(tile)[name], in float64. Forward sums
         see the inputs and the sums made before them; backward sums also the outputs, the output
         grads and what the tile's forward saved."""
-        raise NotImplementedError(f"{self.kind} {self.name!r} declares no sums, so it has no partial sum {name!r}")
+        raise ValueError(f"{self.kind} {self.name!r} declares no sums, so it has no partial sum {name!r}")
 
     # ---- kernels -----------------------------------------------------------------
     @abstractmethod

@@ -12,6 +12,7 @@ run once, on rank 0's host processor, so that every rank builds the same graph.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
@@ -395,10 +396,8 @@ class Runtime:
             raise RuntimeError("recover: on many ranks a failed task ends every rank; there is nothing to recover")
         if self.executor is None or self.executor.error is None:
             return
-        try:
+        with contextlib.suppress(TaskError):  # raised to the caller already: here it only drains
             self.executor.wait_all()
-        except TaskError:
-            pass
         self.executor.error = None
 
     def _check_alive(self) -> None:
