@@ -207,8 +207,7 @@ def ours(name: str, ranks: int, cpus: int, iterations: int, warmup: int, trace: 
            "--cpus-per-rank", str(cpus)] + (["--trace", trace] if trace else [])
     if ranks > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] + cmd
-    # one BLAS thread per CPU processor, as PyTorch gets one thread per processor: the runtime leaves
-    # BLAS unlimited on a rank of one CPU processor even when other ranks share the node
+    # one BLAS thread per CPU processor, as PyTorch gets one thread per processor
     env = {**os.environ, "TASKRT_GPUS": "0", "TASKRT_BLAS_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, text=True, stdout=subprocess.PIPE,
                          stdin=subprocess.DEVNULL)
