@@ -13,6 +13,7 @@ update or fill) and the rect it works on, which is what a cost model needs.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,6 +26,7 @@ from taskrt.machine import Machine
 from taskrt.taskgraph import TaskNode
 
 FORWARD, BACKWARD, UPDATE, FILL = "forward", "backward", "update", "fill"
+_CHUNK = re.compile(r"\[\d+\]$")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ class IterationGraph:
             update = next(u for u in low.updates if u.param.name == param)
             return TaskCost(low.plans[update.op_name].op, UPDATE, update.reqs[0].partition[node.point], param)
         plan = low.plans[node.op]
-        phase = BACKWARD if name.endswith(".bwd") else FORWARD
+        # a launch per position along an ordered dim (an LSTM's time chunks) ends in "[k]"
+        phase = BACKWARD if _CHUNK.sub("", name).endswith(".bwd") else FORWARD
         return TaskCost(plan.op, phase, plan.tiles[node.point])
 
 

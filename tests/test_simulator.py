@@ -122,3 +122,21 @@ def test_issuing_every_node_on_every_rank_bounds_the_iteration():
     plain = dataclasses.replace(cpu, issue_overhead=0.0)
     assert Simulator.for_model(model, plain, CostModel(plain, measured=False)).simulate(
         data_parallel(model, sim.machine)).time == pytest.approx(result.timing.time)
+
+
+def test_the_chunks_of_a_split_sequence_are_costed_by_their_phase():
+    m = Model(Runtime(execute=False), weights=False)
+    x = m.input((4, 6, 5), name="x")
+    y, h, _ = m.lstm(x, 8, name="l1")
+    m.dense(h, 3)
+    ops, inputs, loss = m.training_graph()
+    machine = load_machine("p100", nodes=1).to_machine()
+    from ops.lower import TileConfig, default_config
+    configs = {op.name: default_config(op, machine) for op in ops}
+    lstm = next(op for op in ops if op.name == "l1")
+    configs["l1"] = TileConfig(tuple(2 if d == 1 else 1 for d in range(len(lstm.tile_shape))), (1, 2))
+    graph = build_iteration(ops, inputs, loss.name, configs, machine)
+    phases = {n.name: graph.task_cost(n).phase for n in graph.nodes if isinstance(n, TaskNode)
+              and n.name.startswith("l1.") and "[" in n.name}
+    assert phases == {"l1.fwd[0]": "forward", "l1.fwd[1]": "forward", "l1.bwd[1]": "backward",
+                      "l1.bwd[0]": "backward"}

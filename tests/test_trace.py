@@ -75,6 +75,7 @@ def test_load_and_phases(measured, simulated):
     s = tt.load(simulated)
     assert s.simulated and all("preds" in e for e in s.events)
     assert tt.phase({"kind": "task", "name": "d1.infer"}) == "inference"
+    assert tt.phase({"kind": "task", "name": "lstm.bwd[3]"}) == "backward"  # a chunk of a split sequence
 
 
 def test_merge_two_ranks_on_one_clock(two_ranks, tmp_path, capsys):

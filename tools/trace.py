@@ -97,6 +97,7 @@ def phase(event: dict) -> str:
         return "reduce" if kind == "reduce" else "copy"
     if name.startswith("fill:"):
         return "fill"
+    name = re.sub(r"\[\d+\]$", "", name)  # one launch per position along an ordered dim: "lstm.bwd[3]"
     for suffix, ph in PHASE_SUFFIXES:
         if name.endswith(suffix):
             return ph
