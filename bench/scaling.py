@@ -420,27 +420,13 @@ def profile(args, sizes: dict, strategies: dict, common: list, out_dir: str) -> 
 
 
 # ---- weight-sync bytes from graphs that are built, not run ------------------------------------
-def sync_bytes(graph) -> tuple[collections.Counter, collections.Counter]:
-    """Bytes of weight values and weight gradients that the copies of an IterationGraph move
-    into and out of each memory (the count tests/test_lower_sync.py checks)."""
-    from taskrt.taskgraph import CopyNode
-
-    weights = {r.uid for p in graph.lowering.params.values() for r in (p.value, p.grad)}
-    into, out = collections.Counter(), collections.Counter()
-    for n in graph.nodes:
-        if isinstance(n, CopyNode) and n.src != n.dst and n.region.uid in weights:
-            into[n.dst] += n.nbytes
-            out[n.src] += n.nbytes
-    return into, out
-
-
 def sync_over_ideal(ranks: int, per_rank: int, size: dict) -> float:
     """The data-parallel MLP's steady-state step (strategies.graph.build_iteration: the second of
     two, on a runtime with execute=False) on ranks x per_rank processors with separate memories:
     the most weight bytes into or out of one memory over 2(P-1)/P of the weights' bytes."""
     from ops import SGD
     from strategies import data_parallel
-    from strategies.graph import build_iteration
+    from strategies.graph import build_iteration, weight_sync_bytes
     from taskrt.machine import Machine
 
     machine = Machine.build(ranks, per_rank, separate_memories=True)
@@ -449,7 +435,7 @@ def sync_over_ideal(ranks: int, per_rank: int, size: dict) -> float:
         ops, inputs, loss = m.training_graph()
     configs, _ = data_parallel(ops, machine).resolve(ops, machine)
     graph = build_iteration(ops, inputs, loss.name, configs, machine, SGD(lr=LR, momentum=MOMENTUM))
-    into, out = sync_bytes(graph)
+    into, out = weight_sync_bytes(graph.nodes, graph.lowering.params.values())
     params = graph.lowering.params.values()
     ideal = 2 * (p - 1) / p * sum(int(np.prod(q.value.shape)) * q.value.dtype.itemsize for q in params)
     return max(max(into.values()), max(out.values())) / ideal

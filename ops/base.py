@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from taskrt.geometry import Rect, pairwise_disjoint
+from taskrt.geometry import Rect, as_int, pairwise_disjoint
 
 SAMPLE, ATTRIBUTE, PARAMETER, REDUCE = "sample", "attribute", "parameter", "reduce"
 #: the split kinds: the paper's Sample, Attribute and Parameter, and `reduce`, a split of a
@@ -309,13 +309,12 @@ class Op(ABC):
 
 
 def int_attr(kind: str, name: str, attr: str, value, least: int = 1) -> int:
-    """An int attribute of op `name`, or a ShapeError naming it and the value: floats (even 3.0),
-    bools and strings are refused, not truncated."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ShapeError(f"{kind} {name!r}: {attr} must be an int, got {type(value).__name__} {value!r}")
-    if value < least:
-        raise ShapeError(f"{kind} {name!r}: {attr} must be >= {least}, got {value!r}")
-    return int(value)
+    """An int attribute of op `name` (taskrt.geometry.as_int's rule: floats, even 3.0, bools and
+    strings are refused, not truncated), or a ShapeError naming the op, the attribute and the value."""
+    try:
+        return as_int(f"{kind} {name!r}: {attr}", value, least)
+    except (TypeError, ValueError) as e:
+        raise ShapeError(str(e)) from None
 
 
 def float_attr(kind: str, name: str, attr: str, value, lo: float | None = None, hi: float | None = None,

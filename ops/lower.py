@@ -345,6 +345,20 @@ class OpPlan:
                                        self._forward_reqs(training, k), self.placement, (training, valid, int(step))))
         return launches
 
+    def grad_fill_launches(self, ones: str | None) -> dict[str, list[PlanLaunch]]:
+        """Output tensor name -> the launches that fill its gradient on this plan's tiles (ones for
+        the tensor named `ones`, zeros for the others), for each output whose tiles cover it
+        without overlap; none off the gradient path."""
+        if self.bwd_reqs is None:
+            return {}
+        out = {}
+        outputs = [t for t, has in zip(self.op.outputs, self.grad_outputs) if has]
+        for t, part in zip(outputs, self._gouts):
+            pieces = {r for r in part.rects.values() if not r.empty}
+            if pairwise_disjoint(pieces) and sum(r.volume for r in pieces) == part.region.rect.volume:
+                out[t.name] = _zero_launches([part], self.colors, self.placement, 1.0 if t.name == ones else 0.0)
+        return out
+
     def backward_launches(self) -> list[PlanLaunch]:
         """The op's backward (none off the gradient path): shared sums, then the kernel launches,
         along an ordered dim from the last position to the first."""
@@ -649,15 +663,13 @@ class Lowering:
         """Issue the forward launches of each op (all, or those named, in graph order); `step` is the
         training iteration (dropout draws a new mask each one). Returns the loss op's FutureMap
         (its summaries) when the loss ran, else None."""
-        rt, result = self.rt, None
+        result = None
         names = None if ops is None else set(ops)
         for op in self.ops:
             if names is not None and op.name not in names:
                 continue
-            plan = self.plans[op.name]
-            for launch in plan.forward_launches(training, valid, step):
-                fm = rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
-                                     placement=launch.placement, op=op.name)
+            for launch in self.plans[op.name].forward_launches(training, valid, step):
+                fm = self._issue(launch, op.name)
             if op.name == self.loss:
                 result = fm
         return result
@@ -666,36 +678,30 @@ class Lowering:
         """Fill every gradient (ones for the loss), then issue backward launches in reverse order."""
         if self.loss is None:
             raise RuntimeError("this graph was lowered without a loss: there is nothing to differentiate")
-        rt = self.rt
         self.fill_activation_grads()
         self.zero_weight_grads()
         for op in reversed(self.ops):
             for launch in self.plans[op.name].backward_launches():
-                rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
-                                placement=launch.placement, op=op.name)
+                self._issue(launch, op.name)
+
+    def _issue(self, launch: PlanLaunch, op: str):
+        """One of a plan's launches on the runtime; its FutureMap."""
+        return self.rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
+                                    placement=launch.placement, op=op)
 
     def fill_activation_grads(self) -> None:
         """Fill every activation gradient (ones for the loss's output, zeros elsewhere) where its
         producer's backward reads it: each output tile's rect on that tile's device, so that the
         folds of the consumers' contributions find it there and no memory serves them all."""
-        rt, filled = self.rt, set()
+        filled = set()
         for op in self.ops:
-            plan = self.plans[op.name]
-            if plan.bwd_reqs is None:
-                continue
-            outputs = [t for t in op.outputs if t.name in self.grads]
-            for t, part in zip(outputs, plan._gouts):
-                value = 1.0 if t.name == self.loss_output else 0.0
-                pieces = {r for r in part.rects.values() if not r.empty}
-                if not pairwise_disjoint(pieces) or sum(r.volume for r in pieces) != part.region.rect.volume:
-                    continue
-                for launch in _zero_launches([part], plan.colors, plan.placement, value):
-                    rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
-                                    placement=launch.placement, op=op.name)
-                filled.add(t.name)
+            for tensor, launches in self.plans[op.name].grad_fill_launches(self.loss_output).items():
+                for launch in launches:
+                    self._issue(launch, op.name)
+                filled.add(tensor)
         for name, region in self.grads.items():
             if name not in filled:
-                rt.fill(region, 1.0 if name == self.loss_output else 0.0)
+                self.rt.fill(region, 1.0 if name == self.loss_output else 0.0)
 
     def zero_weight_grads(self) -> None:
         """Zero every weight gradient: where it is updated in shards, each shard on its own

@@ -14,6 +14,7 @@ update or fill) and the rect it works on, which is what a cost model needs.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -23,7 +24,7 @@ from ops.optimizers import SGD
 from taskrt import Runtime
 from taskrt.geometry import Rect
 from taskrt.machine import Machine
-from taskrt.taskgraph import TaskNode
+from taskrt.taskgraph import CopyNode, TaskNode
 
 FORWARD, BACKWARD, UPDATE, FILL = "forward", "backward", "update", "fill"
 _CHUNK = re.compile(r"\[\d+\]$")
@@ -103,3 +104,16 @@ def build_iteration(ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, 
     preds = [tuple(sorted(index[p] for p in rt.graph.preds[nid] if p in index)) for nid in ids]
     return IterationGraph(nodes, preds, low, machine)
 
+
+
+def weight_sync_bytes(nodes, params) -> tuple[Counter, Counter]:
+    """Bytes of weight values and weight gradients that the copies and folds among `nodes` move
+    between memories: (into each memory, out of each memory). `params` are a lowering's
+    ParamRegions. The measure of weight synchronization (ideal: 2(P-1)/P of the weights)."""
+    weights = {r.uid for p in params for r in (p.value, p.grad) if r is not None}
+    into, out = Counter(), Counter()
+    for n in nodes:
+        if isinstance(n, CopyNode) and n.src != n.dst and n.region.uid in weights:
+            into[n.dst] += n.nbytes
+            out[n.src] += n.nbytes
+    return into, out

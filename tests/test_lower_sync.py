@@ -7,16 +7,16 @@ weights' bytes. Checked on graphs built with execute=False, then by running it.
 """
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pytest
 
 from ops.model import Model
 from ops.optimizers import SGD, Adam
+from strategies.graph import weight_sync_bytes
 from taskrt import Runtime
 from taskrt.machine import Machine
 from taskrt.taskgraph import CopyNode
+from tests.test_soap_models import _ancestors
 
 
 def _mlp(rt, batch=64, width=512, seed=0):
@@ -25,18 +25,6 @@ def _mlp(rt, batch=64, width=512, seed=0):
     h = model.dense(x, width, activation="relu")
     model.dense(h, 10)
     return model
-
-
-def _sync_bytes(rt, low, first_id):
-    """Bytes of weight values and gradients moved into and out of each memory since first_id."""
-    weights = {r.uid for p in low.params.values() for r in (p.value, p.grad)}
-    into, out = collections.Counter(), collections.Counter()
-    for nid in range(first_id, rt._next_id):
-        n = rt.graph.nodes.get(nid)
-        if isinstance(n, CopyNode) and n.src != n.dst and n.region.uid in weights:
-            into[n.dst] += n.nbytes
-            out[n.src] += n.nbytes
-    return into, out
 
 
 @pytest.mark.parametrize("ranks,per_rank", [(1, 2), (1, 4), (1, 8), (1, 64), (2, 1), (2, 4), (4, 2), (8, 8)])
@@ -51,7 +39,8 @@ def test_data_parallel_moves_about_2_p_minus_1_over_p_of_the_weights_per_memory(
         low.train_step(1)  # the first step starts from the host copies attach made
         first = rt._next_id
         low.train_step(2)
-        into, out = _sync_bytes(rt, low, first)
+        into, out = weight_sync_bytes([rt.graph.nodes[i] for i in range(first, rt._next_id)],
+                                      low.params.values())
     weight_bytes = sum(int(np.prod(p_.value.shape)) * 4 for p_ in low.params.values())
     ideal = 2 * (p - 1) / p * weight_bytes
     memories = {proc.memory for proc in machine.processors}
@@ -79,23 +68,10 @@ def test_the_folds_of_different_shards_do_not_wait_for_each_other():
         assert len(folds) == 16 and len({f.rect for f in folds}) == 4
         assert {f.dst for f in folds} == {p.memory for p in machine.processors}
         ids = {f.id for f in folds}
-        ancestors = _ancestors(rt.graph, ids)
+        ancestors = {i: _ancestors(rt.graph, i) for i in ids}
         for f in folds:
             # a fold waits only for folds of its own shard
             assert all(rt.graph.nodes[a].rect == f.rect for a in ancestors[f.id] & ids)
-
-
-def _ancestors(graph, targets):
-    seen = {}
-
-    def up(nid):
-        if nid not in seen:
-            seen[nid] = set()
-            for p in graph.preds.get(nid, ()):
-                seen[nid] |= {p} | up(p)
-        return seen[nid]
-
-    return {t: up(t) for t in targets}
 
 
 def test_optimizer_state_lives_only_in_its_shard():
