@@ -52,7 +52,7 @@ import numpy as np
 
 from ops.base import SAMPLE, Op, TensorSpec
 from taskrt import READ, READ_WRITE, WRITE, Partition, Reduce, Region, req
-from taskrt.geometry import Rect, pairwise_disjoint, shard_degrees
+from taskrt.geometry import Rect, disjoint_cover, shard_degrees
 from taskrt.geometry import equal_rects as tile_rects  # the tile of each color: Partition.equal's rule
 from taskrt.machine import Machine
 
@@ -354,8 +354,7 @@ class OpPlan:
         out = {}
         outputs = [t for t, has in zip(self.op.outputs, self.grad_outputs) if has]
         for t, part in zip(outputs, self._gouts):
-            pieces = {r for r in part.rects.values() if not r.empty}
-            if pairwise_disjoint(pieces) and sum(r.volume for r in pieces) == part.region.rect.volume:
+            if disjoint_cover(set(part.rects.values()), part.region.rect):
                 out[t.name] = _zero_launches([part], self.colors, self.placement, 1.0 if t.name == ones else 0.0)
         return out
 
@@ -571,7 +570,7 @@ def _weight_blocks(whole: Rect, plan: OpPlan, short: str) -> dict[Rect, list[int
             devices = blocks.setdefault(r, [])
             if plan.placement[color] not in devices:
                 devices.append(plan.placement[color])
-    if pairwise_disjoint(blocks) and sum(r.volume for r in blocks) == whole.volume:
+    if disjoint_cover(blocks, whole):
         return blocks
     devices = list(dict.fromkeys(d for ds in blocks.values() for d in ds))
     return {whole: devices or [plan.placement[plan.colors[0]]]}

@@ -138,6 +138,13 @@ def pairwise_disjoint(rects) -> bool:
     return True
 
 
+def disjoint_cover(rects, whole: "Rect") -> bool:
+    """Whether the non-empty `rects` tile `whole` exactly: no overlaps, no gaps (given that each
+    lies inside it)."""
+    rects = [r for r in rects if not r.empty]
+    return pairwise_disjoint(rects) and sum(r.volume for r in rects) == whole.volume
+
+
 def equal_rects(shape, degrees) -> dict[tuple[int, ...], Rect]:
     """`degrees[d]` near-equal pieces per dim (cuts at i*extent//degree), by color in row-major order."""
     cuts = [[(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)] for ext, deg in zip(shape, degrees)]
