@@ -199,6 +199,24 @@ class PlanLaunch:
     args: tuple = ()
 
 
+FORWARD_PHASE, GRAD_FILL_PHASE, ZERO_GRAD_PHASE, BACKWARD_PHASE, UPDATE_PHASE = (
+    "forward", "grad_fill", "zero_grad", "backward", "update")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The launches of one op in one phase of a step (op None: the graph's own fills), in issue
+    order; `fills` names the activation gradients a grad_fill segment fills."""
+
+    op: str | None
+    phase: str
+    launches: tuple[PlanLaunch, ...]
+    fills: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.op or 'graph'} {self.phase}, {len(self.launches)} launches)"
+
+
 class OpPlan:
     """One op under one config: tiles, partitions, requirement lists and the task kernels.
 
@@ -656,7 +674,71 @@ class Lowering:
                 runs[op.name] = any(t.name in needs for t in op.outputs)
         return runs
 
-    # ---- launches ------------------------------------------------------------------------
+    # ---- launches, in segments ------------------------------------------------------------
+    # One training step is an ordered list of segments, one per (op, phase), each a list of
+    # plan launches that depends only on that op's plan (its config): the runtime issues them
+    # in order, and the simulator (strategies/segments.py) caches them by op and config.
+    def forward_segment(self, plan: "OpPlan", training: bool = True, valid: int | None = None,
+                        step: int = 0) -> Segment:
+        return Segment(plan.op.name, FORWARD_PHASE, tuple(plan.forward_launches(training, valid, step)))
+
+    def grad_fill_segment(self, plan: "OpPlan") -> Segment:
+        """The fills of the activation gradients of `plan`'s outputs (ones for the loss's output,
+        zeros elsewhere) where its backward reads them: each output tile's rect on that tile's
+        device, so that the folds of the consumers' contributions find it there and no memory
+        serves them all."""
+        fills = plan.grad_fill_launches(self.loss_output)
+        return Segment(plan.op.name, GRAD_FILL_PHASE, tuple(l for ls in fills.values() for l in ls),
+                       tuple(fills))
+
+    def zero_grad_segment(self, update: "UpdatePlan") -> Segment:
+        """The zero fill of a sharded weight gradient, each shard on its own device."""
+        launch = PlanLaunch(f"fill:{update.param.grad.name}", _fill_kernel, update.colors, [update.grad_fill],
+                            update.placement, (0.0,))
+        return Segment(update.op_name, ZERO_GRAD_PHASE, (launch,))
+
+    def backward_segment(self, plan: "OpPlan") -> Segment:
+        return Segment(plan.op.name, BACKWARD_PHASE, tuple(plan.backward_launches()))
+
+    def update_segment(self, update: "UpdatePlan", step: int) -> Segment:
+        launch = PlanLaunch(f"{update.param.name}.update", update.fn, update.colors, update.reqs, update.placement,
+                            (int(step),))
+        return Segment(update.op_name, UPDATE_PHASE, (launch,))
+
+    def host_fill_segment(self, phase: str, fills: Sequence[tuple[Region, float]]) -> Segment:
+        """Fills of whole regions on the runtime's home processor (what Runtime.fill issues)."""
+        home = self.rt.home
+        return Segment(None, phase, tuple(PlanLaunch(f"fill:{r.name}", _fill_kernel, [()], [req(r, WRITE)],
+                                                     {(): home}, (value,)) for r, value in fills))
+
+    def backward_segments(self) -> list[Segment]:
+        """Fill every activation gradient (on its producer's tiles where they cover it, else on the
+        host), zero the weight gradients (sharded ones shard by shard on the shards' devices),
+        then every op's backward in reverse order."""
+        if self.loss is None:
+            raise RuntimeError("this graph was lowered without a loss: there is nothing to differentiate")
+        segments = [self.grad_fill_segment(self.plans[op.name]) for op in self.ops]
+        filled = {t for seg in segments for t in seg.fills}
+        segments.append(self.host_fill_segment(GRAD_FILL_PHASE, [
+            (region, 1.0 if name == self.loss_output else 0.0) for name, region in self.grads.items()
+            if name not in filled]))
+        segments += [self.zero_grad_segment(u) for u in self.updates]
+        sharded = {u.param.name for u in self.updates}
+        segments.append(self.host_fill_segment(ZERO_GRAD_PHASE, [
+            (p.grad, 0.0) for p in self.params.values() if p.grad is not None and p.name not in sharded]))
+        segments += [self.backward_segment(self.plans[op.name]) for op in reversed(self.ops)]
+        return segments
+
+    def update_segments(self, step: int) -> list[Segment]:
+        return [self.update_segment(u, step) for u in self.updates]
+
+    def issue(self, segment: Segment):
+        """Issue a segment's launches; the FutureMap of the last one (None if it has none)."""
+        fm = None
+        for launch in segment.launches:
+            fm = self._issue(launch, segment.op or "")
+        return fm
+
     def forward(self, training: bool = True, ops: Sequence[str] | None = None, valid: int | None = None,
                 step: int = 0):
         """Issue the forward launches of each op (all, or those named, in graph order); `step` is the
@@ -667,57 +749,25 @@ class Lowering:
         for op in self.ops:
             if names is not None and op.name not in names:
                 continue
-            for launch in self.plans[op.name].forward_launches(training, valid, step):
-                fm = self._issue(launch, op.name)
+            fm = self.issue(self.forward_segment(self.plans[op.name], training, valid, step))
             if op.name == self.loss:
                 result = fm
         return result
 
     def backward(self) -> None:
         """Fill every gradient (ones for the loss), then issue backward launches in reverse order."""
-        if self.loss is None:
-            raise RuntimeError("this graph was lowered without a loss: there is nothing to differentiate")
-        self.fill_activation_grads()
-        self.zero_weight_grads()
-        for op in reversed(self.ops):
-            for launch in self.plans[op.name].backward_launches():
-                self._issue(launch, op.name)
+        for segment in self.backward_segments():
+            self.issue(segment)
 
     def _issue(self, launch: PlanLaunch, op: str):
         """One of a plan's launches on the runtime; its FutureMap."""
         return self.rt.index_launch(launch.fn, launch.colors, *launch.reqs, args=launch.args, name=launch.name,
                                     placement=launch.placement, op=op)
 
-    def fill_activation_grads(self) -> None:
-        """Fill every activation gradient (ones for the loss's output, zeros elsewhere) where its
-        producer's backward reads it: each output tile's rect on that tile's device, so that the
-        folds of the consumers' contributions find it there and no memory serves them all."""
-        filled = set()
-        for op in self.ops:
-            for tensor, launches in self.plans[op.name].grad_fill_launches(self.loss_output).items():
-                for launch in launches:
-                    self._issue(launch, op.name)
-                filled.add(tensor)
-        for name, region in self.grads.items():
-            if name not in filled:
-                self.rt.fill(region, 1.0 if name == self.loss_output else 0.0)
-
-    def zero_weight_grads(self) -> None:
-        """Zero every weight gradient: where it is updated in shards, each shard on its own
-        device (so the folds of the shard find it there), else on the host."""
-        sharded = {u.param.name for u in self.updates}
-        for u in self.updates:
-            self.rt.index_launch(_fill_kernel, u.colors, u.grad_fill, args=(0.0,), name=f"fill:{u.param.grad.name}",
-                                 placement=u.placement, op=u.op_name)
-        for p in self.params.values():
-            if p.grad is not None and p.name not in sharded:
-                self.rt.fill(p.grad, 0.0)
-
     def update(self, step: int) -> None:
         """The optimizer update of every trained weight; `step` is 1-based."""
-        for u in self.updates:
-            self.rt.index_launch(u.fn, u.colors, *u.reqs, args=(int(step),), name=f"{u.param.name}.update",
-                                 placement=u.placement, op=u.op_name)
+        for segment in self.update_segments(step):
+            self.issue(segment)
 
     def train_step(self, step: int, valid: int | None = None):
         """One iteration (forward, backward, update) in a replay block; returns the loss FutureMap."""

@@ -70,9 +70,13 @@ class IterationGraph:
             update = next(u for u in low.updates if u.param.name == param)
             return TaskCost(low.plans[update.op_name].op, UPDATE, update.reqs[0].partition[node.point], param)
         plan = low.plans[node.op]
-        # a launch per position along an ordered dim (an LSTM's time chunks) ends in "[k]"
-        phase = BACKWARD if _CHUNK.sub("", name).endswith(".bwd") else FORWARD
-        return TaskCost(plan.op, phase, plan.tiles[node.point])
+        return TaskCost(plan.op, launch_phase(name), plan.tiles[node.point])
+
+
+def launch_phase(name: str) -> str:
+    """The cost phase of an op's kernel launch by its name: BACKWARD for 'op.bwd' (and an ordered
+    dim's 'op.bwd[k]': a launch per position along it, an LSTM's time chunks), else FORWARD."""
+    return BACKWARD if _CHUNK.sub("", name).endswith(".bwd") else FORWARD
 
 
 def build_iteration(ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, configs: dict[str, TileConfig],
