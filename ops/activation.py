@@ -2,15 +2,156 @@
 
 Both keep the input's shape, so a tile reads exactly the same rect of its input.
 The element-wise math lives in ops.functions, shared with ops that fuse an activation.
+
+On the CPU softmax runs fused numba row kernels (one pass forward, one backward, rows shared
+out over the cores) on the rows as `row_starts` hands them over: a tile's view, whatever its
+strides, without a copy. Forward's float32 exp is a polynomial that LLVM vectorizes (numba
+has no vector exp without SVML). MultiHeadAttention uses the same kernels for its scores.
+Elsewhere (cupy) it is plain array code.
 """
 from __future__ import annotations
 
+import numba
+import numpy as np
+
 from ops.base import Op, register_op, sample_split_dims
+from ops.cpu_layout import flat_rows
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from taskrt.geometry import Rect
 
 #: rough forward flops per element of each activation, for the analytic cost model
 _UNARY_FLOPS = {"relu": 1, "sigmoid": 4, "tanh": 6, "gelu": 10}
+
+
+# ---- row kernels on the CPU ------------------------------------------------------------------
+def row_starts(a, writable: bool = False):
+    """`a`'s rows (its last dim) for a numba kernel as (flat, starts): flat_rows' 1-D view and
+    the element offset of every row in C order, so that row r is flat[starts[r]:][:a.shape[-1]]
+    whatever the strides of the leading dims (a tile of a bigger array is not copied)."""
+    flat, *strides = flat_rows(a, writable)
+    starts = np.zeros(1, np.int64)
+    for n, s in zip(a.shape[:-1], strides):
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    return flat, starts
+
+
+def row_chunks(rows: int) -> int:
+    """How many pieces the kernels cut `rows` into: a few per thread, so that they even out."""
+    return max(1, min(rows, 4 * numba.get_num_threads()))
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in few bits
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # exp of less is below float32's smallest normal: clamped here
+
+
+@numba.njit(nogil=True, inline="always", fastmath={"contract"})
+def _exp_shifted_row(x, m, y, bits, fast):
+    """y = exp(x - m) for x <= m (a NaN stays NaN); returns sum(y) in float64. `fast` (float32):
+    Cephes' expf polynomial times 2^k built in the int32 scratch `bits`, two loops that
+    vectorize; else np.exp."""
+    n = x.size
+    total = 0.0
+    if fast:
+        scale = bits[:n].view(np.float32)
+        for i in range(n):
+            t = x[i] - m
+            t = _EXP_MIN if t < _EXP_MIN else t
+            k = np.floor(t * _LOG2E + np.float32(0.5))
+            r = t - k * _LN2_HI - k * _LN2_LO
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            y[i] = p * r * r + r + np.float32(1.0)
+            bits[i] = (np.int32(k) + np.int32(127)) << 23
+        for i in range(n):
+            v = y[i] * scale[i]
+            y[i] = v
+            total += v
+    else:
+        for i in range(n):
+            v = np.exp(x[i] - m)
+            y[i] = v
+            total += v
+    return total
+
+
+@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
+    """Row r of y = softmax of row r of x ((flat, starts) pairs, rows of n; y may be x), with
+    the polynomial exp if `fast` (float32). Causal when period > 0: row r sees its first
+    min(n, first + r % period + 1) values, the rest of its y is 0."""
+    rows = xs.size
+    for c in numba.prange(chunks):
+        bits = np.empty(n, np.int32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            seen = n if period == 0 else min(n, first + r % period + 1)
+            xr, yr = x[xs[r]:xs[r] + seen], y[ys[r]:ys[r] + n]
+            m = xr[0]
+            for i in range(1, seen):
+                m = xr[i] if xr[i] > m else m
+            inv = yr.dtype.type(1.0 / _exp_shifted_row(xr, m, yr, bits, fast))
+            for i in range(seen):
+                yr[i] *= inv
+            for i in range(seen, n):
+                yr[i] = 0
+
+
+@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+def _softmax_grad_rows_cpu(y, ys, dy, dys, n, dx, dxs, chunks):
+    """Rows dx = y * (dy - sum(dy * y)), the sum per row in float64 ((flat, starts) pairs,
+    rows of n; dx may be dy)."""
+    rows = ys.size
+    for c in numba.prange(chunks):
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            yr, gr, dr = y[ys[r]:ys[r] + n], dy[dys[r]:dys[r] + n], dx[dxs[r]:dxs[r] + n]
+            s = 0.0
+            for i in range(n):
+                s += np.float64(gr[i]) * yr[i]
+            t = gr.dtype.type(s)
+            for i in range(n):
+                dr[i] = yr[i] * (gr[i] - t)
+
+
+def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
+    """out = softmax(x) over the last axis (out may be x, or a fresh C-contiguous array).
+    causal_first q0: x is [..., Lq, Lk] scores of queries q0.. and query q0 + i sees keys 0..q0 + i
+    only (the others get 0). Fused numba kernels on the CPU, array code elsewhere."""
+    if xp is np and x.dtype in (np.float32, np.float64) and x.size:
+        flat, xs = row_starts(x, writable=out is x)
+        yflat, ys = (flat, xs) if out is x else row_starts(out, writable=True)
+        period, first = (0, 0) if causal_first is None else (x.shape[-2], causal_first)
+        _softmax_rows_cpu(flat, xs, x.shape[-1], yflat, ys, period, first, x.dtype == np.float32,
+                          row_chunks(xs.size))
+        return
+    if causal_first is not None:
+        lq, lk = x.shape[-2:]
+        hidden = xp.arange(lk)[None, :] > (causal_first + xp.arange(lq))[:, None]
+        x = xp.where(hidden, x.dtype.type(-xp.inf), x)
+    xp.subtract(x, x.max(axis=-1, keepdims=True), out=out)
+    xp.exp(out, out=out)
+    out *= xp.reciprocal(out.sum(axis=-1, keepdims=True))
+
+
+def softmax_grad_rows(xp, y, dy, out=None):
+    """dx = y * (dy - rowsum(dy * y)) over the last axis, into `out` (may be dy) or a new array."""
+    if xp is np and y.dtype in (np.float32, np.float64) and y.dtype == dy.dtype and y.size:
+        out = np.empty(y.shape, y.dtype) if out is None else out
+        yflat, ys = row_starts(y)
+        gflat, gs = row_starts(dy, writable=out is dy)
+        oflat, os_ = (gflat, gs) if out is dy else row_starts(out, writable=True)
+        _softmax_grad_rows_cpu(yflat, ys, gflat, gs, y.shape[-1], oflat, os_, row_chunks(ys.size))
+        return out
+    dx = dy - (dy * y).sum(axis=-1, keepdims=True)
+    dx *= y
+    if out is None:
+        return dx
+    out[...] = dx
+    return out
 
 
 @register_op
@@ -44,12 +185,13 @@ class Softmax(Op):
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         (x,) = inputs
-        e = xp.exp(x - x.max(axis=-1, keepdims=True))
-        return [e / e.sum(axis=-1, keepdims=True)], None
+        y = xp.empty(x.shape, x.dtype)
+        softmax_rows_(xp, x, y)
+        return [y], None
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         (y,), (dy,) = outputs, grad_outputs
-        return [y * (dy - (dy * y).sum(axis=-1, keepdims=True))], {}
+        return [softmax_grad_rows(xp, y, dy)], {}
 
     def flops(self, tile: Rect) -> int:
         # max, subtract, exp, sum, divide

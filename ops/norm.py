@@ -11,12 +11,18 @@ squared deviations from it), one for normalize, scale, shift and relu; backward 
 for its two sums and one for dx. Per-channel sums accumulate in float64. Elsewhere (cupy,
 and [N, C] inputs, whose one value per channel and sample makes rows too short for the
 kernels' loops) it is plain array code.
+
+LayerNorm on the CPU runs fused numba row kernels, rows shared out over the cores: forward
+one pass a row (in cache) for its mean, variance and y, saving only the mean and 1/std of
+each row; backward one pass a row for dx, each chunk of rows adding up its own part of the
+weight gradients. Row sums accumulate in float64. Elsewhere (cupy) it is plain array code.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
+from ops.activation import row_chunks, row_starts
 from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, int_attr, register_op,
                       sample_split_dims)
 from ops.cpu_layout import flat_row, flat_rows
@@ -327,6 +333,71 @@ class BatchNorm(Op):
         return [dx], {"weight": dgamma.astype(wdt), "bias": dbeta.astype(wdt)}
 
 
+# ---- LayerNorm's CPU kernels ------------------------------------------------------------------
+# They take [..., D] arrays as row_starts (flat, starts), D the normalized values of a row.
+@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+def _ln_forward_cpu(x, xs, d, eps, affine, w, b, y, ys, mean, rstd, chunks):
+    """Per row: mean, rstd = 1 / sqrt(biased variance + eps) (both from float64 sums), and
+    y = (x - mean) * rstd (* w + b if affine)."""
+    rows = xs.size
+    for c in numba.prange(chunks):
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            xr, yr = x[xs[r]:xs[r] + d], y[ys[r]:ys[r] + d]
+            s = 0.0
+            for i in range(d):
+                s += xr[i]
+            m = xr.dtype.type(s / d)
+            ss = 0.0
+            for i in range(d):
+                v = np.float64(xr[i] - m)
+                ss += v * v
+            rs = xr.dtype.type(1.0 / np.sqrt(ss / d + eps))
+            mean[r], rstd[r] = m, rs
+            if affine:
+                for i in range(d):
+                    yr[i] = (xr[i] - m) * rs * w[i] + b[i]
+            else:
+                for i in range(d):
+                    yr[i] = (xr[i] - m) * rs
+
+
+@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+def _ln_backward_cpu(x, xs, dy, dys, d, affine, w, mean, rstd, dx, dxs, dw, db, chunks):
+    """Per row, with xhat = (x - mean) * rstd and g = dy * w (dy if not affine):
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). If affine, chunk c's rows add their
+    dy * xhat and dy into dw[c] and db[c] (float64)."""
+    rows = xs.size
+    for c in numba.prange(chunks):
+        if affine:
+            dw[c, :] = 0.0
+            db[c, :] = 0.0
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            xr, gr, dr = x[xs[r]:xs[r] + d], dy[dys[r]:dys[r] + d], dx[dxs[r]:dxs[r] + d]
+            m, rs = mean[r], rstd[r]
+            s1 = 0.0
+            s2 = 0.0
+            if affine:
+                for i in range(d):
+                    xh = (xr[i] - m) * rs
+                    g = gr[i] * w[i]
+                    s1 += g
+                    s2 += g * xh
+                    dw[c, i] += gr[i] * xh
+                    db[c, i] += gr[i]
+            else:
+                for i in range(d):
+                    xh = (xr[i] - m) * rs
+                    s1 += gr[i]
+                    s2 += gr[i] * xh
+            a, k = rs * xr.dtype.type(s1 / d), rs * xr.dtype.type(s2 / d)
+            if affine:
+                for i in range(d):
+                    dr[i] = rs * gr[i] * w[i] - a - (xr[i] - m) * rs * k
+            else:
+                for i in range(d):
+                    dr[i] = rs * gr[i] - a - (xr[i] - m) * rs * k
+
+
 @register_op
 class LayerNorm(Op):
     """nn.LayerNorm over the trailing `normalized_shape` dims; the leading dims may be split."""
@@ -375,8 +446,19 @@ class LayerNorm(Op):
     def _axes(self, x):
         return tuple(range(x.ndim - len(self.normalized_shape), x.ndim))
 
+    def _use_kernels(self, xp, x, weights) -> bool:
+        """Whether the numba kernels run: on the CPU, for float inputs of the weights' dtype."""
+        return (xp is np and x.dtype in (np.float32, np.float64) and x.size > 0
+                and all(w.dtype == x.dtype for w in weights.values()))
+
+    def _rows(self, a):
+        """a as [..., D] rows, D the normalized values (a view when a's trailing dims are contiguous)."""
+        return a.reshape(a.shape[:a.ndim - len(self.normalized_shape)] + (-1,))
+
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         (x,) = inputs
+        if self._use_kernels(xp, x, weights):
+            return self._forward_cpu(x, weights)
         axes = self._axes(x)
         mean = x.mean(axis=axes, keepdims=True)
         xc = x - mean
@@ -385,7 +467,44 @@ class LayerNorm(Op):
         y = xhat * weights["weight"] + weights["bias"] if self.elementwise_affine else xhat
         return [y], (xhat, rstd)
 
+    def _forward_cpu(self, x, weights):
+        rows = self._rows(x)
+        xflat, xs = row_starts(rows)
+        y = np.empty(x.shape, x.dtype)
+        yflat, ys = row_starts(self._rows(y), writable=True)
+        mean, rstd = np.empty(xs.size, x.dtype), np.empty(xs.size, x.dtype)
+        w, b = self._flat_weights(weights, x.dtype)
+        _ln_forward_cpu(xflat, xs, rows.shape[-1], self.eps, self.elementwise_affine, w, b, yflat, ys, mean, rstd,
+                        row_chunks(xs.size))
+        return [y], (mean, rstd)
+
+    def _flat_weights(self, weights, dtype):
+        """weight and bias as 1-D arrays over a row (empty ones when there are none)."""
+        if not self.elementwise_affine:
+            return np.empty(0, dtype), np.empty(0, dtype)
+        return (np.ascontiguousarray(weights["weight"]).reshape(-1),
+                np.ascontiguousarray(weights["bias"]).reshape(-1))
+
+    def _backward_cpu(self, x, dy, weights, mean, rstd):
+        rows = self._rows(x)
+        xflat, xs = row_starts(rows)
+        gflat, gs = row_starts(self._rows(dy))
+        dx = np.empty(x.shape, x.dtype)
+        dflat, ds = row_starts(self._rows(dx), writable=True)
+        d, chunks = rows.shape[-1], row_chunks(xs.size)
+        w, _ = self._flat_weights(weights, x.dtype)
+        parts = (chunks, d) if self.elementwise_affine else (0, 0)
+        dw, db = np.empty(parts), np.empty(parts)
+        _ln_backward_cpu(xflat, xs, gflat, gs, d, self.elementwise_affine, w, mean, rstd, dflat, ds, dw, db, chunks)
+        if not self.elementwise_affine:
+            return [dx], {}
+        shape, dtype = self.normalized_shape, weights["weight"].dtype
+        return [dx], {"weight": dw.sum(axis=0).astype(dtype).reshape(shape),
+                      "bias": db.sum(axis=0).astype(dtype).reshape(shape)}
+
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
+        if self._use_kernels(xp, inputs[0], weights):
+            return self._backward_cpu(inputs[0], grad_outputs[0], weights, *saved)
         (dy,), (xhat, rstd) = grad_outputs, saved
         axes = self._axes(dy)
         lead = tuple(range(dy.ndim - len(self.normalized_shape)))
