@@ -1,0 +1,122 @@
+"""The graph assembled from cached segments equals the graph the runtime builds for that iteration:
+task for task (processor, rects, privileges, memories), copy for copy (source, destination,
+rect, bytes, fold buffer) and edge for edge, under random strategies on random machines of
+1 to 16 ranks, also after a sequence of changes that the caches answer in part."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops.lower import default_config
+from ops.optimizers import Adam
+from strategies.graph import build_iteration
+from strategies.random import random_config
+from strategies.segments import SegmentBuilder
+from taskrt import Machine, Runtime, TaskNode
+from tests.test_soap_models import MODELS, data
+
+LOSS = {kind: data(kind)[2] for kind in MODELS}
+
+
+def _graph_of(kind: str):
+    m = MODELS[kind](Runtime(execute=False))
+    ops, inputs, loss = m.training_graph(LOSS[kind])
+    return ops, inputs, loss.name
+
+
+def canonical(nodes, preds, buffer_index) -> list[tuple]:
+    """Each node as what it does (regions by name, so two lowerings compare) with its preds."""
+    out = []
+    for i, n in enumerate(nodes):
+        if isinstance(n, TaskNode):
+            what = ("task", n.name, n.proc, n.point,
+                    tuple((r.region.name, r.rect, r.privilege, r.memory) for r in n.reqs))
+        else:
+            what = ("copy", n.region.name, n.rect, n.src, n.dst, n.nbytes, n.redop, buffer_index(i, n))
+        out.append((what, tuple(preds[i])))
+    return out
+
+
+def runtime_graph(ops, inputs, loss, configs, machine, optimizer=None) -> list[tuple]:
+    ref = build_iteration(ops, inputs, loss, configs, machine, optimizer)
+    pos = {n.id: i for i, n in enumerate(ref.nodes)}
+    return canonical(ref.nodes, ref.preds, lambda i, n: None if n.buffer is None else pos[n.buffer[0]])
+
+
+def assembled_graph(builder: SegmentBuilder, configs) -> list[tuple]:
+    g = builder.build(configs)
+    return canonical(g.nodes, g.preds, lambda i, n: g.buffers[i])
+
+
+def _machine(ranks: int, per_rank: int) -> Machine:
+    return Machine.build(ranks, per_rank, separate_memories=True)
+
+
+def _configs(ops, machine, rng, random_share=1.0):
+    return {op.name: random_config(op, machine, rng) if rng.random() < random_share else default_config(op, machine)
+            for op in ops}
+
+
+def assert_same(expected: list, got: list) -> None:
+    assert len(got) == len(expected), f"{len(got)} nodes assembled, the runtime made {len(expected)}"
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert a == b, f"node {i} differs:\n runtime   {a}\n assembled {b}"
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 16), per_rank=st.integers(1, 2))
+def test_random_strategies_assemble_the_runtimes_graph(kind, seed, ranks, per_rank):
+    ops, inputs, loss = _graph_of(kind)
+    machine = _machine(ranks, per_rank)
+    rng = np.random.default_rng(seed)
+    configs = _configs(ops, machine, rng, random_share=0.8)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 4))
+def test_a_sequence_of_changes_answered_from_the_caches_stays_exact(seed, ranks):
+    kind = ("cnn", "rnn", "transformer", "mixer")[seed % 4]
+    ops, inputs, loss = _graph_of(kind)
+    machine = _machine(ranks, 2)
+    rng = np.random.default_rng(seed)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    configs = {op.name: default_config(op, machine) for op in ops}
+    for _ in range(4):
+        op = ops[int(rng.integers(len(ops)))]
+        configs[op.name] = random_config(op, machine, rng)
+        assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+
+
+def test_a_change_reanalyzes_only_the_regions_of_the_op_it_changes():
+    ops, inputs, loss = _graph_of("cnn")
+    machine = _machine(2, 2)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    configs = {op.name: default_config(op, machine) for op in ops}
+    builder.build(configs)
+    before = dict(builder.stats)
+    builder.build(configs)
+    assert builder.stats == before, "an unchanged strategy must come entirely from the caches"
+    conv = next(op for op in ops if op.kind == "conv2d")
+    configs[conv.name] = next(c for c in (random_config(conv, machine, s) for s in range(100))
+                              if c != default_config(conv, machine))
+    g = builder.build(configs)
+    touched = {r.region.uid for rec in g.segments if rec.op == conv.name for t in rec.tasks for r in t.reqs}
+    analyzed = builder.stats["regions_analyzed"] - before["regions_analyzed"]
+    assert 0 < analyzed <= len(touched)
+    recorded = builder.stats["segments_recorded"] - before["segments_recorded"]
+    # its forward, gradient fill and backward, and per weight its gradient's zeroing and its update
+    assert recorded == 3 + 2 * len(conv.weight_shapes())
+
+
+def test_adam_state_and_a_16_rank_machine_match_too():
+    ops, inputs, loss = _graph_of("transformer")
+    machine = _machine(16, 1)
+    configs = _configs(ops, machine, np.random.default_rng(11))
+    optimizer = Adam(lr=1e-3)
+    builder = SegmentBuilder(ops, inputs, loss, machine, optimizer)
+    assert_same(runtime_graph(ops, inputs, loss, configs, machine, optimizer), assembled_graph(builder, configs))
