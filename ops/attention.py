@@ -5,9 +5,9 @@
     out = ctx Wo^T + bo                                            (Wo = out_proj_weight)
 
 Heads are strided views of the projected [batch, seq, E] arrays (no transposed copies);
-the per-head GEMMs write straight into [batch, seq, heads, d] buffers. Backward uses
-the flash-attention identity rowsum(dP * P) = rowsum(dctx * ctx), which avoids one
-pass over the [batch, heads, Lq, Lk] scores.
+the per-head GEMMs write straight into [batch, seq, heads, d] buffers. The softmax, with
+the causal mask, and its backward run in place on the [batch, heads, Lq, Lk] scores, through
+ops.activation's fused row kernels on the CPU (one pass each).
 
 The heads are a partial parameter split (the tile space is [batch, Lq, E, heads]): a tile
 projects and attends with its own heads only, and its output projection, over its heads'
@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from ops.activation import softmax_grad_rows, softmax_rows_
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
 from taskrt.geometry import Rect
 
@@ -28,13 +29,6 @@ def _heads(a, num_heads: int):
     """[batch, seq, E] -> a [batch, heads, seq, d] view."""
     b, n, e = a.shape
     return a.reshape(b, n, num_heads, e // num_heads).transpose(0, 2, 1, 3)
-
-
-def _softmax_last_(xp, s) -> None:
-    """Numerically stable softmax over the last axis, in place."""
-    s -= s.max(axis=-1, keepdims=True)
-    xp.exp(s, out=s)
-    s *= xp.reciprocal(s.sum(axis=-1, keepdims=True))
 
 
 @register_op
@@ -153,7 +147,6 @@ class MultiHeadAttention(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         query, key, value = inputs
         b, lq, e = query.shape
-        lk = key.shape[1]
         nh = tile.shape[3]
         d = e // int(self.num_heads)
         if weights["in_proj_weight"].shape != (3 * e, e):
@@ -165,12 +158,8 @@ class MultiHeadAttention(Op):
         v = self._project(value, weights, 2, cols)
 
         p = xp.matmul(_heads(q, nh), _heads(k, nh).swapaxes(-1, -2))  # [b, nh, lq, lk]
-        if self.causal:
-            q0 = in_rects[0].lo[1]
-            mask = xp.zeros((lq, lk), dtype=p.dtype)  # query q0 + i may not see key j > q0 + i
-            mask[xp.arange(lk)[None, :] > (q0 + xp.arange(lq))[:, None]] = -xp.inf
-            p += mask
-        _softmax_last_(xp, p)
+        # causal: query q0 + i may not see key j > q0 + i
+        softmax_rows_(xp, p, p, causal_first=in_rects[0].lo[1] if self.causal else None)
         ctx = xp.empty((b, lq, nh * d), dtype=q.dtype)
         xp.matmul(p, _heads(v, nh), out=_heads(ctx, nh))
 
@@ -201,10 +190,7 @@ class MultiHeadAttention(Op):
         dv = xp.empty((b, lk, et), dtype=q.dtype)
         xp.matmul(p.swapaxes(-1, -2), dctx_h, out=_heads(dv, nh))
         ds = xp.matmul(dctx_h, _heads(v, nh).swapaxes(-1, -2))  # dP, then dS in place
-        # rowsum(dP * P) = rowsum(dctx * ctx) per head: [b, nh, lq, 1]
-        row = (dctx * ctx).reshape(b, lq, nh, d).sum(axis=-1).transpose(0, 2, 1)[..., None]
-        ds -= row
-        ds *= p
+        softmax_grad_rows(xp, p, ds, out=ds)
         dq = xp.empty((b, lq, et), dtype=q.dtype)
         xp.matmul(ds, _heads(k, nh), out=_heads(dq, nh))
         dq *= scale  # q was scaled after projection

@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.activation import ElementUnary, Softmax
+from ops.activation import ElementUnary, Softmax, softmax_grad_rows, softmax_rows_
 from ops.base import ATTRIBUTE, SAMPLE, OP_REGISTRY, ShapeError
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
+from tests.test_conv import ArrayCodePath
 
 TORCH_UNARY = {"relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
 
@@ -121,3 +122,82 @@ def test_unary_any_shape(shape, fn, seed):
     op = ElementUnary("act", [spec(shape)], fn=fn)
     torch_check(op, TORCH_UNARY[fn], x, g)
     check_tiled(op, [x], {}, [g])
+
+
+# ---- the CPU row kernels against a float64 formula and the array code (the GPU path) ----------
+def tile_view(x, pads, strided_rows=False):
+    """x as a read-only view into a bigger array, `pads[d]` extra values before it along each
+    leading dim d (as a tile of a bigger region arrives); `strided_rows` also spaces each
+    row's values two apart (rows not contiguous, which the kernels copy)."""
+    lead = x.shape[:-1]
+    step = 2 if strided_rows else 1
+    big = np.full(tuple(n + 2 * p for n, p in zip(lead, pads)) + (x.shape[-1] * step,), np.nan, x.dtype)
+    view = big[tuple(slice(p, p + n) for n, p in zip(lead, pads)) + (slice(None, None, step),)]
+    view[...] = x
+    view.flags.writeable = False
+    return view
+
+
+def softmax64(x, hidden=None):
+    """softmax over the last axis in float64, with the `hidden` entries left out (0)."""
+    x = x.astype(np.float64)
+    if hidden is not None:
+        x = np.where(hidden, -np.inf, x)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_grad64(y, g):
+    y, g = y.astype(np.float64), g.astype(np.float64)
+    return y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+
+TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-12, atol=1e-14)}
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=shapes, dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16),
+       pads=st.lists(st.integers(0, 2), min_size=3, max_size=3), strided_rows=st.booleans())
+def test_softmax_kernels_match_the_formula_on_tile_views(shape, dtype, seed, pads, strided_rows):
+    rng = np.random.default_rng(seed)
+    x = tile_view((8 * rng.standard_normal(shape)).astype(dtype), pads, strided_rows)
+    g = tile_view(rng.standard_normal(shape).astype(dtype), pads[::-1], strided_rows)
+    ref_y = softmax64(x)
+    ref_dx = softmax_grad64(ref_y, g)
+    for xp in (np, ArrayCodePath()):
+        y = np.empty(shape, dtype)
+        softmax_rows_(xp, x, y)
+        dx = softmax_grad_rows(xp, tile_view(y, pads), g)
+        assert y.dtype == dtype and dx.dtype == dtype and dx.shape == shape
+        np.testing.assert_allclose(y, ref_y, **TOL[dtype])
+        np.testing.assert_allclose(dx, ref_dx, **TOL[dtype])
+
+
+@settings(max_examples=20, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple), lq=st.integers(1, 6),
+       extra=st.integers(0, 5), data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
+def test_causal_softmax_in_place_matches_the_masked_formula(lead, lq, extra, data, dtype):
+    """Scores of queries q0..q0+lq-1 over lk >= q0 + lq keys: query q0 + i sees keys 0..q0 + i."""
+    lk = lq + extra
+    q0 = data.draw(st.integers(0, lk - lq))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    x = (5 * rng.standard_normal(lead + (lq, lk))).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    hidden = np.arange(lk)[None, :] > (q0 + np.arange(lq))[:, None]
+    ref_y = softmax64(x, hidden)
+    for xp in (np, ArrayCodePath()):
+        y = x.copy()
+        softmax_rows_(xp, y, y, causal_first=q0)
+        np.testing.assert_allclose(y, ref_y, **TOL[dtype])
+        assert not y[..., hidden].any()
+        dx = g.copy()
+        assert softmax_grad_rows(xp, y, dx, out=dx) is dx
+        np.testing.assert_allclose(dx, softmax_grad64(ref_y, g), **TOL[dtype])
+
+
+def test_softmax_kernel_keeps_nans_and_gives_minus_infinity_no_weight():
+    x = np.array([[1.0, np.nan, 2.0], [0.0, -np.inf, 0.0], [-np.inf, 3.0, -1e30]], np.float32)
+    (y,), _, _, _ = run_whole(Softmax("sm", [spec(x.shape)]), [x], {})
+    t = torch.softmax(torch.tensor(x), dim=-1).numpy()
+    assert np.isnan(y[0]).all() and np.isnan(t[0]).all()
+    np.testing.assert_allclose(y[1:], t[1:], rtol=1e-6, atol=1e-30)

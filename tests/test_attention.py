@@ -13,6 +13,7 @@ from ops.attention import MultiHeadAttention
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
+from tests.test_conv import ArrayCodePath
 
 
 def mha_case(batch, lq, lk, e, heads, use_bias=True, causal=False, seed=0, dtype=np.float32):
@@ -193,3 +194,29 @@ def test_attention_bad_inputs_name_the_op(shapes, attrs, needle):
     with pytest.raises(ShapeError, match=needle) as err:
         MultiHeadAttention("self_attn", [spec(s, name=f"in{i}") for i, s in enumerate(shapes)], **attrs)
     assert "multihead_attention 'self_attn'" in str(err.value)
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 3), lq=st.integers(1, 6), extra=st.integers(0, 3), heads=st.integers(1, 3),
+       d=st.integers(1, 3), use_bias=st.booleans(), causal=st.booleans(), data=st.data())
+def test_attention_cpu_kernels_match_the_array_code_on_tiles(batch, lq, extra, heads, d, use_bias, causal, data):
+    """One tile (a range of samples, queries and heads) through the CPU kernels (fused softmax,
+    causal mask and softmax backward) and through the array code (the GPU path), in float64."""
+    lk = lq if causal else lq + extra
+    op, xs, w, g = mha_case(batch, lq, lk, heads * d, heads, use_bias, causal, data.draw(st.integers(0, 99)),
+                            np.float64)
+    lo = [data.draw(st.integers(0, n - 1)) for n in (batch, lq, heads)]
+    hi = [data.draw(st.integers(a + 1, n)) for a, n in zip(lo, (batch, lq, heads))]
+    tile = Rect((lo[0], lo[1], 0, lo[2]), (hi[0], hi[1], heads * d, hi[2]))
+    in_rects = op.input_rects(tile)
+    ins = [x[r.slices()] for x, r in zip(xs, in_rects)]
+    rects = op.tile_weight_rects(tile)
+    ws = {k: w[k][r.slices()] for k, r in rects.items() if not r.empty}
+    gout = g[op.output_rects(tile)[0].slices()]
+    results = []
+    for xp in (np, ArrayCodePath()):
+        (out,), saved = op.forward(xp, tile, ins, in_rects, ws)
+        gin, gw = op.backward(xp, tile, ins, in_rects, ws, [out], [gout], saved)
+        results.append([out, *gin, *(gw[k] for k in sorted(gw))])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

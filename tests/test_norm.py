@@ -12,6 +12,7 @@ from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
+from tests.test_activation import tile_view
 from tests.test_conv import ArrayCodePath
 
 
@@ -258,3 +259,42 @@ def test_layer_norm_bad_inputs_name_the_op():
         LayerNorm("ln", [spec((4, 6))], normalized_shape=5)
     with pytest.raises(ShapeError, match=r"layer_norm 'ln': normalized_shape \(2, 3, 4\) is not the trailing dims"):
         LayerNorm("ln", [spec((3, 4))], normalized_shape=(2, 3, 4))
+
+
+def layer_norm64(x, normalized_shape, weights, g, eps=1e-5):
+    """y and the grads of x, weight and bias from F.layer_norm in float64 on x's values."""
+    xt = torch.tensor(x.astype(np.float64), requires_grad=True)
+    wt = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in weights.items()}
+    yt = F.layer_norm(xt, normalized_shape, wt.get("weight"), wt.get("bias"), eps=eps)
+    yt.backward(torch.tensor(g.astype(np.float64)))
+    return yt.detach().numpy(), xt.grad.numpy(), {k: t.grad.numpy() for k, t in wt.items()}
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=4).map(tuple), data=st.data(),
+       affine=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
+       pads=st.lists(st.integers(0, 2), min_size=3, max_size=3), strided_rows=st.booleans())
+def test_layer_norm_kernels_match_torch_and_the_array_code_on_tile_views(shape, data, affine, dtype, pads,
+                                                                         strided_rows):
+    """Forward and backward on a read-only view into a bigger array (as a tile arrives), through
+    the CPU kernels and the array code (the GPU path), against torch in float64."""
+    k = data.draw(st.integers(1, len(shape) - 1))
+    normalized = shape[len(shape) - k:]
+    assume(np.prod(normalized) > 1)
+    x, weights, g = ln_data(shape, normalized, data.draw(st.integers(0, 2**16)), dtype)
+    assume(x.reshape(-1, int(np.prod(normalized))).std(axis=1).min() > 0.05)  # see test_layer_norm_any_shape
+    weights = weights if affine else {}
+    x, g = tile_view(x, pads, strided_rows), tile_view(g, pads[::-1])
+    op = LayerNorm("ln", [spec(shape, np.dtype(dtype).name)], normalized_shape=normalized, elementwise_affine=affine)
+    ref_y, ref_dx, ref_gw = layer_norm64(x, normalized, weights, g)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    tile = Rect.from_shape(shape)
+    for xp in (np, ArrayCodePath()):
+        (y,), saved = op.forward(xp, tile, [x], [tile], weights)
+        (dx,), gw = op.backward(xp, tile, [x], [tile], weights, [y], [g], saved)
+        assert y.dtype == dtype and dx.dtype == dtype and set(gw) == set(weights)
+        np.testing.assert_allclose(y, ref_y, **tol)
+        np.testing.assert_allclose(dx, ref_dx, **tol)
+        for name in gw:
+            assert gw[name].dtype == dtype and gw[name].shape == normalized
+            np.testing.assert_allclose(gw[name], ref_gw[name], **tol)
