@@ -59,6 +59,9 @@ class IterationGraph:
         tasks = sum(isinstance(n, TaskNode) for n in self.nodes)
         return f"IterationGraph({tasks} tasks, {len(self.nodes) - tasks} copies, {sum(map(len, self.preds))} edges)"
 
+    def task_cost_at(self, index: int) -> TaskCost:
+        return self.task_cost(self.nodes[index])
+
     def task_cost(self, node: TaskNode) -> TaskCost:
         """The op, phase and rect of a task of this graph."""
         low = self.lowering

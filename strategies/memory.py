@@ -93,7 +93,7 @@ def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]],
     ones get the data-parallel default), lowered here on machine_model.to_machine() with
     `optimizer` (its state count; None: no optimizer state)."""
     if isinstance(graph, Lowering):
-        return _peak(graph, graph.rt.machine)
+        return plan_peak(graph, graph.rt.machine)
     ops, configs = graph
     ops = list(ops)
     if not ops:
@@ -103,10 +103,12 @@ def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]],
                 else default_config(op, machine) for op in ops}
     with Runtime(machine, execute=False) as rt:
         low = Lowering(rt, ops, _sources(ops), resolved, optimizer, loss=loss or ops[-1].name, tag="memory")
-        return _peak(low, machine)
+        return plan_peak(low, machine)
 
 
-def _peak(low: Lowering, machine: Machine) -> dict[int, int]:
+def plan_peak(low, machine: Machine) -> dict[int, int]:
+    """Peak bytes per device (processor index) of a lowering's plans on `machine`; `low` is a
+    Lowering or anything with its ops, plans, values, params, stats and updates."""
     first = {}
     for i, p in enumerate(machine.processors):
         first.setdefault(p.memory, i)

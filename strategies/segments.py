@@ -94,8 +94,13 @@ class AssembledIteration:
         return (f"AssembledIteration({tasks} tasks, {len(self.nodes) - tasks} copies, "
                 f"{sum(map(len, self.preds))} edges)")
 
-    def task_cost(self, index: int) -> TaskCost:
+    def task_cost_at(self, index: int) -> TaskCost:
         return self.task_costs[index]
+
+    @property
+    def lowering(self) -> "_PlanView":
+        """What strategies.memory reads of a lowering (ops, plans, regions, updates)."""
+        return self.view
 
 
 @dataclass

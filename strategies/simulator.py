@@ -29,7 +29,8 @@ from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
 from strategies.graph import BACKWARD, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
 from strategies.machine_model import MachineModel
-from strategies.memory import peak_memory
+from strategies.memory import plan_peak
+from strategies.segments import AssembledIteration, SegmentBuilder
 from strategies.timing import Timing, schedule
 from taskrt.taskgraph import CopyNode
 
@@ -55,15 +56,16 @@ class SimResult:
 
     def records(self):
         """Trace events in the runtime's format (README.md), microseconds from the iteration's start,
-        each with `preds`: the ids of the nodes it waits on within the iteration."""
-        ids = [node.id for node in self.graph.nodes]
+        each with `preds`: the ids of the nodes it waits on within the iteration (a node's id is its
+        position in the iteration)."""
+        ids = range(len(self.graph.nodes))
         for i, node in enumerate(self.graph.nodes):
             if isinstance(node, CopyNode):
                 where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
                 point = None
             else:
                 where, rank, kind, point = str(node.proc), node.proc.rank, node.kind, list(node.point)
-            yield {"id": node.id, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
+            yield {"id": i, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
                    "start": round(float(self.timing.start[i]) * 1e6, 3), "end": round(float(self.timing.end[i]) * 1e6, 3),
                    "bytes": node.nbytes, "point": point, "preds": [ids[p] for p in self.graph.preds[i]]}
 
@@ -94,6 +96,8 @@ class Simulator:
         self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
         self._memory_proc = {p.memory: p for p in self.machine.processors}
+        self._builder: SegmentBuilder | None = None
+        self._node_costs: dict[int, tuple[tuple, float]] = {}
 
     @classmethod
     def for_model(cls, model, machine_model: MachineModel, cost: CostModel | None = None, loss: str | None = None,
@@ -117,20 +121,37 @@ class Simulator:
                 else default_config(op, self.machine) for op in self.ops}
 
     # ---- simulation ----------------------------------------------------------------------------
-    def graph(self, strategy) -> IterationGraph:
-        return build_iteration(self.ops, self.inputs, self.loss, self.configs(strategy), self.machine, self.optimizer)
+    @property
+    def builder(self) -> SegmentBuilder:
+        """The segment caches of delta simulation (made on first use)."""
+        if self._builder is None:
+            self._builder = SegmentBuilder(self.ops, self.inputs, self.loss, self.machine, self.optimizer)
+        return self._builder
 
-    def simulate(self, strategy) -> SimResult:
-        """Simulate one steady-state iteration under `strategy` (a Strategy or op name -> TileConfig)."""
-        graph = self.graph(strategy)
-        res, dur, resources = self.node_costs(graph)
+    def graph(self, strategy, delta: bool = True) -> IterationGraph | AssembledIteration:
+        """The iteration graph under `strategy`: assembled from the segment caches (`delta`), or built
+        afresh by the runtime's lowering and analysis over the whole program."""
+        configs = self.configs(strategy)
+        if delta:
+            return self.builder.build(configs)
+        return build_iteration(self.ops, self.inputs, self.loss, configs, self.machine, self.optimizer)
+
+    def simulate(self, strategy, delta: bool = True) -> SimResult:
+        """Simulate one steady-state iteration under `strategy` (a Strategy or op name -> TileConfig).
+
+        Delta simulation (the default) rebuilds only the segments and region analyses that the
+        configs changed since they were last seen, and costs only their new nodes; full
+        simulation (`delta=False`) builds the runtime's graph from scratch. Both time the same
+        graph the same way, so their results are equal (tests/test_simulator.py)."""
+        graph = self.graph(strategy, delta)
+        res, dur, resources = self.node_costs(graph, cache=delta)
         ptr = np.zeros(len(graph.nodes) + 1, np.int64)
         ptr[1:] = np.cumsum([len(p) for p in graph.preds])
         idx = np.fromiter((q for p in graph.preds for q in p), np.int64, count=int(ptr[-1]))
         timing = schedule(res, dur, ptr, idx, len(resources))
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources) if r[0] == "proc"}
         time = max(timing.time, self.issue_floor(len(graph.nodes), busy))
-        peak = peak_memory(graph.lowering, self.machine_model)
+        peak = plan_peak(graph.lowering, self.machine)
         capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
         fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
         return SimResult(time, busy, peak, fits, graph, timing, resources)
@@ -149,28 +170,41 @@ class Simulator:
             per_rank[rank] = per_rank.get(rank, 0.0) + b
         return max((b + issue) / mm.devices_per_node for b in per_rank.values())
 
-    def node_costs(self, graph: IterationGraph) -> tuple[np.ndarray, np.ndarray, list]:
+    def node_costs(self, graph, cache: bool = False) -> tuple[np.ndarray, np.ndarray, list]:
         """(resource index of each node, its seconds, the resources): processors ('proc', p),
-        link channels ('link', channel) and memories' copy workers ('memory', m)."""
+        link channels ('link', channel) and memories' copy workers ('memory', m). With `cache`,
+        each node's cost is kept by its node object (the segment caches' templates, shared by
+        every graph assembled from them), so a delta simulation costs only its new nodes."""
         resources: dict[tuple, int] = {}
         res = np.empty(len(graph.nodes), np.int64)
         dur = np.empty(len(graph.nodes))
-        cost = self.cost
+        known = self._node_costs if cache else {}
         for i, node in enumerate(graph.nodes):
-            if isinstance(node, CopyNode):
-                key, seconds = self._copy_cost(node)
-            else:
-                tc = graph.task_cost(node)
-                key = ("proc", node.proc)
-                if tc.phase == FILL:
-                    seconds = cost.fill_time(node.nbytes, node.proc)
-                elif tc.phase == UPDATE:
-                    seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
-                else:
-                    seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
-            res[i] = resources.setdefault(key, len(resources))
+            kc = known.get(id(node))
+            if kc is None:
+                kc = self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
+                if cache:
+                    known[id(node)] = kc
+            key, seconds = kc
+            r = resources.get(key)
+            if r is None:
+                r = resources[key] = len(resources)
+            res[i] = r
             dur[i] = seconds
         return res, dur, list(resources)
+
+    def _cost(self, node, tc) -> tuple[tuple, float]:
+        """(the resource a node occupies, its seconds)."""
+        if isinstance(node, CopyNode):
+            return self._copy_cost(node)
+        cost = self.cost
+        if tc.phase == FILL:
+            seconds = cost.fill_time(node.nbytes, node.proc)
+        elif tc.phase == UPDATE:
+            seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
+        else:
+            seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
+        return ("proc", node.proc), seconds
 
     def _copy_cost(self, node: CopyNode) -> tuple[tuple, float]:
         mm, cost = self.machine_model, self.cost
@@ -187,10 +221,10 @@ class Simulator:
         (measure once, then simulate from the cache)."""
         graph = self.graph(strategy)
         out = []
-        for node in graph.nodes:
+        for i, node in enumerate(graph.nodes):
             if isinstance(node, CopyNode):
                 continue
-            tc = graph.task_cost(node)
+            tc = graph.task_cost_at(i)
             if tc.phase in (FORWARD, BACKWARD):
                 out.append((tc.op, tc.phase, tc.rect, node.proc))
             elif tc.phase == UPDATE:
