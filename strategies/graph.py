@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from ops.base import Op, TensorSpec
 from ops.lower import Lowering, TileConfig
 from ops.optimizers import SGD
@@ -61,6 +63,13 @@ class IterationGraph:
 
     def task_cost_at(self, index: int) -> TaskCost:
         return self.task_cost(self.nodes[index])
+
+    def pred_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The preds in CSR form: node i's are idx[ptr[i]:ptr[i + 1]]."""
+        ptr = np.zeros(len(self.nodes) + 1, np.int64)
+        ptr[1:] = np.cumsum([len(p) for p in self.preds])
+        idx = np.fromiter((q for p in self.preds for q in p), np.int64, count=int(ptr[-1]))
+        return ptr, idx
 
     def task_cost(self, node: TaskNode) -> TaskCost:
         """The op, phase and rect of a task of this graph."""

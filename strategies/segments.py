@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from ops.base import Op, TensorSpec
 from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PHASE, ZERO_GRAD_PHASE, Lowering,
                        OpPlan, Segment, TileConfig, UpdatePlan, default_config)
@@ -62,40 +64,66 @@ class RecordedSegment:
 
 @dataclass(frozen=True)
 class RegionResult:
-    """What one region's analysis adds to the graph's second iteration.
+    """What one region's analysis adds to the graph's second iteration, in arrays.
 
-    Accesses are named by (k, t): the k-th segment touching the region (in program order)
-    and the task's index in that segment. `copies` are (access, first requirement index of
-    the region in that task, copy template, preds, buffer access or None); `task_preds` maps
-    an access to its preds. A pred is ('c', i) for this result's copy i or ('t', access)."""
+    An access is (k, t): the task t of the k-th segment that touches the region (in program
+    order). Copy i is caused by access (copy_k[i], copy_t[i]) at its requirement copy_req[i]
+    (the first of the task's on this region); `buffer_k/t` name a fold's buffer task (-1:
+    none). Preds are edges (dst, src), each end a copy (kind 0: its index here) or a task
+    (kind 1: access (k, t)); edges to the first step are already gone."""
 
-    copies: tuple
-    task_preds: dict
+    copies: tuple                 # CopyNode templates (ids -1)
+    copy_k: np.ndarray
+    copy_t: np.ndarray
+    copy_req: np.ndarray
+    buffer_k: np.ndarray
+    buffer_t: np.ndarray
+    edges: np.ndarray             # rows: dst kind, dst a, dst b, src kind, src a, src b
 
 
 @dataclass
 class AssembledIteration:
-    """One steady-state iteration: nodes in program order, the preds of each (indices), the
-    program position of the segment that caused each node, each task's TaskCost (None for a
-    copy) and each fold's buffer task (index; None elsewhere). The node objects are shared
-    templates: their `id` fields mean nothing here, positions are the ids."""
+    """One steady-state iteration in the runtime's program order: node i is `nodes[i]` (a shared
+    template: its `id` means nothing here, positions are the ids), its preds are
+    pred_idx[pred_ptr[i]:pred_ptr[i + 1]], it was caused by the segment at program position
+    segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
+    parts (the segments' tasks, then the region results' copies, as in `parts`) in that order,
+    so per-part arrays (costs) index into it."""
 
     nodes: list
-    preds: list[tuple[int, ...]]
-    segment_of: list[int]
-    task_costs: list
-    buffers: list
+    pred_ptr: np.ndarray
+    pred_idx: np.ndarray
+    segment_of: np.ndarray
+    buffer_index: np.ndarray
+    order: np.ndarray
+    parts: list
     segments: list[RecordedSegment]
     view: "_PlanView"
     machine: Machine
+    _costs: list | None = None
 
     def __repr__(self) -> str:
         tasks = sum(isinstance(n, TaskNode) for n in self.nodes)
-        return (f"AssembledIteration({tasks} tasks, {len(self.nodes) - tasks} copies, "
-                f"{sum(map(len, self.preds))} edges)")
+        return f"AssembledIteration({tasks} tasks, {len(self.nodes) - tasks} copies, {len(self.pred_idx)} edges)"
 
-    def task_cost_at(self, index: int) -> TaskCost:
-        return self.task_costs[index]
+    @property
+    def preds(self) -> list[tuple[int, ...]]:
+        ptr, idx = self.pred_ptr, self.pred_idx.tolist()
+        return [tuple(idx[ptr[i]:ptr[i + 1]]) for i in range(len(self.nodes))]
+
+    @property
+    def buffers(self) -> list:
+        return [None if b < 0 else int(b) for b in self.buffer_index]
+
+    def pred_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.pred_ptr, self.pred_idx
+
+    def task_cost_at(self, index: int) -> TaskCost | None:
+        """What task `index` computes (None for a copy)."""
+        if self._costs is None:
+            self._costs = [c for part in self.parts if isinstance(part, RecordedSegment) for c in part.costs]
+        i = int(self.order[index])
+        return self._costs[i] if i < len(self._costs) else None
 
     @property
     def lowering(self) -> "_PlanView":
@@ -250,71 +278,77 @@ class SegmentBuilder:
         return self._assemble([self._get(key, make) for key, make in program], second, configs)
 
     def _assemble(self, program: list[RecordedSegment], second: int, configs) -> AssembledIteration:
+        """Lay the second step's tasks and the copies their regions' analyses cause out in program
+        order (each task after its copies, those by requirement, then as analyzed), in arrays."""
         where: dict[int, list[int]] = {}
         for j, rec in enumerate(program):
             for uid in rec.touches:
                 where.setdefault(uid, []).append(j)
-        regions = self._region_of
-        # per task of the second step: (requirement index, order, copy) of the copies it causes
-        task_copies: dict[tuple[int, int], list] = {}
-        task_preds: dict[tuple[int, int], list] = {}
-        region_refs = []
+        # task numbers: the second step's tasks in order; the first step's are -1 (edges to them go)
+        sizes = np.array([len(rec.tasks) if j >= second else 0 for j, rec in enumerate(program)], np.int64)
+        offset = np.cumsum(sizes) - sizes
+        offset[:second] = -(1 << 40)
+        n_tasks = int(sizes.sum())
+        results, copy_task, copy_req, copy_local, edge_parts, buffers = [], [], [], [], [], []
+        copies_before = 0
         for uid, positions in where.items():
             key = (uid, tuple(program[j].key for j in positions))
             result = self._regions.get(key)
             if result is None:
-                result = self._regions[key] = self._analyze(regions[uid], [program[j] for j in positions],
+                result = self._regions[key] = self._analyze(self._region_of[uid], [program[j] for j in positions],
                                                             [j >= second for j in positions])
-            region_refs.append((positions, result))
-            for c, (access, first_req, copy, preds, buffer) in enumerate(result.copies):
-                task = (positions[access[0]], access[1])
-                task_copies.setdefault(task, []).append((first_req, c, len(region_refs) - 1))
-            for access, preds in result.task_preds.items():
-                task_preds.setdefault((positions[access[0]], access[1]), []).append((len(region_refs) - 1, preds))
-        nodes, preds, segment_of, task_costs, buffers = [], [], [], [], []
-        copy_index: dict[tuple[int, int], int] = {}   # (region ref, copy) -> node index
-        task_index: dict[tuple[int, int], int] = {}   # (position, task) -> node index
-        pending_buffers = []
-
-        def resolve(ref_i: int, pred) -> int | None:
-            kind, what = pred
-            if kind == "c":
-                return copy_index[(ref_i, what)]
-            positions = region_refs[ref_i][0]
-            return task_index.get((positions[what[0]], what[1]))
-
-        for j in range(second, len(program)):
-            rec = program[j]
-            for t, task in enumerate(rec.tasks):
-                for _, c, ref_i in sorted(task_copies.get((j, t), ())):
-                    positions, result = region_refs[ref_i]
-                    access, _, copy, cpreds, buffer = result.copies[c]
-                    copy_index[(ref_i, c)] = len(nodes)
-                    ps = {resolve(ref_i, p) for p in cpreds}
-                    ps.discard(None)
-                    nodes.append(copy)
-                    preds.append(tuple(sorted(ps)))
-                    segment_of.append(j)
-                    task_costs.append(None)
-                    buffers.append(None)
-                    if buffer is not None:
-                        pending_buffers.append((len(nodes) - 1, ref_i, buffer))
-                ps = set()
-                for ref_i, tpreds in task_preds.get((j, t), ()):
-                    for p in tpreds:
-                        q = resolve(ref_i, p)
-                        if q is not None:
-                            ps.add(q)
-                task_index[(j, t)] = len(nodes)
-                nodes.append(task)
-                preds.append(tuple(sorted(ps)))
-                segment_of.append(j)
-                task_costs.append(rec.costs[t])
-                buffers.append(None)
-        for i, ref_i, buffer in pending_buffers:
-            buffers[i] = resolve(ref_i, ("t", buffer))
-        view = self._view(configs)
-        return AssembledIteration(nodes, preds, segment_of, task_costs, buffers, program, view, self.machine)
+            base = offset[np.asarray(positions, np.int64)]
+            n = len(result.copies)
+            if n:
+                results.append(result)
+                task = base[result.copy_k] + result.copy_t
+                copy_task.append(task)
+                copy_req.append(result.copy_req)
+                copy_local.append(np.arange(n, dtype=np.int64))
+                buf = np.where(result.buffer_k >= 0, base[np.maximum(result.buffer_k, 0)] + result.buffer_t, -1)
+                buffers.append(buf)
+            e = result.edges
+            if len(e):
+                # an end is a node number: tasks 0..n_tasks-1, then this result's copies
+                edge_parts.append(np.stack([_ends(e[:, 0:3], base, n_tasks + copies_before),
+                                            _ends(e[:, 3:6], base, n_tasks + copies_before)]))
+            copies_before += n
+        copy_task = np.concatenate(copy_task) if copy_task else np.zeros(0, np.int64)
+        n_copies = len(copy_task)
+        # order: by causing task, then (copies) requirement and analysis order, the task last
+        big = np.int64(1 << 30)
+        key_task = np.concatenate([np.arange(n_tasks, dtype=np.int64), copy_task])
+        key_req = np.concatenate([np.full(n_tasks, big), np.concatenate(copy_req) if copy_req else
+                                  np.zeros(0, np.int64)])
+        key_local = np.concatenate([np.zeros(n_tasks, np.int64), np.concatenate(copy_local) if copy_local else
+                                    np.zeros(0, np.int64)])
+        order = np.lexsort((key_local, key_req, key_task))
+        position = np.empty(n_tasks + n_copies, np.int64)
+        position[order] = np.arange(n_tasks + n_copies)
+        if edge_parts:
+            edges = np.concatenate(edge_parts, axis=1)
+            edges = edges[:, edges[1] >= 0]          # ends in the first step are gone
+            dst, src = position[edges[0]], position[edges[1]]
+            pairs = np.sort(dst * (n_tasks + n_copies) + src)
+            if len(pairs):
+                pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]   # a pred once
+            dst, src = pairs // (n_tasks + n_copies), pairs % (n_tasks + n_copies)
+        else:
+            dst = src = np.zeros(0, np.int64)
+        ptr = np.zeros(n_tasks + n_copies + 1, np.int64)
+        np.cumsum(np.bincount(dst, minlength=n_tasks + n_copies), out=ptr[1:])
+        step2 = program[second:]
+        segment_of = np.concatenate([np.repeat(np.arange(second, len(program)), sizes[second:]),
+                                     np.zeros(n_copies, np.int64)])
+        segment_of[n_tasks:] = segment_of[copy_task]
+        buffer_index = np.full(n_tasks + n_copies, -1, np.int64)
+        if buffers:
+            buf = np.concatenate(buffers)
+            buffer_index[n_tasks:] = np.where(buf >= 0, position[np.maximum(buf, 0)], -1)
+        templates = [t for rec in step2 for t in rec.tasks] + [c for r in results for c in r.copies]
+        nodes = [templates[i] for i in order.tolist()]
+        return AssembledIteration(nodes, ptr, src, segment_of[order], buffer_index[order], order,
+                                  step2 + results, program, self._view(configs), self.machine)
 
     def _view(self, configs) -> _PlanView:
         low = self.low
@@ -349,29 +383,38 @@ class SegmentBuilder:
                                          point=task.point, op=task.op)
                 owner[node.id] = (k, t)
         copy_of: dict[int, int] = {}
-        copies = []
+        kept = []
         for node, preds, access, first_req in emitted:
-            if not in_graph[access[0]]:
-                continue
-            copy_of[node.id] = len(copies)
-            buffer = None if node.buffer is None else owner[node.buffer[0]]
-            template = CopyNode(-1, node.region, node.rect, node.src, node.dst, redop=node.redop,
-                                buffer=None if node.buffer is None else (-1, node.buffer[1]), op=node.op)
-            copies.append((access, first_req, template, preds, buffer))
+            if in_graph[access[0]]:
+                copy_of[node.id] = len(kept)
+                kept.append((node, preds, access, first_req))
 
-        def ref(n: int):
+        def end(n: int):
+            """(kind, a, b) of a local node id; None for a copy of the first step."""
             if n in copy_of:
-                return ("c", copy_of[n])
+                return (0, copy_of[n], 0)
             if n in owner:
-                return ("t", owner[n])
-            return None   # a copy of the first step: the edge leaves the iteration
+                return (1, *owner[n])
+            return None
 
-        copies = tuple((a, f, tpl, tuple(r for r in map(ref, ps) if r is not None), b)
-                       for a, f, tpl, ps, b in copies)
-        task_preds = {owner[nid]: tuple(r for r in map(ref, ps) if r is not None)
-                      for nid, ps in local_preds.items() if in_graph[owner[nid][0]]}
+        edges = []
+        for node, preds, access, _ in kept:
+            edges += [(0, copy_of[node.id], 0, *e) for e in map(end, preds) if e is not None]
+        for nid, preds in local_preds.items():
+            if in_graph[owner[nid][0]]:
+                edges += [(1, *owner[nid], *e) for e in map(end, preds) if e is not None]
+        templates = tuple(CopyNode(-1, n.region, n.rect, n.src, n.dst, redop=n.redop,
+                                   buffer=None if n.buffer is None else (-1, n.buffer[1]), op=n.op)
+                          for n, _, _, _ in kept)
+        buffer = [owner[n.buffer[0]] if n.buffer is not None else (-1, -1) for n, _, _, _ in kept]
+
+        def column(values):
+            return np.array(values, np.int64)
+        result = RegionResult(templates, column([a[0] for _, _, a, _ in kept]), column([a[1] for _, _, a, _ in kept]),
+                              column([f for _, _, _, f in kept]), column([b[0] for b in buffer]),
+                              column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6))
         self.stats["regions_analyzed"] += 1
-        return RegionResult(copies, task_preds)
+        return result
 
 
 def _task_cost(op: Op | None, plan: OpPlan | None, name: str, reqs, point) -> TaskCost:
@@ -381,3 +424,12 @@ def _task_cost(op: Op | None, plan: OpPlan | None, name: str, reqs, point) -> Ta
     if name.endswith(".update"):
         return TaskCost(op, UPDATE, reqs[0].rect, name[:-len(".update")])
     return TaskCost(op, launch_phase(name), plan.tiles[point])
+
+
+def _ends(ends: np.ndarray, base: np.ndarray, first_copy: int) -> np.ndarray:
+    """Node numbers of edge ends (kind, a, b): a task (kind 1) is access (a, b), numbered from the
+    segment's first task `base[a]`; a copy (kind 0) is this result's copy a, after `first_copy`."""
+    out = first_copy + ends[:, 1]
+    tasks = ends[:, 0] == 1
+    out[tasks] = base[ends[tasks, 1]] + ends[tasks, 2]
+    return out

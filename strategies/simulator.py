@@ -30,7 +30,7 @@ from strategies.cost import CostModel
 from strategies.graph import BACKWARD, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
 from strategies.machine_model import MachineModel
 from strategies.memory import plan_peak
-from strategies.segments import AssembledIteration, SegmentBuilder
+from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
 from strategies.timing import Timing, schedule
 from taskrt.taskgraph import CopyNode
 
@@ -97,7 +97,9 @@ class Simulator:
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
-        self._node_costs: dict[int, tuple[tuple, float]] = {}
+        self._part_cost_cache: dict[int, tuple] = {}
+        self._resources: list[tuple] = []
+        self._resource_index: dict[tuple, int] = {}
 
     @classmethod
     def for_model(cls, model, machine_model: MachineModel, cost: CostModel | None = None, loss: str | None = None,
@@ -145,11 +147,11 @@ class Simulator:
         graph the same way, so their results are equal (tests/test_simulator.py)."""
         graph = self.graph(strategy, delta)
         res, dur, resources = self.node_costs(graph, cache=delta)
-        ptr = np.zeros(len(graph.nodes) + 1, np.int64)
-        ptr[1:] = np.cumsum([len(p) for p in graph.preds])
-        idx = np.fromiter((q for p in graph.preds for q in p), np.int64, count=int(ptr[-1]))
+        ptr, idx = graph.pred_arrays()
         timing = schedule(res, dur, ptr, idx, len(resources))
-        busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources) if r[0] == "proc"}
+        used = np.bincount(res, minlength=len(resources))
+        busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
+                if r[0] == "proc" and used[i]}
         time = max(timing.time, self.issue_floor(len(graph.nodes), busy))
         peak = plan_peak(graph.lowering, self.machine)
         capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
@@ -172,31 +174,44 @@ class Simulator:
 
     def node_costs(self, graph, cache: bool = False) -> tuple[np.ndarray, np.ndarray, list]:
         """(resource index of each node, its seconds, the resources): processors ('proc', p),
-        link channels ('link', channel) and memories' copy workers ('memory', m). With `cache`,
-        each node's cost is kept by its node object (the segment caches' templates, shared by
-        every graph assembled from them), so a delta simulation costs only its new nodes."""
-        resources: dict[tuple, int] = {}
+        link channels ('link', channel) and memories' copy workers ('memory', m), numbered once
+        for this simulator. With `cache`, an assembled graph's costs come per part (a segment's
+        tasks, a region's copies) from what was computed when the part was first seen, so a
+        delta simulation costs only its new parts."""
+        if cache and isinstance(graph, AssembledIteration):
+            parts = [self._part_costs(p) for p in graph.parts]
+            res = np.concatenate([r for r, _ in parts])[graph.order] if parts else np.zeros(0, np.int64)
+            dur = np.concatenate([d for _, d in parts])[graph.order] if parts else np.zeros(0)
+            return res, dur, self._resources
         res = np.empty(len(graph.nodes), np.int64)
         dur = np.empty(len(graph.nodes))
-        known = self._node_costs if cache else {}
         for i, node in enumerate(graph.nodes):
-            kc = known.get(id(node))
-            if kc is None:
-                kc = self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
-                if cache:
-                    known[id(node)] = kc
-            key, seconds = kc
-            r = resources.get(key)
-            if r is None:
-                r = resources[key] = len(resources)
-            res[i] = r
-            dur[i] = seconds
-        return res, dur, list(resources)
+            res[i], dur[i] = self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
+        return res, dur, self._resources
 
-    def _cost(self, node, tc) -> tuple[tuple, float]:
-        """(the resource a node occupies, its seconds)."""
+    def _part_costs(self, part) -> tuple[np.ndarray, np.ndarray]:
+        known = self._part_cost_cache.get(id(part))
+        if known is None or known[0] is not part:
+            if isinstance(part, RecordedSegment):
+                costs = [self._cost(t, c) for t, c in zip(part.tasks, part.costs)]
+            else:
+                costs = [self._cost(c, None) for c in part.copies]
+            known = self._part_cost_cache[id(part)] = (part, np.array([r for r, _ in costs], np.int64),
+                                                       np.array([d for _, d in costs], float))
+        return known[1], known[2]
+
+    def _resource(self, key: tuple) -> int:
+        r = self._resource_index.get(key)
+        if r is None:
+            r = self._resource_index[key] = len(self._resources)
+            self._resources.append(key)
+        return r
+
+    def _cost(self, node, tc) -> tuple[int, float]:
+        """(the resource index a node occupies, its seconds)."""
         if isinstance(node, CopyNode):
-            return self._copy_cost(node)
+            key, seconds = self._copy_cost(node)
+            return self._resource(key), seconds
         cost = self.cost
         if tc.phase == FILL:
             seconds = cost.fill_time(node.nbytes, node.proc)
@@ -204,7 +219,7 @@ class Simulator:
             seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
         else:
             seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
-        return ("proc", node.proc), seconds
+        return self._resource(("proc", node.proc)), seconds
 
     def _copy_cost(self, node: CopyNode) -> tuple[tuple, float]:
         mm, cost = self.machine_model, self.cost
