@@ -53,35 +53,100 @@ def _sources(ops: Sequence[Op]) -> list:
     return list(seen.values())
 
 
-def _holdings(low: Lowering, machine: Machine) -> dict[Memory, dict[str, tuple[list[Rect], int]]]:
-    """memory -> region name -> (the rects of it the memory holds, its itemsize)."""
-    held: dict[Memory, dict[str, tuple[list[Rect], int]]] = defaultdict(dict)
+def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> dict[tuple[Memory, str], tuple[list[Rect], int]]:
+    """(memory, region name) -> (the rects of it that `op`'s tiles and its weights' update shards
+    (`updates`) keep in that memory, its itemsize)."""
+    held: dict[tuple[Memory, str], tuple[list[Rect], int]] = {}
 
     def add(proc: int, region, rect: Rect) -> None:
         if rect.empty:
             return
-        rects, _ = held[machine.processors[proc].memory].setdefault(region.name, ([], region.dtype.itemsize))
+        rects, _ = held.setdefault((machine.processors[proc].memory, region.name), ([], region.dtype.itemsize))
         rects.append(rect)
 
-    for op in low.ops:
-        plan = low.plans[op.name]
-        for color, proc in plan.placement.items():
-            for t, rect in zip(op.inputs, plan.in_rects[color]):
-                add(proc, low.values[t.name], rect)
-            for t, rect in zip(op.outputs, plan.out_rects[color]):
-                add(proc, low.values[t.name], rect)
-            for k, rect in plan.weight_rects[color].items():
-                param = low.params[f"{op.name}.{k}"]
-                add(proc, param.value, rect)
-                if param.grad is not None:
-                    add(proc, param.grad, rect)
-            for k, rect in plan.state_rects[color].items():
-                add(proc, low.stats[f"{op.name}.{k}"], rect)
-    for update in low.updates:
+    for color, proc in plan.placement.items():
+        for t, rect in zip(op.inputs, plan.in_rects[color]):
+            add(proc, low.values[t.name], rect)
+        for t, rect in zip(op.outputs, plan.out_rects[color]):
+            add(proc, low.values[t.name], rect)
+        for k, rect in plan.weight_rects[color].items():
+            param = low.params[f"{op.name}.{k}"]
+            add(proc, param.value, rect)
+            if param.grad is not None:
+                add(proc, param.grad, rect)
+        for k, rect in plan.state_rects[color].items():
+            add(proc, low.stats[f"{op.name}.{k}"], rect)
+    for update in updates:
         for color, rect in update.reqs[0].partition.rects.items():
             for region in update.param.state.values():
                 add(update.placement[color], region, rect)
     return held
+
+
+def _updates_by_op(low) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for u in low.updates:
+        out.setdefault(u.op_name, []).append(u)
+    return out
+
+
+def _holdings(low: Lowering, machine: Machine) -> dict[Memory, dict[str, tuple[list[Rect], int]]]:
+    """memory -> region name -> (the rects of it the memory holds, its itemsize)."""
+    held: dict[Memory, dict[str, tuple[list[Rect], int]]] = defaultdict(dict)
+    updates = _updates_by_op(low)
+    for op in low.ops:
+        for (memory, name), (rects, itemsize) in _op_holdings(op, low.plans[op.name], updates.get(op.name, ()),
+                                                             low, machine).items():
+            held[memory].setdefault(name, ([], itemsize))[0].extend(rects)
+    return held
+
+
+class PeakCache:
+    """plan_peak for many strategies of one graph: each op's holdings are kept by its config, and
+    each region's bytes per memory by the configs of the ops that hold it (its producer and
+    readers), so a changed op recomputes only its own regions. Equals plan_peak exactly."""
+
+    def __init__(self, ops: Sequence[Op], machine: Machine):
+        self.machine = machine
+        self._ops: dict[str, Op] = {op.name: op for op in ops}
+        self._op_held: dict[tuple, dict] = {}
+        self._region_bytes: dict[tuple, dict[Memory, int]] = {}
+        self._first = {}
+        for i, p in enumerate(machine.processors):
+            self._first.setdefault(p.memory, i)
+
+    def peak(self, low) -> dict[int, int]:
+        """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
+        updates = _updates_by_op(low)
+        holders: dict[str, list[str]] = {}
+        held = {}
+        for op in low.ops:
+            key = (op.name, low.plans[op.name].config)
+            h = self._op_held.get(key)
+            if h is None:
+                h = self._op_held[key] = _op_holdings(op, low.plans[op.name], updates.get(op.name, ()), low,
+                                                      self.machine)
+            held[op.name] = (key, h)
+            for region in {name for _, name in h}:
+                holders.setdefault(region, []).append(op.name)
+        total: dict[Memory, int] = {}
+        for region, names in holders.items():
+            key = (region, tuple(held[n][0] for n in names))
+            per_memory = self._region_bytes.get(key)
+            if per_memory is None:
+                rects: dict[Memory, tuple[list, int]] = {}
+                for n in names:
+                    for (memory, name), (rs, itemsize) in held[n][1].items():
+                        if name == region:
+                            rects.setdefault(memory, ([], itemsize))[0].extend(rs)
+                per_memory = self._region_bytes[key] = {m: union_volume(rs) * itemsize
+                                                        for m, (rs, itemsize) in rects.items()}
+            for memory, nbytes in per_memory.items():
+                total[memory] = total.get(memory, 0) + nbytes
+        peak: dict[int, int] = {}
+        for memory, nbytes in total.items():
+            peak[self._first[memory]] = peak.get(self._first[memory], 0) + int(nbytes)
+        return dict(sorted(peak.items()))
 
 
 def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]], machine_model: MachineModel,

@@ -66,19 +66,20 @@ class RecordedSegment:
 class RegionResult:
     """What one region's analysis adds to the graph's second iteration, in arrays.
 
-    An access is (k, t): the task t of the k-th segment that touches the region (in program
-    order). Copy i is caused by access (copy_k[i], copy_t[i]) at its requirement copy_req[i]
-    (the first of the task's on this region); `buffer_k/t` name a fold's buffer task (-1:
-    none). Preds are edges (dst, src), each end a copy (kind 0: its index here) or a task
-    (kind 1: access (k, t)); edges to the first step are already gone."""
+    A task is named by (j, t): task t of the segment at program position j (the segments that
+    touch a region, and so their positions, are part of its cache key). Copy i is caused by
+    task (copy_j[i], copy_t[i]) at its requirement copy_req[i] (the task's first on this
+    region); buffer_j/t name a fold's buffer task (-1: none). Preds are edges, rows (dst kind,
+    dst a, dst b, src kind, src a, src b): an end is a copy (kind 0: its index here in a) or a
+    task (kind 1: (j, t) in a, b); edges into the first step are already gone."""
 
     copies: tuple                 # CopyNode templates (ids -1)
-    copy_k: np.ndarray
+    copy_j: np.ndarray
     copy_t: np.ndarray
     copy_req: np.ndarray
-    buffer_k: np.ndarray
+    buffer_j: np.ndarray
     buffer_t: np.ndarray
-    edges: np.ndarray             # rows: dst kind, dst a, dst b, src kind, src a, src b
+    edges: np.ndarray
 
 
 @dataclass
@@ -284,71 +285,59 @@ class SegmentBuilder:
         for j, rec in enumerate(program):
             for uid in rec.touches:
                 where.setdefault(uid, []).append(j)
-        # task numbers: the second step's tasks in order; the first step's are -1 (edges to them go)
-        sizes = np.array([len(rec.tasks) if j >= second else 0 for j, rec in enumerate(program)], np.int64)
-        offset = np.cumsum(sizes) - sizes
-        offset[:second] = -(1 << 40)
-        n_tasks = int(sizes.sum())
-        results, copy_task, copy_req, copy_local, edge_parts, buffers = [], [], [], [], [], []
-        copies_before = 0
+        results = []
         for uid, positions in where.items():
             key = (uid, tuple(program[j].key for j in positions))
             result = self._regions.get(key)
             if result is None:
-                result = self._regions[key] = self._analyze(self._region_of[uid], [program[j] for j in positions],
-                                                            [j >= second for j in positions])
-            base = offset[np.asarray(positions, np.int64)]
-            n = len(result.copies)
-            if n:
-                results.append(result)
-                task = base[result.copy_k] + result.copy_t
-                copy_task.append(task)
-                copy_req.append(result.copy_req)
-                copy_local.append(np.arange(n, dtype=np.int64))
-                buf = np.where(result.buffer_k >= 0, base[np.maximum(result.buffer_k, 0)] + result.buffer_t, -1)
-                buffers.append(buf)
-            e = result.edges
-            if len(e):
-                # an end is a node number: tasks 0..n_tasks-1, then this result's copies
-                edge_parts.append(np.stack([_ends(e[:, 0:3], base, n_tasks + copies_before),
-                                            _ends(e[:, 3:6], base, n_tasks + copies_before)]))
-            copies_before += n
-        copy_task = np.concatenate(copy_task) if copy_task else np.zeros(0, np.int64)
-        n_copies = len(copy_task)
+                result = self._regions[key] = self._analyze(self._region_of[uid], program, positions, second)
+            results.append(result)
+        # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
+        sizes = np.array([len(rec.tasks) if j >= second else 0 for j, rec in enumerate(program)], np.int64)
+        offset = np.cumsum(sizes) - sizes
+        offset[:second] = -(1 << 40)
+        n_tasks = int(sizes.sum())
+        counts = np.array([len(r.copies) for r in results], np.int64)
+        n_copies = int(counts.sum())
+        n = n_tasks + n_copies
+        copy_base = n_tasks + np.cumsum(counts) - counts          # node number of each result's copy 0
+
+        def cat(name):
+            parts = [getattr(r, name) for r in results]
+            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        copy_task = offset[cat("copy_j")] + cat("copy_t")
+        local = np.arange(n_copies, dtype=np.int64) - np.repeat(copy_base - n_tasks, counts)
         # order: by causing task, then (copies) requirement and analysis order, the task last
-        big = np.int64(1 << 30)
         key_task = np.concatenate([np.arange(n_tasks, dtype=np.int64), copy_task])
-        key_req = np.concatenate([np.full(n_tasks, big), np.concatenate(copy_req) if copy_req else
-                                  np.zeros(0, np.int64)])
-        key_local = np.concatenate([np.zeros(n_tasks, np.int64), np.concatenate(copy_local) if copy_local else
-                                    np.zeros(0, np.int64)])
+        key_req = np.concatenate([np.full(n_tasks, 1 << 30, np.int64), cat("copy_req")])
+        key_local = np.concatenate([np.zeros(n_tasks, np.int64), local])
         order = np.lexsort((key_local, key_req, key_task))
-        position = np.empty(n_tasks + n_copies, np.int64)
-        position[order] = np.arange(n_tasks + n_copies)
-        if edge_parts:
-            edges = np.concatenate(edge_parts, axis=1)
-            edges = edges[:, edges[1] >= 0]          # ends in the first step are gone
-            dst, src = position[edges[0]], position[edges[1]]
-            pairs = np.sort(dst * (n_tasks + n_copies) + src)
-            if len(pairs):
-                pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]   # a pred once
-            dst, src = pairs // (n_tasks + n_copies), pairs % (n_tasks + n_copies)
-        else:
-            dst = src = np.zeros(0, np.int64)
-        ptr = np.zeros(n_tasks + n_copies + 1, np.int64)
-        np.cumsum(np.bincount(dst, minlength=n_tasks + n_copies), out=ptr[1:])
+        position = np.empty(n, np.int64)
+        position[order] = np.arange(n)
+        edges = [r.edges for r in results]
+        e = np.concatenate(edges) if edges else np.zeros((0, 6), np.int64)
+        base = np.repeat(copy_base, [len(x) for x in edges])
+        dst, src = _ends(e[:, 0:3], offset, base), _ends(e[:, 3:6], offset, base)
+        keep = src >= 0                                            # ends in the first step are gone
+        pairs = np.sort(position[dst[keep]] * n + position[src[keep]])
+        if len(pairs):
+            pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]   # a pred once
+        dst, src = pairs // n, pairs % n
+        ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(dst, minlength=n), out=ptr[1:])
         step2 = program[second:]
         segment_of = np.concatenate([np.repeat(np.arange(second, len(program)), sizes[second:]),
                                      np.zeros(n_copies, np.int64)])
         segment_of[n_tasks:] = segment_of[copy_task]
-        buffer_index = np.full(n_tasks + n_copies, -1, np.int64)
-        if buffers:
-            buf = np.concatenate(buffers)
-            buffer_index[n_tasks:] = np.where(buf >= 0, position[np.maximum(buf, 0)], -1)
+        buffer_index = np.full(n, -1, np.int64)
+        buffer_j = cat("buffer_j")
+        buf = offset[np.maximum(buffer_j, 0)] + cat("buffer_t")
+        buffer_index[n_tasks:] = np.where(buffer_j >= 0, position[np.maximum(buf, 0)], -1)
         templates = [t for rec in step2 for t in rec.tasks] + [c for r in results for c in r.copies]
         nodes = [templates[i] for i in order.tolist()]
         return AssembledIteration(nodes, ptr, src, segment_of[order], buffer_index[order], order,
-                                  step2 + results, program, self._view(configs), self.machine)
+                                  step2 + [r for r in results if r.copies], program, self._view(configs),
+                                  self.machine)
 
     def _view(self, configs) -> _PlanView:
         low = self.low
@@ -357,10 +346,12 @@ class SegmentBuilder:
         return _PlanView(self.ops, plans, low.values, low.params, low.stats, updates)
 
     # ---- one region's analysis -------------------------------------------------------------------
-    def _analyze(self, region, segments: list[RecordedSegment], in_graph: list[bool]) -> RegionResult:
-        """Run the runtime's Analyzer over `region`'s accesses alone and keep what it adds to the
-        accesses of the segments marked `in_graph` (the second step)."""
+    def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
+        """Run the runtime's Analyzer over `region`'s accesses alone (the tasks of the segments at
+        `positions` that touch it) and keep what it adds to the second step (from `second` on)."""
         uid = region.uid
+        segments = [program[j] for j in positions]
+        in_graph = [j >= second for j in positions]
         ids = iter(range(1 << 62))
         owner: dict[int, tuple] = {}       # local task id -> access (k, t)
         emitted: list = []                  # (copy node, preds, access causing it, first req)
@@ -394,23 +385,27 @@ class SegmentBuilder:
             if n in copy_of:
                 return (0, copy_of[n], 0)
             if n in owner:
-                return (1, *owner[n])
+                k, t = owner[n]
+                return (1, positions[k], t)
             return None
 
         edges = []
         for node, preds, access, _ in kept:
             edges += [(0, copy_of[node.id], 0, *e) for e in map(end, preds) if e is not None]
         for nid, preds in local_preds.items():
-            if in_graph[owner[nid][0]]:
-                edges += [(1, *owner[nid], *e) for e in map(end, preds) if e is not None]
+            k, t = owner[nid]
+            if in_graph[k]:
+                edges += [(1, positions[k], t, *e) for e in map(end, preds) if e is not None]
         templates = tuple(CopyNode(-1, n.region, n.rect, n.src, n.dst, redop=n.redop,
                                    buffer=None if n.buffer is None else (-1, n.buffer[1]), op=n.op)
                           for n, _, _, _ in kept)
-        buffer = [owner[n.buffer[0]] if n.buffer is not None else (-1, -1) for n, _, _, _ in kept]
+        buffer = [(positions[owner[n.buffer[0]][0]], owner[n.buffer[0]][1]) if n.buffer is not None else (-1, -1)
+                  for n, _, _, _ in kept]
 
         def column(values):
             return np.array(values, np.int64)
-        result = RegionResult(templates, column([a[0] for _, _, a, _ in kept]), column([a[1] for _, _, a, _ in kept]),
+        result = RegionResult(templates, column([positions[a[0]] for _, _, a, _ in kept]),
+                              column([a[1] for _, _, a, _ in kept]),
                               column([f for _, _, _, f in kept]), column([b[0] for b in buffer]),
                               column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6))
         self.stats["regions_analyzed"] += 1
@@ -426,10 +421,11 @@ def _task_cost(op: Op | None, plan: OpPlan | None, name: str, reqs, point) -> Ta
     return TaskCost(op, launch_phase(name), plan.tiles[point])
 
 
-def _ends(ends: np.ndarray, base: np.ndarray, first_copy: int) -> np.ndarray:
-    """Node numbers of edge ends (kind, a, b): a task (kind 1) is access (a, b), numbered from the
-    segment's first task `base[a]`; a copy (kind 0) is this result's copy a, after `first_copy`."""
-    out = first_copy + ends[:, 1]
+
+def _ends(ends: np.ndarray, offset: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Node numbers of edge ends (kind, a, b): a task (kind 1) is task b of the segment at program
+    position a (numbered from offset[a]); a copy (kind 0) is copy a of its result (from base)."""
+    out = base + ends[:, 1]
     tasks = ends[:, 0] == 1
-    out[tasks] = base[ends[tasks, 1]] + ends[tasks, 2]
+    out[tasks] = offset[ends[tasks, 1]] + ends[tasks, 2]
     return out

@@ -29,7 +29,7 @@ from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
 from strategies.graph import BACKWARD, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
 from strategies.machine_model import MachineModel
-from strategies.memory import plan_peak
+from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
 from strategies.timing import Timing, schedule
 from taskrt.taskgraph import CopyNode
@@ -98,6 +98,7 @@ class Simulator:
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}
+        self._peaks = PeakCache(self.ops, self.machine)
         self._resources: list[tuple] = []
         self._resource_index: dict[tuple, int] = {}
 
@@ -153,7 +154,7 @@ class Simulator:
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}
         time = max(timing.time, self.issue_floor(len(graph.nodes), busy))
-        peak = plan_peak(graph.lowering, self.machine)
+        peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
         capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
         fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
         return SimResult(time, busy, peak, fits, graph, timing, resources)
