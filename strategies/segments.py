@@ -164,6 +164,7 @@ class SegmentBuilder:
         self._update_plans: dict[tuple, UpdatePlan] = {}
         self._segments: dict[tuple, RecordedSegment] = {}
         self._regions: dict[tuple, RegionResult] = {}
+        self._key_ids: dict[tuple, int] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._region_of: dict = {}   # uid -> Region, of every region a recorded segment touches
         self.zero_segment = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
@@ -236,6 +237,13 @@ class SegmentBuilder:
         program = [init, inputs, *step, inputs, *step]
         return program, 3 + len(step)
 
+    def _key_id(self, key: tuple) -> int:
+        """A small int per segment key, so region keys hash fast."""
+        i = self._key_ids.get(key)
+        if i is None:
+            i = self._key_ids[key] = len(self._key_ids)
+        return i
+
     def _get(self, key: tuple, make) -> RecordedSegment:
         rec = self._segments.get(key)
         if rec is None:
@@ -285,9 +293,10 @@ class SegmentBuilder:
         for j, rec in enumerate(program):
             for uid in rec.touches:
                 where.setdefault(uid, []).append(j)
+        ids = [self._key_id(rec.key) for rec in program]
         results = []
         for uid, positions in where.items():
-            key = (uid, tuple(program[j].key for j in positions))
+            key = (uid, tuple([ids[j] for j in positions]))
             result = self._regions.get(key)
             if result is None:
                 result = self._regions[key] = self._analyze(self._region_of[uid], program, positions, second)

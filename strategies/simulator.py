@@ -98,6 +98,7 @@ class Simulator:
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}
+        self._resolved: dict[tuple, TileConfig] = {}
         self._peaks = PeakCache(self.ops, self.machine)
         self._resources: list[tuple] = []
         self._resource_index: dict[tuple, int] = {}
@@ -117,7 +118,14 @@ class Simulator:
     def configs(self, strategy: Strategy | dict | None) -> dict[str, TileConfig]:
         """Every op's resolved config: from a Strategy (checked) or a dict; the rest data parallel."""
         if isinstance(strategy, Strategy):
+            known = self._resolved
+            if strategy.model == self.fingerprint and all((n, c) in known for n, c in strategy.ops.items()):
+                # every entry was checked before (a search proposal changes one): no need again
+                given = {n: known[(n, c)] for n, c in strategy.ops.items()}
+                return {op.name: given[op.name] if op.name in given else default_config(op, self.machine)
+                        for op in self.ops}
             configs, _ = strategy.resolve(self.ops, self.machine, fingerprint=self.fingerprint)
+            known.update({(n, c): configs[n] for n, c in strategy.ops.items()})
             return configs
         given = dict(strategy or {})
         return {op.name: resolve_config(op, given[op.name], self.machine) if op.name in given
