@@ -4,15 +4,19 @@ Both keep the input's shape, so a tile reads exactly the same rect of its input.
 The element-wise math lives in ops.functions, shared with ops that fuse an activation.
 
 On the CPU softmax runs fused numba row kernels (one pass forward, one backward, rows shared
-out over the cores) on the rows as `row_starts` hands them over: a tile's view, whatever its
+out over the task's cores: as many threads as BLAS has, which the runtime sets to each CPU
+worker's share) on the rows as `row_starts` hands them over: a tile's view, whatever its
 strides, without a copy. Forward's float32 exp is a polynomial that LLVM vectorizes (numba
 has no vector exp without SVML). MultiHeadAttention uses the same kernels for its scores.
 Elsewhere (cupy) it is plain array code.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ops.base import Op, register_op, sample_split_dims
 from ops.cpu_layout import flat_rows
@@ -35,9 +39,25 @@ def row_starts(a, writable: bool = False):
     return flat, starts
 
 
+@functools.cache
+def blas_libraries() -> list:
+    """numpy's BLAS libraries as threadpoolctl controls them."""
+    return ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+def task_threads() -> int:
+    """The cores the running task has: the threads BLAS may use now (the runtime limits BLAS to
+    each CPU worker's share of the cores), at most numba's."""
+    blas = max([lib.get_num_threads() for lib in blas_libraries()], default=1)
+    return max(1, min(blas, numba.config.NUMBA_NUM_THREADS))
+
+
 def row_chunks(rows: int) -> int:
-    """How many pieces the kernels cut `rows` into: a few per thread, so that they even out."""
-    return max(1, min(rows, 4 * numba.get_num_threads()))
+    """Sets this thread's numba kernels to the task's cores and returns how many pieces to cut
+    `rows` into: a few per thread, so that they even out."""
+    threads = task_threads()
+    numba.set_num_threads(threads)
+    return max(1, min(rows, 4 * threads))
 
 
 _LOG2E = np.float32(1.4426950408889634)

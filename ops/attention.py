@@ -9,6 +9,12 @@ the per-head GEMMs write straight into [batch, seq, heads, d] buffers. The softm
 the causal mask, and its backward run in place on the [batch, heads, Lq, Lk] scores, through
 ops.activation's fused row kernels on the CPU (one pass each).
 
+On the CPU the per-head work (scores, softmax, P v; in backward the four GEMMs and the
+softmax's backward) runs as one job per group of (sample, head) pairs on a small thread
+pool, one group per core the task has, each GEMM on one BLAS thread: these small GEMMs
+gain nothing from BLAS's own threads, which also stall badly while another process holds a
+core, and one job per group waits for the cores once, not once per GEMM.
+
 The heads are a partial parameter split (the tile space is [batch, Lq, E, heads]): a tile
 projects and attends with its own heads only, and its output projection, over its heads'
 columns of ctx, is a partial output that the tiles sum (the out-projection bias on the
@@ -16,11 +22,16 @@ first head tile only).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ops.activation import softmax_grad_rows, softmax_rows_
+from ops.activation import blas_libraries, softmax_grad_rows, softmax_rows_
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
 from taskrt.geometry import Rect
 
@@ -29,6 +40,63 @@ def _heads(a, num_heads: int):
     """[batch, seq, E] -> a [batch, heads, seq, d] view."""
     b, n, e = a.shape
     return a.reshape(b, n, num_heads, e // num_heads).transpose(0, 2, 1, 3)
+
+
+# ---- the per-head work on the CPU's cores ----------------------------------------------------
+_serial = {"users": 0, "threads": 1}  # BLAS's threads before the first of the current users
+_serial_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _blas_on_one_thread():
+    """BLAS on one thread while inside; yields the threads it had before: the task's cores (the
+    runtime gives each CPU worker its share). Of concurrent users the first sets, the last restores."""
+    with _serial_lock:
+        if _serial["users"] == 0:
+            _serial["threads"] = max([lib.get_num_threads() for lib in blas_libraries()], default=1)
+            for lib in blas_libraries():
+                lib.set_num_threads(1)
+        _serial["users"] += 1
+        threads = _serial["threads"]
+    try:
+        yield threads
+    finally:
+        with _serial_lock:
+            _serial["users"] -= 1
+            if _serial["users"] == 0:
+                for lib in blas_libraries():
+                    lib.set_num_threads(_serial["threads"])
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """The threads that run the head groups (their numba kernels on one thread, as BLAS)."""
+    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="attention-heads")
+
+
+def _head_groups(batch: int, heads: int, parts: int) -> list[tuple[slice, slice]]:
+    """(samples, heads) slices that cut the batch x heads pairs into at most `parts` groups:
+    along the batch when it has enough samples (or more than heads), else along the heads."""
+    if batch >= min(parts, heads):
+        n = min(parts, batch)
+        return [(slice(batch * i // n, batch * (i + 1) // n), slice(None)) for i in range(n)]
+    n = min(parts, heads)
+    return [(slice(None), slice(heads * i // n, heads * (i + 1) // n)) for i in range(n)]
+
+
+def _per_head_groups(xp, batch: int, heads: int, work) -> None:
+    """work(samples, heads) over all the (sample, head) pairs: at once with cupy; on the CPU as
+    one job per group on the pool, a group per core of the task, BLAS on one thread."""
+    if xp is not np:
+        work(slice(None), slice(None))
+        return
+    with _blas_on_one_thread() as threads:
+        groups = _head_groups(batch, heads, threads)
+        if len(groups) == 1:
+            work(*groups[0])
+            return
+        for job in [_pool().submit(work, *g) for g in groups]:
+            job.result()
 
 
 @register_op
@@ -157,11 +225,16 @@ class MultiHeadAttention(Op):
         k = self._project(key, weights, 1, cols)
         v = self._project(value, weights, 2, cols)
 
-        p = xp.matmul(_heads(q, nh), _heads(k, nh).swapaxes(-1, -2))  # [b, nh, lq, lk]
-        # causal: query q0 + i may not see key j > q0 + i
-        softmax_rows_(xp, p, p, causal_first=in_rects[0].lo[1] if self.causal else None)
+        p = xp.empty((b, nh, lq, key.shape[1]), dtype=q.dtype)
         ctx = xp.empty((b, lq, nh * d), dtype=q.dtype)
-        xp.matmul(p, _heads(v, nh), out=_heads(ctx, nh))
+        qh, kh, vh, ctx_h = _heads(q, nh), _heads(k, nh), _heads(v, nh), _heads(ctx, nh)
+        causal_first = in_rects[0].lo[1] if self.causal else None  # query q0 + i may not see key j > q0 + i
+
+        def attend(bs, hs):
+            xp.matmul(qh[bs, hs], kh[bs, hs].swapaxes(-1, -2), out=p[bs, hs])
+            softmax_rows_(xp, p[bs, hs], p[bs, hs], causal_first)
+            xp.matmul(p[bs, hs], vh[bs, hs], out=ctx_h[bs, hs])
+        _per_head_groups(xp, b, nh, attend)
 
         out = ctx.reshape(-1, nh * d) @ weights["out_proj_weight"].T
         if "out_proj_bias" in weights:
@@ -187,15 +260,19 @@ class MultiHeadAttention(Op):
         dctx = (d2 @ w_out).reshape(b, lq, et)
         dctx_h = _heads(dctx, nh)
 
-        dv = xp.empty((b, lk, et), dtype=q.dtype)
-        xp.matmul(p.swapaxes(-1, -2), dctx_h, out=_heads(dv, nh))
-        ds = xp.matmul(dctx_h, _heads(v, nh).swapaxes(-1, -2))  # dP, then dS in place
-        softmax_grad_rows(xp, p, ds, out=ds)
-        dq = xp.empty((b, lq, et), dtype=q.dtype)
-        xp.matmul(ds, _heads(k, nh), out=_heads(dq, nh))
+        dq, dk, dv = (xp.empty((b, n, et), dtype=q.dtype) for n in (lq, lk, lk))
+        ds = xp.empty_like(p)  # dP, then dS in place
+        qh, kh, vh = _heads(q, nh), _heads(k, nh), _heads(v, nh)
+        dqh, dkh, dvh = _heads(dq, nh), _heads(dk, nh), _heads(dv, nh)
+
+        def attend_back(bs, hs):
+            xp.matmul(p[bs, hs].swapaxes(-1, -2), dctx_h[bs, hs], out=dvh[bs, hs])
+            xp.matmul(dctx_h[bs, hs], vh[bs, hs].swapaxes(-1, -2), out=ds[bs, hs])
+            softmax_grad_rows(xp, p[bs, hs], ds[bs, hs], out=ds[bs, hs])
+            xp.matmul(ds[bs, hs], kh[bs, hs], out=dqh[bs, hs])
+            xp.matmul(ds[bs, hs].swapaxes(-1, -2), qh[bs, hs], out=dkh[bs, hs])
+        _per_head_groups(xp, b, nh, attend_back)
         dq *= scale  # q was scaled after projection
-        dk = xp.empty((b, lk, et), dtype=q.dtype)
-        xp.matmul(ds.swapaxes(-1, -2), _heads(q, nh), out=_heads(dk, nh))
 
         cols = self._columns(tile)
         whole = nh == int(self.num_heads)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.attention import MultiHeadAttention
+from ops.attention import MultiHeadAttention, _head_groups
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
@@ -220,3 +220,16 @@ def test_attention_cpu_kernels_match_the_array_code_on_tiles(batch, lq, extra, h
         results.append([out, *gin, *(gw[k] for k in sorted(gw))])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(batch=st.integers(1, 9), heads=st.integers(1, 9), parts=st.integers(1, 5))
+def test_head_groups_cover_every_sample_and_head_once(batch, heads, parts):
+    groups = _head_groups(batch, heads, parts)
+    assert 1 <= len(groups) <= parts
+    seen = np.zeros((batch, heads), int)
+    for bs, hs in groups:
+        assert seen[bs, hs].size > 0
+        seen[bs, hs] += 1
+    assert (seen == 1).all()
+    assert len(groups) == min(parts, max(batch, heads))  # as many as the pool can use
