@@ -15,6 +15,7 @@ import importlib
 import numba
 import numpy as np
 
+from ops import winograd
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, int_attr, register_op
 from ops.cpu_layout import flat_row, flat_rows
 from ops.linear import torch_linear_init
@@ -22,6 +23,8 @@ from taskrt.geometry import Rect
 
 #: im2col works on batches of samples whose columns take about this many bytes (fits in L3)
 _CHUNK_BYTES = 8 << 20
+#: fewer input channels than this and Winograd's transforms cost more than its GEMMs save
+_WINOGRAD_MIN_CHANNELS = 8
 
 
 def _pair(kind: str, name: str, attr: str, value, least: int) -> tuple[int, ...]:
@@ -202,8 +205,13 @@ class Conv2d(Op):
 
     # ---- kernels -----------------------------------------------------------------
     def _layout(self, tile: Rect):
-        """(groups in tile, out channels per group, first tile channel's row in the groups' rows)."""
+        """(groups in tile, rows per group, first tile channel's row in the groups' rows).
+
+        A tile inside one group has just its own rows (a half of the out channels is half
+        the work); a tile over several groups pads the ones it holds in part with zero rows."""
         g0, g1 = self._groups_of(tile)
+        if g1 - g0 == 1:
+            return 1, tile.hi[1] - tile.lo[1], 0
         ocpg = self._per_group[1]
         return g1 - g0, ocpg, tile.lo[1] - g0 * ocpg
 
@@ -219,11 +227,26 @@ class Conv2d(Op):
         full[..., off:off + oct_, :] = a
         return full.reshape(*lead, ng, ocpg, k)
 
+    def _winograd(self, xp) -> bool:
+        """Whether tiles run as Winograd F(4x4, 3x3) (ops/winograd.py): 3x3 stride-1 convolutions
+        of one group on the CPU, with enough input channels for its transforms to pay."""
+        return (xp is np and self.kernel == (3, 3) and self.stride == (1, 1) and self.groups == 1
+                and self.inputs[0].shape[1] >= _WINOGRAD_MIN_CHANNELS)
+
+    def _pads(self, tile: Rect, in_rect: Rect):
+        """The tile's virtual padding ((top, bottom), (left, right)) of its input rect."""
+        return _window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
+
     def _column_chunks(self, xp, tile: Rect, xpad):
-        """Yield (a, b, cols): the im2col matrix [b-a, G, K/G, OH*OW] of samples [a, b), in one reused buffer."""
+        """Yield (a, b, cols): the im2col matrix [b-a, G, K/G, OH*OW] of samples [a, b), in one reused
+        buffer; for a 1x1 kernel the (strided) input itself, all samples at once."""
         n, _, oh, ow = tile.shape
-        view = _im2col_view(xp, xpad, self.kernel, self.stride, (oh, ow))
         ng = self._layout(tile)[0]
+        if self.kernel == (1, 1):
+            cols = xp.ascontiguousarray(_strided(xpad, 0, 0, self.stride, (oh, ow)))
+            yield 0, n, cols.reshape(n, ng, -1, oh * ow)
+            return
+        view = _im2col_view(xp, xpad, self.kernel, self.stride, (oh, ow))
         chunks = _chunks(xp, n, view[0].size * xpad.itemsize)
         buf = xp.empty((chunks[0][1] - chunks[0][0], *view.shape[1:]), xpad.dtype)
         for a, b in chunks:
@@ -233,42 +256,66 @@ class Conv2d(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         (x,), w = inputs, weights["weight"]
         n, oct_, oh, ow = tile.shape
+        pads = self._pads(tile, in_rects[0])
+        if self._winograd(xp):
+            y = winograd.forward(x, w, (pads[0][0], pads[1][0]), (oh, ow)).reshape(n, oct_, oh * ow)
+        else:
+            y = self._forward_columns(xp, tile, _pad(xp, x, pads), w)
+        if self.use_bias:
+            y += weights["bias"][:, None]
+        return [y.reshape(n, oct_, oh, ow)], None
+
+    def _forward_columns(self, xp, tile, xpad, w):
+        """y [N, OCt, OH*OW] = the tile's weight rows times the columns of each sample."""
+        n, oct_, oh, ow = tile.shape
         ng, ocpg, off = self._layout(tile)
-        xpad = _pad(xp, x, _window_geometry(tile, in_rects[0], self.kernel, self.stride, self.padding))
         wg = self._grouped(xp, w.reshape(oct_, -1), tile)
-        y = xp.empty((n, oct_, oh * ow), x.dtype)
+        y = xp.empty((n, oct_, oh * ow), xpad.dtype)
         for a, b, cols in self._column_chunks(xp, tile, xpad):
             if off == 0 and oct_ == ng * ocpg:
                 xp.matmul(wg, cols, out=y[a:b].reshape(b - a, ng, ocpg, oh * ow))
             else:
                 y[a:b] = xp.matmul(wg, cols).reshape(b - a, ng * ocpg, oh * ow)[:, off:off + oct_]
-        if self.use_bias:
-            y += weights["bias"][:, None]
-        return [y.reshape(n, oct_, oh, ow)], None
+        return y
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         (x,), w = inputs, weights["weight"]
         n, oct_, oh, ow = tile.shape
+        pads = self._pads(tile, in_rects[0])
+        dy = grad_outputs[0]
+        if self._winograd(xp):
+            dx, gw = winograd.backward(x, w, dy, (pads[0][0], pads[1][0]))
+        else:
+            dx, gw = self._backward_columns(xp, tile, x, pads, w, dy)
+        grads = {"weight": gw}
+        if self.use_bias:
+            grads["bias"] = dy.sum(axis=(0, 2, 3))
+        return [dx], grads
+
+    def _backward_columns(self, xp, tile, x, pads, w, dy):
+        """(dx, dw) through the columns: dw sums dy times each sample's columns, and the columns'
+        gradient (weight rows times dy) goes back into the input (col2im; for a 1x1 stride-1
+        kernel on an unpadded tile it is the input gradient itself)."""
+        n, oct_, oh, ow = tile.shape
         ng, ocpg, off = self._layout(tile)
-        pads = _window_geometry(tile, in_rects[0], self.kernel, self.stride, self.padding)
         xpad = _pad(xp, x, pads)
         wg_t = self._grouped(xp, w.reshape(oct_, -1), tile).swapaxes(-1, -2)
-        dy = xp.ascontiguousarray(grad_outputs[0]).reshape(n, oct_, oh * ow)
-        dyg = self._grouped(xp, dy, tile)
+        dyg = self._grouped(xp, xp.ascontiguousarray(dy).reshape(n, oct_, oh * ow), tile)
         gw = xp.zeros((ng, ocpg, w[0].size), x.dtype)
-        dxpad = xp.zeros(xpad.shape, x.dtype)
+        direct = self.kernel == (1, 1) and self.stride == (1, 1) and xpad is x
+        dxpad = xp.empty(x.shape, x.dtype) if direct else xp.zeros(xpad.shape, x.dtype)
         dcols = None
         for a, b, cols in self._column_chunks(xp, tile, xpad):
             gw += xp.matmul(dyg[a:b], cols.swapaxes(-1, -2)).sum(axis=0)
+            if direct:
+                xp.matmul(wg_t, dyg[a:b], out=dxpad[a:b].reshape(cols.shape))
+                continue
             dcols = xp.empty_like(cols) if dcols is None else dcols[:b - a]
             xp.matmul(wg_t, dyg[a:b], out=dcols)
             col2im(xp, dcols.reshape(b - a, x.shape[1], *self.kernel, oh, ow), self.stride, dxpad[a:b])
         (top, _), (left, _) = pads
-        dx = dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]]
-        grads = {"weight": gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)}
-        if self.use_bias:
-            grads["bias"] = dy.sum(axis=(0, 2))
-        return [xp.ascontiguousarray(dx)], grads
+        dx = xp.ascontiguousarray(dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]])
+        return dx, gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
 
 # ---- pooling ------------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""Winograd F(4x4, 3x3) (ops/winograd.py) against PyTorch and the im2col path, forward and
+backward, whole and on tiles; its float32 error against a float64 reference; ops/cpu_pool."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from threadpoolctl import threadpool_limits
+
+from ops import cpu_pool, winograd
+from ops.conv import Conv2d
+from taskrt.geometry import Rect
+from tests.opcheck import check_tiled, run_whole, spec
+
+
+def _unit_rows(fn, n):
+    """The matrix of a written-out 1-D transform: fn applied to each unit vector, as columns."""
+    k = winograd._consts(np.float64)
+    return np.array([fn(*np.eye(n)[i], k) for i in range(n)]).T
+
+
+def test_written_out_transforms_are_the_matrices():
+    np.testing.assert_array_equal(_unit_rows(winograd._bt.py_func, 6), winograd.BT)
+    np.testing.assert_array_equal(_unit_rows(winograd._b.py_func, 6), winograd.BT.T)
+    np.testing.assert_array_equal(_unit_rows(winograd._at.py_func, 6), winograd.AT)
+    np.testing.assert_array_equal(_unit_rows(winograd._a.py_func, 4), winograd.AT.T)
+
+
+def test_matrices_compute_a_correlation():
+    rng = np.random.default_rng(0)
+    d, g = rng.standard_normal(6), rng.standard_normal(3)
+    y = winograd.AT @ ((winograd.G @ g) * (winograd.BT @ d))
+    np.testing.assert_allclose(y, [d[i:i + 3] @ g for i in range(4)], rtol=1e-13)
+
+
+def torch_reference(x, w, dy, top_left, out_hw):
+    """y, dx, dw of the 3x3 stride-1 correlation of x padded by top_left (and with zeros past its
+    end, as far as the outputs out_hw reach), from PyTorch in float64."""
+    (top, left), (oh, ow) = top_left, out_hw
+    bottom = max(0, oh + 2 - top - x.shape[2])
+    right = max(0, ow + 2 - left - x.shape[3])
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    yt = F.conv2d(F.pad(xt, (left, right, top, bottom)), wt)[:, :, :oh, :ow]
+    yt.backward(torch.tensor(dy, dtype=torch.float64))
+    return yt.detach().numpy(), xt.grad.numpy(), wt.grad.numpy()
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 5), oc=st.integers(1, 5), h=st.integers(1, 11),
+       w=st.integers(1, 11), top=st.integers(0, 2), left=st.integers(0, 2), bottom=st.integers(0, 2),
+       right=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_forward_and_backward_match_torch(n, c, oc, h, w, top, left, bottom, right, seed):
+    """Any padding, on each side (a tile's halo pads only some), odd sizes (blocks stick out)."""
+    oh, ow = h + top + bottom - 2, w + left + right - 2
+    if oh < 1 or ow < 1:
+        return
+    rng = np.random.default_rng(seed)
+    x, wt = rng.standard_normal((n, c, h, w)), rng.standard_normal((oc, c, 3, 3))
+    dy = rng.standard_normal((n, oc, oh, ow))
+    y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (top, left), (oh, ow))
+    y = winograd.forward(x, wt, (top, left), (oh, ow))
+    dx, dw = winograd.backward(x, wt, dy, (top, left))
+    assert y.shape == y_ref.shape and dx.shape == x.shape and dw.shape == wt.shape
+    np.testing.assert_allclose(y, y_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+
+
+def test_views_and_several_chunks(monkeypatch):
+    """Strided views in (as a tile's are), and sample chunks smaller than the batch."""
+    monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal((5, 6, 13, 12))
+    x = big[1:4, 1:5, 2:, 1:-1]
+    wt = rng.standard_normal((3, 4, 3, 3))
+    dy_big = rng.standard_normal((3, 5, 11, 10))
+    dy = dy_big[:, 1:4]
+    y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (0, 1), (11, 10))
+    np.testing.assert_allclose(winograd.forward(x, wt, (0, 1), (11, 10)), y_ref, rtol=1e-11, atol=1e-11)
+    dx, dw = winograd.backward(x, wt, dy, (0, 1))
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+
+
+def test_float32_error_against_float64():
+    """At ResNet-like channel counts, float32 Winograd stays within 1e-5 of the float64 result
+    relative to its largest value (direct float32 convolution: about 1e-6)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 64, 20, 20))
+    wt = rng.uniform(-1, 1, (64, 64, 3, 3)) / np.sqrt(64 * 9)
+    dy = rng.standard_normal((2, 64, 20, 20))
+    ref = torch_reference(x, wt, dy, (1, 1), (20, 20))
+    f32 = [a.astype(np.float32) for a in (x, wt, dy)]
+    y = winograd.forward(f32[0], f32[1], (1, 1), (20, 20))
+    dx, dw = winograd.backward(*f32, (1, 1))
+    for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), ref):
+        assert got.dtype == np.float32
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-5, f"{name}: float32 error {err:.2e} of the largest value"
+
+
+def winograd_conv(shape, dtype="float32", **attrs):
+    op = Conv2d("conv", [spec(shape, dtype)], kernel=3, **attrs)
+    assert op._winograd(np), f"{op} should run as Winograd"
+    return op
+
+
+def conv_arrays(op, seed, dtype):
+    rng = np.random.default_rng(seed)
+    weights = {k: v.astype(dtype) for k, v in op.init_weights(rng).items()}
+    x = rng.standard_normal(op.inputs[0].shape).astype(dtype)
+    return x, weights, rng.standard_normal(op.outputs[0].shape).astype(dtype)
+
+
+@pytest.mark.parametrize("padding, use_bias", [(1, True), (0, False), ((2, 1), True)])
+def test_conv2d_winograd_matches_torch_and_every_tiling(padding, use_bias):
+    op = winograd_conv((2, 8, 9, 10), out_channels=6, padding=padding, use_bias=use_bias)
+    x, weights, g = conv_arrays(op, 0, np.float32)
+    (y,), (gx,), gw, _ = run_whole(op, [x], weights, grad_outputs=[g])
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(weights["weight"], requires_grad=True)
+    bt = torch.tensor(weights["bias"], requires_grad=True) if use_bias else None
+    yt = F.conv2d(xt, wt, bt, padding=op.padding)
+    yt.backward(torch.tensor(g))
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gw["weight"], wt.grad.numpy(), rtol=1e-4, atol=1e-3)
+    if use_bias:
+        np.testing.assert_allclose(gw["bias"], bt.grad.numpy(), rtol=1e-4, atol=1e-3)
+    op64 = winograd_conv((2, 8, 9, 10), "float64", out_channels=6, padding=padding, use_bias=use_bias)
+    x64, w64, g64 = conv_arrays(op64, 1, np.float64)
+    check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 2), c=st.integers(8, 10), oc=st.integers(1, 4), h=st.integers(3, 9),
+       w=st.integers(3, 9), ph=st.integers(0, 2), pw=st.integers(0, 2), lo=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_conv2d_winograd_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo, seed):
+    """A tile (a corner of rows and columns, some of the out channels) as Winograd and as im2col."""
+    op = winograd_conv((n, c, h, w), "float64", out_channels=oc + 1, padding=(ph, pw))
+    x, weights, g = conv_arrays(op, seed, np.float64)
+    oh, ow = op.tile_shape[2:]
+    tile = Rect((0, min(lo, oc), min(lo, oh - 1), 0), (n, oc + 1, oh, max(1, ow - lo)))
+    (rect,) = op.input_rects(tile)
+    xs = x[rect.slices()]
+    ws = {k: v[op.weight_rects(tile)[k].slices()] for k, v in weights.items()}
+    gs = g[tile.slices()]
+    pads = op._pads(tile, rect)
+    y_w, _ = op.forward(np, tile, [xs], [rect], ws)
+    (dx_w,), gw_w = op.backward(np, tile, [xs], [rect], ws, y_w, [gs], None)
+    y_c = op._forward_columns(np, tile, np.pad(xs, ((0, 0), (0, 0), *pads)), ws["weight"]) + ws["bias"][:, None]
+    dx_c, dw_c = op._backward_columns(np, tile, xs, pads, ws["weight"], gs)
+    np.testing.assert_allclose(y_w[0], y_c.reshape(tile.shape), rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx_w, dx_c, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(gw_w["weight"], dw_c, rtol=1e-11, atol=1e-11)
+
+
+def test_conv2d_winograd_only_where_it_pays():
+    assert not Conv2d("c", [spec((1, 4, 8, 8))], out_channels=4, kernel=3)._winograd(np)  # few channels
+    assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, stride=2)._winograd(np)
+    assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, groups=2)._winograd(np)
+    assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=(3, 1))._winograd(np)
+    assert Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, padding=1)._winograd(np)
+
+
+def test_split_covers_the_range_once_on_the_blas_threads():
+    seen = []
+    cpu_pool.split(lambda a, b: seen.append((a, b)), 10)
+    assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 10 and len(seen) == min(10, cpu_pool.threads())
+    assert all(b == c for (_, b), (c, _) in zip(sorted(seen), sorted(seen)[1:]))
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert cpu_pool.threads() == 1
+        seen.clear()
+        cpu_pool.split(lambda a, b: seen.append((a, b)), 10)
+        assert seen == [(0, 10)]
+    seen.clear()
+    cpu_pool.split(lambda a, b: seen.append((a, b)), 0)
+    assert seen == []
+
+
+def test_split_raises_what_a_part_raised():
+    def fail_last(a, b):
+        if b == 7:
+            raise ValueError(f"part [{a}, {b})")
+    with threadpool_limits(limits=2, user_api="blas"):
+        with pytest.raises(ValueError, match=r"part \[\d, 7\)"):
+            cpu_pool.split(fail_last, 7)
