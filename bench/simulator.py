@@ -1,19 +1,22 @@
 """How fast the simulator builds and times graphs, and how fast the search proposes.
 
-    python bench/simulator.py [--quick]
+    python bench/simulator.py [--quick] [--large]
 
 Measured here, on one core:
-- graph building: microseconds per graph node of one training iteration's graph
-  (strategies.graph.build_iteration: the runtime's lowering and dependence analysis with
-  execute=False) for a 102-op network of conv / batch norm / relu blocks then flat, dense and
-  softmax, data parallel on 4, 16 and 64 processors (Machine.build(P // 4, 4)); the target is
-  10 us per node at 64;
-- full simulations per second (graph building, costs and timing) of the tiny Inception-v3 and
-  NMT apps at 16 devices of the p100 and k80 models and NMT at 64 (Inception-v3 at 64 with
-  --large; analytic costs);
-- the search: seconds per simulation for the tiny Inception-v3 on 16 k80 devices, and what
-  10,000 proposals would take at that rate (the target, at 64 devices, is under 60 s).
-Delta simulation is not built yet, so `delta_over_full` is null. Last line: one JSON object.
+- graph building, microseconds per node of one training iteration's graph for a 102-op
+  network of conv / batch norm / relu blocks then flat, dense and softmax, data parallel on
+  4, 16 and 64 processors (Machine.build(P // 4, 4)): by the runtime over the whole program
+  (strategies.graph.build_iteration), from empty segment caches (strategies.segments), from
+  full caches (assembly only), and after one op's config changes (the delta a search
+  proposal costs); the target is 10 us per node at 64;
+- full simulations (the runtime's graph built afresh, costs, timing) and delta simulations
+  (one random op's config changed per simulation, through the caches) per second, of the tiny
+  Inception-v3 and NMT apps on 16 P100 and 64 K80 devices, and `delta_over_full` (target >= 5
+  at 64 devices);
+- the search on the tiny Inception-v3 on 64 K80 devices: seconds per proposal and what 10,000
+  proposals take at that rate (target under 60 s). --large adds the transformer app at 64 and
+  256 H100-class devices (per-proposal time against devices).
+Analytic costs throughout. Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
@@ -30,6 +35,8 @@ from ops.lower import default_config  # noqa: E402
 from ops.model import Model  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.graph import build_iteration  # noqa: E402
+from strategies.random import random_config  # noqa: E402
+from strategies.segments import SegmentBuilder  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
 from strategies.search import app_graph, search  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
@@ -46,59 +53,110 @@ def conv_net(blocks: int = 33, batch: int = 64) -> Model:
     return m
 
 
-def build_rate(model: Model, processors: int) -> dict:
-    """Microseconds per node of one data-parallel iteration graph on `processors` CPUs."""
+def _changes(sim, configs: dict, count: int, seed: int):
+    """`count` successive strategies, each with one random op's config redrawn."""
+    rng = np.random.default_rng(seed)
+    configs = dict(configs)
+    for _ in range(count):
+        op = sim.ops[int(rng.integers(len(sim.ops)))]
+        configs[op.name] = random_config(op, sim.machine, rng)
+        yield dict(configs)
+
+
+def build_rate(model: Model, processors: int, changes: int) -> dict:
+    """Microseconds per node of one data-parallel iteration graph on `processors` CPUs, built four
+    ways (see the module doc)."""
     machine = Machine.build(max(1, processors // 4), min(4, processors), separate_memories=True)
     ops, inputs, loss = model.training_graph()
     configs = {op.name: default_config(op, machine) for op in ops}
     t0 = time.perf_counter()
     graph = build_iteration(ops, inputs, loss.name, configs, machine)
-    seconds = time.perf_counter() - t0
-    return {"nodes": len(graph.nodes), "seconds": round(seconds, 3), "us_per_node": round(seconds / len(graph.nodes) * 1e6, 1)}
+    runtime = time.perf_counter() - t0
+    nodes = len(graph.nodes)
+    builder = SegmentBuilder(ops, inputs, loss.name, machine)
+    t0 = time.perf_counter()
+    builder.build(configs)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    builder.build(configs)
+    warm = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    delta = []
+    for _ in range(changes):
+        changed = dict(configs)
+        op = ops[int(rng.integers(len(ops)))]
+        changed[op.name] = random_config(op, machine, rng)
+        t0 = time.perf_counter()
+        g = builder.build(changed)
+        delta.append((time.perf_counter() - t0) / len(g.nodes))
+
+    def us(seconds):
+        return round(seconds / nodes * 1e6, 2)
+    return {"nodes": nodes, "runtime_us_per_node": us(runtime), "segments_cold_us_per_node": us(cold),
+            "segments_cached_us_per_node": us(warm),
+            "one_change_us_per_node": round(float(np.median(delta)) * 1e6, 2) if delta else None}
 
 
-def simulation_rate(app: str, machine: str, nodes: int, repeats: int) -> dict:
+def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
+    """Full and delta simulations per second of a tiny app, data parallel then one-op changes."""
     model, output = app_graph(app, None, tiny=True)
     mm = load_machine(machine, nodes=nodes)
     sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
     from strategies import data_parallel
-    strategy = data_parallel(model, sim.machine)
+    configs = sim.configs(data_parallel(model, sim.machine))
     t0 = time.perf_counter()
-    for _ in range(repeats):
-        result = sim.simulate(strategy)
-    seconds = (time.perf_counter() - t0) / repeats
-    return {"devices": mm.num_devices, "nodes": len(result.graph.nodes), "seconds": round(seconds, 4),
-            "per_s": round(1 / seconds, 3), "predicted_ms": round(result.time * 1e3, 4)}
+    full = sim.simulate(configs, delta=False)
+    full_s = time.perf_counter() - t0
+    sim.simulate(configs)  # fills the caches
+    seconds = []
+    for changed in _changes(sim, configs, changes, seed=1):
+        t0 = time.perf_counter()
+        sim.simulate(changed)
+        seconds.append(time.perf_counter() - t0)
+    delta_s = float(np.median(seconds))
+    return {"devices": mm.num_devices, "nodes": len(full.graph.nodes), "full_per_s": round(1 / full_s, 3),
+            "delta_per_s": round(1 / delta_s, 3), "delta_over_full": round(full_s / delta_s, 2),
+            "predicted_ms": round(full.time * 1e3, 4)}
+
+
+def search_rate(app: str, machine: str, nodes: int, proposals: int) -> dict:
+    model, output = app_graph(app, None, tiny=True)
+    mm = load_machine(machine, nodes=nodes)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
+    t0 = time.perf_counter()
+    search(sim, 1, seed=0, model=model)   # the baselines and the caches they fill
+    setup = time.perf_counter() - t0
+    result = search(sim, proposals, seed=0, model=model)
+    per = result.seconds / max(1, result.proposals)
+    return {"app": f"{app} (tiny)", "devices": mm.num_devices, "setup_s": round(setup, 2),
+            "proposals": result.proposals, "seconds": round(result.seconds, 2),
+            "seconds_per_proposal": round(per, 4), "seconds_for_10000_proposals": round(setup + per * 10000, 1),
+            "speedup_over_best_baseline": round(result.speedup_over_baselines(), 3)}
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes and proposals (a minute)")
-    p.add_argument("--large", action="store_true",
-                   help="also Inception-v3 on 64 k80 devices (about 180k nodes: minutes per simulation today)")
+    p.add_argument("--large", action="store_true", help="also the transformer at 64 and 256 h100 devices")
     args = p.parse_args(argv)
     net = conv_net(blocks=4 if args.quick else 33)
-    out = {"bench": "simulator", "conv_net_ops": len(net.ops), "build": {}, "simulations": {}, "delta_over_full": None}
+    out = {"bench": "simulator", "conv_net_ops": len(net.ops), "build": {}, "simulations": {}}
     for procs in ((4, 16) if args.quick else (4, 16, 64)):
-        out["build"][str(procs)] = build_rate(net, procs)
+        out["build"][str(procs)] = build_rate(net, procs, 3 if args.quick else 5)
         print(f"build, {len(net.ops)}-op conv net on {procs} processors: {out['build'][str(procs)]}", flush=True)
     cases = [("nmt", "p100", 1)] if args.quick else [
-        ("inception_v3", "p100", 4), ("inception_v3", "k80", 4), ("nmt", "p100", 4), ("nmt", "k80", 4),
-        ("nmt", "k80", 16)] + ([("inception_v3", "k80", 16)] if args.large else [])
+        ("inception_v3", "p100", 4), ("nmt", "p100", 4), ("inception_v3", "k80", 16), ("nmt", "k80", 16)]
     for app, machine, nodes in cases:
         key = f"{app}/{machine}x{nodes}"
-        out["simulations"][key] = simulation_rate(app, machine, nodes, 1 if args.quick else 2)
+        out["simulations"][key] = simulation_rate(app, machine, nodes, 3 if args.quick else 8)
         print(f"simulate {key}: {out['simulations'][key]}", flush=True)
-    model, output = app_graph("inception_v3", None, tiny=True)
-    mm = load_machine("k80", nodes=1 if args.quick else 4)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
-    proposals = 1 if args.quick else 5
-    result = search(sim, proposals, seed=0, model=model)
-    per = result.seconds / max(1, result.proposals + len(result.baselines) + 1)
-    out["search"] = {"app": "inception_v3 (tiny)", "devices": mm.num_devices, "proposals": result.proposals,
-                     "seconds": round(result.seconds, 2), "seconds_per_simulation": round(per, 3),
-                     "seconds_for_10000_proposals_at_that_rate": round(per * 10000, 1)}
+    at_64 = [v["delta_over_full"] for v in out["simulations"].values() if v["devices"] == 64]
+    out["delta_over_full"] = min(at_64) if at_64 else None
+    out["search"] = search_rate("inception_v3", "k80", 1 if args.quick else 16, 3 if args.quick else 20)
     print(f"search: {out['search']}", flush=True)
+    if args.large:
+        out["search_by_devices"] = {str(n * 8): search_rate("transformer", "h100", n, 5) for n in (8, 32)}
+        print(f"search by devices: {out['search_by_devices']}", flush=True)
     print(json.dumps(out))
     return out
 

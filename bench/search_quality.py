@@ -1,0 +1,89 @@
+"""What the search finds: predicted iteration times of the baselines and of the searched strategy.
+
+    python bench/search_quality.py [--quick] [--budget N] [--only APP ...] [--machines M ...]
+
+For the six networks of the FlexFlow paper (AlexNet, Inception-v3, ResNet-101, RNN text
+classification, RNN language model, NMT) on 4, 8 and 16 P100s (1, 2 and 4 nodes of the p100
+model) and 16, 32 and 64 K80s (4, 8 and 16 nodes of the k80 model), batch 64 per GPU
+(AlexNet 256): the simulated iteration time of every baseline (data parallel with sharded
+weight synchronization, model, expert and tensor parallel), of the strategy the MCMC search
+finds with `--budget` proposals, and the speedup of the searched over the best baseline,
+beside the paper's range (1.3 to 3.3 times over data parallel and expert on five of six
+networks; ResNet-101 about equal to data parallel). Analytic costs (these devices are not
+here). `--quick` runs the tiny configurations on the smallest machine of each cluster.
+Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[0] = ROOT
+
+from strategies.cost import CostModel  # noqa: E402
+from strategies.machine_model import load_machine  # noqa: E402
+from strategies.search import app_graph, search  # noqa: E402
+from strategies.simulator import Simulator  # noqa: E402
+
+APPS = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt")
+#: (machine model, nodes): the paper's clusters at three sizes each
+MACHINES = (("p100", 1), ("p100", 2), ("p100", 4), ("k80", 4), ("k80", 8), ("k80", 16))
+PAPER = "1.3x to 3.3x over data parallel and expert on five of six networks; ResNet-101 about equal to data parallel"
+
+
+def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) -> dict:
+    mm = load_machine(machine, nodes=nodes)
+    per_gpu = 256 if app == "alexnet" else 64
+    batch = (16 if tiny else per_gpu) * mm.num_devices
+    model, output = app_graph(app, batch, tiny=tiny)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
+    t0 = time.perf_counter()
+    result = search(sim, budget, seed=seed, model=model)
+    return {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,
+            "baselines_ms": {k: round(v * 1e3, 4) for k, v in result.baselines.items()},
+            "searched_ms": round(result.best_time * 1e3, 4),
+            "speedup_over_best_baseline": round(result.speedup_over_baselines(), 3),
+            "speedup_over_data": round(result.baselines["data"] / result.best_time, 3),
+            "proposals": result.proposals, "accepted": result.accepted, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny configurations, the smallest machine of each cluster")
+    p.add_argument("--budget", type=int, default=None, help="proposals per search (default 200; 20 with --quick)")
+    p.add_argument("--only", nargs="*", choices=APPS, default=None, help="networks")
+    p.add_argument("--machines", nargs="*", default=None, help="entries like p100x2 or k80x16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    budget = args.budget or (20 if args.quick else 200)
+    machines = MACHINES
+    if args.machines:
+        try:
+            machines = tuple((m.split("x")[0], int(m.split("x")[1])) for m in args.machines)
+        except (IndexError, ValueError):
+            sys.exit(f"bench/search_quality.py --machines: entries look like p100x2, got {args.machines}")
+    elif args.quick:
+        machines = (("p100", 1), ("k80", 4))
+    rows = []
+    print(f"{'network':<14}{'machine':<10}{'data':>10}{'model':>10}{'expert':>10}{'tensor':>10}{'searched':>10}"
+          f"{'speedup':>9}  (ms; speedup over the best baseline)", file=sys.stderr)
+    for app in args.only or APPS:
+        for machine, nodes in machines:
+            row = one(app, machine, nodes, budget, args.quick, args.seed)
+            rows.append(row)
+            b = row["baselines_ms"]
+            print(f"{app:<14}{row['machine']:<10}" + "".join(f"{b.get(k, float('nan')):>10.3f}"
+                  for k in ("data", "model", "expert", "tensor"))
+                  + f"{row['searched_ms']:>10.3f}{row['speedup_over_best_baseline']:>8.2f}x", file=sys.stderr,
+                  flush=True)
+    out = {"bench": "search_quality", "budget": budget, "tiny": args.quick, "paper": PAPER, "results": rows}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
