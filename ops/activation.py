@@ -138,7 +138,8 @@ def _softmax_grad_rows_cpu(y, ys, dy, dys, n, dx, dxs, chunks):
 
 
 def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
-    """out = softmax(x) over the last axis (out may be x, or a fresh C-contiguous array).
+    """out = softmax(x) over the last axis; out is x itself or an array of x's shape whose rows
+    are contiguous.
     causal_first q0: x is [..., Lq, Lk] scores of queries q0.. and query q0 + i sees keys 0..q0 + i
     only (the others get 0). Fused numba kernels on the CPU, array code elsewhere."""
     if xp is np and x.dtype in (np.float32, np.float64) and x.size:
@@ -158,7 +159,8 @@ def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
 
 
 def softmax_grad_rows(xp, y, dy, out=None):
-    """dx = y * (dy - rowsum(dy * y)) over the last axis, into `out` (may be dy) or a new array."""
+    """dx = y * (dy - rowsum(dy * y)) over the last axis, into `out` (dy itself, an array of y's
+    shape whose rows are contiguous, or None: a new array)."""
     if xp is np and y.dtype in (np.float32, np.float64) and y.dtype == dy.dtype and y.size:
         out = np.empty(y.shape, y.dtype) if out is None else out
         yflat, ys = row_starts(y)

@@ -231,9 +231,10 @@ class MultiHeadAttention(Op):
         causal_first = in_rects[0].lo[1] if self.causal else None  # query q0 + i may not see key j > q0 + i
 
         def attend(bs, hs):
-            xp.matmul(qh[bs, hs], kh[bs, hs].swapaxes(-1, -2), out=p[bs, hs])
-            softmax_rows_(xp, p[bs, hs], p[bs, hs], causal_first)
-            xp.matmul(p[bs, hs], vh[bs, hs], out=ctx_h[bs, hs])
+            pg = p[bs, hs]
+            xp.matmul(qh[bs, hs], kh[bs, hs].swapaxes(-1, -2), out=pg)
+            softmax_rows_(xp, pg, pg, causal_first)
+            xp.matmul(pg, vh[bs, hs], out=ctx_h[bs, hs])
         _per_head_groups(xp, b, nh, attend)
 
         out = ctx.reshape(-1, nh * d) @ weights["out_proj_weight"].T
@@ -266,11 +267,12 @@ class MultiHeadAttention(Op):
         dqh, dkh, dvh = _heads(dq, nh), _heads(dk, nh), _heads(dv, nh)
 
         def attend_back(bs, hs):
-            xp.matmul(p[bs, hs].swapaxes(-1, -2), dctx_h[bs, hs], out=dvh[bs, hs])
-            xp.matmul(dctx_h[bs, hs], vh[bs, hs].swapaxes(-1, -2), out=ds[bs, hs])
-            softmax_grad_rows(xp, p[bs, hs], ds[bs, hs], out=ds[bs, hs])
-            xp.matmul(ds[bs, hs], kh[bs, hs], out=dqh[bs, hs])
-            xp.matmul(ds[bs, hs].swapaxes(-1, -2), qh[bs, hs], out=dkh[bs, hs])
+            pg, dsg = p[bs, hs], ds[bs, hs]
+            xp.matmul(pg.swapaxes(-1, -2), dctx_h[bs, hs], out=dvh[bs, hs])
+            xp.matmul(dctx_h[bs, hs], vh[bs, hs].swapaxes(-1, -2), out=dsg)
+            softmax_grad_rows(xp, pg, dsg, out=dsg)
+            xp.matmul(dsg, kh[bs, hs], out=dqh[bs, hs])
+            xp.matmul(dsg.swapaxes(-1, -2), qh[bs, hs], out=dkh[bs, hs])
         _per_head_groups(xp, b, nh, attend_back)
         dq *= scale  # q was scaled after projection
 
