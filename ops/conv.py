@@ -15,7 +15,7 @@ import importlib
 import numba
 import numpy as np
 
-from ops import winograd
+from ops import cpu_pool, winograd
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, int_attr, register_op
 from ops.cpu_layout import flat_row, flat_rows
 from ops.linear import torch_linear_init
@@ -238,9 +238,9 @@ class Conv2d(Op):
         return _window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
 
     def _column_chunks(self, xp, tile: Rect, xpad):
-        """Yield (a, b, cols): the im2col matrix [b-a, G, K/G, OH*OW] of samples [a, b), in one reused
-        buffer; for a 1x1 kernel the (strided) input itself, all samples at once."""
-        n, _, oh, ow = tile.shape
+        """Yield (a, b, cols): the im2col matrix [b-a, G, K/G, OH*OW] of samples [a, b) of xpad, in
+        one reused buffer; for a 1x1 kernel the (strided) input itself, all samples at once."""
+        n, (oh, ow) = xpad.shape[0], tile.shape[2:]
         ng = self._layout(tile)[0]
         if self.kernel == (1, 1):
             cols = xp.ascontiguousarray(_strided(xpad, 0, 0, self.stride, (oh, ow)))
@@ -253,57 +253,66 @@ class Conv2d(Op):
             xp.copyto(buf[:b - a], view[a:b])
             yield a, b, buf[:b - a].reshape(b - a, ng, -1, oh * ow)
 
+    @staticmethod
+    def _in_parts(xp, work, n: int) -> list:
+        """work(a, b) over the samples: on the CPU in parts, one per core of the task
+        (ops/cpu_pool.py); on a GPU all at once."""
+        return cpu_pool.in_parts(work, n) if xp is np else [work(0, n)]
+
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         (x,), w = inputs, weights["weight"]
         n, oct_, oh, ow = tile.shape
         pads = self._pads(tile, in_rects[0])
-        if self._winograd(xp):
-            y = winograd.forward(x, w, (pads[0][0], pads[1][0]), (oh, ow)).reshape(n, oct_, oh * ow)
-        else:
-            y = self._forward_columns(xp, tile, _pad(xp, x, pads), w)
+        y = xp.empty((n, oct_, oh * ow), x.dtype)
+
+        def samples(a, b):
+            if self._winograd(xp):
+                winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow))
+            else:
+                self._forward_columns(xp, tile, _pad(xp, x[a:b], pads), w, y[a:b])
+        self._in_parts(xp, samples, n)
         if self.use_bias:
             y += weights["bias"][:, None]
         return [y.reshape(n, oct_, oh, ow)], None
 
-    def _forward_columns(self, xp, tile, xpad, w):
-        """y [N, OCt, OH*OW] = the tile's weight rows times the columns of each sample."""
-        n, oct_, oh, ow = tile.shape
+    def _forward_columns(self, xp, tile, xpad, w, y) -> None:
+        """y [N, OCt, OH*OW] = the tile's weight rows times the columns of each sample of xpad."""
+        oct_, oh, ow = tile.shape[1:]
         ng, ocpg, off = self._layout(tile)
         wg = self._grouped(xp, w.reshape(oct_, -1), tile)
-        y = xp.empty((n, oct_, oh * ow), xpad.dtype)
         for a, b, cols in self._column_chunks(xp, tile, xpad):
             if off == 0 and oct_ == ng * ocpg:
                 xp.matmul(wg, cols, out=y[a:b].reshape(b - a, ng, ocpg, oh * ow))
             else:
                 y[a:b] = xp.matmul(wg, cols).reshape(b - a, ng * ocpg, oh * ow)[:, off:off + oct_]
-        return y
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
-        (x,), w = inputs, weights["weight"]
-        n, oct_, oh, ow = tile.shape
+        (x,), w, dy = inputs, weights["weight"], grad_outputs[0]
         pads = self._pads(tile, in_rects[0])
-        dy = grad_outputs[0]
-        if self._winograd(xp):
-            dx, gw = winograd.backward(x, w, dy, (pads[0][0], pads[1][0]))
-        else:
-            dx, gw = self._backward_columns(xp, tile, x, pads, w, dy)
+        dx = xp.empty(x.shape, x.dtype)
+
+        def samples(a, b):
+            if self._winograd(xp):
+                return winograd.backward(x[a:b], w, dy[a:b], (pads[0][0], pads[1][0]), dx[a:b])
+            return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx[a:b])
+        gw = sum(self._in_parts(xp, samples, x.shape[0]))
         grads = {"weight": gw}
         if self.use_bias:
             grads["bias"] = dy.sum(axis=(0, 2, 3))
         return [dx], grads
 
-    def _backward_columns(self, xp, tile, x, pads, w, dy):
-        """(dx, dw) through the columns: dw sums dy times each sample's columns, and the columns'
-        gradient (weight rows times dy) goes back into the input (col2im; for a 1x1 stride-1
-        kernel on an unpadded tile it is the input gradient itself)."""
-        n, oct_, oh, ow = tile.shape
+    def _backward_columns(self, xp, tile, x, pads, w, dy, dx):
+        """dw, and dx written, through the columns: dw sums dy times each sample's columns, and
+        the columns' gradient (weight rows times dy) goes back into the input (col2im; for a 1x1
+        stride-1 kernel on an unpadded tile it is the input gradient itself)."""
+        n, (oct_, oh, ow) = x.shape[0], tile.shape[1:]
         ng, ocpg, off = self._layout(tile)
         xpad = _pad(xp, x, pads)
         wg_t = self._grouped(xp, w.reshape(oct_, -1), tile).swapaxes(-1, -2)
         dyg = self._grouped(xp, xp.ascontiguousarray(dy).reshape(n, oct_, oh * ow), tile)
         gw = xp.zeros((ng, ocpg, w[0].size), x.dtype)
         direct = self.kernel == (1, 1) and self.stride == (1, 1) and xpad is x
-        dxpad = xp.empty(x.shape, x.dtype) if direct else xp.zeros(xpad.shape, x.dtype)
+        dxpad = dx if direct else xp.zeros(xpad.shape, x.dtype)
         dcols = None
         for a, b, cols in self._column_chunks(xp, tile, xpad):
             gw += xp.matmul(dyg[a:b], cols.swapaxes(-1, -2)).sum(axis=0)
@@ -313,9 +322,10 @@ class Conv2d(Op):
             dcols = xp.empty_like(cols) if dcols is None else dcols[:b - a]
             xp.matmul(wg_t, dyg[a:b], out=dcols)
             col2im(xp, dcols.reshape(b - a, x.shape[1], *self.kernel, oh, ow), self.stride, dxpad[a:b])
-        (top, _), (left, _) = pads
-        dx = xp.ascontiguousarray(dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]])
-        return dx, gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
+        if not direct:
+            (top, _), (left, _) = pads
+            dx[...] = dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]]
+        return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
 
 # ---- pooling ------------------------------------------------------------------------

@@ -1,34 +1,59 @@
-"""Numba (nogil) kernels split over the threads BLAS may use, so that a kernel's own passes run
-on the cores numpy's matmul runs on beside them: one BLAS thread (the runtime's share of the
-cores for each CPU worker, see taskrt.runtime.limit_blas_threads) runs them in the caller
-alone; more split them over a shared pool.
+"""A kernel's batch split over the cores its task has, each part on one thread with BLAS on
+one thread too.
+
+The runtime gives each CPU worker its share of the cores as BLAS's thread count (see
+taskrt.runtime.limit_blas_threads). A kernel that makes many BLAS calls waits for all of
+BLAS's threads at every call, and badly so while another process holds a core; cut into one
+part per core instead, each part's calls run on its own thread and the kernel waits for the
+cores once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _lock = threading.Lock()
-_state: dict = {}
+_state: dict = {"users": 0, "threads": 1}
 
 
-def _blas():
-    """The BLAS library controller of numpy (threadpoolctl), found once."""
+def _blas_libraries() -> list:
+    """numpy's BLAS libraries as threadpoolctl controls them, found once."""
     with _lock:
         if "blas" not in _state:
             import numpy  # noqa: F401 - loads the BLAS that threadpoolctl then finds
             from threadpoolctl import ThreadpoolController
 
-            found = ThreadpoolController().select(user_api="blas").lib_controllers
-            _state["blas"] = found[0] if found else None
+            _state["blas"] = ThreadpoolController().select(user_api="blas").lib_controllers
         return _state["blas"]
 
 
 def threads() -> int:
-    """How many threads BLAS may use now (1 where no BLAS is found)."""
-    blas = _blas()
-    return max(1, blas.get_num_threads()) if blas is not None else 1
+    """The threads BLAS may use now: the cores of the running task (1 where no BLAS is found)."""
+    return max([lib.get_num_threads() for lib in _blas_libraries()] + [1])
+
+
+@contextlib.contextmanager
+def blas_on_one_thread():
+    """BLAS on one thread while inside; yields the threads it had before. Of concurrent users
+    the first sets it and the last restores it."""
+    libraries = _blas_libraries()
+    with _lock:
+        if _state["users"] == 0:
+            _state["threads"] = max([lib.get_num_threads() for lib in libraries] + [1])
+            for lib in libraries:
+                lib.set_num_threads(1)
+        _state["users"] += 1
+        before = _state["threads"]
+    try:
+        yield before
+    finally:
+        with _lock:
+            _state["users"] -= 1
+            if _state["users"] == 0:
+                for lib in libraries:
+                    lib.set_num_threads(_state["threads"])
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -38,25 +63,26 @@ def _pool() -> ThreadPoolExecutor:
         return _state["pool"]
 
 
-def split(fn, n: int) -> None:
-    """fn(a, b) for ranges [a, b) that split [0, n) evenly over threads() threads (the caller
-    runs the first); an exception in any of them is raised here once all are done."""
-    parts = min(threads(), n)
-    if parts <= 1:
-        if n:
-            fn(0, n)
-        return
-    cuts = [n * i // parts for i in range(parts + 1)]
-    others = [_pool().submit(fn, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
-    errors = []
-    try:
-        fn(cuts[0], cuts[1])
-    except BaseException as e:  # noqa: BLE001 - re-raised below, once the other parts are done
-        errors.append(e)
-    for f in others:
+def in_parts(work, n: int) -> list:
+    """[work(a, b) for the ranges [a, b) that split [0, n) evenly, one per thread BLAS may use],
+    in order. With more than one part each runs on its own thread (the caller runs the first)
+    with BLAS on one thread; an exception of any part is raised once all are done."""
+    if min(n, threads()) <= 1:
+        return [work(0, n)]
+    with blas_on_one_thread() as cores:
+        parts = min(n, cores)
+        cuts = [n * i // parts for i in range(parts + 1)]
+        others = [_pool().submit(work, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
+        results, errors = [], []
         try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001 - as above
+            results.append(work(cuts[0], cuts[1]))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once the other parts are done
             errors.append(e)
-    if errors:
-        raise errors[0]
+        for job in others:
+            try:
+                results.append(job.result())
+            except BaseException as e:  # noqa: BLE001 - as above
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return results

@@ -20,7 +20,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops import cpu_pool
 from ops.cpu_layout import flat_row, flat_rows
 
 #: output block side, filter side and input block side (ALPHA = M + R - 1)
@@ -44,7 +43,8 @@ AT = np.array([[1, 1, 1, 1, 1, 0],
                [0, 1, -1, 8, -8, 1]], np.float64)
 
 #: blocks are transformed in batches of samples whose transforms take about this many bytes
-_CHUNK_BYTES = 8 << 20
+#: (they stay in cache between the transforms and the GEMMs)
+_CHUNK_BYTES = 2 << 20
 
 
 def blocks(out_hw) -> tuple[int, int]:
@@ -271,48 +271,40 @@ def _input_blocks(x, top_left, n_blocks):
     """V [36, C, N*TH*TW]: the input blocks of x [N, C, H, W] (padded by top_left), transformed."""
     n, c = x.shape[:2]
     v = np.empty((ALPHA * ALPHA, c, n * n_blocks[0] * n_blocks[1]), x.dtype)
-    k = _consts(x.dtype)
-    cpu_pool.split(lambda a, b: _input_to_blocks(flat_rows(x[:, a:b]), x[:, a:b].shape, top_left, n_blocks, k,
-                                                 v[:, a:b]), c)
+    _input_to_blocks(flat_rows(x), x.shape, top_left, n_blocks, _consts(x.dtype), v)
     return v
 
 
-def forward(x, w, top_left, out_hw):
-    """y [N, OC, OH, OW] of a stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
+def forward(x, w, top_left, y) -> None:
+    """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
     top_left = (top, left), zeros past its end) with w [OC, C, 3, 3]."""
     n, c = x.shape[:2]
     oc = w.shape[0]
-    nb = blocks(out_hw)
+    nb = blocks(y.shape[2:])
     k = _consts(x.dtype)
     u = filter_transform(w)
-    y = np.empty((n, oc, *out_hw), x.dtype)
     per_sample = ALPHA * ALPHA * (c + oc) * nb[0] * nb[1] * x.itemsize
     for a, b in _sample_chunks(n, per_sample):
-        prod = np.matmul(u, _input_blocks(x[a:b], top_left, nb))
-        ya = y[a:b]
-        cpu_pool.split(lambda c0, c1: _blocks_to_output(prod[:, c0:c1], nb, k, ya[:, c0:c1]), oc)
-    return y
+        _blocks_to_output(np.matmul(u, _input_blocks(x[a:b], top_left, nb)), nb, k, y[a:b])
 
 
-def backward(x, w, dy, top_left):
-    """(dx [N, C, H, W], dw [OC, C, 3, 3]) of `forward` for output gradient dy [N, OC, OH, OW]."""
+def backward(x, w, dy, top_left, dx):
+    """dw [OC, C, 3, 3] of `forward` for output gradient dy [N, OC, OH, OW], and dx [N, C, H, W]
+    written."""
     n, c = x.shape[:2]
     oc = w.shape[0]
     nb = blocks(dy.shape[2:])
     k = _consts(x.dtype)
     u_t = filter_transform(w).swapaxes(1, 2)
     du = np.zeros((ALPHA * ALPHA, oc, c), x.dtype)
-    dx = np.zeros(x.shape, x.dtype)
+    dx[...] = 0
     per_sample = ALPHA * ALPHA * (2 * c + oc) * nb[0] * nb[1] * x.itemsize
     for a, b in _sample_chunks(n, per_sample):
         dm = np.empty((ALPHA * ALPHA, oc, (b - a) * nb[0] * nb[1]), x.dtype)
-        dya, dxa = dy[a:b], dx[a:b]
-        cpu_pool.split(lambda c0, c1: _grad_to_blocks(flat_rows(dya[:, c0:c1]), dya[:, c0:c1].shape, nb, k,
-                                                      dm[:, c0:c1]), oc)
+        _grad_to_blocks(flat_rows(dy[a:b]), dy[a:b].shape, nb, k, dm)
         v = _input_blocks(x[a:b], top_left, nb)
         du += np.matmul(dm, v.swapaxes(1, 2))
-        dv = np.matmul(u_t, dm, out=v)
-        cpu_pool.split(lambda c0, c1: _blocks_to_input(dv[:, c0:c1], nb, top_left, k, dxa[:, c0:c1]), c)
+        _blocks_to_input(np.matmul(u_t, dm, out=v), nb, top_left, k, dx[a:b])
     g = G.astype(x.dtype)
     dw = np.einsum("ai,aboc,bj->ocij", g, du.reshape(ALPHA, ALPHA, oc, c), g, optimize=True)
-    return dx, dw
+    return dw

@@ -36,6 +36,14 @@ def test_matrices_compute_a_correlation():
     np.testing.assert_allclose(y, [d[i:i + 3] @ g for i in range(4)], rtol=1e-13)
 
 
+def run_winograd(x, w, dy, top_left):
+    """y, dx, dw from ops.winograd for the output shape of dy."""
+    y = np.empty((x.shape[0], w.shape[0], *dy.shape[2:]), x.dtype)
+    winograd.forward(x, w, top_left, y)
+    dx = np.full(x.shape, np.nan, x.dtype)  # backward must write all of it
+    return y, dx, winograd.backward(x, w, dy, top_left, dx)
+
+
 def torch_reference(x, w, dy, top_left, out_hw):
     """y, dx, dw of the 3x3 stride-1 correlation of x padded by top_left (and with zeros past its
     end, as far as the outputs out_hw reach), from PyTorch in float64."""
@@ -62,8 +70,7 @@ def test_forward_and_backward_match_torch(n, c, oc, h, w, top, left, bottom, rig
     x, wt = rng.standard_normal((n, c, h, w)), rng.standard_normal((oc, c, 3, 3))
     dy = rng.standard_normal((n, oc, oh, ow))
     y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (top, left), (oh, ow))
-    y = winograd.forward(x, wt, (top, left), (oh, ow))
-    dx, dw = winograd.backward(x, wt, dy, (top, left))
+    y, dx, dw = run_winograd(x, wt, dy, (top, left))
     assert y.shape == y_ref.shape and dx.shape == x.shape and dw.shape == wt.shape
     np.testing.assert_allclose(y, y_ref, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
@@ -80,8 +87,8 @@ def test_views_and_several_chunks(monkeypatch):
     dy_big = rng.standard_normal((3, 5, 11, 10))
     dy = dy_big[:, 1:4]
     y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (0, 1), (11, 10))
-    np.testing.assert_allclose(winograd.forward(x, wt, (0, 1), (11, 10)), y_ref, rtol=1e-11, atol=1e-11)
-    dx, dw = winograd.backward(x, wt, dy, (0, 1))
+    y, dx, dw = run_winograd(x, wt, dy, (0, 1))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
 
@@ -95,8 +102,7 @@ def test_float32_error_against_float64():
     dy = rng.standard_normal((2, 64, 20, 20))
     ref = torch_reference(x, wt, dy, (1, 1), (20, 20))
     f32 = [a.astype(np.float32) for a in (x, wt, dy)]
-    y = winograd.forward(f32[0], f32[1], (1, 1), (20, 20))
-    dx, dw = winograd.backward(*f32, (1, 1))
+    y, dx, dw = run_winograd(*f32, (1, 1))
     for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), ref):
         assert got.dtype == np.float32
         err = np.abs(got - want).max() / np.abs(want).max()
@@ -153,8 +159,11 @@ def test_conv2d_winograd_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo
     pads = op._pads(tile, rect)
     y_w, _ = op.forward(np, tile, [xs], [rect], ws)
     (dx_w,), gw_w = op.backward(np, tile, [xs], [rect], ws, y_w, [gs], None)
-    y_c = op._forward_columns(np, tile, np.pad(xs, ((0, 0), (0, 0), *pads)), ws["weight"]) + ws["bias"][:, None]
-    dx_c, dw_c = op._backward_columns(np, tile, xs, pads, ws["weight"], gs)
+    y_c = np.empty((n, tile.shape[1], tile.shape[2] * tile.shape[3]))
+    op._forward_columns(np, tile, np.pad(xs, ((0, 0), (0, 0), *pads)), ws["weight"], y_c)
+    y_c += ws["bias"][:, None]
+    dx_c = np.empty(xs.shape)
+    dw_c = op._backward_columns(np, tile, xs, pads, ws["weight"], gs, dx_c)
     np.testing.assert_allclose(y_w[0], y_c.reshape(tile.shape), rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dx_w, dx_c, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(gw_w["weight"], dw_c, rtol=1e-11, atol=1e-11)
@@ -168,25 +177,47 @@ def test_conv2d_winograd_only_where_it_pays():
     assert Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, padding=1)._winograd(np)
 
 
-def test_split_covers_the_range_once_on_the_blas_threads():
-    seen = []
-    cpu_pool.split(lambda a, b: seen.append((a, b)), 10)
-    assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 10 and len(seen) == min(10, cpu_pool.threads())
-    assert all(b == c for (_, b), (c, _) in zip(sorted(seen), sorted(seen)[1:]))
+def test_in_parts_splits_over_the_blas_threads_with_blas_on_one():
+    blas = []
+
+    def work(a, b):
+        blas.append(cpu_pool.threads())
+        return a, b
+    with threadpool_limits(limits=2, user_api="blas"):
+        parts = cpu_pool.in_parts(work, 9)
+        assert cpu_pool.threads() == 2  # restored
+    assert parts == [(0, 4), (4, 9)] and blas == [1, 1]
+    blas.clear()
     with threadpool_limits(limits=1, user_api="blas"):
-        assert cpu_pool.threads() == 1
-        seen.clear()
-        cpu_pool.split(lambda a, b: seen.append((a, b)), 10)
-        assert seen == [(0, 10)]
-    seen.clear()
-    cpu_pool.split(lambda a, b: seen.append((a, b)), 0)
-    assert seen == []
+        assert cpu_pool.in_parts(work, 9) == [(0, 9)]
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert cpu_pool.in_parts(work, 1) == [(0, 1)] and blas == [1, 2]  # one part keeps BLAS's threads
 
 
-def test_split_raises_what_a_part_raised():
+def test_in_parts_raises_what_a_part_raised_and_restores_blas():
     def fail_last(a, b):
         if b == 7:
             raise ValueError(f"part [{a}, {b})")
+        return b
     with threadpool_limits(limits=2, user_api="blas"):
-        with pytest.raises(ValueError, match=r"part \[\d, 7\)"):
-            cpu_pool.split(fail_last, 7)
+        with pytest.raises(ValueError, match=r"part \[3, 7\)"):
+            cpu_pool.in_parts(fail_last, 7)
+        assert cpu_pool.threads() == 2
+
+
+def test_conv2d_runs_on_sample_parts_like_one():
+    """The op's sample parts (one per BLAS thread) give what one part gives, im2col and Winograd."""
+    for kernel, stride in ((3, 1), (3, 2), (1, 1)):
+        op = Conv2d("conv", [spec((5, 8, 9, 9), "float64")], out_channels=4, kernel=kernel, stride=stride,
+                    padding=kernel // 2)
+        x, weights, g = conv_arrays(op, 2, np.float64)
+        results = []
+        for threads in (1, 2):
+            with threadpool_limits(limits=threads, user_api="blas"):
+                results.append(run_whole(op, [x], weights, grad_outputs=[g]))
+        (y1,), (dx1,), gw1, _ = results[0]
+        (y2,), (dx2,), gw2, _ = results[1]
+        np.testing.assert_allclose(y2, y1, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dx2, dx1, rtol=1e-12, atol=1e-12)
+        for k in gw1:
+            np.testing.assert_allclose(gw2[k], gw1[k], rtol=1e-12, atol=1e-12)
