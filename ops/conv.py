@@ -21,8 +21,9 @@ from ops.cpu_layout import flat_row, flat_rows
 from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
 
-#: im2col works on batches of samples whose columns take about this many bytes (fits in L3)
-_CHUNK_BYTES = 8 << 20
+#: im2col works on batches of samples whose columns take about this many bytes: each core's
+#: part of the batch keeps its columns in its share of the L3 cache, beside other work
+_CHUNK_BYTES = 2 << 20
 #: fewer input channels than this and Winograd's transforms cost more than its GEMMs save
 _WINOGRAD_MIN_CHANNELS = 8
 
