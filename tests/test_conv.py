@@ -53,6 +53,11 @@ CONV_CASES = [
     dict(shape=(2, 6, 9, 10), out_channels=6, kernel=(2, 3), stride=(3, 2), padding=(2, 1), groups=3),
     dict(shape=(2, 4, 7, 7), out_channels=4, kernel=2, stride=3, padding=3, groups=4, use_bias=False),
     dict(shape=(1, 2, 5, 13), out_channels=3, kernel=(5, 1), stride=(1, 4), padding=(2, 0), groups=1),
+    # 1x1 kernels take the input as their columns: unpadded stride 1 (the input gradient straight
+    # from the matmul), strided, padded, grouped
+    dict(shape=(2, 4, 6, 5), out_channels=6, kernel=1, stride=1, padding=0, groups=2),
+    dict(shape=(2, 3, 7, 6), out_channels=4, kernel=1, stride=2, padding=0, groups=1),
+    dict(shape=(1, 4, 5, 5), out_channels=2, kernel=1, stride=(1, 2), padding=1, groups=1, use_bias=False),
 ]
 
 
@@ -196,7 +201,7 @@ def run_both_paths(op, x, weights, g):
 
 
 def test_gpu_code_paths_match_the_cpu_ones():
-    for case in CONV_CASES[1:3]:
+    for case in CONV_CASES[1:3] + CONV_CASES[5:7]:  # im2col and 1x1 kernels
         case = dict(case)
         op = make_conv(case.pop("shape"), "float64", **case)
         run_both_paths(op, *conv_data(op, dtype=np.float64))
