@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 from .geometry import Rect, pairwise_disjoint
 from .machine import Memory, Processor
 from .privilege import Privilege
+from .rectmap import RectMap
 from .region import Region
 from .taskgraph import CopyNode, PhysicalReq, TaskNode
 
@@ -35,10 +36,15 @@ USER_LIST_PRUNE_AT = 16
 
 @dataclass
 class RegionState:
-    users: dict[Rect, list[tuple[Privilege, int]]] = field(default_factory=dict)
+    users: RectMap = field(default_factory=RectMap)          # rect -> [(privilege, node id)]
     users_disjoint: bool = True
-    pieces: dict[Rect, dict[Memory, int | None]] = field(default_factory=dict)
+    pieces: RectMap = field(default_factory=RectMap)         # rect -> {memory: producer id}
     pending: list[tuple[Rect, str, tuple[int, int], Memory, int]] = field(default_factory=list)
+
+    @staticmethod
+    def of(region: Region) -> "RegionState":
+        """An empty state whose maps index rects over the region's bounds."""
+        return RegionState(RectMap(region.rect), True, RectMap(region.rect))
 
     def abstract(self) -> tuple:
         """The state without node ids: what decides which copies and folds a program makes."""
@@ -49,9 +55,9 @@ class RegionState:
     def remap(self, f: Callable[[int | None], int | None]) -> "RegionState":
         """A copy with every node id passed through f."""
         return RegionState(
-            users={r: [(p, f(n)) for p, n in lst] for r, lst in self.users.items()},
+            users=RectMap(self.users.bounds, ((r, [(p, f(n)) for p, n in lst]) for r, lst in self.users.items())),
             users_disjoint=self.users_disjoint,
-            pieces={r: {m: f(n) for m, n in v.items()} for r, v in self.pieces.items()},
+            pieces=RectMap(self.pieces.bounds, ((r, {m: f(n) for m, n in v.items()}) for r, v in self.pieces.items())),
             pending=[(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self.pending],
         )
 
@@ -69,7 +75,7 @@ class Analyzer:
     def state(self, region: Region) -> RegionState:
         st = self.states.get(region.uid)
         if st is None:
-            st = self.states[region.uid] = RegionState()
+            st = self.states[region.uid] = RegionState.of(region)
         return st
 
     # ---- the entry point -----------------------------------------------------------
@@ -110,7 +116,7 @@ class Analyzer:
             lst = st.users.get(rect)
             if lst is not None:
                 return ((rect, lst),)
-        return [(r, lst) for r, lst in st.users.items() if r.overlaps(rect)]
+        return st.users.overlapping(rect)
 
     def _logical_preds(self, st: RegionState, rect: Rect, priv: Privilege, preds: set) -> None:
         for _, lst in self._overlapping_users(st, rect):
@@ -136,7 +142,7 @@ class Analyzer:
                 if len(lst) > USER_LIST_PRUNE_AT:
                     lst[:] = [(p, n) for p, n in lst if not self.is_done(n)] or lst[-1:]
                 return
-            overlaps_others = st.users_disjoint and any(r.overlaps(rect) for r in users)
+            overlaps_others = st.users_disjoint and users.overlaps_any(rect)
         if rect not in users and st.users_disjoint and overlaps_others:
             st.users_disjoint = False
         users[rect] = [(priv, node_id)]
@@ -146,7 +152,7 @@ class Analyzer:
         v = st.pieces.get(rect)
         if v is not None:
             return [(rect, v)]
-        return [(r, v) for r, v in st.pieces.items() if r.overlaps(rect)]
+        return st.pieces.overlapping(rect)
 
     def _physical_preds(self, st, region, rect, priv, mem, preds, launch, op) -> None:
         """Depend on whoever made the data valid in `mem`; copy it in first if it is valid elsewhere."""
