@@ -52,10 +52,16 @@ def task_threads() -> int:
     return max(1, min(blas, numba.config.NUMBA_NUM_THREADS))
 
 
-def row_chunks(rows: int) -> int:
-    """Sets this thread's numba kernels to the task's cores and returns how many pieces to cut
-    `rows` into: a few per thread, so that they even out."""
-    threads = task_threads()
+#: values below which a row kernel runs on one thread: one core does them in about a
+#: millisecond, what waking a second thread can cost while other processes hold the cores
+PARALLEL_MIN_VALUES = 1 << 21
+
+
+def row_chunks(rows: int, length: int) -> int:
+    """Sets this thread's numba kernels to the task's cores (one for fewer than
+    PARALLEL_MIN_VALUES values) and returns how many pieces to cut `rows` rows of `length`
+    into: a few per thread, so that they even out."""
+    threads = task_threads() if rows * length >= PARALLEL_MIN_VALUES else 1
     numba.set_num_threads(threads)
     return max(1, min(rows, 4 * threads))
 
@@ -147,7 +153,7 @@ def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
         yflat, ys = (flat, xs) if out is x else row_starts(out, writable=True)
         period, first = (0, 0) if causal_first is None else (x.shape[-2], causal_first)
         _softmax_rows_cpu(flat, xs, x.shape[-1], yflat, ys, period, first, x.dtype == np.float32,
-                          row_chunks(xs.size))
+                          row_chunks(xs.size, x.shape[-1]))
         return
     if causal_first is not None:
         lq, lk = x.shape[-2:]
@@ -166,7 +172,7 @@ def softmax_grad_rows(xp, y, dy, out=None):
         yflat, ys = row_starts(y)
         gflat, gs = row_starts(dy, writable=out is dy)
         oflat, os_ = (gflat, gs) if out is dy else row_starts(out, writable=True)
-        _softmax_grad_rows_cpu(yflat, ys, gflat, gs, y.shape[-1], oflat, os_, row_chunks(ys.size))
+        _softmax_grad_rows_cpu(yflat, ys, gflat, gs, y.shape[-1], oflat, os_, row_chunks(ys.size, y.shape[-1]))
         return out
     dx = dy - (dy * y).sum(axis=-1, keepdims=True)
     dx *= y

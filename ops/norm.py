@@ -475,7 +475,7 @@ class LayerNorm(Op):
         mean, rstd = np.empty(xs.size, x.dtype), np.empty(xs.size, x.dtype)
         w, b = self._flat_weights(weights, x.dtype)
         _ln_forward_cpu(xflat, xs, rows.shape[-1], self.eps, self.elementwise_affine, w, b, yflat, ys, mean, rstd,
-                        row_chunks(xs.size))
+                        row_chunks(xs.size, rows.shape[-1]))
         return [y], (mean, rstd)
 
     def _flat_weights(self, weights, dtype):
@@ -491,7 +491,8 @@ class LayerNorm(Op):
         gflat, gs = row_starts(self._rows(dy))
         dx = np.empty(x.shape, x.dtype)
         dflat, ds = row_starts(self._rows(dx), writable=True)
-        d, chunks = rows.shape[-1], row_chunks(xs.size)
+        d = rows.shape[-1]
+        chunks = row_chunks(xs.size, d)
         w, _ = self._flat_weights(weights, x.dtype)
         parts = (chunks, d) if self.elementwise_affine else (0, 0)
         dw, db = np.empty(parts), np.empty(parts)

@@ -201,3 +201,26 @@ def test_softmax_kernel_keeps_nans_and_gives_minus_infinity_no_weight():
     t = torch.softmax(torch.tensor(x), dim=-1).numpy()
     assert np.isnan(y[0]).all() and np.isnan(t[0]).all()
     np.testing.assert_allclose(y[1:], t[1:], rtol=1e-6, atol=1e-30)
+
+
+def test_row_kernels_give_the_same_on_every_thread_count(monkeypatch):
+    """Softmax and layer norm rows shared out over the cores (the threshold lowered to 0) give
+    what one thread gives."""
+    import ops.activation
+    from ops.norm import LayerNorm
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 37, 33)).astype(np.float32)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    op = LayerNorm("ln", [spec(x.shape)], normalized_shape=33)
+    weights = {"weight": rng.standard_normal(33).astype(np.float32), "bias": rng.standard_normal(33).astype(np.float32)}
+    tile = Rect.from_shape(x.shape)
+    results = []
+    for threshold in (x.size + 1, 0):
+        monkeypatch.setattr(ops.activation, "PARALLEL_MIN_VALUES", threshold)
+        y = np.empty_like(x)
+        softmax_rows_(np, x, y)
+        (ln,), saved = op.forward(np, tile, [x], [tile], weights)
+        (dx,), gw = op.backward(np, tile, [x], [tile], weights, [ln], [g], saved)
+        results.append([y, softmax_grad_rows(np, y, g), ln, dx, gw["weight"], gw["bias"]])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
