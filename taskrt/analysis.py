@@ -9,6 +9,11 @@ For every region the analysis keeps one RegionState:
            node). Rects in no piece were never written: they read as zeros everywhere;
 - pending: [(rect, redop, buffer, memory, node id)]  reductions not yet folded.
 
+users and pieces are RectMaps and pending a PendingFolds (a RectMap underneath), so an access
+finds what overlaps it in the cells of a grid over the region, not by scanning everything:
+graph building stays linear in its nodes when producers and readers split a region
+differently (taskrt/rectmap.py).
+
 An empty rect touches nothing and orders nothing.
 A task's preds are the conflicting users that overlap it, plus the producers of the data
 it uses in its own memory; when that data is valid only elsewhere, a CopyNode brings it
@@ -30,8 +35,63 @@ from .rectmap import RectMap
 from .region import Region
 from .taskgraph import CopyNode, PhysicalReq, TaskNode
 
-#: prune finished readers from a rect's user list once it grows past this length
+#: prune finished readers from a rect's user list once it grows past this length (and then each
+#: time its length reaches a power of two)
 USER_LIST_PRUNE_AT = 16
+
+
+class PendingFolds:
+    """A region's reductions not yet folded: (rect, redop, buffer, memory, node id) entries in
+    program order, found by rect through a RectMap (a rect's entries under it by position).
+
+    A position is a tuple: a new entry's is one past the last; the rest of a partly folded
+    entry takes the entry's position plus its index among the rest, so it stays where the
+    entry was in program order and iteration (sorted by position) sees the list the
+    analysis describes."""
+
+    __slots__ = ("_by_rect", "_count", "_next")
+
+    def __init__(self, bounds: Rect | None = None, entries=()):
+        self._by_rect = RectMap(bounds)
+        self._count = 0
+        self._next = 0
+        for entry in entries:
+            self.append(entry)
+
+    def append(self, entry: tuple, position: tuple | None = None) -> None:
+        if position is None:
+            position = (self._next,)
+            self._next += 1
+        bucket = self._by_rect.get(entry[0])
+        if bucket is None:
+            bucket = self._by_rect[entry[0]] = {}
+        bucket[position] = entry
+        self._count += 1
+
+    def remove(self, position: tuple, entry: tuple) -> None:
+        bucket = self._by_rect[entry[0]]
+        del bucket[position]
+        if not bucket:
+            del self._by_rect[entry[0]]
+        self._count -= 1
+
+    def overlapping(self, rect: Rect) -> list[tuple[tuple, tuple]]:
+        """(position, entry) of the entries whose rect overlaps `rect`, in program order."""
+        return sorted((kv for _, bucket in self._by_rect.overlapping(rect) for kv in bucket.items()),
+                      key=lambda kv: kv[0])
+
+    def __iter__(self):
+        return (e for _, e in sorted((kv for bucket in self._by_rect.values() for kv in bucket.items()),
+                                     key=lambda kv: kv[0]))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __repr__(self) -> str:
+        return f"PendingFolds({self._count} entries)"
 
 
 @dataclass
@@ -39,12 +99,12 @@ class RegionState:
     users: RectMap = field(default_factory=RectMap)          # rect -> [(privilege, node id)]
     users_disjoint: bool = True
     pieces: RectMap = field(default_factory=RectMap)         # rect -> {memory: producer id}
-    pending: list[tuple[Rect, str, tuple[int, int], Memory, int]] = field(default_factory=list)
+    pending: PendingFolds = field(default_factory=PendingFolds)
 
     @staticmethod
     def of(region: Region) -> "RegionState":
         """An empty state whose maps index rects over the region's bounds."""
-        return RegionState(RectMap(region.rect), True, RectMap(region.rect))
+        return RegionState(RectMap(region.rect), True, RectMap(region.rect), PendingFolds(region.rect))
 
     def abstract(self) -> tuple:
         """The state without node ids: what decides which copies and folds a program makes."""
@@ -58,7 +118,7 @@ class RegionState:
             users=RectMap(self.users.bounds, ((r, [(p, f(n)) for p, n in lst]) for r, lst in self.users.items())),
             users_disjoint=self.users_disjoint,
             pieces=RectMap(self.pieces.bounds, ((r, {m: f(n) for m, n in v.items()}) for r, v in self.pieces.items())),
-            pending=[(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self.pending],
+            pending=PendingFolds(self.pieces.bounds, [(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self.pending]),
         )
 
 
@@ -139,7 +199,10 @@ class Analyzer:
             lst = users.get(rect)
             if lst is not None:
                 lst.append((priv, node_id))
-                if len(lst) > USER_LIST_PRUNE_AT:
+                length = len(lst)
+                if length > USER_LIST_PRUNE_AT and length & (length - 1) == 0:
+                    # at each power of two only, so that a list of readers that are all still
+                    # running (or never run: execute=False) costs O(1) an append, not O(length)
                     lst[:] = [(p, n) for p, n in lst if not self.is_done(n)] or lst[-1:]
                 return
             overlaps_others = st.users_disjoint and users.overlaps_any(rect)
@@ -183,11 +246,10 @@ class Analyzer:
     def _flush(self, st, region, rect, priv, mem, preds, launch, op) -> None:
         """Fold every pending reduction that overlaps `rect` and does not commute with `priv`
         into `mem`, in program order; the accessing task waits for the folds."""
-        keep = []
-        for entry in st.pending:
+        pending = st.pending
+        for position, entry in pending.overlapping(rect):
             prect, redop, buffer, rmem, rnode = entry
-            if not prect.overlaps(rect) or (priv.is_reduce and priv.redop == redop):
-                keep.append(entry)
+            if priv.is_reduce and priv.redop == redop:
                 continue
             part = prect.intersect(rect)
             fold_preds = {rnode}
@@ -201,8 +263,9 @@ class Analyzer:
             preds.add(fold.id)
             # the rest of the buffer stays pending, in its place in program order, for
             # whoever reads it next (so each reader of a shard folds only that shard)
-            keep.extend((r, redop, buffer, rmem, rnode) for r in prect.subtract(part))
-        st.pending = keep
+            pending.remove(position, entry)
+            for i, rest in enumerate(prect.subtract(part)):
+                pending.append((rest, redop, buffer, rmem, rnode), position + (i,))
 
 
 _FOLD_TARGET = Privilege("RW")

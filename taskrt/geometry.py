@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -18,11 +19,13 @@ class Rect:
     _empty: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if len(self.lo) != len(self.hi):
-            raise ValueError(f"Rect lo {self.lo} and hi {self.hi} have different dimensions")
-        object.__setattr__(self, "_hash", hash((self.lo, self.hi)))
-        # asked for on every access the analysis makes: computed once
-        object.__setattr__(self, "_empty", any(b <= a for a, b in zip(self.lo, self.hi)))
+        lo, hi = self.lo, self.hi
+        if len(lo) != len(hi):
+            raise ValueError(f"Rect lo {lo} and hi {hi} have different dimensions")
+        object.__setattr__(self, "_hash", hash((lo, hi)))
+        # asked for on every access the analysis makes: computed once (the analysis makes
+        # hundreds of thousands of rects a graph, so this stays in C: map, not a generator)
+        object.__setattr__(self, "_empty", not all(map(operator.lt, lo, hi)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -61,7 +64,8 @@ class Rect:
         return self._empty
 
     def intersect(self, other: "Rect") -> "Rect":
-        self._check_dims(other)
+        if len(self.lo) != len(other.lo):
+            self._check_dims(other)
         return Rect(tuple(map(max, self.lo, other.lo)), tuple(map(min, self.hi, other.hi)))
 
     def overlaps(self, other: "Rect") -> bool:
