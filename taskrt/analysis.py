@@ -94,9 +94,27 @@ class PendingFolds:
         return f"PendingFolds({self._count} entries)"
 
 
+class Users:
+    """Who touched one rect since it was last overwritten: the readers' node ids apart from the
+    others' (privilege, node id), since a reader conflicts with none of the readers (a weight
+    read by P tiles would otherwise be checked P times by each of them)."""
+
+    __slots__ = ("reads", "others")
+
+    def __init__(self, reads: list[int] | None = None, others: list[tuple[Privilege, int]] | None = None):
+        self.reads = reads if reads is not None else []
+        self.others = others if others is not None else []
+
+    def __len__(self) -> int:
+        return len(self.reads) + len(self.others)
+
+    def __repr__(self) -> str:
+        return f"Users(reads={self.reads}, others={self.others})"
+
+
 @dataclass
 class RegionState:
-    users: RectMap = field(default_factory=RectMap)          # rect -> [(privilege, node id)]
+    users: RectMap = field(default_factory=RectMap)          # rect -> Users
     users_disjoint: bool = True
     pieces: RectMap = field(default_factory=RectMap)         # rect -> {memory: producer id}
     pending: PendingFolds = field(default_factory=PendingFolds)
@@ -115,7 +133,8 @@ class RegionState:
     def remap(self, f: Callable[[int | None], int | None]) -> "RegionState":
         """A copy with every node id passed through f."""
         return RegionState(
-            users=RectMap(self.users.bounds, ((r, [(p, f(n)) for p, n in lst]) for r, lst in self.users.items())),
+            users=RectMap(self.users.bounds, ((r, Users([f(n) for n in u.reads], [(p, f(n)) for p, n in u.others]))
+                                              for r, u in self.users.items())),
             users_disjoint=self.users_disjoint,
             pieces=RectMap(self.pieces.bounds, ((r, {m: f(n) for m, n in v.items()}) for r, v in self.pieces.items())),
             pending=PendingFolds(self.pieces.bounds, [(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self.pending]),
@@ -179,8 +198,11 @@ class Analyzer:
         return st.users.overlapping(rect)
 
     def _logical_preds(self, st: RegionState, rect: Rect, priv: Privilege, preds: set) -> None:
-        for _, lst in self._overlapping_users(st, rect):
-            for p, n in lst:
+        reading = priv.mode == "R"
+        for _, users in self._overlapping_users(st, rect):
+            if not reading:
+                preds.update(users.reads)
+            for p, n in users.others:
                 if p.conflicts(priv):
                     preds.add(n)
 
@@ -196,19 +218,35 @@ class Analyzer:
                 st.users_disjoint = pairwise_disjoint(users)
             overlaps_others = len(over) > len(doomed)  # (counts rect itself when it is a user already)
         else:
-            lst = users.get(rect)
-            if lst is not None:
-                lst.append((priv, node_id))
-                length = len(lst)
+            known = users.get(rect)
+            if known is not None:
+                if priv.mode == "R":
+                    known.reads.append(node_id)
+                else:
+                    known.others.append((priv, node_id))
+                length = len(known)
                 if length > USER_LIST_PRUNE_AT and length & (length - 1) == 0:
-                    # at each power of two only, so that a list of readers that are all still
-                    # running (or never run: execute=False) costs O(1) an append, not O(length)
-                    lst[:] = [(p, n) for p, n in lst if not self.is_done(n)] or lst[-1:]
+                    # at each power of two only, so that readers that are all still running (or
+                    # never run: execute=False) cost O(1) an append, not O(length)
+                    self._prune(known)
                 return
             overlaps_others = st.users_disjoint and users.overlaps_any(rect)
         if rect not in users and st.users_disjoint and overlaps_others:
             st.users_disjoint = False
-        users[rect] = [(priv, node_id)]
+        users[rect] = Users([node_id]) if priv.mode == "R" else Users(None, [(priv, node_id)])
+
+    def _prune(self, users: Users) -> None:
+        """Forget finished users (keeping the last one when all have finished)."""
+        done = self.is_done
+        last = users.others[-1:] if users.others else None
+        reads = [n for n in users.reads if not done(n)]
+        others = [(p, n) for p, n in users.others if not done(n)]
+        if not reads and not others:
+            if last is not None:
+                others = last
+            else:
+                reads = users.reads[-1:]
+        users.reads, users.others = reads, others
 
     # ---- coherence: where valid data lives ---------------------------------------------
     def _overlapping_pieces(self, st: RegionState, rect: Rect):
