@@ -57,13 +57,18 @@ def task_threads() -> int:
 PARALLEL_MIN_VALUES = 1 << 21
 
 
-def row_chunks(rows: int, length: int) -> int:
+def use_task_threads(values: int) -> int:
     """Sets this thread's numba kernels to the task's cores (one for fewer than
-    PARALLEL_MIN_VALUES values) and returns how many pieces to cut `rows` rows of `length`
-    into: a few per thread, so that they even out."""
-    threads = task_threads() if rows * length >= PARALLEL_MIN_VALUES else 1
+    PARALLEL_MIN_VALUES values) and returns how many that is."""
+    threads = task_threads() if values >= PARALLEL_MIN_VALUES else 1
     numba.set_num_threads(threads)
-    return max(1, min(rows, 4 * threads))
+    return threads
+
+
+def row_chunks(rows: int, length: int) -> int:
+    """use_task_threads for `rows` rows of `length`, and how many pieces to cut the rows into:
+    a few per thread, so that they even out."""
+    return max(1, min(rows, 4 * use_task_threads(rows * length)))
 
 
 _LOG2E = np.float32(1.4426950408889634)
