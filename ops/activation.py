@@ -12,14 +12,13 @@ Elsewhere (cupy) it is plain array code.
 """
 from __future__ import annotations
 
-import functools
 
 import numba
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
+from ops import cpu_pool
 from ops.base import Op, register_op, sample_split_dims
-from ops.cpu_layout import flat_rows
+from ops.cpu_layout import row_starts
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from taskrt.geometry import Rect
 
@@ -28,28 +27,10 @@ _UNARY_FLOPS = {"relu": 1, "sigmoid": 4, "tanh": 6, "gelu": 10}
 
 
 # ---- row kernels on the CPU ------------------------------------------------------------------
-def row_starts(a, writable: bool = False):
-    """`a`'s rows (its last dim) for a numba kernel as (flat, starts): flat_rows' 1-D view and
-    the element offset of every row in C order, so that row r is flat[starts[r]:][:a.shape[-1]]
-    whatever the strides of the leading dims (a tile of a bigger array is not copied)."""
-    flat, *strides = flat_rows(a, writable)
-    starts = np.zeros(1, np.int64)
-    for n, s in zip(a.shape[:-1], strides):
-        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
-    return flat, starts
-
-
-@functools.cache
-def blas_libraries() -> list:
-    """numpy's BLAS libraries as threadpoolctl controls them."""
-    return ThreadpoolController().select(user_api="blas").lib_controllers
-
-
 def task_threads() -> int:
     """The cores the running task has: the threads BLAS may use now (the runtime limits BLAS to
     each CPU worker's share of the cores), at most numba's."""
-    blas = max([lib.get_num_threads() for lib in blas_libraries()], default=1)
-    return max(1, min(blas, numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(cpu_pool.threads(), numba.config.NUMBA_NUM_THREADS))
 
 
 #: values below which a row kernel runs on one thread: one core does them in about a

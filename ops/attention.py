@@ -22,16 +22,15 @@ first head tile only).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ops.activation import blas_libraries, softmax_grad_rows, softmax_rows_
+from ops import cpu_pool
+from ops.activation import softmax_grad_rows, softmax_rows_
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
 from taskrt.geometry import Rect
 
@@ -43,31 +42,6 @@ def _heads(a, num_heads: int):
 
 
 # ---- the per-head work on the CPU's cores ----------------------------------------------------
-_serial = {"users": 0, "threads": 1}  # BLAS's threads before the first of the current users
-_serial_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _blas_on_one_thread():
-    """BLAS on one thread while inside; yields the threads it had before: the task's cores (the
-    runtime gives each CPU worker its share). Of concurrent users the first sets, the last restores."""
-    with _serial_lock:
-        if _serial["users"] == 0:
-            _serial["threads"] = max([lib.get_num_threads() for lib in blas_libraries()], default=1)
-            for lib in blas_libraries():
-                lib.set_num_threads(1)
-        _serial["users"] += 1
-        threads = _serial["threads"]
-    try:
-        yield threads
-    finally:
-        with _serial_lock:
-            _serial["users"] -= 1
-            if _serial["users"] == 0:
-                for lib in blas_libraries():
-                    lib.set_num_threads(_serial["threads"])
-
-
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     """The threads that run the head groups (their numba kernels on one thread, as BLAS)."""
@@ -90,7 +64,7 @@ def _per_head_groups(xp, batch: int, heads: int, work) -> None:
     if xp is not np:
         work(slice(None), slice(None))
         return
-    with _blas_on_one_thread() as threads:
+    with cpu_pool.blas_on_one_thread() as threads:
         groups = _head_groups(batch, heads, threads)
         if len(groups) == 1:
             work(*groups[0])

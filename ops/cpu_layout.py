@@ -34,3 +34,14 @@ def flat_rows(a, writable: bool = False):
 def flat_row(rows, start, length):
     """The contiguous row of `length` elements at element offset `start` of flat_rows' view."""
     return rows[0][start:start + length]
+
+
+def row_starts(a, writable: bool = False):
+    """`a`'s rows (its last dim) for a numba kernel as (flat, starts): flat_rows' 1-D view and
+    the element offset of every row in C order, so that row r is flat[starts[r]:][:a.shape[-1]]
+    whatever the strides of the leading dims (a tile of a bigger array is not copied)."""
+    flat, *strides = flat_rows(a, writable)
+    starts = np.zeros(1, np.int64)
+    for n, s in zip(a.shape[:-1], strides):
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    return flat, starts

@@ -18,7 +18,7 @@ _lock = threading.Lock()
 _state: dict = {"users": 0, "threads": 1}
 
 
-def _blas_libraries() -> list:
+def blas_libraries() -> list:
     """numpy's BLAS libraries as threadpoolctl controls them, found once."""
     with _lock:
         if "blas" not in _state:
@@ -31,14 +31,14 @@ def _blas_libraries() -> list:
 
 def threads() -> int:
     """The threads BLAS may use now: the cores of the running task (1 where no BLAS is found)."""
-    return max([lib.get_num_threads() for lib in _blas_libraries()] + [1])
+    return max([lib.get_num_threads() for lib in blas_libraries()] + [1])
 
 
 @contextlib.contextmanager
 def blas_on_one_thread():
     """BLAS on one thread while inside; yields the threads it had before. Of concurrent users
     the first sets it and the last restores it."""
-    libraries = _blas_libraries()
+    libraries = blas_libraries()
     with _lock:
         if _state["users"] == 0:
             _state["threads"] = max([lib.get_num_threads() for lib in libraries] + [1])

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.activation import row_chunks, row_starts
+from ops.activation import row_chunks
+from ops.cpu_layout import row_starts
 from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, int_attr, register_op,
                       sample_split_dims)
 from ops.cpu_layout import flat_row, flat_rows
