@@ -11,3 +11,8 @@ settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 os.environ["TASKRT_GPUS"] = "0"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_threshold: a Winograd test that checks the shipped size threshold "
+                                       "(tests/test_winograd.py lowers it for the others)")

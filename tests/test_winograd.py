@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
+import ops.conv as conv_module
 from ops import cpu_pool, winograd
 from ops.conv import Conv2d
 from taskrt.geometry import Rect
@@ -109,6 +110,14 @@ def test_float32_error_against_float64():
         assert err < 1e-5, f"{name}: float32 error {err:.2e} of the largest value"
 
 
+@pytest.fixture(autouse=True)
+def small_images_run_as_winograd(request, monkeypatch):
+    """The Winograd path on the small images these tests use (in use it starts at
+    _WINOGRAD_MIN_PIXELS output pixels), except where a test checks that choice itself."""
+    if "real_threshold" not in request.keywords:
+        monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_PIXELS", 1)
+
+
 def winograd_conv(shape, dtype="float32", **attrs):
     op = Conv2d("conv", [spec(shape, dtype)], kernel=3, **attrs)
     assert op._winograd(np), f"{op} should run as Winograd"
@@ -169,7 +178,12 @@ def test_conv2d_winograd_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo
     np.testing.assert_allclose(gw_w["weight"], dw_c, rtol=1e-11, atol=1e-11)
 
 
-def test_conv2d_winograd_only_where_it_pays():
+@pytest.mark.real_threshold
+def test_conv2d_winograd_only_where_it_pays(monkeypatch):
+    side = int(np.ceil(np.sqrt(conv_module._WINOGRAD_MIN_PIXELS)))
+    assert Conv2d("c", [spec((1, 8, side, side))], out_channels=8, kernel=3, padding=1)._winograd(np)
+    assert not Conv2d("c", [spec((1, 8, side - 1, side - 1))], out_channels=8, kernel=3, padding=1)._winograd(np)
+    monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_PIXELS", 1)   # the other conditions, on small images
     assert not Conv2d("c", [spec((1, 4, 8, 8))], out_channels=4, kernel=3)._winograd(np)  # few channels
     assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, stride=2)._winograd(np)
     assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, groups=2)._winograd(np)
