@@ -58,6 +58,12 @@ class PendingFolds:
         for entry in entries:
             self.append(entry)
 
+    def remap(self, f: Callable[[int | None], int | None]) -> "PendingFolds":
+        """A copy with every node id passed through f."""
+        if not self._count:
+            return PendingFolds(self._by_rect.bounds)
+        return PendingFolds(self._by_rect.bounds, [(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self])
+
     def append(self, entry: tuple, position: tuple | None = None) -> None:
         if position is None:
             position = (self._next,)
@@ -137,7 +143,7 @@ class RegionState:
                                               for r, u in self.users.items())),
             users_disjoint=self.users_disjoint,
             pieces=RectMap(self.pieces.bounds, ((r, {m: f(n) for m, n in v.items()}) for r, v in self.pieces.items())),
-            pending=PendingFolds(self.pieces.bounds, [(r, op, (f(b[0]), b[1]), m, f(n)) for r, op, b, m, n in self.pending]),
+            pending=self.pending.remap(f),
         )
 
 

@@ -7,7 +7,8 @@ grow with the square of the device count. Past `GRID_AT` keys, a RectMap also fi
 under the cells of a coarse grid over the region that it covers, with cells along the dims
 its keys are cut in; a query then looks only at the keys filed under its own cells.
 
-Iteration and `overlapping` keep insertion order (as a dict does: re-assigning a key keeps
+The grid is built on the first query once the map is that large. Iteration and
+`overlapping` keep insertion order (as a dict does: re-assigning a key keeps
 its place, deleting and adding it again moves it last), so what the analysis makes does not
 depend on whether a map has its grid.
 """
@@ -31,14 +32,13 @@ class RectMap:
     def __init__(self, bounds: Rect | None = None, items=()):
         self.bounds = bounds
         self._items: dict[Rect, object] = {}
-        self._order: dict[Rect, int] = {}
+        self._order: dict[Rect, int] = {}   # a key's place in insertion order, kept while there is a grid
         self._seq = 0
         self._grid: dict[int, set[Rect]] | None = None
         self._cuts: list[int] = []
         self._dims: list[tuple[int, int, int, int, int]] = []   # (dim, start, extent, cuts, stride) of cut dims
         self._known: dict[Rect, list[int]] = {}
-        for rect, value in items:
-            self[rect] = value
+        self._items = dict(items)
 
     # ---- the dict interface the analysis uses ---------------------------------------------------
     def __getitem__(self, rect: Rect):
@@ -66,21 +66,16 @@ class RectMap:
         return self._items.values()
 
     def __setitem__(self, rect: Rect, value) -> None:
-        if rect not in self._items:
+        if self._grid is not None and rect not in self._items:
             self._order[rect] = self._seq
             self._seq += 1
-            if self._grid is not None:
-                self._file(rect)
-            elif len(self._items) >= GRID_AT and self.bounds is not None and self.bounds.ndim:
-                self._items[rect] = value
-                self._build_grid()
-                return
+            self._file(rect)
         self._items[rect] = value
 
     def __delitem__(self, rect: Rect) -> None:
         del self._items[rect]
-        del self._order[rect]
         if self._grid is not None:
+            del self._order[rect]
             for cell in self._cells(rect):
                 self._grid[cell].discard(rect)
 
@@ -92,8 +87,10 @@ class RectMap:
     def overlapping(self, rect: Rect) -> list[tuple[Rect, object]]:
         """(key, value) of every key that shares a point with `rect`, in insertion order."""
         items = self._items
-        if self._grid is None or rect.empty:
+        if self._grid is None and not self._gridded():
             return [(r, v) for r, v in items.items() if r.overlaps(rect)]
+        if rect.empty:
+            return []
         cells = self._cells(rect)
         if len(cells) * 2 > len(self._grid) or len(cells) > len(items):
             return [(r, v) for r, v in items.items() if r.overlaps(rect)]
@@ -106,12 +103,20 @@ class RectMap:
 
     def overlaps_any(self, rect: Rect) -> bool:
         """Whether some key shares a point with `rect`."""
-        if self._grid is None or rect.empty:
+        if self._grid is None and not self._gridded():
             return any(r.overlaps(rect) for r in self._items)
         grid = self._grid
         return any(r.overlaps(rect) for cell in self._cells(rect) for r in grid.get(cell, ()))
 
     # ---- the grid -------------------------------------------------------------------------------------
+    def _gridded(self) -> bool:
+        """Build the grid if the map has grown past GRID_AT keys (on the first query after, so a
+        map that is only copied, as replay copies states, never pays for one); whether it has one."""
+        if len(self._items) >= GRID_AT and self.bounds is not None and self.bounds.ndim:
+            self._build_grid()
+            return True
+        return False
+
     def _build_grid(self) -> None:
         """Cells along the dims the keys are cut in (by how many distinct starts each dim has),
         at most MAX_CELLS in all, then every key filed."""
@@ -134,6 +139,8 @@ class RectMap:
                       for d in range(bounds.ndim) if cuts[d] > 1]
         self._known = {}
         self._grid = {}
+        self._order = {r: i for i, r in enumerate(self._items)}   # the dict's order is insertion order
+        self._seq = len(self._order)
         for r in self._items:
             self._file(r)
 
