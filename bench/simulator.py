@@ -10,7 +10,8 @@ Measured here, on one core:
   full caches (assembly only), and after one op's config changes (the delta a search
   proposal costs); the target is 10 us per node at 64;
 - full simulations (the runtime's graph built afresh, costs, timing) and delta simulations
-  (one random op's config changed per simulation, through the caches) per second, of the tiny
+  (through the caches) per second of the same strategies (from data parallel, one random op's
+  config redrawn at a time), of the tiny
   Inception-v3 and NMT apps on 16 P100 and 64 K80 devices, and `delta_over_full` (target >= 5
   at 64 devices);
 - the search on the tiny Inception-v3 on 64 K80 devices: seconds per proposal and what 10,000
@@ -98,25 +99,31 @@ def build_rate(model: Model, processors: int, changes: int) -> dict:
 
 
 def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
-    """Full and delta simulations per second of a tiny app, data parallel then one-op changes."""
+    """Full and delta simulations per second of a tiny app: from data parallel, `changes` strategies
+    each with one op's config redrawn, each simulated both ways (delta through the caches the
+    earlier ones filled, full from scratch); the medians."""
     model, output = app_graph(app, None, tiny=True)
     mm = load_machine(machine, nodes=nodes)
     sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
     from strategies import data_parallel
     configs = sim.configs(data_parallel(model, sim.machine))
-    t0 = time.perf_counter()
-    full = sim.simulate(configs, delta=False)
-    full_s = time.perf_counter() - t0
-    sim.simulate(configs)  # fills the caches
-    seconds = []
+    first = sim.simulate(configs)  # fills the caches
+    full_s, delta_s, sizes = [], [], []
     for changed in _changes(sim, configs, changes, seed=1):
         t0 = time.perf_counter()
-        sim.simulate(changed)
-        seconds.append(time.perf_counter() - t0)
-    delta_s = float(np.median(seconds))
-    return {"devices": mm.num_devices, "nodes": len(full.graph.nodes), "full_per_s": round(1 / full_s, 3),
-            "delta_per_s": round(1 / delta_s, 3), "delta_over_full": round(full_s / delta_s, 2),
-            "predicted_ms": round(full.time * 1e3, 4)}
+        delta = sim.simulate(changed)
+        delta_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        full = sim.simulate(changed, delta=False)
+        full_s.append(time.perf_counter() - t0)
+        if full.time != delta.time:
+            raise RuntimeError(f"{app}: delta simulation {delta.time} s, full {full.time} s: they must be equal")
+        sizes.append(len(full.graph.nodes))
+    full_m, delta_m = float(np.median(full_s)), float(np.median(delta_s))
+    return {"devices": mm.num_devices, "nodes_data_parallel": len(first.graph.nodes),
+            "nodes_median": int(np.median(sizes)), "full_per_s": round(1 / full_m, 3),
+            "delta_per_s": round(1 / delta_m, 3), "delta_over_full": round(full_m / delta_m, 2),
+            "predicted_ms_data_parallel": round(first.time * 1e3, 4)}
 
 
 def search_rate(app: str, machine: str, nodes: int, proposals: int) -> dict:
@@ -148,7 +155,7 @@ def main(argv=None) -> dict:
         ("inception_v3", "p100", 4), ("nmt", "p100", 4), ("inception_v3", "k80", 16), ("nmt", "k80", 16)]
     for app, machine, nodes in cases:
         key = f"{app}/{machine}x{nodes}"
-        out["simulations"][key] = simulation_rate(app, machine, nodes, 3 if args.quick else 8)
+        out["simulations"][key] = simulation_rate(app, machine, nodes, 3 if args.quick else 6)
         print(f"simulate {key}: {out['simulations'][key]}", flush=True)
     at_64 = [v["delta_over_full"] for v in out["simulations"].values() if v["devices"] == 64]
     out["delta_over_full"] = min(at_64) if at_64 else None
