@@ -102,51 +102,81 @@ def _holdings(low: Lowering, machine: Machine) -> dict[Memory, dict[str, tuple[l
 
 
 class PeakCache:
-    """plan_peak for many strategies of one graph: each op's holdings are kept by its config, and
-    each region's bytes per memory by the configs of the ops that hold it (its producer and
-    readers), so a changed op recomputes only its own regions. Equals plan_peak exactly."""
+    """plan_peak for a sequence of strategies of one graph, kept up to date rather than redone:
+    each op's holdings are kept by its config, each region's bytes per memory by the configs of
+    the ops that hold it (its producer and readers), and the totals from the strategy before,
+    so a proposal that changes one op recomputes only that op's regions. Equals plan_peak
+    exactly (integer bytes)."""
 
     def __init__(self, ops: Sequence[Op], machine: Machine):
         self.machine = machine
-        self._ops: dict[str, Op] = {op.name: op for op in ops}
-        self._op_held: dict[tuple, dict] = {}
+        self._order = {op.name: i for i, op in enumerate(ops)}
+        self._op_held: dict[tuple, tuple[dict, frozenset]] = {}
         self._region_bytes: dict[tuple, dict[Memory, int]] = {}
         self._first = {}
         for i, p in enumerate(machine.processors):
             self._first.setdefault(p.memory, i)
+        # the state after the last strategy
+        self._keys: dict[str, tuple] = {}
+        self._holders: dict[str, list[str]] = {}
+        self._bytes: dict[str, dict[Memory, int]] = {}
+        self._total: dict[Memory, int] = {}
+
+    def _held(self, op, low, key, updates) -> tuple[dict, frozenset]:
+        got = self._op_held.get(key)
+        if got is None:
+            h = _op_holdings(op, low.plans[op.name], updates.get(op.name, ()), low, self.machine)
+            got = self._op_held[key] = (h, frozenset(name for _, name in h))
+        return got
 
     def peak(self, low) -> dict[int, int]:
         """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
-        updates = _updates_by_op(low)
-        holders: dict[str, list[str]] = {}
-        held = {}
-        for op in low.ops:
-            key = (op.name, low.plans[op.name].config)
-            h = self._op_held.get(key)
-            if h is None:
-                h = self._op_held[key] = _op_holdings(op, low.plans[op.name], updates.get(op.name, ()), low,
-                                                      self.machine)
-            held[op.name] = (key, h)
-            for region in {name for _, name in h}:
-                holders.setdefault(region, []).append(op.name)
-        total: dict[Memory, int] = {}
-        for region, names in holders.items():
-            key = (region, tuple(held[n][0] for n in names))
-            per_memory = self._region_bytes.get(key)
-            if per_memory is None:
-                rects: dict[Memory, tuple[list, int]] = {}
-                for n in names:
-                    for (memory, name), (rs, itemsize) in held[n][1].items():
-                        if name == region:
-                            rects.setdefault(memory, ([], itemsize))[0].extend(rs)
-                per_memory = self._region_bytes[key] = {m: union_volume(rs) * itemsize
-                                                        for m, (rs, itemsize) in rects.items()}
-            for memory, nbytes in per_memory.items():
-                total[memory] = total.get(memory, 0) + nbytes
+        keys = {op.name: (op.name, low.plans[op.name].config) for op in low.ops}
+        changed = [op for op in low.ops if self._keys.get(op.name) != keys[op.name]]
+        if changed:
+            updates = _updates_by_op(low)
+            touched: set[str] = set()
+            for op in changed:
+                old = self._keys.get(op.name)
+                before = self._op_held[old][1] if old is not None else frozenset()
+                after = self._held(op, low, keys[op.name], updates)[1]
+                for region in before - after:
+                    self._holders[region].remove(op.name)
+                for region in after - before:
+                    names = self._holders.setdefault(region, [])
+                    names.append(op.name)
+                    names.sort(key=self._order.__getitem__)
+                touched |= before | after
+                self._keys[op.name] = keys[op.name]
+            for region in touched:
+                for memory, nbytes in self._bytes.pop(region, {}).items():
+                    self._total[memory] -= nbytes
+                names = self._holders.get(region)
+                if not names:
+                    continue
+                per_memory = self._region_of(region, names)
+                self._bytes[region] = per_memory
+                for memory, nbytes in per_memory.items():
+                    self._total[memory] = self._total.get(memory, 0) + nbytes
         peak: dict[int, int] = {}
-        for memory, nbytes in total.items():
-            peak[self._first[memory]] = peak.get(self._first[memory], 0) + int(nbytes)
+        for memory, nbytes in self._total.items():
+            if nbytes:
+                peak[self._first[memory]] = peak.get(self._first[memory], 0) + int(nbytes)
         return dict(sorted(peak.items()))
+
+    def _region_of(self, region: str, names: list[str]) -> dict[Memory, int]:
+        """Bytes per memory of one region, held by the ops `names` under their current configs."""
+        key = (region, tuple(self._keys[n] for n in names))
+        per_memory = self._region_bytes.get(key)
+        if per_memory is None:
+            rects: dict[Memory, tuple[list, int]] = {}
+            for n in names:
+                for (memory, name), (rs, itemsize) in self._op_held[self._keys[n]][0].items():
+                    if name == region:
+                        rects.setdefault(memory, ([], itemsize))[0].extend(rs)
+            per_memory = self._region_bytes[key] = {m: union_volume(rs) * itemsize
+                                                    for m, (rs, itemsize) in rects.items()}
+        return per_memory
 
 
 def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]], machine_model: MachineModel,
