@@ -44,7 +44,9 @@ from taskrt.geometry import Rect
 from taskrt.machine import Processor, count_gpus, gpus_from_env
 
 PHASES = ("forward", "backward", "update")
-CACHE_VERSION = 1
+#: the cost cache's format and kernel generation: raised when the kernels' speed changes (2: Winograd,
+#: 1x1 GEMMs, fused row kernels), so that measurements of the old kernels are not reused
+CACHE_VERSION = 2
 #: the kind the analytic model files optimizer updates under (its efficiency entry)
 UPDATE_KIND = "update"
 
