@@ -1,7 +1,7 @@
 """The iteration graph assembled from cached segments: what the search builds per proposal.
 
 strategies/graph.py builds one training iteration's graph by running the runtime's lowering
-and dependence analysis over the whole program. That is the reference, and it costs about
+and dependence analysis over the whole program. That is the reference, and it costs over
 100 us a node. A search changes one op's config per proposal, so almost all of that work
 repeats. Here the same graph is put together from parts that are each a pure function of a
 few configs, and cached by them:
@@ -19,13 +19,13 @@ few configs, and cached by them:
 
 A proposal that changes op k re-records k's segments and re-analyzes only the regions they
 touch (k's inputs, outputs, weights and their gradients); everything else comes from the
-caches. `assemble` then lays the nodes out in the runtime's program order (each task after
+caches. Assembly then lays the nodes out, in arrays, in the runtime's program order (each task after
 the copies it causes, those in requirement order), so the graph equals the one
 build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 
     builder = SegmentBuilder(ops, inputs, loss, machine, optimizer)
     graph = builder.build(configs)      # an AssembledIteration
-    graph.nodes, graph.preds, graph.segment_of, graph.task_costs
+    graph.nodes, graph.pred_ptr, graph.pred_idx, graph.segment_of, graph.task_cost_at(i)
 """
 from __future__ import annotations
 
