@@ -73,16 +73,18 @@ class IterationGraph:
 
     def task_cost(self, node: TaskNode) -> TaskCost:
         """The op, phase and rect of a task of this graph."""
-        low = self.lowering
-        name = node.name
-        if name.startswith("fill:"):
-            return TaskCost(None, FILL, node.reqs[0].rect if node.reqs else Rect((), ()))
-        if name.endswith(".update"):
-            param = name[:-len(".update")]
-            update = next(u for u in low.updates if u.param.name == param)
-            return TaskCost(low.plans[update.op_name].op, UPDATE, update.reqs[0].partition[node.point], param)
-        plan = low.plans[node.op]
-        return TaskCost(plan.op, launch_phase(name), plan.tiles[node.point])
+        plan = self.lowering.plans.get(node.op)
+        return task_cost_of(None if plan is None else plan.op, plan, node.name, node.reqs, node.point)
+
+
+def task_cost_of(op: Op | None, plan, name: str, reqs, point) -> TaskCost:
+    """What a task computes, from its launch's name: a fill its rect; an update ('W.update') its
+    shard of weight W (its first requirement); a kernel task its plan's tile at its point."""
+    if name.startswith("fill:"):
+        return TaskCost(None, FILL, reqs[0].rect if reqs else Rect((), ()))
+    if name.endswith(".update"):
+        return TaskCost(op, UPDATE, reqs[0].rect, name[:-len(".update")])
+    return TaskCost(op, launch_phase(name), plan.tiles[point])
 
 
 def launch_phase(name: str) -> str:

@@ -38,7 +38,7 @@ from ops.base import Op, TensorSpec
 from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PHASE, ZERO_GRAD_PHASE, Lowering,
                        OpPlan, Segment, TileConfig, UpdatePlan, default_config)
 from ops.optimizers import SGD
-from strategies.graph import FILL, UPDATE, TaskCost, launch_phase
+from strategies.graph import TaskCost, task_cost_of
 from taskrt import Runtime
 from taskrt.analysis import Analyzer
 from taskrt.machine import Machine
@@ -265,7 +265,7 @@ class SegmentBuilder:
                              for r, rect in zip(spec.reqs, spec.rects[i]))
                 index = len(tasks)
                 tasks.append(TaskNode(-1, spec.name, proc, spec.fn, reqs, spec.args[i], point, -1, spec.op))
-                costs.append(_task_cost(op, plan, spec.name, reqs, point))
+                costs.append(task_cost_of(op, plan, spec.name, reqs, point))
                 for j, r in enumerate(reqs):
                     if r.rect.empty:
                         continue
@@ -419,16 +419,6 @@ class SegmentBuilder:
                               column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6))
         self.stats["regions_analyzed"] += 1
         return result
-
-
-def _task_cost(op: Op | None, plan: OpPlan | None, name: str, reqs, point) -> TaskCost:
-    """What a recorded task computes (as IterationGraph.task_cost says for the runtime's graph)."""
-    if name.startswith("fill:"):
-        return TaskCost(None, FILL, reqs[0].rect)
-    if name.endswith(".update"):
-        return TaskCost(op, UPDATE, reqs[0].rect, name[:-len(".update")])
-    return TaskCost(op, launch_phase(name), plan.tiles[point])
-
 
 
 def _ends(ends: np.ndarray, offset: np.ndarray, base: np.ndarray) -> np.ndarray:
