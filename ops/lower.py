@@ -31,10 +31,14 @@ the outputs forward WROTE, so it runs after it.
 
 Gradients: at the start of a backward pass every grad region is filled with zeros where its
 producer's tiles will read it, on their devices (the loss's output grad with ones: the loss
-ops' backward then gives the gradient of the mean loss over the batch). Each backward task REDUCEs (sum) into its inputs' grad regions at
-its input rects, so the halos of neighbouring tiles and the consumers of a tensor used
-twice add up, and into the weight-grad regions at its weight rects, so sample-split tiles
-add up. The optimizer update is an index launch over a disjoint tiling of each weight.
+ops' backward then gives the gradient of the mean loss over the batch). Each backward task
+REDUCEs (sum) into its inputs' grad regions at its input rects, so the halos of neighbouring
+tiles and the consumers of a tensor used twice add up, and into the weight-grad regions at
+its weight rects, so sample-split tiles add up. One exception: a tensor used by one op only,
+whose tiles' input rects tile it exactly (no halo, no gap, no two tiles reading the same
+part), has its gradient WRITTEN by that op's backward, with no fill before it and no folds
+(PyTorch's autograd does the same: a gradient with one contribution is not accumulated).
+The optimizer update is an index launch over a disjoint tiling of each weight.
 
 Replay: one training iteration (forward, fills, backward, updates) is issued inside
 `rt.replay("train_step:<tag>")`: the runtime analyzes it once (twice: the first entry
@@ -299,6 +303,12 @@ class OpPlan:
                        for i, t in enumerate(op.outputs) if t.name in grads]
         self._gins = [part(grads[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"gin{i}")
                       for i, t in enumerate(op.inputs) if t.name in grads]
+        # an input gradient that only this op (at this input) contributes to, and that its tiles
+        # cover without overlap, is WRITTEN by them: no zero fill, no reduction buffers, no folds
+        gin_parts = iter(self._gins)
+        self.writes_grads = [t.name in grads and _written_whole(next(gin_parts), low.sole_consumers.get(t.name),
+                                                                (name, i))
+                             for i, t in enumerate(op.inputs)]
         self._gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in self.weight_rects.items()},
                           f"{k}.grad") for k in self.weight_names]
         self._carry_grads = [part(Region(p.region.shape, carry_dtype, f"{p.region.name}.grad"), p.rects,
@@ -339,7 +349,9 @@ class OpPlan:
         return ([req(p, READ) for p in self._ins + self._weights + self._outs + self._gouts]
                 + [req(self._sums[k], READ) for k in self._backward_sum_names()]
                 + [req(p, WRITE if position == last else READ_WRITE) for p in self._carry_grads]
-                + [req(p, SUM) for p in self._gins + self._gws])
+                + [req(p, WRITE if whole else SUM)
+                   for p, whole in zip(self._gins, [w for w, has in zip(self.writes_grads, self.grad_inputs) if has])]
+                + [req(p, SUM) for p in self._gws])
 
     def _sum_launches(self, names: list[str], backward: bool) -> list[PlanLaunch]:
         """Per sum in `names`: its zero fill, then every tile REDUCEs its part of it."""
@@ -363,16 +375,17 @@ class OpPlan:
                                        self._forward_reqs(training, k), self.placement, (training, valid, int(step))))
         return launches
 
-    def grad_fill_launches(self, ones: str | None) -> dict[str, list[PlanLaunch]]:
+    def grad_fill_launches(self, ones: str | None, written: frozenset = frozenset()) -> dict[str, list[PlanLaunch]]:
         """Output tensor name -> the launches that fill its gradient on this plan's tiles (ones for
         the tensor named `ones`, zeros for the others), for each output whose tiles cover it
-        without overlap; none off the gradient path."""
+        without overlap and whose consumer does not write it whole (`written`); none off the
+        gradient path."""
         if self.bwd_reqs is None:
             return {}
         out = {}
         outputs = [t for t, has in zip(self.op.outputs, self.grad_outputs) if has]
         for t, part in zip(outputs, self._gouts):
-            if disjoint_cover(set(part.rects.values()), part.region.rect):
+            if t.name not in written and disjoint_cover(set(part.rects.values()), part.region.rect):
                 out[t.name] = _zero_launches([part], self.colors, self.placement, 1.0 if t.name == ones else 0.0)
         return out
 
@@ -477,7 +490,11 @@ class OpPlan:
                                                 grad_outputs, saved, **self._extra(sums, carry))
         for i, buf in enumerate(grad_in_bufs):
             g = grad_inputs[i]
-            if buf is None or g is None or in_rects[i].empty:
+            if buf is None or in_rects[i].empty:
+                continue
+            if g is None:
+                if self.writes_grads[i]:  # written, not summed: no contribution is a zero one
+                    buf[...] = 0
                 continue
             if tuple(g.shape) != in_rects[i].shape:
                 raise self._fail(color, f"grad of input {i} has shape {tuple(g.shape)}, its rect "
@@ -504,6 +521,12 @@ def first_users(colors: list, rects: dict) -> dict:
             seen.add((k, r))
             out[c][k] = r if first else Rect(r.lo, r.lo)
     return out
+
+
+def _written_whole(part: Partition, sole_consumer: tuple | None, consumer: tuple) -> bool:
+    """Whether `consumer` (op name, input index) is the only use of the tensor behind the input
+    gradient partition `part`, and its tiles' rects tile the tensor exactly."""
+    return sole_consumer == consumer and disjoint_cover(list(part.rects.values()), part.region.rect)
 
 
 def _zero_launches(parts: list[Partition], colors: list, placement: dict, value: float = 0.0) -> list[PlanLaunch]:
@@ -641,6 +664,12 @@ class Lowering:
                 self.params[full] = ParamRegions(full, Region(shape, dtype, full), grad, state)
             for k, shape in op.state_shapes().items():
                 self.stats[f"{op.name}.{k}"] = Region(shape, op.weight_dtype(k), f"{op.name}.{k}")
+        uses: dict[str, list[tuple[str, int]]] = {}
+        for op in self.ops:
+            for i, t in enumerate(op.inputs):
+                uses.setdefault(t.name, []).append((op.name, i))
+        #: tensor name -> (op name, input index) of its only use, for tensors used once
+        self.sole_consumers = {t: u[0] for t, u in uses.items() if len(u) == 1}
         self.plans: dict[str, OpPlan] = {}
         for op in self.ops:
             self.plans[op.name] = OpPlan(self, op, configs[op.name], backward[op.name],
@@ -682,14 +711,24 @@ class Lowering:
                         step: int = 0) -> Segment:
         return Segment(plan.op.name, FORWARD_PHASE, tuple(plan.forward_launches(training, valid, step)))
 
-    def grad_fill_segment(self, plan: "OpPlan") -> Segment:
+    def grad_fill_segment(self, plan: "OpPlan", written: frozenset = frozenset()) -> Segment:
         """The fills of the activation gradients of `plan`'s outputs (ones for the loss's output,
         zeros elsewhere) where its backward reads them: each output tile's rect on that tile's
         device, so that the folds of the consumers' contributions find it there and no memory
-        serves them all."""
-        fills = plan.grad_fill_launches(self.loss_output)
+        serves them all. Gradients in `written` (see `written_grads`) need none."""
+        fills = plan.grad_fill_launches(self.loss_output, written)
         return Segment(plan.op.name, GRAD_FILL_PHASE, tuple(l for ls in fills.values() for l in ls),
                        tuple(fills))
+
+    def written_grads(self, plans: dict[str, "OpPlan"], op: Op) -> frozenset:
+        """The names of `op`'s outputs whose gradient its only consumer WRITES under `plans` (op
+        name -> plan): its tiles cover it exactly, so no fill comes before."""
+        out = []
+        for t in op.outputs:
+            use = self.sole_consumers.get(t.name)
+            if use is not None and t.name in self.grads and plans[use[0]].writes_grads[use[1]]:
+                out.append(t.name)
+        return frozenset(out)
 
     def zero_grad_segment(self, update: "UpdatePlan") -> Segment:
         """The zero fill of a sharded weight gradient, each shard on its own device."""
@@ -717,8 +756,9 @@ class Lowering:
         then every op's backward in reverse order."""
         if self.loss is None:
             raise RuntimeError("this graph was lowered without a loss: there is nothing to differentiate")
-        segments = [self.grad_fill_segment(self.plans[op.name]) for op in self.ops]
-        filled = {t for seg in segments for t in seg.fills}
+        written = {op.name: self.written_grads(self.plans, op) for op in self.ops}
+        segments = [self.grad_fill_segment(self.plans[op.name], written[op.name]) for op in self.ops]
+        filled = {t for seg in segments for t in seg.fills}.union(*written.values())
         segments.append(self.host_fill_segment(GRAD_FILL_PHASE, [
             (region, 1.0 if name == self.loss_output else 0.0) for name, region in self.grads.items()
             if name not in filled]))

@@ -212,10 +212,14 @@ class SegmentBuilder:
         for op, cfg in by_op:
             step.append(((op.name, FORWARD_PHASE, cfg),
                          lambda op=op, cfg=cfg: (low.forward_segment(self.plan(op, cfg), True), self.plan(op, cfg))))
+        plans = {op.name: self.plan(op, cfg) for op, cfg in by_op}
+        written = {op.name: low.written_grads(plans, op) for op in self.ops}
         for op, cfg in by_op:
-            step.append(((op.name, GRAD_FILL_PHASE, cfg),
-                         lambda op=op, cfg=cfg: (low.grad_fill_segment(self.plan(op, cfg)), self.plan(op, cfg))))
-        filled = set()
+            # which outputs' gradients the consumers write whole depends on their configs
+            w = written[op.name]
+            step.append(((op.name, GRAD_FILL_PHASE, cfg, tuple(sorted(w))),
+                         lambda op=op, w=w: (low.grad_fill_segment(plans[op.name], w), plans[op.name])))
+        filled = set().union(*written.values())
         for key, make in step[len(by_op):]:
             filled.update(self._get(key, make).fills)
         host = low.host_fill_segment(GRAD_FILL_PHASE, [(region, 1.0 if name == low.loss_output else 0.0)

@@ -124,11 +124,16 @@ def test_lowering_builds_tile_partitions_halos_reductions_and_updates():
         tasks = [n for n in rt.graph.nodes.values() if isinstance(n, TaskNode)]
         names = {n.name for n in tasks}
         assert {"conv.fwd", "conv.bwd", "fc.fwd", "fc.bwd", "loss.bwd", "conv.weight.update",
-                "fill:conv.out.grad"} <= names
+                "fill:flat.out.grad"} <= names
         assert "flat.bwd" in names and "x.grad" not in {r.name for r in low.grads.values()}
         assert sorted(str(n.proc) for n in tasks if n.name == "fc.bwd") == ["r0.cpu1", "r0.cpu3"]
         folds = [n for n in rt.graph.copies() if n.redop == "sum"]
-        assert {f.region.name for f in folds} >= {"conv.weight.grad", "flat.out.grad", "conv.out.grad"}
+        # both fc tiles read all of flat's output: their input gradients add up; flat's sample
+        # halves and the loss's tile their inputs exactly: they write their gradients whole
+        assert {f.region.name for f in folds} >= {"conv.weight.grad", "flat.out.grad"}
+        assert not {"fill:conv.out.grad", "fill:fc.out.grad"} & names
+        assert not {f.region.name for f in folds} & {"conv.out.grad", "fc.out.grad"}
+        assert [r.privilege.mode for r in low.plans["flat"].bwd_reqs][-1] == "WD"
 
 
 def test_backward_needs_a_training_forward_and_consumes_what_it_saved(rt1):
