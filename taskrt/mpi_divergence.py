@@ -45,7 +45,7 @@ class Divergence:
 
     # ---- launches and checkpoints (main thread) ------------------------------------------------
     def on_launch(self, spec) -> None:
-        self.log.add(launch_signature(spec))
+        self.log.add(spec.signature or launch_signature(spec))
         if self.log.count >= self.check.next_check:
             self.check.reached()
 

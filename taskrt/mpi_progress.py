@@ -12,13 +12,14 @@ to finish what ended. A sender has no copy to make, so it only polls.
   its requests and runs `op.done(op)` on the progress thread when the last one ends.
 - The progress thread's turn: take what was posted, run the owner's `tick()` (control
   messages, heartbeats), then wait in one of three ways:
-  - receives in flight and something happened in the last SPIN_S: blocked in Waitsome
+  - receives in flight and something happened in the last spin time (SPIN_S; none at all
+    where the node has no core to spare, SHARED_CORE_SPIN_S): blocked in Waitsome
     over the requests in flight plus a wake-up receive. A post during the wait sends the
     wake-up (a message to self, on a communicator of its own), so that new requests join
-    the wait; the alarm thread sends it once the wait has been quiet for SPIN_S, so that
+    the wait; the alarm thread sends it once the wait has been quiet for the spin time, so that
     control messages are read and a long wait for a busy peer stops spinning a core;
   - otherwise a Testsome, then a nap that a post cuts short: SPIN_NAP_S while there is
-    activity, doubling to MAX_NAP_S after SPIN_S of quiet;
+    activity, doubling to MAX_NAP_S after the spin time of quiet;
   - with nothing in flight: on an Event, with IDLE_TICK_S turns for control messages.
 
 Run state: `incoming` (a deque the posting threads append to), `reqs` and `ops` (parallel
@@ -40,10 +41,11 @@ from mpi4py import MPI
 
 #: after a message, the progress thread waits inside MPI this long for the next one (a core's
 #: polling in MPICH); SHARED_CORE_SPIN_S where the node has no core to spare for it, since
-#: there that polling takes the workers' time (a 2-core node with a message every 2-3 ms:
-#: 37-42 ms of a CNN step's CPU at 2 ms, 10-20 ms at 0.2 ms)
+#: there that polling takes the workers' time: a 2-core node running 2 ranks, with a message
+#: every 2-3 ms, spent 37-42 ms of a CNN step's CPU in this thread at 2 ms, 12-19 ms at
+#: 0.2 ms, and 6-9 ms never blocking (only Testsome and naps), with steps no slower
 SPIN_S = 0.002
-SHARED_CORE_SPIN_S = 0.0002
+SHARED_CORE_SPIN_S = 0.0
 SPIN_NAP_S = 5e-6
 MAX_NAP_S = 0.001
 IDLE_TICK_S = 0.002
@@ -264,15 +266,19 @@ class Progress:
 
     # ---- the alarm thread --------------------------------------------------------------------
     def _alarm(self) -> None:
-        """End a blocked wait that has been quiet for SPIN_S. It checks every SPIN_S while
-        the progress thread spins, and parks once it has stopped spinning."""
+        """End a blocked wait that has been quiet for the spin time (`spin_s`: the progress
+        thread enters one only within that time of the last activity, and MPICH polls a core
+        inside it). It checks every spin time while the progress thread spins, and parks once
+        it has stopped spinning."""
+        precise_sleeps()
+        spin = self.spin_s
         while not self.stopping:
             quiet = time.monotonic() - self.last_activity
-            if self.blocked and quiet >= SPIN_S:
+            if self.blocked and quiet >= spin:
                 self._interrupt()
-                time.sleep(SPIN_S)
-            elif quiet < SPIN_S:
-                time.sleep(SPIN_S - quiet)
+                time.sleep(spin)
+            elif quiet < spin:
+                time.sleep(spin - quiet)
             else:
                 self._armed.clear()
                 if not self.blocked:

@@ -37,6 +37,10 @@ class Recording:
     regions: set[int] = field(default_factory=set)
     end_states: dict = field(default_factory=dict)
     replayable: bool = True
+    #: regions whose state at exit has the state at entry's abstract (a steady-state step)
+    steady: set[int] = field(default_factory=set)
+    #: uid -> the state the last replay installed, while the analysis has not touched it since
+    installed: dict = field(default_factory=dict)
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
         """Turn what was emitted into per-launch templates with block-relative ids."""
@@ -64,6 +68,7 @@ class Recording:
 
         self.end_states = {uid: analyzer.states[uid].remap(encode) for uid in self.regions if uid in analyzer.states}
         self.begin_abstract = {uid: self.begin_abstract.get(uid) for uid in self.regions}
+        self.steady = {uid for uid, st in self.end_states.items() if st.abstract() == self.begin_abstract[uid]}
         self.emitted = []
 
 
@@ -86,7 +91,9 @@ class ReplayBlock:
         if rt._replay is not None:
             raise RuntimeError(f"replay block {self.name!r} opened inside replay block {rt._replay.name!r}")
         rec = rt._recordings.get(self.name)
-        if rec is not None and rec.replayable and all(_abstract(rt, uid) == rec.begin_abstract[uid] for uid in rec.regions):
+        if rec is not None and rec.replayable and all(_unchanged_since_replay(rt, rec, uid)
+                                                      or _abstract(rt, uid) == rec.begin_abstract[uid]
+                                                      for uid in rec.regions):
             self.mode = "replaying"
             self.recording = rec
             self.fence_id = rt._emit_fence(f"replay-fence:{self.name}")
@@ -178,8 +185,9 @@ class ReplayBlock:
                 return None
             return fence if e < 0 else self.new_ids[e]
 
+        installed = self.recording.installed
         for uid, st in self.recording.end_states.items():
-            rt.analyzer.states[uid] = st.remap(decode)
+            installed[uid] = rt.analyzer.states[uid] = st.remap(decode)
 
     def _fall_back(self, why: str) -> None:
         """Re-analyze the launches replayed so far onto the nodes already issued, then go dynamic."""
@@ -198,6 +206,13 @@ class ReplayBlock:
             analyzer.new_id, analyzer.emit = saved
         rt._recordings.pop(self.name, None)
         self.mode = "dynamic"
+
+
+def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:
+    """Whether region uid still holds the state the recording's last replay installed, untouched
+    since, and that state is the one the recording starts from: no need to compare abstracts."""
+    st = rt.analyzer.states.get(uid)
+    return st is not None and st.accesses == 0 and uid in rec.steady and rec.installed.get(uid) is st
 
 
 def _abstract(rt, uid: int):

@@ -32,8 +32,12 @@ from .mapper import DefaultMapper, Mapper
 from .privilege import READ, WRITE
 from .region import Partition, Region
 from .replay import ReplayBlock
+from .replication import launch_signature
 from .taskgraph import CopyNode, TaskGraph, TaskNode
 from .tracing import TraceRecorder, rank_trace_path
+
+#: distinct placed launches whose mapping a runtime keeps (then it starts over)
+MAPPED_LAUNCHES_KEPT = 4096
 
 
 @dataclass
@@ -62,6 +66,7 @@ class LaunchSpec:
     launch_id: int
     op: str = ""
     futures: list[Future] = field(default_factory=list)
+    signature: str | None = None   # taskrt.replication.launch_signature, when a transport checks it
 
     def key(self) -> tuple:
         return (self.fn, self.name, tuple(self.points), tuple(r.key() for r in self.reqs), tuple(self.procs))
@@ -89,6 +94,7 @@ class Runtime:
         self.graph = TaskGraph(keep=(not execute) if keep_graph is None else keep_graph)
         self._next_id = 0
         self._launch_count = 0
+        self._mapped_launches: dict[tuple, tuple] = {}
         self._sinks: set[int] = set()
         self._sink_limit = 1024
         self._replay: ReplayBlock | None = None
@@ -224,6 +230,29 @@ class Runtime:
                                 f"got {type(r).__name__}: {r!r}")
         if not points:
             raise ValueError(f"launch {name!r}: empty launch domain")
+        rects, procs, signature = self._mapped(fn, name, points, reqs, placement)
+        args = tuple(args)
+        all_args = [args + tuple(point_args[p]) if point_args else args for p in points]
+        extra = [tuple(a.node_id for a in pa if isinstance(a, Future)) for pa in all_args]
+        spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op,
+                          signature=signature)
+        self._launch_count += 1
+        spec.futures = [Future(self, None, proc.rank) for proc in procs]
+        if self.transport is not None:
+            self.transport.on_launch(spec)
+        return spec
+
+    def _mapped(self, fn, name, points, reqs, placement) -> tuple[list, list, str | None]:
+        """(each point's rects, each point's processor, the replication signature under MPI) of a
+        launch: checked and mapped once per distinct fully placed launch (a training step
+        makes the same ones every iteration), kept in `_mapped_launches`; the shared lists are
+        never changed."""
+        key = None
+        if placement and all(p in placement for p in points):
+            key = (fn, name, tuple(points), tuple(reqs), tuple(placement[p] for p in points))
+            known = self._mapped_launches.get(key)
+            if known is not None:
+                return known
         rects = [[r.rect_for(p) for r in reqs] for p in points]
         _check_interference(name, reqs, rects)
         procs = []
@@ -236,15 +265,15 @@ class Runtime:
             elif chosen not in self.machine.processors:
                 raise ValueError(f"launch {name!r}: point {p} placed on {chosen!r}, which is not in {self.machine!r}")
             procs.append(chosen)
-        args = tuple(args)
-        all_args = [args + tuple(point_args[p]) if point_args else args for p in points]
-        extra = [tuple(a.node_id for a in pa if isinstance(a, Future)) for pa in all_args]
-        spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op)
-        self._launch_count += 1
-        spec.futures = [Future(self, None, proc.rank) for proc in procs]
+        signature = None
         if self.transport is not None:
-            self.transport.on_launch(spec)
-        return spec
+            signature = launch_signature(LaunchSpec(name, fn, points, list(reqs), rects, procs, [], [], -1))
+        mapped = (rects, procs, signature)
+        if key is not None:
+            if len(self._mapped_launches) >= MAPPED_LAUNCHES_KEPT:
+                self._mapped_launches.clear()
+            self._mapped_launches[key] = mapped
+        return mapped
 
     def _issue(self, spec: LaunchSpec) -> None:
         if self._replay is not None:

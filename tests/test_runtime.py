@@ -399,6 +399,69 @@ def test_replay_mismatch_warns_and_falls_back_correctly():
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_placed_launch_is_mapped_once_and_a_conflicting_one_still_refused():
+    with Runtime(cpus=2, execute=False) as rt:
+        r = rt.region((4, 2), "float32", "r")
+        part = r.partition((2, 1))
+
+        def kernel(v):
+            v += 1
+
+        placement = {(0, 0): 1, (1, 0): 0}
+        first = rt._make_spec(kernel, part.colors(), [req(part, READ_WRITE)], (), None, "k", placement, "")
+        again = rt._make_spec(kernel, part.colors(), [req(part, READ_WRITE)], (), None, "k", placement, "")
+        assert again.rects is first.rects and [str(p) for p in again.procs] == ["r0.cpu1", "r0.cpu0"]
+        assert len(rt._mapped_launches) == 1
+        swapped = rt._make_spec(kernel, part.colors(), [req(part, READ_WRITE)], (), None, "k",
+                                {(0, 0): 0, (1, 0): 1}, "")
+        assert [str(p) for p in swapped.procs] == ["r0.cpu0", "r0.cpu1"]
+        with pytest.raises(ValueError, match="overlap .* conflicting privileges"):
+            rt.index_launch(kernel, part, req(part, READ), req(r, WRITE), placement=placement)
+
+
+def test_replay_compares_only_the_regions_touched_since_it_last_replayed(monkeypatch):
+    """Entering a replay block compares the region states at entry with the recording's only
+    where the analysis touched a region since the last replay installed its state; a write
+    from outside the block in between (here: one that leaves the data in another memory) is
+    still seen, and the block is recorded again, with the dynamic run's result."""
+    import taskrt.replay as replay
+
+    compared = []
+    original = replay._abstract
+    monkeypatch.setattr(replay, "_abstract", lambda rt, uid: compared.append(uid) or original(rt, uid))
+
+    def program(rt, use_replay):
+        r = rt.region((8,), "float64", "r")
+        rt.fill(r, 1.0)
+        parts = r.partition((2,))
+        counts = []
+
+        def double(v):
+            v *= 2.0
+
+        for step in range(6):
+            before = len(compared)
+            with rt.replay("double") if use_replay else nullcontext():
+                rt.index_launch(double, parts, req(parts, READ_WRITE))
+            counts.append(len(compared) - before)
+            if step == 3:
+                rt.launch(lambda v: v.__iadd__(1.0), req(r, READ_WRITE), proc=3)
+        return rt.read(r), counts
+
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        want, _ = program(rt, use_replay=False)
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        got, counts = program(rt, use_replay=True)
+        stats = dict(rt.replay_stats)
+    np.testing.assert_array_equal(got, want)
+    # entries 0 and 1 record (the data starts on the home processor); entry 2 compares and
+    # replays, entry 3 follows that replay with nothing in between: no comparison; entry 4
+    # follows the outside write: compared, differs, recorded again (and so is entry 5, whose
+    # state is no longer that recording's start)
+    assert counts[2] == 1 and counts[3] == 0 and counts[4] == 1
+    assert stats == {"recorded": 4, "replayed": 2, "mismatches": 0}
+
+
 def test_replay_of_a_shorter_block_falls_back():
     with Runtime(cpus=2) as rt:
         r = rt.region((4,), "int64")
