@@ -19,6 +19,8 @@ weight gradients. Row sums accumulate in float64. Elsewhere (cupy) it is plain a
 """
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -165,7 +167,7 @@ class BatchNorm(Op):
     def _count(self) -> int:
         """Values per channel over the whole input: what the statistics average over."""
         shape = self.inputs[0].shape
-        return shape[0] * int(np.prod(shape[2:], dtype=np.int64))
+        return shape[0] * math.prod(shape[2:])
 
     def weight_shapes(self):
         return {"weight": (self._channels,), "bias": (self._channels,)}
