@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
+import ops.conv as conv_module
 from ops.conv import (Conv2d, Pool2d, _col2im_cpu, _col2im_xp, _maxpool_cpu, _maxpool_scatter_cpu,
                       _maxpool_scatter_xp, window_argmax)
 from ops.cpu_layout import flat_rows
@@ -90,6 +91,95 @@ def test_conv_any_geometry(n, groups, icpg, ocpg, h, w, kh, kw, sh, sw, ph, pw, 
                      stride=(sh, sw), padding=(ph, pw), groups=groups)
     x64, w64, g64 = conv_data(op64, seed, np.float64)
     check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
+
+
+def direct_conv64(x, w, b, dy, stride, padding, groups):
+    """Forward and gradients of a grouped convolution in float64, straight from its definition:
+    y[n, o, p, q] = b[o] + the sum over c, i, j of w[o, c, i, j] * xpad[n, c', p*sh + i, q*sw + j]
+    (c' the input channel c of o's group), one kernel offset (i, j) at a time. -> (y, dx, dw, db)."""
+    x, w, dy = (a.astype(np.float64) for a in (x, w, dy))
+    (sh, sw), (ph, pw) = stride, padding
+    n, c, h, wd = x.shape
+    oc, icpg, kh, kw = w.shape
+    oh, ow = dy.shape[2:]
+    xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    dxpad = np.zeros_like(xpad)
+    y = np.zeros(dy.shape)
+    dw = np.zeros(w.shape)
+    ocpg = oc // groups
+    for g in range(groups):
+        o, ci = slice(g * ocpg, (g + 1) * ocpg), slice(g * icpg, (g + 1) * icpg)
+        for i in range(kh):
+            for j in range(kw):
+                rows, cols = slice(i, i + sh * (oh - 1) + 1, sh), slice(j, j + sw * (ow - 1) + 1, sw)
+                win = xpad[:, ci, rows, cols]
+                y[:, o] += np.einsum("oc,ncpq->nopq", w[o, :, i, j], win)
+                dw[o, :, i, j] += np.einsum("nopq,ncpq->oc", dy[:, o], win)
+                dxpad[:, ci, rows, cols] += np.einsum("oc,nopq->ncpq", w[o, :, i, j], dy[:, o])
+    y += b.astype(np.float64)[:, None, None]
+    return y, dxpad[:, :, ph:ph + h, pw:pw + wd], dw, dy.sum(axis=(0, 2, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5), groups=st.integers(1, 3), icpg=st.integers(1, 3), ocpg=st.integers(1, 3),
+       h=st.integers(1, 12), w=st.integers(1, 12), kh=st.integers(1, 5), kw=st.integers(1, 5),
+       sh=st.integers(1, 3), sw=st.integers(1, 3), ph=st.integers(0, 3), pw=st.integers(0, 3),
+       chunk=st.sampled_from([64, 1 << 20]), seed=st.integers(0, 2**16))
+def test_conv_batched_and_per_sample_columns_match_a_direct_reference(n, groups, icpg, ocpg, h, w, kh, kw, sh, sw,
+                                                                      ph, pw, chunk, seed):
+    """Both CPU column paths (samples side by side, and per sample) against direct_conv64, on the
+    whole op in float32 and float64 and under every tiling in float64; chunks of one sample or
+    of the whole batch."""
+    assume(kh <= h + 2 * ph and kw <= w + 2 * pw)
+    geometry = dict(out_channels=groups * ocpg, kernel=(kh, kw), stride=(sh, sw), padding=(ph, pw), groups=groups)
+    shape = (n, groups * icpg, h, w)
+    op = make_conv(shape, **geometry)
+    x, weights, g = conv_data(op, seed)
+    y64, dx64, dw64, db64 = direct_conv64(x, weights["weight"], weights["bias"], g, (sh, sw), (ph, pw), groups)
+    op64 = make_conv(shape, "float64", **geometry)
+    x64, w64, g64 = (x.astype(np.float64), {k: v.astype(np.float64) for k, v in weights.items()}, g.astype(np.float64))
+    for max_pixels in (0, 10**9):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(conv_module, "_BATCHED_MAX_PIXELS", max_pixels)
+            patch.setattr(conv_module, "_CHUNK_BYTES", chunk)
+            batched = max_pixels > 0 and sw == 1 and (kh, kw) != (1, 1)
+            assert op._path(np, Rect.from_shape(op.tile_shape)) == ("batched" if batched else "columns")
+            for o, xs, ws, gs, tol in ((op, x, weights, g, 1e-4), (op64, x64, w64, g64, 1e-11)):
+                (y,), (dx,), grads, _ = run_whole(o, [xs], ws, grad_outputs=[gs])
+                assert y.dtype == dx.dtype == grads["weight"].dtype == xs.dtype
+                np.testing.assert_allclose(y, y64, rtol=tol, atol=tol)
+                np.testing.assert_allclose(dx, dx64, rtol=tol, atol=tol)
+                np.testing.assert_allclose(grads["weight"], dw64, rtol=tol, atol=10 * tol)
+                np.testing.assert_allclose(grads["bias"], db64, rtol=tol, atol=10 * tol)
+            check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
+
+
+def test_conv_batched_path_takes_small_images_and_tiles_of_views():
+    """The samples-side-by-side path on the small CNN's shapes, whole and on tiles that are views
+    of the batch and the channels (as the runtime hands them over), against the per-sample path."""
+    for shape, cout in (((8, 3, 32, 32), 16), ((8, 16, 16, 16), 32), ((4, 6, 40, 8), 4)):
+        op = make_conv(shape, out_channels=cout, kernel=3, padding=1)
+        assert op._path(np, Rect.from_shape(op.tile_shape)) == "batched"
+        x, weights, g = conv_data(op)
+        n = shape[0]
+        for tile in (Rect.from_shape(op.tile_shape), Rect((n // 4, 0, 0, 0), (3 * n // 4, cout, *op.tile_shape[2:])),
+                     Rect((0, cout // 2, 0, 0), (n, cout, *op.tile_shape[2:])),
+                     Rect((1, 0, 3, 2), (3, cout, op.tile_shape[2] - 1, op.tile_shape[3]))):
+            rects = op.input_rects(tile)
+            xs = [x[rects[0].slices()]]
+            ws = {k: v[r.slices()] for k, v in weights.items() for r in [op.tile_weight_rects(tile)[k]]}
+            gs = [g[tile.slices()]]
+            results = []
+            for max_pixels in (10**9, 0):
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(conv_module, "_BATCHED_MAX_PIXELS", max_pixels)
+                    outs, saved = op.forward(np, tile, xs, rects, ws)
+                    results.append((outs[0], *op.backward(np, tile, xs, rects, ws, outs, gs, saved)))
+            (y1, (dx1,), gw1), (y2, (dx2,), gw2) = results
+            np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(dx1, dx2, rtol=1e-5, atol=1e-5)
+            for k in gw1:
+                np.testing.assert_allclose(gw1[k], gw2[k], rtol=1e-4, atol=1e-4)
 
 
 def test_conv_input_rects_include_the_halo_clipped_to_the_input():
