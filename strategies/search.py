@@ -1,7 +1,8 @@
 """MCMC search over SOAP strategies on simulated iteration time (FlexFlow's Metropolis-Hastings).
 
-A proposal gives one random operator a random valid config (strategies.random_config: any
-split kind it declares, devices drawn from the machine); the simulator times the new
+A proposal gives one random operator a random valid config (strategies.random.proposal_config:
+any split kind it declares, a tile count that fits the machine's nodes, on consecutive
+devices drawn from the machine, and now and then any config at all); the simulator times the new
 strategy, and the chain moves there with probability min(1, exp(beta * (old - new))).
 Strategies that do not fit a device's memory are rejected. Chains start from data
 parallelism, the expert strategy and a random strategy in turn, sharing the budget; each
@@ -27,7 +28,7 @@ import numpy as np
 
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
-from strategies.random import random_config, random_strategy
+from strategies.random import proposal_config, random_strategy
 from strategies.simulator import Simulator
 
 STARTS = ("data", "expert", "random")
@@ -125,7 +126,7 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
             if deadline is not None and time.perf_counter() > deadline:
                 break
             op = ops[int(rng.integers(len(ops)))]
-            proposal = current.replace(op.name, random_config(op, sim.machine, rng))
+            proposal = current.replace(op.name, proposal_config(op, sim.machine, rng))
             t = _time(sim, proposal)
             result.proposals += 1
             if not math.isfinite(t):

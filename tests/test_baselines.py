@@ -13,10 +13,11 @@ from ops.attention import MultiHeadAttention
 from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, SplitDim
 from ops.conv import Conv2d, Pool2d
 from ops.linear import Dense
-from ops.lower import compute_processors
+from ops.lower import compute_processors, resolve_config
 from strategies import (BASELINES, data_parallel, expert, model_parallel, random_config, random_strategy,
                         tensor_parallel)
 from strategies.baselines import reduce_dim
+from strategies.random import proposal_config, tile_counts
 from taskrt import Machine, Runtime
 from tests.opcheck import spec
 
@@ -205,3 +206,46 @@ def test_random_configs_reach_every_declared_split_and_no_other():
             split |= {d for d, deg in enumerate(config.degrees) if deg > 1}
             assert set(config.devices) <= {2, 3, 6, 7}
         assert split == {s.dim for s in op.split_dims()}, op.name
+
+
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.sampled_from([1, 2, 4]), per_rank=st.sampled_from([1, 2, 3, 4]))
+def test_proposals_fit_the_machine_layout_on_consecutive_devices(seed, ranks, per_rank):
+    """A search proposal is valid; unless it is one of the plain random ones, its tile count divides
+    a rank's processors or is whole ranks, its devices are consecutive (aligned to its size where
+    that divides the machine), and it is reproducible for a seed."""
+    machine = Machine.build(ranks, per_rank)
+    procs = compute_processors(machine)
+    assert tile_counts(machine) == sorted({d for d in range(1, per_rank + 1) if per_rank % d == 0}
+                                          | {per_rank * d for d in range(1, ranks + 1) if ranks % d == 0})
+    m = cnn()
+    rng = np.random.default_rng(seed)
+    again = np.random.default_rng(seed)
+    for op in m.ops:
+        config = proposal_config(op, machine, rng)
+        assert config == proposal_config(op, machine, again)
+        assert resolve_config(op, config, machine) == config
+        tiles = config.num_tiles
+        assert len(set(config.devices)) == tiles and tiles <= len(procs)
+    shaped = [proposal_config(op, machine, s) for s in range(seed % 1000, seed % 1000 + 40) for op in m.ops[:2]]
+    layout = [c for c in shaped if c.num_tiles in tile_counts(machine)
+              and list(c.devices) == procs[procs.index(c.devices[0]):procs.index(c.devices[0]) + c.num_tiles]]
+    assert len(layout) >= len(shaped) // 2
+    for c in layout:
+        if len(procs) % c.num_tiles == 0:
+            assert procs.index(c.devices[0]) % c.num_tiles == 0
+
+
+def test_proposals_reach_every_declared_split_and_unshaped_configs():
+    x = spec((8, 6, 16), name="input_0")
+    ops = [Conv2d("conv", [spec((8, 3, 6, 6))], out_channels=4, kernel=3), HeadAttention("att", [x, x, x], num_heads=2),
+           ReduceDense("fc", [x], out_features=5)]
+    rng = np.random.default_rng(0)
+    for op in ops:
+        split, counts = set(), set()
+        for _ in range(300):
+            config = proposal_config(op, GPUS, rng)
+            split |= {d for d, deg in enumerate(config.degrees) if deg > 1}
+            counts.add(config.num_tiles)
+            assert set(config.devices) <= {2, 3, 6, 7}
+        assert split == {s.dim for s in op.split_dims()}, op.name
+        assert 3 in counts  # only a plain random config has 3 tiles on this machine (tile counts 1, 2, 4)
