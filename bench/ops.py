@@ -28,7 +28,8 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from ops.attention import MultiHeadAttention
 from ops.base import TensorSpec
-from ops.conv import Conv2d, Pool2d
+from ops.conv import Conv2d
+from ops.pool import Pool2d
 from ops.embedding import Embedding
 from ops.linear import Dense
 from ops.lstm import LSTM

@@ -1,17 +1,12 @@
-"""2-D convolution and pooling on NCHW images, tile-aware with halos.
+"""2-D convolution on NCHW images, tile-aware with halos (ops/windows.py: the window geometry).
 
-A tile of the output reads the input rows and columns its windows cover (its halo),
-clipped to the input; padding is virtual, so a kernel works out from the tile and its
-input rect how many zero (or -inf) rows and columns to add at each edge.
 Convolution is im2col (a strided window view copied chunk by chunk) times the weight
 matrix in one batched BLAS matmul per chunk; col2im is a numba kernel on the CPU and
 plain array code on the GPU. Small images on the CPU (Conv2d._batched) lay the columns of
 a chunk's samples side by side instead, [K, samples*OH*OW], built and summed back by numba
 kernels from the unpadded tile: forward, the weight gradient and the columns' gradient are
 then one GEMM each per chunk where per-sample ones would be thin. 3x3 stride-1 convolutions
-with enough channels and pixels are Winograd's (ops/winograd.py). Pooling on the CPU is
-direct numba kernels that clip each window to the tile instead of padding it (max pooling
-saves its argmax for backward); on the GPU it is array code over the padded input.
+with enough channels and pixels are Winograd's (ops/winograd.py). Pooling is ops/pool.py.
 """
 from __future__ import annotations
 
@@ -21,8 +16,8 @@ import numpy as np
 
 from ops import cpu_pool, winograd
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, int_attr, register_op
-from ops.cpu_layout import flat_row, flat_rows
 from ops.linear import torch_linear_init
+from ops.windows import check_window, pad, pair, span, strided, window_geometry
 from taskrt.geometry import Rect
 
 #: im2col works on batches of samples whose columns take about this many bytes: each core's
@@ -42,67 +37,6 @@ _WINOGRAD_MIN_PIXELS = 24 * 24
 #: with 3 channels but 1.6-2x at 64x64 and 112x112 with 3-4 (where a sample's columns fill a
 #: chunk by themselves)
 _BATCHED_MAX_PIXELS = 32 * 32
-
-
-def _pair(kind: str, name: str, attr: str, value, least: int) -> tuple[int, ...]:
-    """3 -> (3, 3); (2, 3) -> (2, 3), each an int >= least (ShapeError naming the op otherwise).
-    A wrong length is left for infer_shapes to report."""
-    if isinstance(value, (tuple, list)):
-        return tuple(int_attr(kind, name, attr, v, least) for v in value)
-    v = int_attr(kind, name, attr, value, least)
-    return (v, v)
-
-
-def _check_window(op: Op, shape, kernel, stride, padding) -> tuple[int, int]:
-    """Validate an NCHW input and window attributes; return the output (height, width)."""
-    if len(shape) != 4:
-        raise op.fail(f"expects an NCHW input (4 dims), got shape {tuple(shape)}")
-    for label, val, least in (("kernel", kernel, 1), ("stride", stride, 1), ("padding", padding, 0)):
-        if len(val) != 2 or min(val) < least:
-            raise op.fail(f"{label} must be 2 ints >= {least}, got {val}")
-    padded = (shape[2] + 2 * padding[0], shape[3] + 2 * padding[1])
-    if kernel[0] > padded[0] or kernel[1] > padded[1]:
-        raise op.fail(f"kernel {kernel} is bigger than the padded input {padded}")
-    return tuple((p - k) // s + 1 for p, k, s in zip(padded, kernel, stride))
-
-
-def _span(lo: int, hi: int, stride: int, kernel: int, pad: int, size: int, n_out: int) -> tuple[int, int]:
-    """Input range [a, b) that outputs [lo, hi) read along one dim, clipped to [0, size).
-
-    A tile that ends at the last output also takes the trailing inputs no window reaches,
-    so the tiles' rects cover the whole input (and its gradient is written everywhere).
-    """
-    start, stop = lo * stride - pad, (hi - 1) * stride - pad + kernel
-    a = min(max(start, 0), size)
-    return a, max(size if hi == n_out else min(stop, size), a)
-
-
-def _edge_pads(lo: int, hi: int, stride: int, kernel: int, pad: int, a: int, b: int) -> tuple[int, int]:
-    """Padding (before, after) that extends the input range [a, b) to the windows of outputs [lo, hi).
-
-    `after` is 0 when [a, b) reaches past the last window (see _span)."""
-    start, stop = lo * stride - pad, (hi - 1) * stride - pad + kernel
-    if b > a:
-        return a - start, max(stop - b, 0)
-    return stop - start, 0
-
-
-def _window_geometry(tile: Rect, in_rect: Rect, kernel, stride, padding):
-    """Padding of an input tile in H and W: ((top, bottom), (left, right))."""
-    return tuple(_edge_pads(tile.lo[d], tile.hi[d], stride[d - 2], kernel[d - 2], padding[d - 2],
-                            in_rect.lo[d], in_rect.hi[d]) for d in (2, 3))
-
-
-def _pad(xp, x, pads, value=0.0):
-    if not any(pads[0]) and not any(pads[1]):
-        return x
-    return xp.pad(x, ((0, 0), (0, 0), pads[0], pads[1]), constant_values=value)
-
-
-def _strided(xpad, i: int, j: int, stride, out_hw):
-    """The input under window offset (i, j) for every output position: [N, C, OH, OW]."""
-    (sh, sw), (oh, ow) = stride, out_hw
-    return xpad[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
 
 
 def _im2col_view(xp, xpad, kernel, stride, out_hw):
@@ -144,7 +78,7 @@ def _col2im_xp(xp, cols, stride, out) -> None:
     kh, kw, oh, ow = cols.shape[2:]
     for i in range(kh):
         for j in range(kw):
-            _strided(out, i, j, stride, (oh, ow))[...] += cols[:, :, i, j]
+            strided(out, i, j, stride, (oh, ow))[...] += cols[:, :, i, j]
 
 
 @numba.njit(nogil=True, inline="always")
@@ -286,15 +220,15 @@ class Conv2d(Op):
                  use_bias: bool = True):
         k = self.kind
         super().__init__(name, inputs, out_channels=int_attr(k, name, "out_channels", out_channels),
-                         kernel=_pair(k, name, "kernel", kernel, 1), stride=_pair(k, name, "stride", stride, 1),
-                         padding=_pair(k, name, "padding", padding, 0), groups=int_attr(k, name, "groups", groups),
+                         kernel=pair(k, name, "kernel", kernel, 1), stride=pair(k, name, "stride", stride, 1),
+                         padding=pair(k, name, "padding", padding, 0), groups=int_attr(k, name, "groups", groups),
                          use_bias=bool(use_bias))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:
             raise self.fail(f"takes 1 input, got {len(in_shapes)}")
         (shape,) = in_shapes
-        out_hw = _check_window(self, shape, self.kernel, self.stride, self.padding)
+        out_hw = check_window(self, shape, self.kernel, self.stride, self.padding)
         if self.groups < 1 or self.out_channels < 1:
             raise self.fail(f"groups ({self.groups}) and out_channels ({self.out_channels}) must be >= 1")
         if shape[1] % self.groups or self.out_channels % self.groups:
@@ -330,8 +264,8 @@ class Conv2d(Op):
         n, c, h, w = self.inputs[0].shape
         g0, g1 = self._groups_of(tile)
         icpg = self._per_group[0]
-        hs = _span(tile.lo[2], tile.hi[2], self.stride[0], self.kernel[0], self.padding[0], h, self.tile_shape[2])
-        ws = _span(tile.lo[3], tile.hi[3], self.stride[1], self.kernel[1], self.padding[1], w, self.tile_shape[3])
+        hs = span(tile.lo[2], tile.hi[2], self.stride[0], self.kernel[0], self.padding[0], h, self.tile_shape[2])
+        ws = span(tile.lo[3], tile.hi[3], self.stride[1], self.kernel[1], self.padding[1], w, self.tile_shape[3])
         return [Rect((tile.lo[0], g0 * icpg, hs[0], ws[0]), (tile.hi[0], g1 * icpg, hs[1], ws[1]))]
 
     def weight_rects(self, tile):
@@ -384,7 +318,7 @@ class Conv2d(Op):
 
     def _pads(self, tile: Rect, in_rect: Rect):
         """The tile's virtual padding ((top, bottom), (left, right)) of its input rect."""
-        return _window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
+        return window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
 
     def _column_chunks(self, xp, tile: Rect, xpad):
         """Yield (a, b, cols): the im2col matrix [b-a, G, K/G, OH*OW] of samples [a, b) of xpad, in
@@ -392,7 +326,7 @@ class Conv2d(Op):
         n, (oh, ow) = xpad.shape[0], tile.shape[2:]
         ng = self._layout(tile)[0]
         if self.kernel == (1, 1):
-            cols = xp.ascontiguousarray(_strided(xpad, 0, 0, self.stride, (oh, ow)))
+            cols = xp.ascontiguousarray(strided(xpad, 0, 0, self.stride, (oh, ow)))
             yield 0, n, cols.reshape(n, ng, -1, oh * ow)
             return
         view = _im2col_view(xp, xpad, self.kernel, self.stride, (oh, ow))
@@ -481,7 +415,7 @@ class Conv2d(Op):
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
-                self._forward_columns(xp, tile, _pad(xp, x[a:b], pads), w, y[a:b])
+                self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
         self._in_parts(xp, samples, n)
         if bias is not None and path != "batched":
             y += bias[:, None]
@@ -522,7 +456,7 @@ class Conv2d(Op):
         stride-1 kernel on an unpadded tile it is the input gradient itself)."""
         n, (oct_, oh, ow) = x.shape[0], tile.shape[1:]
         ng, ocpg, off = self._layout(tile)
-        xpad = _pad(xp, x, pads)
+        xpad = pad(xp, x, pads)
         wg_t = self._grouped(xp, w.reshape(oct_, -1), tile).swapaxes(-1, -2)
         dyg = self._grouped(xp, xp.ascontiguousarray(dy).reshape(n, oct_, oh * ow), tile)
         gw = xp.zeros((ng, ocpg, w[0].size), x.dtype)
@@ -541,290 +475,3 @@ class Conv2d(Op):
             (top, _), (left, _) = pads
             dx[...] = dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]]
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
-
-
-# ---- pooling ------------------------------------------------------------------------
-# The CPU kernels read the unpadded input tile x [N, C, H, W], as flat_rows (x, sn, sc, sh).
-# The window of output (oh, ow) starts at input row oh*sh - top and column ow*sw - left (top,
-# left: the tile's virtual padding) and is clipped to the tile, which holds every input a
-# window reaches (Pool2d.input_rects). Each output row is done in two passes: a vertical one
-# over the window's input rows, contiguous and vectorized, folds every column; a horizontal
-# one combines the folded columns of each window.
-@numba.njit(nogil=True, inline="always")
-def _clip(o, stride, pad, kernel, size):
-    start = o * stride - pad
-    return max(start, 0), min(start + kernel, size)
-
-
-@numba.njit(nogil=True, cache=True)
-def _maxpool_cpu(x, shape, kernel, stride, pads, y, arg):
-    """y = the max of each window of x, arg = its flat index ih*W + iw in its plane x[n, c].
-
-    PyTorch's rule: the first maximum in row-major window order, or the last NaN. A window
-    with no input in the tile (never for a pool's tiles) gets -inf and -1."""
-    n_, c_, h_, w_ = shape
-    oh_, ow_ = y.shape[2:]
-    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
-    _, xsn, xsc, xsh = x
-    col_v = np.empty(w_, y.dtype)  # the best of each column over the window's rows
-    col_k = np.empty(w_, np.int32)  # and its flat index
-    lowest = y.dtype.type(-np.inf)
-    for n in range(n_):
-        for c in range(c_):
-            plane = n * xsn + c * xsc
-            for oh in range(oh_):
-                yr, ar = y[n, c, oh], arg[n, c, oh]
-                ha, hb = _clip(oh, sh, top, kh, h_)
-                if ha >= hb:
-                    yr[:] = lowest
-                    ar[:] = -1
-                    continue
-                row = flat_row(x, plane + ha * xsh, w_)
-                for iw in range(w_):
-                    col_v[iw] = row[iw]
-                    col_k[iw] = ha * w_ + iw
-                for ih in range(ha + 1, hb):
-                    row = flat_row(x, plane + ih * xsh, w_)
-                    for iw in range(w_):
-                        v, cv = row[iw], col_v[iw]
-                        take = (v > cv) | (v != v)  # a later row wins if larger, or a NaN
-                        col_v[iw] = v if take else cv
-                        col_k[iw] = ih * w_ + iw if take else col_k[iw]
-                nans = 0
-                for iw in range(w_):
-                    nans += col_v[iw] != col_v[iw]
-                if nans:
-                    _maxpool_row_nan(col_v, col_k, ow_, sw, left, kw, w_, yr, ar)
-                    continue
-                for ow in range(ow_):
-                    wa, wb = _clip(ow, sw, left, kw, w_)
-                    if wa >= wb:
-                        yr[ow], ar[ow] = lowest, -1
-                        continue
-                    # branch-free: best by max, where by a (cmov) select; a float select would branch
-                    best, where = col_v[wa], col_k[wa]
-                    for j in range(wa + 1, wb):
-                        v, k = col_v[j], col_k[j]
-                        take = (v > best) | ((v == best) & (k < where))  # larger, or as large and earlier
-                        best = max(best, v)
-                        where = k if take else where
-                    if best == 0:  # +0 and -0 tie: the value of the one chosen
-                        for j in range(wa, wb):
-                            if col_k[j] == where:
-                                best = col_v[j]
-                    yr[ow], ar[ow] = best, where
-
-
-@numba.njit(nogil=True, cache=True)
-def _maxpool_row_nan(col_v, col_k, ow_, sw, left, kw, w_, yr, ar):
-    """The horizontal pass of _maxpool_cpu for an output row whose windows hold NaNs."""
-    for ow in range(ow_):
-        wa, wb = _clip(ow, sw, left, kw, w_)
-        best, where = col_v.dtype.type(-np.inf), -1
-        if wa < wb:
-            best, where = col_v[wa], col_k[wa]
-        for j in range(wa + 1, wb):
-            v, k = col_v[j], col_k[j]
-            if v != v:  # a NaN: the last one in row-major order
-                take = best == best or k > where
-            else:
-                take = v > best or (v == best and k < where)
-            if take:
-                best, where = v, k
-        yr[ow], ar[ow] = best, where
-
-
-@numba.njit(nogil=True, cache=True)
-def _maxpool_scatter_cpu(dy, arg, out):
-    """out[n, c, arg[n, c, oh, ow]] += dy[n, c, oh, ow] over planes out [N, C, H*W]; arg -1 is skipped.
-
-    dy comes as flat_rows (dy, sn, sc, sh)."""
-    n_, c_, oh_, ow_ = arg.shape
-    _, sn, sc, sh = dy
-    for n in range(n_):
-        for c in range(c_):
-            dst = out[n, c]
-            for oh in range(oh_):
-                g, ar = flat_row(dy, n * sn + c * sc + oh * sh, ow_), arg[n, c, oh]
-                for ow in range(ow_):
-                    k = ar[ow]
-                    if k >= 0:
-                        dst[k] += g[ow]
-
-
-@numba.njit(nogil=True, cache=True)
-def _avgpool_cpu(x, shape, kernel, stride, pads, y):
-    """y = the sum of each window of x (flat_rows) over kh*kw (padding counts as zeros), in float64."""
-    n_, c_, h_, w_ = shape
-    oh_, ow_ = y.shape[2:]
-    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
-    _, xsn, xsc, xsh = x
-    col = np.empty(w_)  # each column's sum over the window's rows
-    scale = 1.0 / (kh * kw)
-    for n in range(n_):
-        for c in range(c_):
-            plane = n * xsn + c * xsc
-            for oh in range(oh_):
-                ha, hb = _clip(oh, sh, top, kh, h_)
-                col[:] = 0.0
-                for ih in range(ha, hb):
-                    row = flat_row(x, plane + ih * xsh, w_)
-                    for iw in range(w_):
-                        col[iw] += row[iw]
-                for ow in range(ow_):
-                    wa, wb = _clip(ow, sw, left, kw, w_)
-                    total = 0.0
-                    for j in range(wa, wb):
-                        total += col[j]
-                    y[n, c, oh, ow] = total * scale
-
-
-@numba.njit(nogil=True, cache=True)
-def _avgpool_scatter_cpu(dy, dy_shape, kernel, stride, pads, out):
-    """out[n, c, ih, iw] += dy[n, c, oh, ow] / (kh*kw) for every input (ih, iw) of window (oh, ow).
-
-    dy comes as flat_rows (dy, sn, sc, sh); out is [N, C, H, W]."""
-    n_, c_, oh_, ow_ = dy_shape
-    h_, w_ = out.shape[2:]
-    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
-    _, sn, sc, shd = dy
-    col = np.empty(w_, out.dtype)  # what each column of the window's rows receives
-    share = out.dtype.type(1.0 / (kh * kw))
-    for n in range(n_):
-        for c in range(c_):
-            dst = out[n, c]
-            for oh in range(oh_):
-                g = flat_row(dy, n * sn + c * sc + oh * shd, ow_)
-                col[:] = 0
-                for ow in range(ow_):
-                    wa, wb = _clip(ow, sw, left, kw, w_)
-                    v = g[ow] * share
-                    for j in range(wa, wb):
-                        col[j] += v
-                ha, hb = _clip(oh, sh, top, kh, h_)
-                for ih in range(ha, hb):
-                    for iw in range(w_):
-                        dst[ih, iw] += col[iw]
-
-
-def _maxpool_scatter_xp(xp, dy, arg, kernel, stride, out) -> None:
-    """Route each output gradient to its window's argmax k = i*KW + j in the padded input `out`
-    (array code, for the GPU): one masked strided add per window offset."""
-    zero = dy.dtype.type(0)
-    for k in range(kernel[0] * kernel[1]):
-        i, j = divmod(k, kernel[1])
-        _strided(out, i, j, stride, dy.shape[2:])[...] += xp.where(arg == k, dy, zero)
-
-
-def window_argmax(xp, xpad, y, kernel, stride):
-    """Index k = i*KW + j of the first maximum in each window, or of its last NaN (PyTorch's rules)."""
-    arg = xp.zeros(y.shape, xp.int32)
-    found = xp.zeros(y.shape, bool)
-    for k in range(kernel[0] * kernel[1]):
-        win = _strided(xpad, *divmod(k, kernel[1]), stride, y.shape[2:])
-        hit = ((win == y) & ~found) | (win != win)
-        arg = xp.where(hit, xp.int32(k), arg)
-        found |= hit
-    return arg
-
-
-@register_op
-class Pool2d(Op):
-    """PyTorch's max_pool2d / avg_pool2d (count_include_pad=True, floor mode). Every dim splits."""
-
-    kind = "pool2d"
-    POOL_TYPES = ("max", "avg")
-
-    def __init__(self, name, inputs, kernel, stride=None, padding=0, pool_type: str = "max"):
-        k = self.kind
-        super().__init__(name, inputs, kernel=_pair(k, name, "kernel", kernel, 1),
-                         stride=_pair(k, name, "stride", kernel if stride is None else stride, 1),
-                         padding=_pair(k, name, "padding", padding, 0), pool_type=pool_type)
-
-    def infer_shapes(self, in_shapes):
-        if len(in_shapes) != 1:
-            raise self.fail(f"takes 1 input, got {len(in_shapes)}")
-        if self.pool_type not in self.POOL_TYPES:
-            raise self.fail(f"unknown pool_type {self.pool_type!r}; expected one of {self.POOL_TYPES}")
-        (shape,) = in_shapes
-        out_hw = _check_window(self, shape, self.kernel, self.stride, self.padding)
-        if any(2 * p > k for p, k in zip(self.padding, self.kernel)):
-            raise self.fail(f"padding {self.padding} must be at most half of kernel {self.kernel}")
-        return [(shape[0], shape[1], *out_hw)]
-
-    def split_dims(self):
-        return (SplitDim(0, SAMPLE), SplitDim(1, ATTRIBUTE), SplitDim(2, ATTRIBUTE), SplitDim(3, ATTRIBUTE))
-
-    def input_rects(self, tile):
-        h, w = self.inputs[0].shape[2:]
-        hs = _span(tile.lo[2], tile.hi[2], self.stride[0], self.kernel[0], self.padding[0], h, self.tile_shape[2])
-        ws = _span(tile.lo[3], tile.hi[3], self.stride[1], self.kernel[1], self.padding[1], w, self.tile_shape[3])
-        return [Rect((tile.lo[0], tile.lo[1], hs[0], ws[0]), (tile.hi[0], tile.hi[1], hs[1], ws[1]))]
-
-    def flops(self, tile):
-        return tile.volume * self.kernel[0] * self.kernel[1]
-
-    def _padded(self, xp, x, tile, in_rect):
-        pads = _window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
-        fill = -np.inf if self.pool_type == "max" else 0.0
-        return _pad(xp, x, pads, fill), pads
-
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
-        """On the CPU max pooling saves the argmax of every window (see _maxpool_cpu) for backward."""
-        if xp is np:
-            return self._forward_cpu(inputs[0], tile, in_rects[0])
-        xpad, _ = self._padded(xp, inputs[0], tile, in_rects[0])
-        out_hw = tile.shape[2:]
-        kh, kw = self.kernel
-        y = _strided(xpad, 0, 0, self.stride, out_hw).copy()
-        for k in range(1, kh * kw):
-            win = _strided(xpad, *divmod(k, kw), self.stride, out_hw)
-            if self.pool_type == "max":
-                xp.maximum(y, win, out=y)
-            else:
-                y += win
-        if self.pool_type == "avg":
-            y *= y.dtype.type(1.0 / (kh * kw))
-        return [y], None
-
-    def _top_left(self, tile, in_rect) -> tuple[int, int]:
-        (top, _), (left, _) = _window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
-        return top, left
-
-    def _forward_cpu(self, x, tile, in_rect):
-        pads = self._top_left(tile, in_rect)
-        y = np.empty(tile.shape, x.dtype)
-        if self.pool_type == "avg":
-            _avgpool_cpu(flat_rows(x), x.shape, self.kernel, self.stride, pads, y)
-            return [y], None
-        arg = np.empty(tile.shape, np.int32)
-        _maxpool_cpu(flat_rows(x), x.shape, self.kernel, self.stride, pads, y, arg)
-        return [y], arg
-
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
-        (x,), (dy,) = inputs, grad_outputs
-        if xp is np:
-            return self._backward_cpu(x, dy, tile, in_rects[0], saved)
-        kh, kw = self.kernel
-        if self.pool_type == "max":
-            xpad, pads = self._padded(xp, x, tile, in_rects[0])
-            dxpad = xp.zeros(xpad.shape, x.dtype)
-            arg = window_argmax(xp, xpad, outputs[0], self.kernel, self.stride)
-            _maxpool_scatter_xp(xp, dy, arg, self.kernel, self.stride, dxpad)
-        else:  # only the padded shape is needed, not a padded copy of x
-            pads = _window_geometry(tile, in_rects[0], self.kernel, self.stride, self.padding)
-            (top, bottom), (left, right) = pads
-            dxpad = xp.zeros(x.shape[:2] + (x.shape[2] + top + bottom, x.shape[3] + left + right), x.dtype)
-            share = dy * dy.dtype.type(1.0 / (kh * kw))
-            for k in range(kh * kw):
-                _strided(dxpad, *divmod(k, kw), self.stride, dy.shape[2:])[...] += share
-        (top, _), (left, _) = pads
-        return [xp.ascontiguousarray(dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]])], {}
-
-    def _backward_cpu(self, x, dy, tile, in_rect, arg):
-        dx = np.zeros(x.shape, x.dtype)
-        if self.pool_type == "avg":
-            _avgpool_scatter_cpu(flat_rows(dy), dy.shape, self.kernel, self.stride, self._top_left(tile, in_rect), dx)
-        else:
-            _maxpool_scatter_cpu(flat_rows(dy), arg, dx.reshape(*x.shape[:2], -1))
-        return [dx], {}

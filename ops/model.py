@@ -27,7 +27,8 @@ from ops.activation import ElementUnary, Softmax
 from ops.attention import MultiHeadAttention
 from ops import checkpoint
 from ops.base import Op, TensorSpec
-from ops.conv import Conv2d, Pool2d
+from ops.conv import Conv2d
+from ops.pool import Pool2d
 from ops.dropout import Dropout
 from ops.elementwise import ElementBinary
 from ops.embedding import Embedding

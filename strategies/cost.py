@@ -465,7 +465,8 @@ def calibration_ops() -> list[Op]:
     """Representative ops of every kind the apps use, at sizes that take milliseconds on a CPU core."""
     from ops.activation import ElementUnary, Softmax
     from ops.attention import MultiHeadAttention
-    from ops.conv import Conv2d, Pool2d
+    from ops.conv import Conv2d
+    from ops.pool import Pool2d
     from ops.dropout import Dropout
     from ops.elementwise import ElementBinary
     from ops.embedding import Embedding

@@ -12,7 +12,7 @@ from ops.activation import ElementUnary, Softmax, softmax_grad_rows, softmax_row
 from ops.base import ATTRIBUTE, SAMPLE, OP_REGISTRY, ShapeError
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
-from tests.test_conv import ArrayCodePath
+from tests.opcheck import ArrayCodePath
 
 TORCH_UNARY = {"relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
 

@@ -13,7 +13,7 @@ from ops.attention import MultiHeadAttention, _head_groups
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
-from tests.test_conv import ArrayCodePath
+from tests.opcheck import ArrayCodePath
 
 
 def mha_case(batch, lq, lk, e, heads, use_bias=True, causal=False, seed=0, dtype=np.float32):

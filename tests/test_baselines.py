@@ -11,7 +11,8 @@ from ops import SGD, Model, TileConfig, default_config, model_fingerprint
 from ops.activation import ElementUnary
 from ops.attention import MultiHeadAttention
 from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, SplitDim
-from ops.conv import Conv2d, Pool2d
+from ops.conv import Conv2d
+from ops.pool import Pool2d
 from ops.linear import Dense
 from ops.lower import compute_processors, resolve_config
 from strategies import (BASELINES, data_parallel, expert, model_parallel, random_config, random_strategy,
