@@ -15,7 +15,8 @@ Measured here, on one core:
   Inception-v3 and NMT apps on 16 P100 and 64 K80 devices, and `delta_over_full` (target >= 5
   at 64 devices);
 - the search on the tiny Inception-v3 on 64 K80 devices: seconds per proposal and what 10,000
-  proposals take at that rate (target under 60 s). --large adds the transformer app at 64 and
+  proposals take at that rate (target under 60 s), region analyses per proposal, and the share
+  of region cache misses that the canonical cache answered by renaming memories. --large adds the transformer app at 64 and
   256 H100-class devices (per-proposal time against devices).
 Analytic costs throughout. Last line: one JSON object.
 """
@@ -133,11 +134,16 @@ def search_rate(app: str, machine: str, nodes: int, proposals: int) -> dict:
     t0 = time.perf_counter()
     search(sim, 1, seed=0, model=model)   # the baselines and the caches they fill
     setup = time.perf_counter() - t0
+    before = dict(sim.builder.stats)
     result = search(sim, proposals, seed=0, model=model)
     per = result.seconds / max(1, result.proposals)
+    analyzed = sim.builder.stats["regions_analyzed"] - before["regions_analyzed"]
+    renamed = sim.builder.stats["regions_renamed"] - before["regions_renamed"]
     return {"app": f"{app} (tiny)", "devices": mm.num_devices, "setup_s": round(setup, 2),
             "proposals": result.proposals, "seconds": round(result.seconds, 2),
             "seconds_per_proposal": round(per, 4), "seconds_for_10000_proposals": round(setup + per * 10000, 1),
+            "region_analyses_per_proposal": round(analyzed / max(1, result.proposals), 2),
+            "renamed_share_of_region_misses": round(renamed / max(1, analyzed + renamed), 3),
             "speedup_over_best_baseline": round(result.speedup_over_baselines(), 3)}
 
 

@@ -15,7 +15,11 @@ few configs, and cached by them:
   edges one region causes are a pure function of the segments that touch it, in program
   order: the producer's and every reader's config. They are cached by (region, those
   segments' keys): the analysis runs on that region's accesses alone, through the same
-  Analyzer the runtime uses.
+  Analyzer the runtime uses;
+- on a miss there, a second cache answers accesses that differ only in where they run: the
+  analysis is equivariant under renaming memories, so it is keyed by what the tasks ask of
+  the region and their memories numbered by first appearance, and a hit renames the stored
+  copies' sources and destinations (SegmentBuilder._region).
 
 A proposal that changes op k re-records k's segments and re-analyzes only the regions they
 touch (k's inputs, outputs, weights and their gradients); everything else comes from the
@@ -50,15 +54,21 @@ STEPS = (1, 2)
 
 @dataclass(frozen=True)
 class RecordedSegment:
-    """A segment's point tasks as the runtime would make them (ids -1), with what each computes,
-    and per region uid the tasks that touch it: (task index, requirement indices)."""
+    """A segment's point tasks as the runtime would make them (ids -1), with what each computes;
+    per region uid the tasks that touch it, (task index, requirement indices), and, for the
+    canonical region cache, what those tasks ask of it apart from where they run (`shapes`: an
+    interned id of their task indices, requirement indices, rects and privileges) and the
+    memory of each (`memories`)."""
 
     key: tuple
+    key_id: int                   # a small int per key, so region keys hash fast
     op: str | None
     phase: str
     tasks: tuple[TaskNode, ...]
     costs: tuple[TaskCost, ...]
     touches: dict
+    shapes: dict
+    memories: dict
     fills: tuple[str, ...] = ()
 
 
@@ -89,9 +99,9 @@ class AssembledIteration:
     pred_idx[pred_ptr[i]:pred_ptr[i + 1]], it was caused by the segment at program position
     segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
     parts (the segments' tasks, then the region results' copies, as in `parts`) in that order,
-    so per-part arrays (costs) index into it."""
+    so per-part arrays (costs) index into it. `nodes` is made on first use: timing a graph
+    needs only the arrays and the parts."""
 
-    nodes: list
     pred_ptr: np.ndarray
     pred_idx: np.ndarray
     segment_of: np.ndarray
@@ -102,6 +112,15 @@ class AssembledIteration:
     view: "_PlanView"
     machine: Machine
     _costs: list | None = None
+    _nodes: list | None = None
+
+    @property
+    def nodes(self) -> list:
+        if self._nodes is None:
+            templates = [t for part in self.parts for t in
+                         (part.tasks if isinstance(part, RecordedSegment) else part.copies)]
+            self._nodes = [templates[i] for i in self.order.tolist()]
+        return self._nodes
 
     def __repr__(self) -> str:
         tasks = sum(isinstance(n, TaskNode) for n in self.nodes)
@@ -110,7 +129,7 @@ class AssembledIteration:
     @property
     def preds(self) -> list[tuple[int, ...]]:
         ptr, idx = self.pred_ptr, self.pred_idx.tolist()
-        return [tuple(idx[ptr[i]:ptr[i + 1]]) for i in range(len(self.nodes))]
+        return [tuple(idx[ptr[i]:ptr[i + 1]]) for i in range(len(ptr) - 1)]
 
     @property
     def buffers(self) -> list:
@@ -164,7 +183,8 @@ class SegmentBuilder:
         self._update_plans: dict[tuple, UpdatePlan] = {}
         self._segments: dict[tuple, RecordedSegment] = {}
         self._regions: dict[tuple, RegionResult] = {}
-        self._key_ids: dict[tuple, int] = {}
+        self._canonical: dict[tuple, tuple] = {}   # see _region: (result, its region, its memories)
+        self._shape_ids: dict[tuple, int] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._region_of: dict = {}   # uid -> Region, of every region a recorded segment touches
         self.zero_segment = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
@@ -175,7 +195,7 @@ class SegmentBuilder:
             + [(r, 0.0) for r in self.low.stats.values()])
         self.input_segment = self.low.host_fill_segment("input", [
             (self.low.values[t.name], 0) for t in inputs])
-        self.stats = {"segments_recorded": 0, "regions_analyzed": 0}
+        self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0}
 
     def __repr__(self) -> str:
         return (f"SegmentBuilder({len(self.ops)} ops, {len(self._segments)} segments and "
@@ -241,13 +261,6 @@ class SegmentBuilder:
         program = [init, inputs, *step, inputs, *step]
         return program, 3 + len(step)
 
-    def _key_id(self, key: tuple) -> int:
-        """A small int per segment key, so region keys hash fast."""
-        i = self._key_ids.get(key)
-        if i is None:
-            i = self._key_ids[key] = len(self._key_ids)
-        return i
-
     def _get(self, key: tuple, make) -> RecordedSegment:
         rec = self._segments.get(key)
         if rec is None:
@@ -280,9 +293,20 @@ class SegmentBuilder:
                     else:
                         entry.append((index, [j]))
         self.stats["segments_recorded"] += 1
-        return RecordedSegment(key, segment.op, segment.phase, tuple(tasks), tuple(costs),
-                               {uid: tuple((t, tuple(js)) for t, js in v) for uid, v in touches.items()},
-                               segment.fills)
+        touches = {uid: tuple((t, tuple(js)) for t, js in v) for uid, v in touches.items()}
+        shapes = {uid: self._shape_id((segment.op, tuple((t, js, _asks(tasks[t], js)) for t, js in v)))
+                  for uid, v in touches.items()}
+        memories = {uid: tuple(tasks[t].proc.memory for t, _ in v) for uid, v in touches.items()}
+        return RecordedSegment(key, len(self._segments), segment.op, segment.phase, tuple(tasks), tuple(costs),
+                               touches, shapes, memories, segment.fills)
+
+    def _shape_id(self, shape: tuple) -> int:
+        """A small int per distinct shape (what a segment's tasks ask of one region), so that
+        canonical region keys hash fast."""
+        i = self._shape_ids.get(shape)
+        if i is None:
+            i = self._shape_ids[shape] = len(self._shape_ids)
+        return i
 
     # ---- the graph -----------------------------------------------------------------------------
     def build(self, configs: dict[str, TileConfig]) -> AssembledIteration:
@@ -297,13 +321,13 @@ class SegmentBuilder:
         for j, rec in enumerate(program):
             for uid in rec.touches:
                 where.setdefault(uid, []).append(j)
-        ids = [self._key_id(rec.key) for rec in program]
+        ids = [rec.key_id for rec in program]
         results = []
         for uid, positions in where.items():
             key = (uid, tuple([ids[j] for j in positions]))
             result = self._regions.get(key)
             if result is None:
-                result = self._regions[key] = self._analyze(self._region_of[uid], program, positions, second)
+                result = self._regions[key] = self._region(uid, program, positions, second)
             results.append(result)
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
         sizes = np.array([len(rec.tasks) if j >= second else 0 for j, rec in enumerate(program)], np.int64)
@@ -331,8 +355,7 @@ class SegmentBuilder:
         e = np.concatenate(edges) if edges else np.zeros((0, 6), np.int64)
         base = np.repeat(copy_base, [len(x) for x in edges])
         dst, src = _ends(e[:, 0:3], offset, base), _ends(e[:, 3:6], offset, base)
-        keep = src >= 0                                            # ends in the first step are gone
-        pairs = np.sort(position[dst[keep]] * n + position[src[keep]])
+        pairs = np.sort(position[dst] * n + position[src])
         if len(pairs):
             pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]   # a pred once
         dst, src = pairs // n, pairs % n
@@ -346,9 +369,7 @@ class SegmentBuilder:
         buffer_j = cat("buffer_j")
         buf = offset[np.maximum(buffer_j, 0)] + cat("buffer_t")
         buffer_index[n_tasks:] = np.where(buffer_j >= 0, position[np.maximum(buf, 0)], -1)
-        templates = [t for rec in step2 for t in rec.tasks] + [c for r in results for c in r.copies]
-        nodes = [templates[i] for i in order.tolist()]
-        return AssembledIteration(nodes, ptr, src, segment_of[order], buffer_index[order], order,
+        return AssembledIteration(ptr, src, segment_of[order], buffer_index[order], order,
                                   step2 + [r for r in results if r.copies], program, self._view(configs),
                                   self.machine)
 
@@ -359,6 +380,41 @@ class SegmentBuilder:
         return _PlanView(self.ops, plans, low.values, low.params, low.stats, updates)
 
     # ---- one region's analysis -------------------------------------------------------------------
+    def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
+        """Region `uid`'s result when its exact key missed: renamed from an analysis of the same
+        accesses on other memories, or analyzed.
+
+        The analysis is equivariant under renaming memories: it uses them only as dict keys and
+        by equality (`choose_source` takes a piece's first valid memory in insertion order, and
+        a renamed program inserts the renamed memories in the same order), so tasks mapped to
+        other memories by a bijection give the same nodes and edges, with the copies' sources
+        and destinations renamed by it. Of the region itself it reads only the bounds (the uid
+        only keys its state), so a region that each plan makes afresh (an op's shared sums, its
+        carries) is matched by name and bounds, and the copies get this one. The canonical key
+        is what the analysis reads: the region's name and bounds, and per segment at `positions`
+        (in program order) its op and its tasks' indices, requirement indices, rects and
+        privileges on the region (its shape), and each task's memory numbered by first
+        appearance."""
+        region = self._region_of[uid]
+        numbering: dict = {}
+        numbers = tuple([numbering.setdefault(m, len(numbering)) for j in positions for m in program[j].memories[uid]])
+        key = (region.name, region.rect, tuple(positions), tuple([program[j].shapes[uid] for j in positions]), numbers)
+        memories = tuple(numbering)
+        known = self._canonical.get(key)
+        if known is None:
+            result = self._analyze(region, program, positions, second)
+            self._canonical[key] = (result, region, memories)
+            return result
+        result, analyzed, analyzed_on = known
+        self.stats["regions_renamed"] += 1
+        if analyzed_on == memories and analyzed is region:
+            return result
+        rename = dict(zip(analyzed_on, memories))
+        copies = tuple(CopyNode(-1, region, c.rect, rename[c.src], rename[c.dst], redop=c.redop, buffer=c.buffer,
+                                op=c.op) for c in result.copies)
+        return RegionResult(copies, result.copy_j, result.copy_t, result.copy_req, result.buffer_j, result.buffer_t,
+                            result.edges)
+
     def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
         """Run the runtime's Analyzer over `region`'s accesses alone (the tasks of the segments at
         `positions` that touch it) and keep what it adds to the second step (from `second` on)."""
@@ -394,13 +450,13 @@ class SegmentBuilder:
                 kept.append((node, preds, access, first_req))
 
         def end(n: int):
-            """(kind, a, b) of a local node id; None for a copy of the first step."""
+            """(kind, a, b) of a local node id; None for a node of the first step (its edges go)."""
             if n in copy_of:
                 return (0, copy_of[n], 0)
-            if n in owner:
-                k, t = owner[n]
-                return (1, positions[k], t)
-            return None
+            k, t = owner.get(n, (0, -1))
+            if t < 0 or not in_graph[k]:
+                return None
+            return (1, positions[k], t)
 
         edges = []
         for node, preds, access, _ in kept:
@@ -425,10 +481,14 @@ class SegmentBuilder:
         return result
 
 
+def _asks(task: TaskNode, reqs: tuple[int, ...]) -> tuple:
+    """(rect, privilege) of each of a task's requirements `reqs`: what it asks of their region."""
+    return tuple((task.reqs[j].rect, task.reqs[j].privilege) for j in reqs)
+
+
 def _ends(ends: np.ndarray, offset: np.ndarray, base: np.ndarray) -> np.ndarray:
     """Node numbers of edge ends (kind, a, b): a task (kind 1) is task b of the segment at program
     position a (numbered from offset[a]); a copy (kind 0) is copy a of its result (from base)."""
-    out = base + ends[:, 1]
-    tasks = ends[:, 0] == 1
-    out[tasks] = offset[ends[tasks, 1]] + ends[tasks, 2]
-    return out
+    a = np.ascontiguousarray(ends[:, 1])
+    # a copy's index may pass the end of offset: clipped, and not chosen
+    return np.where(ends[:, 0] == 1, offset.take(a, mode="clip") + ends[:, 2], base + a)

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from ops.base import Op, TensorSpec
-from ops.lower import TileConfig, default_config, resolve_config
+from ops.lower import ConfigError, TileConfig, default_config, resolve_config
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
 from strategies.graph import BACKWARD, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
@@ -98,7 +98,9 @@ class Simulator:
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}
+        self._copy_costs: dict[tuple, tuple[int, float]] = {}   # (src, dst, bytes, redop) -> (resource, seconds)
         self._resolved: dict[tuple, TileConfig] = {}
+        self._by_name = {op.name: op for op in self.ops}
         self._peaks = PeakCache(self.ops, self.machine)
         self._resources: list[tuple] = []
         self._resource_index: dict[tuple, int] = {}
@@ -119,8 +121,8 @@ class Simulator:
         """Every op's resolved config: from a Strategy (checked) or a dict; the rest data parallel."""
         if isinstance(strategy, Strategy):
             known = self._resolved
-            if strategy.model == self.fingerprint and all((n, c) in known for n, c in strategy.ops.items()):
-                # every entry was checked before (a search proposal changes one): no need again
+            if strategy.model == self.fingerprint and self._resolve_new(strategy):
+                # every entry is checked once (a search proposal changes one): no need again
                 given = {n: known[(n, c)] for n, c in strategy.ops.items()}
                 return {op.name: given[op.name] if op.name in given else default_config(op, self.machine)
                         for op in self.ops}
@@ -130,6 +132,19 @@ class Simulator:
         given = dict(strategy or {})
         return {op.name: resolve_config(op, given[op.name], self.machine) if op.name in given
                 else default_config(op, self.machine) for op in self.ops}
+
+    def _resolve_new(self, strategy: Strategy) -> bool:
+        """Resolve the entries of `strategy` not seen before, one by one; False when one names no
+        op or does not fit its op (Strategy.resolve then says what is wrong with each)."""
+        new = [(n, c) for n, c in strategy.ops.items() if (n, c) not in self._resolved]
+        if any(n not in self._by_name for n, _ in new):
+            return False
+        try:
+            resolved = {(n, c): resolve_config(self._by_name[n], c, self.machine) for n, c in new}
+        except ConfigError:
+            return False
+        self._resolved.update(resolved)
+        return True
 
     # ---- simulation ----------------------------------------------------------------------------
     @property
@@ -161,7 +176,7 @@ class Simulator:
         used = np.bincount(res, minlength=len(resources))
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}
-        time = max(timing.time, self.issue_floor(len(graph.nodes), busy))
+        time = max(timing.time, self.issue_floor(len(res), busy))
         peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
         capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
         fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
@@ -219,8 +234,12 @@ class Simulator:
     def _cost(self, node, tc) -> tuple[int, float]:
         """(the resource index a node occupies, its seconds)."""
         if isinstance(node, CopyNode):
-            key, seconds = self._copy_cost(node)
-            return self._resource(key), seconds
+            what = (node.src, node.dst, node.nbytes, node.redop)
+            known = self._copy_costs.get(what)
+            if known is None:
+                key, seconds = self._copy_cost(node)
+                known = self._copy_costs[what] = (self._resource(key), seconds)
+            return known
         cost = self.cost
         if tc.phase == FILL:
             seconds = cost.fill_time(node.nbytes, node.proc)

@@ -1,7 +1,8 @@
 """The graph assembled from cached segments equals the graph the runtime builds for that iteration:
 task for task (processor, rects, privileges, memories), copy for copy (source, destination,
 rect, bytes, fold buffer) and edge for edge, under random strategies on random machines of
-1 to 16 ranks, also after a sequence of changes that the caches answer in part."""
+1 to 16 ranks, also after a sequence of changes that the caches answer in part, and under
+permutations of the devices, which the canonical region cache answers by renaming memories."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.lower import default_config
+from ops.lower import TileConfig, compute_processors, default_config
 from ops.optimizers import Adam
 from strategies.graph import build_iteration
 from strategies.random import random_config
@@ -120,3 +121,41 @@ def test_adam_state_and_a_16_rank_machine_match_too():
     optimizer = Adam(lr=1e-3)
     builder = SegmentBuilder(ops, inputs, loss, machine, optimizer)
     assert_same(runtime_graph(ops, inputs, loss, configs, machine, optimizer), assembled_graph(builder, configs))
+
+
+def _permuted(configs, machine, rng):
+    """The configs with their devices renamed by one random permutation of the compute processors
+    (the home processor, where host fills run, stays): a bijection on the tasks' memories."""
+    home = machine.host_processor(0)
+    procs = [p for p in compute_processors(machine) if machine.processors[p] != home]
+    order = [int(p) for p in rng.permutation(procs)]
+    if order == procs:
+        order = order[1:] + order[:1]
+    perm = dict(zip(procs, order))
+    return {name: TileConfig(c.degrees, tuple(perm.get(d, d) for d in c.devices)) for name, c in configs.items()}
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 6), per_rank=st.integers(1, 2))
+def test_configs_that_differ_by_a_permutation_of_devices_come_from_the_canonical_cache(seed, ranks, per_rank):
+    kind = sorted(MODELS)[seed % len(MODELS)]
+    ops, inputs, loss = _graph_of(kind)
+    machine = _machine(ranks, per_rank)
+    rng = np.random.default_rng(seed)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    configs = _configs(ops, machine, rng, random_share=0.8)
+    assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+    for step in range(4):
+        if step % 2:
+            op = ops[int(rng.integers(len(ops)))]
+            configs[op.name] = random_config(op, machine, rng)
+            assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+            continue
+        permuted = _permuted(configs, machine, rng)
+        before = dict(builder.stats)
+        assert_same(runtime_graph(ops, inputs, loss, permuted, machine), assembled_graph(builder, permuted))
+        assert builder.stats["regions_analyzed"] == before["regions_analyzed"], \
+            "a permutation of the devices must need no new region analysis"
+        if permuted != configs:
+            assert builder.stats["regions_renamed"] > before["regions_renamed"]
+        configs = permuted
