@@ -13,7 +13,7 @@ from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
 from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
 from tests.test_activation import tile_view
-from tests.test_conv import ArrayCodePath
+from tests.opcheck import ArrayCodePath
 
 
 def bn_data(op, seed=0, dtype=np.float32):
