@@ -79,9 +79,10 @@ class RegionResult:
     A task is named by (j, t): task t of the segment at program position j (the segments that
     touch a region, and so their positions, are part of its cache key). Copy i is caused by
     task (copy_j[i], copy_t[i]) at its requirement copy_req[i] (the task's first on this
-    region); buffer_j/t name a fold's buffer task (-1: none). Preds are edges, rows (dst kind,
-    dst a, dst b, src kind, src a, src b): an end is a copy (kind 0: its index here in a) or a
-    task (kind 1: (j, t) in a, b); edges into the first step are already gone."""
+    region); buffer_j/t name a fold's buffer task (-1: none). Preds are edges, one a column of
+    the rows (dst kind, dst a, dst b, src kind, src a, src b), so that assembly reads each row
+    contiguously: an end is a copy (kind 0: its index here in a) or a task (kind 1: (j, t) in
+    a, b); edges into the first step are already gone."""
 
     copies: tuple                 # CopyNode templates (ids -1)
     copy_j: np.ndarray
@@ -352,9 +353,9 @@ class SegmentBuilder:
         position = np.empty(n, np.int64)
         position[order] = np.arange(n)
         edges = [r.edges for r in results]
-        e = np.concatenate(edges) if edges else np.zeros((0, 6), np.int64)
-        base = np.repeat(copy_base, [len(x) for x in edges])
-        dst, src = _ends(e[:, 0:3], offset, base), _ends(e[:, 3:6], offset, base)
+        e = np.concatenate(edges, axis=1) if edges else np.zeros((6, 0), np.int64)
+        base = np.repeat(copy_base, [x.shape[1] for x in edges])
+        dst, src = _ends(e[0:3], offset, base), _ends(e[3:6], offset, base)
         pairs = np.sort(position[dst] * n + position[src])
         if len(pairs):
             pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]   # a pred once
@@ -476,7 +477,7 @@ class SegmentBuilder:
         result = RegionResult(templates, column([positions[a[0]] for _, _, a, _ in kept]),
                               column([a[1] for _, _, a, _ in kept]),
                               column([f for _, _, _, f in kept]), column([b[0] for b in buffer]),
-                              column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6))
+                              column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6).T.copy())
         self.stats["regions_analyzed"] += 1
         return result
 
@@ -487,8 +488,9 @@ def _asks(task: TaskNode, reqs: tuple[int, ...]) -> tuple:
 
 
 def _ends(ends: np.ndarray, offset: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """Node numbers of edge ends (kind, a, b): a task (kind 1) is task b of the segment at program
-    position a (numbered from offset[a]); a copy (kind 0) is copy a of its result (from base)."""
-    a = np.ascontiguousarray(ends[:, 1])
+    """Node numbers of edge ends, rows (kind, a, b): a task (kind 1) is task b of the segment at
+    program position a (numbered from offset[a]); a copy (kind 0) is copy a of its result (from
+    base)."""
+    kind, a, b = ends
     # a copy's index may pass the end of offset: clipped, and not chosen
-    return np.where(ends[:, 0] == 1, offset.take(a, mode="clip") + ends[:, 2], base + a)
+    return np.where(kind == 1, offset.take(a, mode="clip") + b, base + a)
