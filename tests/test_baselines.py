@@ -195,18 +195,24 @@ def test_random_configs_are_valid_and_use_distinct_processors(seed, cpus):
         assert config.num_tiles <= cpus and len(set(config.devices)) == config.num_tiles
 
 
-def test_random_configs_reach_every_declared_split_and_no_other():
-    x = spec((4, 6, 16), name="input_0")
-    ops = [Conv2d("conv", [spec((4, 3, 6, 6))], out_channels=4, kernel=3), HeadAttention("att", [x, x, x], num_heads=2),
+@pytest.mark.parametrize("draw", [random_config, proposal_config], ids=["random", "proposal"])
+def test_configs_reach_every_declared_split_and_no_other(draw):
+    """Random configs and search proposals both reach every split an op declares, only those, on
+    its compute processors; and configs of 3 tiles on this machine's 4 (for a proposal: the
+    plain random ones among them, since its tile counts are 1, 2 and 4)."""
+    x = spec((8, 6, 16), name="input_0")
+    ops = [Conv2d("conv", [spec((8, 3, 6, 6))], out_channels=4, kernel=3), HeadAttention("att", [x, x, x], num_heads=2),
            ReduceDense("fc", [x], out_features=5)]
     rng = np.random.default_rng(0)
     for op in ops:
-        split = set()
-        for _ in range(200):
-            config = random_config(op, GPUS, rng)
+        split, counts = set(), set()
+        for _ in range(300):
+            config = draw(op, GPUS, rng)
             split |= {d for d, deg in enumerate(config.degrees) if deg > 1}
+            counts.add(config.num_tiles)
             assert set(config.devices) <= {2, 3, 6, 7}
         assert split == {s.dim for s in op.split_dims()}, op.name
+        assert 3 in counts
 
 
 @given(seed=st.integers(0, 2**32 - 1), ranks=st.sampled_from([1, 2, 4]), per_rank=st.sampled_from([1, 2, 3, 4]))
@@ -234,19 +240,3 @@ def test_proposals_fit_the_machine_layout_on_consecutive_devices(seed, ranks, pe
     for c in layout:
         if len(procs) % c.num_tiles == 0:
             assert procs.index(c.devices[0]) % c.num_tiles == 0
-
-
-def test_proposals_reach_every_declared_split_and_unshaped_configs():
-    x = spec((8, 6, 16), name="input_0")
-    ops = [Conv2d("conv", [spec((8, 3, 6, 6))], out_channels=4, kernel=3), HeadAttention("att", [x, x, x], num_heads=2),
-           ReduceDense("fc", [x], out_features=5)]
-    rng = np.random.default_rng(0)
-    for op in ops:
-        split, counts = set(), set()
-        for _ in range(300):
-            config = proposal_config(op, GPUS, rng)
-            split |= {d for d, deg in enumerate(config.degrees) if deg > 1}
-            counts.add(config.num_tiles)
-            assert set(config.devices) <= {2, 3, 6, 7}
-        assert split == {s.dim for s in op.split_dims()}, op.name
-        assert 3 in counts  # only a plain random config has 3 tiles on this machine (tile counts 1, 2, 4)
