@@ -294,6 +294,7 @@ class OpPlan:
         self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
         self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
+        self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
         if not backward:
             return
         grads = low.grads

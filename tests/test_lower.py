@@ -303,3 +303,32 @@ def test_training_steps_are_replayed(rt4):
     assert after["recorded"] - before["recorded"] <= 2
     assert after["replayed"] - before["replayed"] >= 10
     assert after["mismatches"] == before["mismatches"]
+
+
+def test_an_output_whose_only_consumer_is_off_the_gradient_path_still_gets_a_zero_gradient(rt4):
+    """A split's second output feeds only an op whose result the loss ignores: that op runs no
+    backward, so nothing writes the output's gradient and its zero fill stays; the weights train
+    as in the same model without the dangling op."""
+    def build(dangling: bool):
+        m = Model(rt4, seed=5)
+        x = m.input((8, 6), name="x")
+        a, b = m.split(m.dense(x, 8, name="fc0"), [3, 5], axis=1, name="cut")
+        if dangling:
+            m.relu(b, name="unused")
+        m.dense(a, 3, name="out")
+        return m
+
+    x = np.random.default_rng(2).standard_normal((8, 6)).astype(np.float32)
+    y = np.arange(8) % 3
+    results = []
+    for dangling in (True, False):
+        m = build(dangling)
+        results.append(_run(m, x, y, {"fc0": TileConfig((2, 1, 1), (0, 1)), "cut": TileConfig((2, 1), (0, 1))},
+                            steps=2))
+        if dangling:
+            low = m._low
+            b = m.ops[1].outputs[1].name
+            assert low.plans["unused"].writes_grads == [False]
+            assert b not in low.written_grads(low.plans, m.ops[1])
+            assert b in {t for seg in low.backward_segments() for t in seg.fills}
+    _assert_same(results[0][1:2] + results[0][3:], results[1][1:2] + results[1][3:], "dangling branch")
