@@ -120,6 +120,15 @@ def _zero_edges(plane, oh_lo, oh_hi, ow_, ow_lo, ow_hi):
             plane[oh * ow_ + ow] = zero
 
 
+@numba.njit(nogil=True, inline="always")
+def _plane_run(i, j, top, left, oh_lo, oh_hi, ow_lo, ow_, h_, w_):
+    """(start in the flat input plane, length) of the one run that window offset (i, j) reads
+    (or, in backward, adds to) when stride 1 and 'same' width make output rows follow input
+    rows: from output (oh_lo, ow_lo) to the last valid one, clipped to the plane."""
+    start = (oh_lo - top + i) * w_ + ow_lo - left + j
+    return start, min((oh_hi - oh_lo) * ow_ - ow_lo, h_ * w_ - start)
+
+
 @numba.njit(nogil=True, cache=True)
 def _im2col_rows_cpu(x, kernel, sh, pads, cols):
     """cols[(c*KH + i)*KW + j, s, oh, ow] = x[s, c, oh*sh - top + i, ow - left + j], 0 where that
@@ -148,8 +157,7 @@ def _im2col_rows_cpu(x, kernel, sh, pads, cols):
                             dst[k] = zero
                         continue
                     if planes:  # one run from (oh_lo, ow_lo), then the columns outside x zeroed
-                        start = (oh_lo - top + i) * w_ + ow_lo - left + j
-                        n = min((oh_hi - oh_lo) * ow_ - ow_lo, h_ * w_ - start)
+                        start, n = _plane_run(i, j, top, left, oh_lo, oh_hi, ow_lo, ow_, h_, w_)
                         _copy_run(dst[oh_lo * ow_ + ow_lo:], xf[s, c, start:], n)
                         _zero_edges(dst, oh_lo, oh_hi, ow_, ow_lo, ow_hi)
                         continue
@@ -189,8 +197,7 @@ def _col2im_rows_cpu(cols, kernel, sh, pads, dx):
                         continue
                     if planes:
                         _zero_edges(cf[r, s], oh_lo, oh_hi, ow_, ow_lo, ow_hi)
-                        start = (oh_lo - top + i) * w_ + ow_lo - left + j
-                        n = min((oh_hi - oh_lo) * ow_ - ow_lo, h_ * w_ - start)
+                        start, n = _plane_run(i, j, top, left, oh_lo, oh_hi, ow_lo, ow_, h_, w_)
                         _add_run(out[start:], cf[r, s, oh_lo * ow_ + ow_lo:], n)
                         continue
                     for oh in range(oh_lo, oh_hi):
