@@ -62,7 +62,8 @@ _EXP_MIN = np.float32(-87.0)  # exp of less is below float32's smallest normal: 
 def _exp_shifted_row(x, m, y, bits, fast):
     """y = exp(x - m) for x <= m (a NaN stays NaN); returns sum(y) in float64. `fast` (float32):
     Cephes' expf polynomial times 2^k built in the int32 scratch `bits`, two loops that
-    vectorize; else np.exp."""
+    vectorize as long as y is not x (LLVM's overlap check then sends them to scalar code,
+    three times slower); else np.exp."""
     n = x.size
     total = 0.0
     if fast:
@@ -100,15 +101,16 @@ def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
     rows = xs.size
     for c in numba.prange(chunks):
         bits = np.empty(n, np.int32)
+        e = np.empty(n, y.dtype)   # exp's values, apart from x so that its loops vectorize
         for r in range(c * rows // chunks, (c + 1) * rows // chunks):
             seen = n if period == 0 else min(n, first + r % period + 1)
             xr, yr = x[xs[r]:xs[r] + seen], y[ys[r]:ys[r] + n]
             m = xr[0]
             for i in range(1, seen):
                 m = xr[i] if xr[i] > m else m
-            inv = yr.dtype.type(1.0 / _exp_shifted_row(xr, m, yr, bits, fast))
+            inv = yr.dtype.type(1.0 / _exp_shifted_row(xr, m, e, bits, fast))
             for i in range(seen):
-                yr[i] *= inv
+                yr[i] = e[i] * inv
             for i in range(seen, n):
                 yr[i] = 0
 

@@ -73,6 +73,30 @@ def _per_head_groups(xp, batch: int, heads: int, work) -> None:
             job.result()
 
 
+def _pairs(xp, batch: int, heads: int, samples: slice, hs: slice) -> list[tuple]:
+    """The (sample, head) index pairs of a group, for the per-head work to take one at a time on
+    the CPU: a pair's scores (Lq x Lk) then stay in cache from one GEMM through the softmax to
+    the next, where a whole group's would stream through memory three times. With cupy the
+    group in one go (batched GEMMs)."""
+    if xp is not np:
+        return [(samples, hs)]
+    return [(i, h) for i in range(*samples.indices(batch)) for h in range(*hs.indices(heads))]
+
+
+def _scores(xp, shape: tuple, dtype):
+    """The softmaxed scores [batch, heads, Lq, Lk], kept for backward: on the CPU one array per
+    sample, since glibc's malloc maps each allocation over 32 MiB afresh (a page fault per page
+    on first touch, a fifth of the forward at 8 x 8 x 512 x 512) and reuses smaller ones."""
+    if xp is not np:
+        return xp.empty(shape, dtype)
+    return [np.empty(shape[1:], dtype) for _ in range(shape[0])]
+
+
+def _pair(scores, i, h):
+    """The scores of sample(s) i, head(s) h (a _pairs item)."""
+    return scores[i][h] if isinstance(scores, list) else scores[i, h]
+
+
 @register_op
 class MultiHeadAttention(Op):
     """out = MHA(query [b, Lq, E], key [b, Lk, E], value [b, Lk, E]) -> [b, Lq, E].
@@ -199,16 +223,17 @@ class MultiHeadAttention(Op):
         k = self._project(key, weights, 1, cols)
         v = self._project(value, weights, 2, cols)
 
-        p = xp.empty((b, nh, lq, key.shape[1]), dtype=q.dtype)
+        p = _scores(xp, (b, nh, lq, key.shape[1]), q.dtype)
         ctx = xp.empty((b, lq, nh * d), dtype=q.dtype)
         qh, kh, vh, ctx_h = _heads(q, nh), _heads(k, nh), _heads(v, nh), _heads(ctx, nh)
         causal_first = in_rects[0].lo[1] if self.causal else None  # query q0 + i may not see key j > q0 + i
 
         def attend(bs, hs):
-            pg = p[bs, hs]
-            xp.matmul(qh[bs, hs], kh[bs, hs].swapaxes(-1, -2), out=pg)
-            softmax_rows_(xp, pg, pg, causal_first)
-            xp.matmul(pg, vh[bs, hs], out=ctx_h[bs, hs])
+            for i, h in _pairs(xp, b, nh, bs, hs):
+                pg = _pair(p, i, h)
+                xp.matmul(qh[i, h], kh[i, h].swapaxes(-1, -2), out=pg)
+                softmax_rows_(xp, pg, pg, causal_first)
+                xp.matmul(pg, vh[i, h], out=ctx_h[i, h])
         _per_head_groups(xp, b, nh, attend)
 
         out = ctx.reshape(-1, nh * d) @ weights["out_proj_weight"].T
@@ -236,17 +261,19 @@ class MultiHeadAttention(Op):
         dctx_h = _heads(dctx, nh)
 
         dq, dk, dv = (xp.empty((b, n, et), dtype=q.dtype) for n in (lq, lk, lk))
-        ds = xp.empty_like(p)  # dP, then dS in place
         qh, kh, vh = _heads(q, nh), _heads(k, nh), _heads(v, nh)
         dqh, dkh, dvh = _heads(dq, nh), _heads(dk, nh), _heads(dv, nh)
 
         def attend_back(bs, hs):
-            pg, dsg = p[bs, hs], ds[bs, hs]
-            xp.matmul(pg.swapaxes(-1, -2), dctx_h[bs, hs], out=dvh[bs, hs])
-            xp.matmul(dctx_h[bs, hs], vh[bs, hs].swapaxes(-1, -2), out=dsg)
-            softmax_grad_rows(xp, pg, dsg, out=dsg)
-            xp.matmul(dsg, kh[bs, hs], out=dqh[bs, hs])
-            xp.matmul(dsg.swapaxes(-1, -2), qh[bs, hs], out=dkh[bs, hs])
+            pairs = _pairs(xp, b, nh, bs, hs)
+            ds = xp.empty_like(_pair(p, *pairs[0]))  # dP, then dS in place: a pair's, reused on the CPU
+            for i, h in pairs:
+                pg = _pair(p, i, h)
+                xp.matmul(pg.swapaxes(-1, -2), dctx_h[i, h], out=dvh[i, h])
+                xp.matmul(dctx_h[i, h], vh[i, h].swapaxes(-1, -2), out=ds)
+                softmax_grad_rows(xp, pg, ds, out=ds)
+                xp.matmul(ds, kh[i, h], out=dqh[i, h])
+                xp.matmul(ds.swapaxes(-1, -2), qh[i, h], out=dkh[i, h])
         _per_head_groups(xp, b, nh, attend_back)
         dq *= scale  # q was scaled after projection
 
