@@ -157,12 +157,42 @@ class Analyzer:
         self.emit = emit
         self.is_done = is_done
         self.states: dict[int, RegionState] = {}
+        #: uid -> (a state with its node ids encoded, the decoding): the end states a replay
+        #: installs, made real only when something looks at them (the next replay mostly does not)
+        self.deferred: dict[int, tuple[RegionState, Callable]] = {}
 
     def state(self, region: Region) -> RegionState:
         st = self.states.get(region.uid)
         if st is None:
-            st = self.states[region.uid] = RegionState.of(region)
+            st = self.lookup(region.uid)
+            if st is None:
+                st = self.states[region.uid] = RegionState.of(region)
         return st
+
+    def lookup(self, uid: int) -> RegionState | None:
+        """Region uid's state (made from its deferred one, if it has one), or None."""
+        st = self.states.get(uid)
+        if st is None and uid in self.deferred:
+            encoded, decode = self.deferred.pop(uid)
+            st = self.states[uid] = encoded.remap(decode)
+        return st
+
+    def defer(self, uid: int, encoded: RegionState, decode: Callable) -> None:
+        """Region uid's state is encoded.remap(decode), made when first asked for."""
+        self.states.pop(uid, None)
+        self.deferred[uid] = (encoded, decode)
+
+    def abstract(self, uid: int) -> tuple | None:
+        """Region uid's state's abstract (without making a deferred state), or None."""
+        deferred = self.deferred.get(uid)
+        if deferred is not None:
+            return deferred[0].abstract()
+        st = self.states.get(uid)
+        return None if st is None else st.abstract()
+
+    def abstracts(self) -> dict[int, tuple]:
+        """Every region's abstract, by uid."""
+        return {uid: self.abstract(uid) for uid in [*self.states, *self.deferred]}
 
     # ---- the entry point -----------------------------------------------------------
     def add_task(self, name: str, proc: Processor, fn, reqs: list[tuple[Region, Rect, Privilege]],

@@ -103,6 +103,26 @@ class Executor:
                 return
         self._ready(node)
 
+    def submit_many(self, items) -> None:
+        """submit() for (node, preds) pairs in order, under one hold of the lock (a replayed
+        launch's nodes: the lock is what the workers' finishes contend for)."""
+        ready = []
+        with self.lock:
+            unfinished, dependents, waiting = self.unfinished, self.dependents, self.waiting
+            for node, preds in items:
+                count = 0
+                for p in preds:
+                    if p in unfinished:
+                        dependents.setdefault(p, []).append(node.id)
+                        count += 1
+                unfinished[node.id] = node
+                if count:
+                    waiting[node.id] = count
+                else:
+                    ready.append(node)
+        for node in ready:
+            self._ready(node)
+
     def _ready(self, node) -> None:
         """Queue a node whose preds have all finished (or post an inline one, or finish a
         Join, right here)."""

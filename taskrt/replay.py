@@ -6,9 +6,10 @@ launches' keys, its nodes with their preds inside the block, and the analysis st
 every region it touched at entry (without node ids) and at exit. Later entries whose
 state matches replay the nodes without any dependence analysis: a fence node stands for
 everything issued before the block, every root of the block waits on it, and the exit
-state is installed with the block's fresh node ids. (A fence on just the nodes that the
-touched regions' states name would let blocks on other regions overlap, but those sets
-are not transitively reduced: each block would carry the sets of the blocks before it.)
+state is installed with the block's fresh node ids (deferred: a state is made only when
+something looks at it, and the next replay mostly does not). (A fence on just the nodes
+that the touched regions' states name would let blocks on other regions overlap, but those
+sets are not transitively reduced: each block would carry the sets of the blocks before it.)
 A launch that differs from the recording stops the replay with a ReplayMismatch warning:
 the launches replayed so far are re-analyzed (without making nodes again) and the block
 goes on dynamically.
@@ -39,8 +40,6 @@ class Recording:
     replayable: bool = True
     #: regions whose state at exit has the state at entry's abstract (a steady-state step)
     steady: set[int] = field(default_factory=set)
-    #: uid -> the state the last replay installed, while the analysis has not touched it since
-    installed: dict = field(default_factory=dict)
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
         """Turn what was emitted into per-launch templates with block-relative ids."""
@@ -66,7 +65,8 @@ class Recording:
                 return None
             return index.get(nid, -1)
 
-        self.end_states = {uid: analyzer.states[uid].remap(encode) for uid in self.regions if uid in analyzer.states}
+        states = {uid: analyzer.lookup(uid) for uid in self.regions}
+        self.end_states = {uid: st.remap(encode) for uid, st in states.items() if st is not None}
         self.begin_abstract = {uid: self.begin_abstract.get(uid) for uid in self.regions}
         self.steady = {uid for uid, st in self.end_states.items() if st.abstract() == self.begin_abstract[uid]}
         self.emitted = []
@@ -100,8 +100,7 @@ class ReplayBlock:
             rt.replay_stats["replayed"] += 1
         else:
             self.mode = "recording"
-            self.recording = Recording(self.name, rt._next_id,
-                                       {uid: st.abstract() for uid, st in rt.analyzer.states.items()})
+            self.recording = Recording(self.name, rt._next_id, rt.analyzer.abstracts())
             rt.replay_stats["recorded"] += 1
         rt._replay = self
         return self
@@ -155,15 +154,18 @@ class ReplayBlock:
         self._instantiate(k, spec)
 
     def _instantiate(self, k: int, spec) -> None:
+        """Launch k's recorded nodes with fresh ids, this launch's args and futures, emitted together."""
         rt = self.rt
         points = {p: i for i, p in enumerate(spec.points)}
+        new_ids, fence, first = self.new_ids, self.fence_id, self.recording.first_id
+        items = []
         for node, inner, external, slot in self.recording.templates[k]:
             nid = rt._new_id()
-            self.new_ids.append(nid)
-            preds = [self.new_ids[i] for i in inner]
+            new_ids.append(nid)
+            preds = [new_ids[i] for i in inner]
             if external:
-                preds.append(self.fence_id)
-            if isinstance(node, TaskNode):
+                preds.append(fence)
+            if type(node) is TaskNode:
                 i = points[slot]
                 fut = spec.futures[i]
                 new = TaskNode(nid, node.name, node.proc, node.fn, node.reqs, spec.args[i], node.point,
@@ -171,11 +173,11 @@ class ReplayBlock:
                 fut.node_id = nid
                 preds.extend(spec.extra_preds[i])
             else:
-                buf = None if node.buffer is None else (self.new_ids[node.buffer[0] - self.recording.first_id],
-                                                        node.buffer[1])
+                buf = None if node.buffer is None else (new_ids[node.buffer[0] - first], node.buffer[1])
                 new = CopyNode(nid, node.region, node.rect, node.src, node.dst, node.redop, buf, spec.launch_id,
                                node.op)
-            rt._emit(new, preds)
+            items.append((new, tuple(preds)))
+        rt._emit_many(items)
 
     def _install_end_state(self) -> None:
         rt, fence = self.rt, self.fence_id
@@ -185,9 +187,8 @@ class ReplayBlock:
                 return None
             return fence if e < 0 else self.new_ids[e]
 
-        installed = self.recording.installed
         for uid, st in self.recording.end_states.items():
-            installed[uid] = rt.analyzer.states[uid] = st.remap(decode)
+            rt.analyzer.defer(uid, st, decode)
 
     def _fall_back(self, why: str) -> None:
         """Re-analyze the launches replayed so far onto the nodes already issued, then go dynamic."""
@@ -209,12 +210,11 @@ class ReplayBlock:
 
 
 def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:
-    """Whether region uid still holds the state the recording's last replay installed, untouched
-    since, and that state is the one the recording starts from: no need to compare abstracts."""
-    st = rt.analyzer.states.get(uid)
-    return st is not None and st.accesses == 0 and uid in rec.steady and rec.installed.get(uid) is st
+    """Whether region uid still holds, unlooked-at, the state the recording's last replay
+    installed, and that state is the one the recording starts from: no need to compare abstracts."""
+    deferred = rt.analyzer.deferred.get(uid)
+    return deferred is not None and uid in rec.steady and deferred[0] is rec.end_states[uid]
 
 
 def _abstract(rt, uid: int):
-    st = rt.analyzer.states.get(uid)
-    return None if st is None else st.abstract()
+    return rt.analyzer.abstract(uid)

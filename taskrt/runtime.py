@@ -232,8 +232,12 @@ class Runtime:
             raise ValueError(f"launch {name!r}: empty launch domain")
         rects, procs, signature = self._mapped(fn, name, points, reqs, placement)
         args = tuple(args)
-        all_args = [args + tuple(point_args[p]) if point_args else args for p in points]
-        extra = [tuple(a.node_id for a in pa if isinstance(a, Future)) for pa in all_args]
+        if point_args:
+            all_args = [args + tuple(point_args[p]) for p in points]
+            extra = [tuple(a.node_id for a in pa if isinstance(a, Future)) for pa in all_args]
+        else:
+            all_args = [args] * len(points)
+            extra = [tuple(a.node_id for a in args if isinstance(a, Future))] * len(points)
         spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op,
                           signature=signature)
         self._launch_count += 1
@@ -299,24 +303,29 @@ class Runtime:
         return nid
 
     def _emit(self, node, preds) -> None:
-        preds = tuple(preds)
-        self.graph.add(node, preds)
-        if self.tracer is not None:
-            self.tracer.preds[node.id] = preds
-        sinks = self._sinks
-        for p in preds:
-            sinks.discard(p)
-        sinks.add(node.id)
+        self._emit_many([(node, tuple(preds))])
+
+    def _emit_many(self, items: list[tuple]) -> None:
+        """Record and submit (node, preds tuple) pairs in order (one executor call for them all)."""
+        graph, tracer, replay, sinks = self.graph, self.tracer, self._replay, self._sinks
+        for node, preds in items:
+            graph.add(node, preds)
+            if tracer is not None:
+                tracer.preds[node.id] = preds
+            for p in preds:
+                sinks.discard(p)
+            sinks.add(node.id)
+            if replay is not None:
+                replay.on_emit(node, preds)
         if len(sinks) > self._sink_limit:
             self._sinks = {s for s in sinks if not self._is_done(s)}
             self._sink_limit = max(1024, 2 * len(self._sinks))
-        if self._replay is not None:
-            self._replay.on_emit(node, preds)
         if self.executor is not None:
             if self.transport is not None:
-                self.transport.submit(node, preds)
+                for node, preds in items:
+                    self.transport.submit(node, preds)
             else:
-                self.executor.submit(node, preds)
+                self.executor.submit_many(items)
 
     def _emit_fence(self, name: str) -> int:
         """A no-op node after everything issued so far; returns its id."""
