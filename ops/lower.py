@@ -294,6 +294,10 @@ class OpPlan:
         self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
         self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
+        # launches are pure functions of the plan (and of a few flags): made once, issued every
+        # step (a step's Python cost is the runtime's budget, and new partitions every step
+        # would miss the runtime's cache of mapped launches)
+        self._made: dict[tuple, list] = {}
         self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
         if not backward:
             return
@@ -366,15 +370,27 @@ class OpPlan:
                                        (k, tuple(names[:i]), backward)))
         return launches
 
+    def _once(self, key: tuple, make: Callable) -> list:
+        """make()'s list, made on the first call for `key` and kept (see __init__)."""
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = make()
+        return made
+
     def forward_launches(self, training: bool, valid: int | None = None, step: int = 0) -> list[PlanLaunch]:
         """The op's forward: zero fills of partial outputs, shared sums, then the kernel launches."""
         training = bool(training)
-        name = f"{self.op.name}.{'fwd' if training else 'infer'}"
-        launches = list(self._zero_outs) + self._sum_launches(self._forward_sum_names(training), backward=False)
-        for k, colors in self._positions():
-            launches.append(PlanLaunch(name if self.ordered is None else f"{name}[{k}]", self._forward_task, colors,
-                                       self._forward_reqs(training, k), self.placement, (training, valid, int(step))))
-        return launches
+
+        def make():
+            name = f"{self.op.name}.{'fwd' if training else 'infer'}"
+            before = list(self._zero_outs) + self._sum_launches(self._forward_sum_names(training), backward=False)
+            kernels = [(name if self.ordered is None else f"{name}[{k}]", colors, self._forward_reqs(training, k))
+                       for k, colors in self._positions()]
+            return [before, kernels]
+        before, kernels = self._once(("forward", training), make)
+        args = (training, valid, int(step))
+        return before + [PlanLaunch(name, self._forward_task, colors, reqs, self.placement, args)
+                         for name, colors, reqs in kernels]
 
     def grad_fill_launches(self, ones: str | None, written: frozenset = frozenset()) -> dict[str, list[PlanLaunch]]:
         """Output tensor name -> the launches that fill its gradient on this plan's tiles (ones for
@@ -383,24 +399,30 @@ class OpPlan:
         gradient path."""
         if self.bwd_reqs is None:
             return {}
-        out = {}
-        outputs = [t for t, has in zip(self.op.outputs, self.grad_outputs) if has]
-        for t, part in zip(outputs, self._gouts):
-            if t.name not in written and disjoint_cover(set(part.rects.values()), part.region.rect):
-                out[t.name] = _zero_launches([part], self.colors, self.placement, 1.0 if t.name == ones else 0.0)
-        return out
+
+        def make():
+            out = {}
+            outputs = [t for t, has in zip(self.op.outputs, self.grad_outputs) if has]
+            for t, part in zip(outputs, self._gouts):
+                if t.name not in written and disjoint_cover(set(part.rects.values()), part.region.rect):
+                    out[t.name] = _zero_launches([part], self.colors, self.placement, 1.0 if t.name == ones else 0.0)
+            return [out]
+        return dict(self._once(("grad_fill", ones, frozenset(written)), make)[0])
 
     def backward_launches(self) -> list[PlanLaunch]:
         """The op's backward (none off the gradient path): shared sums, then the kernel launches,
         along an ordered dim from the last position to the first."""
         if self.bwd_reqs is None:
             return []
-        name = f"{self.op.name}.bwd"
-        launches = self._sum_launches(self._backward_sum_names(), backward=True)
-        for k, colors in reversed(self._positions()):
-            launches.append(PlanLaunch(name if self.ordered is None else f"{name}[{k}]", self._backward_task, colors,
-                                       self._backward_reqs(k), self.placement))
-        return launches
+
+        def make():
+            name = f"{self.op.name}.bwd"
+            launches = self._sum_launches(self._backward_sum_names(), backward=True)
+            for k, colors in reversed(self._positions()):
+                launches.append(PlanLaunch(name if self.ordered is None else f"{name}[{k}]", self._backward_task,
+                                           colors, self._backward_reqs(k), self.placement))
+            return launches
+        return list(self._once(("backward",), make))
 
     # ---- kernels (run on worker threads) ---------------------------------------------------
     @staticmethod

@@ -20,6 +20,10 @@ from .privilege import fold, reduction_identity
 from .region import Region
 
 
+#: views kept (see InstanceStore._views) before the store starts over
+VIEWS_KEPT = 1 << 16
+
+
 @dataclass
 class _Buffer:
     """A reduction buffer over `rect`, with `left` elements not yet folded."""
@@ -35,6 +39,9 @@ class InstanceStore:
         self.buffers: dict[tuple[int, int], object] = {}
         self.gpu_devices = gpu_devices or {}
         self._lock = threading.Lock()
+        #: (region uid, memory, rect, writable) -> the view tasks get: made once, since the
+        #: instances live as long as the store and a step asks for the same views every time
+        self._views: dict[tuple, object] = {}
 
     def xp(self, memory: Memory):
         return np if memory.kind == "sys" else gpu.module()
@@ -54,16 +61,22 @@ class InstanceStore:
         return inst
 
     def view(self, region: Region, rect: Rect, memory: Memory, writable: bool):
-        v = self.instance(region, memory)[rect.slices()]
-        if writable:
-            return v
-        return cpu.read_only(v) if memory.kind == "sys" else gpu.read_only(v)
+        key = (region.uid, memory, rect, writable)
+        v = self._views.get(key)
+        if v is None:
+            v = self.instance(region, memory)[rect.slices()]
+            if not writable:
+                v = cpu.read_only(v) if memory.kind == "sys" else gpu.read_only(v)
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            self._views[key] = v
+        return v
 
     def new_buffer(self, key: tuple[int, int], region: Region, rect: Rect, memory: Memory, redop: str):
         """A private reduction buffer for a task's requirement, filled with the operator's identity."""
         identity = reduction_identity(redop, region.dtype)
         if memory.kind == "sys":
-            buf = np.full(rect.shape, identity, region.dtype)
+            buf = np.zeros(rect.shape, region.dtype) if identity == 0 else np.full(rect.shape, identity, region.dtype)
         else:
             cp = gpu.module()
             with cp.cuda.Device(self.gpu_devices[memory]):
