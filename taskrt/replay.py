@@ -45,13 +45,15 @@ class Recording:
         """Turn what was emitted into per-launch templates with block-relative ids."""
         index = {node.id: i for i, (node, _) in enumerate(self.emitted)}
         by_launch = {lid: k for k, lid in enumerate(launch_ids)}
+        # a task's point as its index in the launch's points (the launch key holds them)
+        point_index = [{p: i for i, p in enumerate(key[2])} for key in self.launch_keys]
         self.templates = [[] for _ in launch_ids]
         for node, preds in self.emitted:
             inner = tuple(index[p] for p in preds if p in index)
             external = len(inner) < len(preds) or not inner
             slot = None
             if isinstance(node, TaskNode):
-                slot = node.point
+                slot = point_index[by_launch[node.launch]][node.point]
                 self.regions.update(r.region.uid for r in node.reqs)
             else:
                 self.regions.add(node.region.uid)
@@ -156,17 +158,15 @@ class ReplayBlock:
     def _instantiate(self, k: int, spec) -> None:
         """Launch k's recorded nodes with fresh ids, this launch's args and futures, emitted together."""
         rt = self.rt
-        points = {p: i for i, p in enumerate(spec.points)}
         new_ids, fence, first = self.new_ids, self.fence_id, self.recording.first_id
         items = []
-        for node, inner, external, slot in self.recording.templates[k]:
+        for node, inner, external, i in self.recording.templates[k]:
             nid = rt._new_id()
             new_ids.append(nid)
-            preds = [new_ids[i] for i in inner]
+            preds = [new_ids[j] for j in inner]
             if external:
                 preds.append(fence)
             if type(node) is TaskNode:
-                i = points[slot]
                 fut = spec.futures[i]
                 new = TaskNode(nid, node.name, node.proc, node.fn, node.reqs, spec.args[i], node.point,
                                spec.launch_id, node.op, node.kind, fut)
