@@ -20,6 +20,14 @@ def flat_rows(a, writable: bool = False):
     of its arguments. Inputs come read-only (as the runtime passes them), outputs writable.
     An array whose last dim is not contiguous is copied (an output cannot be)."""
     item = a.itemsize
+    if a.flags.c_contiguous:
+        # most tiles (whole tensors, batch tiles) are: a reshape is a view, and costs a tenth of
+        # as_strided, which tiny kernels called thousands of times a step would notice
+        flat = a.reshape(-1)
+        if flat.flags.writeable and not writable:
+            flat = flat.view()
+            flat.flags.writeable = False
+        return (flat, *(s // item for s in a.strides[:-1]))
     if min(a.strides, default=0) < 0 or (a.shape[-1] > 1 and a.strides[-1] != item):
         if writable:
             raise ValueError(f"flat_rows: output of shape {a.shape} has strides {a.strides}, its rows are "
