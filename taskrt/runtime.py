@@ -67,8 +67,12 @@ class LaunchSpec:
     op: str = ""
     futures: list[Future] = field(default_factory=list)
     signature: str | None = None   # taskrt.replication.launch_signature, when a transport checks it
+    known_key: tuple | None = None   # key(), when the runtime kept it with the mapping
 
     def key(self) -> tuple:
+        """What replay compares: the function, name, points, requirements and processors."""
+        if self.known_key is not None:
+            return self.known_key
         return (self.fn, self.name, tuple(self.points), tuple(r.key() for r in self.reqs), tuple(self.procs))
 
 
@@ -230,7 +234,7 @@ class Runtime:
                                 f"got {type(r).__name__}: {r!r}")
         if not points:
             raise ValueError(f"launch {name!r}: empty launch domain")
-        rects, procs, signature = self._mapped(fn, name, points, reqs, placement)
+        rects, procs, signature, key = self._mapped(fn, name, points, reqs, placement)
         args = tuple(args)
         if point_args:
             all_args = [args + tuple(point_args[p]) for p in points]
@@ -239,18 +243,18 @@ class Runtime:
             all_args = [args] * len(points)
             extra = [tuple(a.node_id for a in args if isinstance(a, Future))] * len(points)
         spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op,
-                          signature=signature)
+                          signature=signature, known_key=key)
         self._launch_count += 1
         spec.futures = [Future(self, None, proc.rank) for proc in procs]
         if self.transport is not None:
             self.transport.on_launch(spec)
         return spec
 
-    def _mapped(self, fn, name, points, reqs, placement) -> tuple[list, list, str | None]:
-        """(each point's rects, each point's processor, the replication signature under MPI) of a
-        launch: checked and mapped once per distinct fully placed launch (a training step
-        makes the same ones every iteration), kept in `_mapped_launches`; the shared lists are
-        never changed."""
+    def _mapped(self, fn, name, points, reqs, placement) -> tuple[list, list, str | None, tuple | None]:
+        """(each point's rects, each point's processor, the replication signature under MPI, the
+        LaunchSpec key) of a launch: checked and mapped once per distinct fully placed launch (a
+        training step makes the same ones every iteration), kept in `_mapped_launches`; the
+        shared lists are never changed. The key is None for a launch that is not kept."""
         key = None
         if placement and all(p in placement for p in points):
             key = (fn, name, tuple(points), tuple(reqs), tuple(placement[p] for p in points))
@@ -272,8 +276,10 @@ class Runtime:
         signature = None
         if self.transport is not None:
             signature = launch_signature(LaunchSpec(name, fn, points, list(reqs), rects, procs, [], [], -1))
-        mapped = (rects, procs, signature)
+        mapped = (rects, procs, signature, None)
         if key is not None:
+            spec_key = (fn, name, tuple(points), tuple(r.key() for r in reqs), tuple(procs))
+            mapped = (rects, procs, signature, spec_key)
             if len(self._mapped_launches) >= MAPPED_LAUNCHES_KEPT:
                 self._mapped_launches.clear()
             self._mapped_launches[key] = mapped
