@@ -369,7 +369,8 @@ class SegmentBuilder:
         buffer_index = np.full(n, -1, np.int64)
         buffer_j = cat("buffer_j")
         buf = offset[np.maximum(buffer_j, 0)] + cat("buffer_t")
-        buffer_index[n_tasks:] = np.where(buffer_j >= 0, position[np.maximum(buf, 0)], -1)
+        # a buffer made by a task of the first step (numbered below 0) is not in the graph either
+        buffer_index[n_tasks:] = np.where((buffer_j >= 0) & (buf >= 0), position[np.maximum(buf, 0)], -1)
         return AssembledIteration(ptr, src, segment_of[order], buffer_index[order], order,
                                   step2 + [r for r in results if r.copies], program, self._view(configs),
                                   self.machine)

@@ -43,7 +43,7 @@ def canonical(nodes, preds, buffer_index) -> list[tuple]:
 def runtime_graph(ops, inputs, loss, configs, machine, optimizer=None) -> list[tuple]:
     ref = build_iteration(ops, inputs, loss, configs, machine, optimizer)
     pos = {n.id: i for i, n in enumerate(ref.nodes)}
-    return canonical(ref.nodes, ref.preds, lambda i, n: None if n.buffer is None else pos[n.buffer[0]])
+    return canonical(ref.nodes, ref.preds, lambda i, n: None if n.buffer is None else pos.get(n.buffer[0]))
 
 
 def assembled_graph(builder: SegmentBuilder, configs) -> list[tuple]:
