@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -10,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
-from ops.lstm import LSTM
+from ops.lstm import LSTM, _tanh
 from taskrt.geometry import Rect
-from tests.opcheck import check_finite_differences, check_tiled, run_whole, spec
+from tests.opcheck import ArrayCodePath, check_finite_differences, check_tiled, run_whole, spec
 
 WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
@@ -48,8 +49,20 @@ def torch_lstm(op, xs, w, gs):
     return outs, [t.grad.numpy() for t in ts], {k: getattr(m, k + "_l0").grad.numpy() for k in WEIGHTS}
 
 
-def check_against_torch(op, xs, w, gs, rtol=1e-4, atol=1e-5):
-    outs, gin, gw, _ = run_whole(op, xs, w, grad_outputs=gs)
+def run_path(xp, op, xs, w, gs):
+    """Outputs, input grads and weight grads of the whole op with array module xp."""
+    tile = Rect.from_shape(op.tile_shape)
+    rects = op.input_rects(tile)
+    outs, saved = op.forward(xp, tile, xs, rects, w)
+    gin, gw = op.backward(xp, tile, xs, rects, w, outs, gs, saved)
+    return outs, gin, gw
+
+
+def check_against_torch(op, xs, w, gs, rtol=1e-4, atol=1e-5, xp=None):
+    if xp is None:
+        outs, gin, gw, _ = run_whole(op, xs, w, grad_outputs=gs)
+    else:
+        outs, gin, gw = run_path(xp, op, xs, w, gs)
     t_outs, t_gin, t_gw = torch_lstm(op, xs, w, gs)
     assert len(outs) == 3 and len(gin) == len(xs)
     for name, a, b in zip(("y", "h_n", "c_n"), outs, t_outs):
@@ -79,6 +92,42 @@ def test_lstm_any_shape(batch, seq, n_in, hidden, with_initial_state, seed):
     check_against_torch(op, xs, w, gs)
     op64, xs64, w64, gs64 = lstm_case(batch, seq, n_in, hidden, with_initial_state, seed, np.float64)
     check_tiled(op64, xs64, w64, gs64)
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 3), seq=st.integers(1, 4), hidden=st.integers(1, 70), with_initial_state=st.booleans(),
+       seed=st.integers(0, 99))
+def test_lstm_cpu_kernels_and_array_code_agree_with_torch(batch, seq, hidden, with_initial_state, seed):
+    """The numba step kernels (numpy) and the array code (cupy's path, here on numpy) against torch
+    in float32, at hidden sizes that cover the kernels' vector loops and their remainders, and
+    the two paths against each other in float64."""
+    op, xs, w, gs = lstm_case(batch, seq, 3, hidden, with_initial_state, seed)
+    check_against_torch(op, xs, w, gs)
+    check_against_torch(op, xs, w, gs, xp=ArrayCodePath())
+    op64, xs64, w64, gs64 = lstm_case(batch, seq, 3, hidden, with_initial_state, seed, np.float64)
+    a = run_path(np, op64, xs64, w64, gs64)
+    b = run_path(ArrayCodePath(), op64, xs64, w64, gs64)
+    for left, right in zip(a[0] + a[1], b[0] + b[1]):
+        np.testing.assert_allclose(left, right, rtol=1e-12, atol=1e-14)
+    for k in WEIGHTS:
+        np.testing.assert_allclose(a[2][k], b[2][k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+@numba.njit
+def _fast_tanh(x):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = _tanh(x[i], True)
+    return out
+
+
+def test_float32_tanh_is_within_a_few_ulp_everywhere():
+    x = np.concatenate([np.linspace(-12, 12, 400001), 10.0 ** np.linspace(-30, 2, 3201)]).astype(np.float32)
+    x = np.concatenate([x, -x, [0, np.inf, -np.inf]]).astype(np.float32)
+    y = _fast_tanh(x)
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, np.tanh(x.astype(np.float64)), rtol=5e-7, atol=5e-7)
+    assert np.all(np.abs(y) <= 1)
 
 
 def test_lstm_long_sequence_with_large_inputs_stays_accurate():
