@@ -1,7 +1,7 @@
 """What a program hands the runtime: requirements, and the futures it gets back."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .geometry import Rect
@@ -23,6 +23,18 @@ class Requirement:
     rect: Rect | None = None
     partition: Partition | None = None
     projection: Callable | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # part of the key of every kept launch mapping: hashed once
+        object.__setattr__(self, "_hash", hash((self.region, self.privilege, self.rect, self.partition,
+                                                self.projection)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (Requirement, (self.region, self.privilege, self.rect, self.partition, self.projection))
 
     def __repr__(self) -> str:
         target = self.partition.name if self.partition is not None else f"{self.region.name}{self.rect_or_all!r}"

@@ -15,6 +15,18 @@ class Memory:
     kind: str
     rank: int
     index: int
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # a dict key everywhere (the analysis's valid copies, instances, views): hashed once
+        object.__setattr__(self, "_hash", hash((self.kind, self.rank, self.index)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt, not restored: a str's hash differs between processes (ranks)
+        return (Memory, (self.kind, self.rank, self.index))
 
     def __repr__(self) -> str:
         return f"Memory({self})"
@@ -32,6 +44,16 @@ class Processor:
     index: int
     memory: Memory
     device: int | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.kind, self.rank, self.index, self.memory, self.device)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (Processor, (self.kind, self.rank, self.index, self.memory, self.device))
 
     def __repr__(self) -> str:
         return f"Processor({self})"

@@ -1,7 +1,7 @@
 """Privileges: how a task may touch a region (Legion's R, WD, RW and Reduce(op))."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,8 +31,17 @@ class Privilege:
 
     mode: str
     redop: str | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt, not restored: a str's hash differs between processes (ranks)
+        return (Privilege, (self.mode, self.redop))
 
     def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.mode, self.redop)))
         if self.mode not in ("R", "WD", "RW", "Reduce"):
             raise ValueError(f"unknown privilege mode {self.mode!r}; expected R, WD, RW or Reduce")
         if (self.mode == "Reduce") != (self.redop is not None):

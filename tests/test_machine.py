@@ -39,3 +39,24 @@ def test_runtime_takes_a_gpu_count(monkeypatch):
     monkeypatch.delenv("TASKRT_GPUS")
     with Runtime(cpus=2, gpus=0) as rt:
         assert [p.kind for p in rt.machine.processors] == ["cpu", "cpu"]
+
+
+def test_values_pickled_in_another_process_hash_as_made_here():
+    """Memory, Processor, Privilege and Requirement keep their hashes (dict keys everywhere),
+    and a str's hash differs between processes: one that another rank pickled must still find
+    the equal one made here."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from taskrt.machine import Memory, Processor; from taskrt.privilege import "
+            "Privilege; m = Memory('sys', 1, 0); sys.stdout.buffer.write(pickle.dumps("
+            "(m, Processor('cpu', 1, 2, m), Privilege('Reduce', 'sum'))))")
+    env = {**__import__("os").environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=env,
+                         cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__))).stdout
+    from taskrt.machine import Memory, Processor
+    from taskrt.privilege import Privilege
+    here = Memory("sys", 1, 0)
+    for theirs, mine in zip(pickle.loads(out), (here, Processor("cpu", 1, 2, here), Privilege("Reduce", "sum"))):
+        assert theirs == mine and hash(theirs) == hash(mine) and {mine: 1}[theirs] == 1
