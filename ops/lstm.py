@@ -3,7 +3,8 @@
 Forward does the input projection of every step in one GEMM ([batch*seq, in] @ W_ih^T),
 then one [batch, hidden] @ W_hh^T GEMM per step, keeping the gate activations and cell
 states for backward. Backward runs through time with one GEMM per step for the
-recurrent gradient and finishes with three big GEMMs for dx, dW_ih and dW_hh.
+recurrent gradient and finishes with two big GEMMs: dx, and dW_ih and dW_hh together
+(dgates^T @ [x | h_{t-1}]).
 
 Gates, per step t, in PyTorch's order (i, f, g, o):
     i, f, o = sigmoid(.), g = tanh(.) of x_t W_ih^T + b_ih + h_{t-1} W_hh^T + b_hh
@@ -22,6 +23,10 @@ reading and writing few arrays, so that LLVM vectorizes them (one loop over all 
 needs more overlap checks than LLVM makes, and stays scalar); float32's tanh is a rational
 function that vectorizes (np.tanh in numba does not). Elsewhere (cupy) the same steps are
 plain array code.
+
+The samples' recurrences are independent: on a CPU task with at least PARTS_MIN_ROWS samples
+per core, each core runs its samples' projection, steps and dx alone, with BLAS on one
+thread (see _in_parts).
 """
 from __future__ import annotations
 
@@ -148,10 +153,11 @@ def _transpose_cpu(a, out, lo, hi):
 
 
 def _transposed(xp, w):
-    """w.T as a C-contiguous array. A small-batch GEMM h @ w.T runs a third faster than with
-    the transposed view (OpenBLAS packs all of w at each call, and a transposed w packs slower)."""
+    """w.T, C-contiguous on the CPU: there a small-batch GEMM h @ w.T runs a fifth (batch 64) to a
+    third (batch 16) faster than with the transposed view (OpenBLAS packs all of w at each call,
+    and a transposed w packs slower); on a GPU the view."""
     if xp is not np:
-        return xp.ascontiguousarray(w.T)
+        return w.T
     out = np.empty(w.shape[::-1], w.dtype)
     cpu_pool.in_parts(lambda lo, hi: _transpose_cpu(w, out, lo, hi), w.shape[1])
     return out
@@ -301,8 +307,10 @@ class LSTM(Op):
             h_prev = c_prev = xp.zeros((batch, h), dtype=dt)
         h0, c0 = h_prev, c_prev
 
-        # all steps' input projections in one GEMM; row b*seq + t is (sample b, step t)
-        gates = (x.reshape(batch * seq, n_in) @ w_ih.T).reshape(batch, seq, 4 * h)
+        # the input projections of all steps of a sample in one GEMM; row b*seq + t is (sample b, step t)
+        x2 = x.reshape(batch * seq, n_in)
+        gates = xp.empty((batch, seq, 4 * h), dtype=dt)
+        g2 = gates.reshape(batch * seq, 4 * h)
         bias = (weights["bias_ih"] + weights["bias_hh"]).astype(dt, copy=False)
         fused = _fused(xp, dt)
         if fused:
@@ -310,16 +318,12 @@ class LSTM(Op):
         y = xp.empty((batch, seq, h), dtype=dt)
         cs = xp.empty((batch, seq, h), dtype=dt)
         tanh_cs = xp.empty((batch, seq, h), dtype=dt)
-        rec = xp.empty((batch, 4 * h), dtype=dt)
-        tmp = None if fused else xp.empty((batch, h), dtype=dt)
         w_hh_t = _transposed(xp, w_hh)
-        for t in range(seq):
-            xp.matmul(h_prev, w_hh_t, out=rec)
-            if fused:
-                _step_forward_cpu(gates, rec, bias, c0, cs, tanh_cs, y, t, dt == np.float32)
-            else:
-                _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
-            h_prev, c_prev = y[:, t], cs[:, t]
+
+        def steps(a, b):  # samples a..b-1: their projections, then their recurrence
+            xp.matmul(x2[a * seq:b * seq], w_ih.T, out=g2[a * seq:b * seq])
+            _forward_steps(xp, gates[a:b], bias, w_hh_t, h0[a:b], c0[a:b], cs[a:b], tanh_cs[a:b], y[a:b], fused)
+        _in_parts(xp, fused, steps, batch)
         saved = (gates, cs, tanh_cs, y, h0, c0)
         if carry is not None:
             carry["state"][0] = y[:, -1]
@@ -343,18 +347,17 @@ class LSTM(Op):
             dc = xp.zeros((batch, h), dtype=dt) if dc_n is None else dc_n.astype(dt, order="C", copy=True)
 
         fused = _fused(xp, dt)
-        tmp = None if fused else xp.empty((batch, h), dtype=dt)
-        for t in range(seq - 1, -1, -1):
-            if dy is not None:
-                dh += dy[:, t]
-            if fused:
-                _step_backward_cpu(gates, tanh_cs, cs, c0, dh, dc, t)
-            else:
-                _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], cs[:, t - 1] if t > 0 else c0, dh, dc, tmp)
-            xp.matmul(gates[:, t], w_hh, out=dh)  # to step t - 1
 
-        dg2 = gates.reshape(batch * seq, 4 * h)  # now the gates' gradients
-        dx = (dg2 @ w_ih).reshape(batch, seq, n_in)
+        dg2 = gates.reshape(batch * seq, 4 * h)  # the gates' gradients, once the steps have run
+        dx = xp.empty((batch, seq, n_in), dtype=dt)
+        dx2 = dx.reshape(batch * seq, n_in)
+
+        def steps(a, b):  # samples a..b-1: their recurrence back through time, then their dx
+            _backward_steps(xp, gates[a:b], tanh_cs[a:b], cs[a:b], c0[a:b], None if dy is None else dy[a:b], w_hh,
+                            dh[a:b], dc[a:b], fused)
+            xp.matmul(dg2[a * seq:b * seq], w_ih, out=dx2[a * seq:b * seq])
+        _in_parts(xp, fused, steps, batch)
+
         # both weights' gradients in one GEMM (it packs dg2 once): dg2^T @ [x | h_{t-1}]
         xh = xp.empty((batch, seq, n_in + h), dtype=dt)
         xh[:, :, :n_in] = x
@@ -377,6 +380,54 @@ class LSTM(Op):
         gemm = 2 * batch * seq * 4 * h * (n_in + h)
         # biases, 3 sigmoids, 2 tanh, the cell and hidden updates: ~30 per hidden unit per step
         return gemm + 30 * batch * seq * h
+
+
+def _forward_steps(xp, gates, bias, w_hh_t, h0, c0, cs, tanh_cs, y, fused) -> None:
+    """Every step of forward for the samples of these arrays (rows of the op's)."""
+    batch, seq, h = cs.shape
+    rec = xp.empty((batch, 4 * h), dtype=cs.dtype)
+    tmp = None if fused else xp.empty((batch, h), dtype=cs.dtype)
+    h_prev, c_prev = h0, c0
+    for t in range(seq):
+        xp.matmul(h_prev, w_hh_t, out=rec)
+        if fused:
+            _step_forward_cpu(gates, rec, bias, c0, cs, tanh_cs, y, t, cs.dtype == np.float32)
+        else:
+            _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
+        h_prev, c_prev = y[:, t], cs[:, t]
+
+
+def _backward_steps(xp, gates, tanh_cs, cs, c0, dy, w_hh, dh, dc, fused) -> None:
+    """Every step of backward, last to first, for the samples of these arrays: gates become
+    their gradients, dh and dc those of h0 and c0."""
+    batch, seq, h = cs.shape
+    tmp = None if fused else xp.empty((batch, h), dtype=cs.dtype)
+    for t in range(seq - 1, -1, -1):
+        if dy is not None:
+            dh += dy[:, t]
+        if fused:
+            _step_backward_cpu(gates, tanh_cs, cs, c0, dh, dc, t)
+        else:
+            _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], cs[:, t - 1] if t > 0 else c0, dh, dc, tmp)
+        xp.matmul(gates[:, t], w_hh, out=dh)  # to step t - 1
+
+
+#: the fewest samples a part of the recurrence gets: at 32 a part's [32, h] x [h, 4h] GEMMs on one
+#: BLAS thread each run about as fast as the whole batch's on all (at 8, a third slower)
+PARTS_MIN_ROWS = 32
+
+
+def _in_parts(xp, fused, work, batch: int) -> None:
+    """work(a, b) for samples a..b-1 of the batch (a recurrence per sample, independent of the
+    others): on the CPU, one part per core the task has when each gets PARTS_MIN_ROWS samples,
+    each part's many small GEMMs on one BLAS thread, waiting for the other cores once and not at
+    every GEMM (on an idle machine that is about as fast; while another process holds a core,
+    BLAS's threads stall at each GEMM and the whole batch runs 2-5 times slower); else the
+    whole batch at once, its GEMMs on all of BLAS's threads."""
+    if fused and batch >= PARTS_MIN_ROWS * cpu_pool.threads():
+        cpu_pool.in_parts(work, batch)
+    else:
+        work(0, batch)
 
 
 def _fused(xp, dtype) -> bool:

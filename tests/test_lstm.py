@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threadpoolctl import threadpool_limits
 
 from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
 from ops.lstm import LSTM, _tanh
@@ -233,3 +234,25 @@ def test_lstm_bad_inputs_name_the_op(inputs, attrs, needle):
     with pytest.raises(ShapeError, match=needle) as err:
         LSTM("enc", inputs, **attrs)
     assert "lstm 'enc'" in str(err.value)
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(2, 9), seq=st.integers(1, 4), hidden=st.integers(1, 20), with_initial_state=st.booleans(),
+       seed=st.integers(0, 99))
+def test_recurrence_in_parts_equals_the_whole_batch(batch, seq, hidden, with_initial_state, seed):
+    """The samples' recurrences cut into one part per core (BLAS on one thread each) give the
+    numbers of the whole batch at once; three BLAS threads, so that there are up to three parts."""
+    import ops.lstm as lstm_module
+    op, xs, w, gs = lstm_case(batch, seq, 3, hidden, with_initial_state, seed, np.float64)
+    whole = run_path(np, op, xs, w, gs)
+    old = lstm_module.PARTS_MIN_ROWS
+    try:
+        lstm_module.PARTS_MIN_ROWS = 1
+        with threadpool_limits(3, user_api="blas"):
+            parts = run_path(np, op, xs, w, gs)
+    finally:
+        lstm_module.PARTS_MIN_ROWS = old
+    for a, b in zip(whole[0] + whole[1], parts[0] + parts[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    for k in WEIGHTS:
+        np.testing.assert_allclose(whole[2][k], parts[2][k], rtol=1e-12, atol=1e-14, err_msg=k)
