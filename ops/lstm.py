@@ -155,8 +155,8 @@ def _transpose_cpu(a, out, lo, hi):
 def _transposed(xp, w):
     """w.T, C-contiguous on the CPU: there a small-batch GEMM h @ w.T runs a fifth (batch 64) to a
     third (batch 16) faster than with the transposed view (OpenBLAS packs all of w at each call,
-    and a transposed w packs slower); on a GPU the view."""
-    if xp is not np:
+    and a transposed w packs slower); on a GPU (or for a dtype numba lacks) the view."""
+    if xp is not np or w.dtype not in (np.float32, np.float64):
         return w.T
     out = np.empty(w.shape[::-1], w.dtype)
     cpu_pool.in_parts(lambda lo, hi: _transpose_cpu(w, out, lo, hi), w.shape[1])
