@@ -22,6 +22,11 @@ from dataclasses import dataclass, field
 from .taskgraph import CopyNode, TaskNode
 
 
+#: nodes a replayed launch emits at a time: together, since each emit takes the executor's
+#: lock, but not all of a huge launch at once, so that its first tasks can start meanwhile
+EMIT_BATCH = 256
+
+
 class ReplayMismatch(UserWarning):
     """A replayed block did not repeat the recorded launches; analysis fell back to dynamic."""
 
@@ -177,6 +182,9 @@ class ReplayBlock:
                 new = CopyNode(nid, node.region, node.rect, node.src, node.dst, node.redop, buf, spec.launch_id,
                                node.op)
             items.append((new, tuple(preds)))
+            if len(items) == EMIT_BATCH:
+                rt._emit_many(items)
+                items = []
         rt._emit_many(items)
 
     def _install_end_state(self) -> None:

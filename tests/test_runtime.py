@@ -388,6 +388,27 @@ def test_replay_gives_the_dynamic_result(separate):
     assert stats["replayed"] >= 5 and stats["mismatches"] == 0
 
 
+def test_a_replayed_launch_larger_than_an_emit_batch_runs_every_point_in_order():
+    """A launch of more points than replay emits at a time (EMIT_BATCH) replays them all, each
+    after the point it reads from the launch before."""
+    from taskrt.replay import EMIT_BATCH
+    n = 2 * EMIT_BATCH + 3
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        a = rt.region((n,), "float64", name="a")
+        rt.fill(a, 0.0)
+        tiles = a.partition((n,))
+
+        def bump(v):
+            v += 1.0
+        for _ in range(4):
+            with rt.replay("bumps"):
+                rt.index_launch(bump, tiles, req(tiles, READ_WRITE))
+                rt.index_launch(bump, tiles, req(tiles, READ_WRITE))
+        got, stats = rt.read(a), dict(rt.replay_stats)
+    np.testing.assert_array_equal(got, np.full(n, 8.0))
+    assert stats["replayed"] >= 2 and stats["mismatches"] == 0
+
+
 def test_replay_mismatch_warns_and_falls_back_correctly():
     with Runtime(cpus=4, separate_memories=True) as rt:
         want = _jacobi_program(rt, 6, use_replay=False, mutate_at=4)
