@@ -90,18 +90,7 @@ class Executor:
     # ---- submitting and finishing ------------------------------------------------------
     def submit(self, node, preds) -> None:
         """Add a node; it runs once every pred that is still unfinished has finished."""
-        with self.lock:
-            count = 0
-            unfinished = self.unfinished
-            for p in preds:
-                if p in unfinished:
-                    self.dependents.setdefault(p, []).append(node.id)
-                    count += 1
-            unfinished[node.id] = node
-            if count:
-                self.waiting[node.id] = count
-                return
-        self._ready(node)
+        self.submit_many(((node, preds),))
 
     def submit_many(self, items) -> None:
         """submit() for (node, preds) pairs in order, under one hold of the lock (a replayed
