@@ -124,7 +124,6 @@ class RegionState:
     users_disjoint: bool = True
     pieces: RectMap = field(default_factory=RectMap)         # rect -> {memory: producer id}
     pending: PendingFolds = field(default_factory=PendingFolds)
-    accesses: int = 0   # accesses analyzed since this state was made (replay's cheap "unchanged?")
 
     @staticmethod
     def of(region: Region) -> "RegionState":
@@ -204,7 +203,6 @@ class Analyzer:
             if rect.empty:
                 continue
             st = self.state(region)
-            st.accesses += 1
             if st.pending:
                 self._flush(st, region, rect, priv, mem, preds, launch, op)
             self._logical_preds(st, rect, priv, preds)
