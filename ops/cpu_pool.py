@@ -19,14 +19,18 @@ _state: dict = {"users": 0, "threads": 1}
 
 
 def blas_libraries() -> list:
-    """numpy's BLAS libraries as threadpoolctl controls them, found once."""
-    with _lock:
-        if "blas" not in _state:
-            import numpy  # noqa: F401 - loads the BLAS that threadpoolctl then finds
-            from threadpoolctl import ThreadpoolController
+    """numpy's BLAS libraries as threadpoolctl controls them, found once (the lock only then:
+    every kernel asks, from every worker thread)."""
+    libraries = _state.get("blas")
+    if libraries is None:
+        with _lock:
+            if "blas" not in _state:
+                import numpy  # noqa: F401 - loads the BLAS that threadpoolctl then finds
+                from threadpoolctl import ThreadpoolController
 
-            _state["blas"] = ThreadpoolController().select(user_api="blas").lib_controllers
-        return _state["blas"]
+                _state["blas"] = ThreadpoolController().select(user_api="blas").lib_controllers
+            libraries = _state["blas"]
+    return libraries
 
 
 def threads() -> int:
