@@ -13,7 +13,8 @@ On the CPU the per-head work (scores, softmax, P v; in backward the four GEMMs a
 softmax's backward) runs as one job per group of (sample, head) pairs on a small thread
 pool, one group per core the task has, each GEMM on one BLAS thread: these small GEMMs
 gain nothing from BLAS's own threads, which also stall badly while another process holds a
-core, and one job per group waits for the cores once, not once per GEMM.
+core, and one job per group waits for the cores once, not once per GEMM. Inside a group the
+pairs go one at a time (see _pairs), so a pair's scores stay in cache between its steps.
 
 The heads are a partial parameter split (the tile space is [batch, Lq, E, heads]): a tile
 projects and attends with its own heads only, and its output projection, over its heads'
