@@ -16,10 +16,12 @@ few configs, and cached by them:
   order: the producer's and every reader's config. They are cached by (region, those
   segments' keys): the analysis runs on that region's accesses alone, through the same
   Analyzer the runtime uses;
-- on a miss there, a second cache answers accesses that differ only in where they run: the
-  analysis is equivariant under renaming memories, so it is keyed by what the tasks ask of
-  the region and their memories numbered by first appearance, and a hit renames the stored
-  copies' sources and destinations (SegmentBuilder._region).
+- on a miss there, a second cache answers accesses that differ only in where they run and
+  whose they are: the analysis is equivariant under renaming memories and reads of a region
+  only its bounds, so it is keyed by the bounds, what the tasks ask of the region and their
+  memories numbered by first appearance; a hit renames the stored copies' sources and
+  destinations and moves them to this region and these tasks, so like layers (a ResNet's
+  blocks) and devices permuted share one analysis (SegmentBuilder._region).
 
 A proposal that changes op k re-records k's segments and re-analyzes only the regions they
 touch (k's inputs, outputs, weights and their gradients); everything else comes from the
@@ -295,7 +297,7 @@ class SegmentBuilder:
                         entry.append((index, [j]))
         self.stats["segments_recorded"] += 1
         touches = {uid: tuple((t, tuple(js)) for t, js in v) for uid, v in touches.items()}
-        shapes = {uid: self._shape_id((segment.op, tuple((t, js, _asks(tasks[t], js)) for t, js in v)))
+        shapes = {uid: self._shape_id(tuple((js, _asks(tasks[t], js)) for t, js in v))
                   for uid, v in touches.items()}
         memories = {uid: tuple(tasks[t].proc.memory for t, _ in v) for uid, v in touches.items()}
         return RecordedSegment(key, len(self._segments), segment.op, segment.phase, tuple(tasks), tuple(costs),
@@ -384,38 +386,35 @@ class SegmentBuilder:
     # ---- one region's analysis -------------------------------------------------------------------
     def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
         """Region `uid`'s result when its exact key missed: renamed from an analysis of the same
-        accesses on other memories, or analyzed.
+        accesses elsewhere, or analyzed.
 
         The analysis is equivariant under renaming memories: it uses them only as dict keys and
         by equality (`choose_source` takes a piece's first valid memory in insertion order, and
         a renamed program inserts the renamed memories in the same order), so tasks mapped to
         other memories by a bijection give the same nodes and edges, with the copies' sources
-        and destinations renamed by it. Of the region itself it reads only the bounds (the uid
-        only keys its state), so a region that each plan makes afresh (an op's shared sums, its
-        carries) is matched by name and bounds, and the copies get this one. The canonical key
-        is what the analysis reads: the region's name and bounds, and per segment at `positions`
-        (in program order) its op and its tasks' indices, requirement indices, rects and
-        privileges on the region (its shape), and each task's memory numbered by first
-        appearance."""
+        and destinations renamed by it. Of the region it reads only the bounds, and of the
+        segments only what their tasks ask of it, in order: not the op, not where in the
+        program they stand (beyond which step). So the same accesses to another region of the
+        same bounds (a like layer's weight or activation, or a region a plan makes afresh)
+        come from one analysis too, moved to this region, these memories and these segments'
+        positions. The canonical key is what the analysis reads: the region's bounds, per
+        segment that touches it (in program order) whether it is in the graph's step and its
+        tasks' indices, requirement indices, rects and privileges on the region (its shape),
+        and each task's memory numbered by first appearance."""
         region = self._region_of[uid]
         numbering: dict = {}
         numbers = tuple([numbering.setdefault(m, len(numbering)) for j in positions for m in program[j].memories[uid]])
-        key = (region.name, region.rect, tuple(positions), tuple([program[j].shapes[uid] for j in positions]), numbers)
+        key = (region.rect, tuple([j >= second for j in positions]), tuple([program[j].shapes[uid] for j in positions]),
+               numbers)
         memories = tuple(numbering)
+        tasks = _task_keys(program, positions, uid)
         known = self._canonical.get(key)
         if known is None:
             result = self._analyze(region, program, positions, second)
-            self._canonical[key] = (result, region, memories)
+            self._canonical[key] = (result, region, memories, tasks)
             return result
-        result, analyzed, analyzed_on = known
         self.stats["regions_renamed"] += 1
-        if analyzed_on == memories and analyzed is region:
-            return result
-        rename = dict(zip(analyzed_on, memories))
-        copies = tuple(CopyNode(-1, region, c.rect, rename[c.src], rename[c.dst], redop=c.redop, buffer=c.buffer,
-                                op=c.op) for c in result.copies)
-        return RegionResult(copies, result.copy_j, result.copy_t, result.copy_req, result.buffer_j, result.buffer_t,
-                            result.edges)
+        return _moved(*known, region, memories, tasks, program)
 
     def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
         """Run the runtime's Analyzer over `region`'s accesses alone (the tasks of the segments at
@@ -481,6 +480,46 @@ class SegmentBuilder:
                               column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6).T.copy())
         self.stats["regions_analyzed"] += 1
         return result
+
+
+#: task keys are position * TASK_KEY + task index (a segment has fewer tasks than this)
+TASK_KEY = 1 << 32
+
+
+def _task_keys(program: list[RecordedSegment], positions: list[int], uid: int) -> np.ndarray:
+    """The tasks that touch region `uid`, in program order, each as position * TASK_KEY + its index
+    in its segment."""
+    return np.array([j * TASK_KEY + t for j in positions for t, _ in program[j].touches[uid]], np.int64)
+
+
+def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_tasks: np.ndarray, region,
+           memories: tuple, tasks: np.ndarray, program: list[RecordedSegment]) -> RegionResult:
+    """`result`, an analysis of `analyzed` whose accesses came from tasks `analyzed_tasks` (keys, in
+    program order) on memories `analyzed_on`, as the analysis of the same accesses to `region` by
+    `tasks` on `memories`: the copies on the region with their ends renamed (and named after
+    the op of the task that causes each), and every task they name replaced by the one in its
+    place."""
+    if analyzed is region and analyzed_on == memories and np.array_equal(analyzed_tasks, tasks):
+        return result
+    order = np.argsort(analyzed_tasks)
+    ranked = analyzed_tasks[order]
+
+    def move(j: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        new = tasks[order[np.searchsorted(ranked, j * TASK_KEY + t)]]
+        return new // TASK_KEY, new % TASK_KEY
+    copy_j, copy_t = move(result.copy_j, result.copy_t)
+    rename = dict(zip(analyzed_on, memories))
+    copies = tuple(CopyNode(-1, region, c.rect, rename[c.src], rename[c.dst], redop=c.redop, buffer=c.buffer,
+                            op=program[j].tasks[t].op)
+                   for c, j, t in zip(result.copies, copy_j.tolist(), copy_t.tolist()))
+    has = result.buffer_j >= 0
+    buffer_j, buffer_t = result.buffer_j.copy(), result.buffer_t.copy()
+    buffer_j[has], buffer_t[has] = move(buffer_j[has], buffer_t[has])
+    edges = result.edges.copy()
+    for kind in (0, 3):
+        on = edges[kind] == 1
+        edges[kind + 1, on], edges[kind + 2, on] = move(edges[kind + 1, on], edges[kind + 2, on])
+    return RegionResult(copies, copy_j, copy_t, result.copy_req, buffer_j, buffer_t, edges)
 
 
 def _asks(task: TaskNode, reqs: tuple[int, ...]) -> tuple:

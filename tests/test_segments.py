@@ -159,3 +159,41 @@ def test_configs_that_differ_by_a_permutation_of_devices_come_from_the_canonical
         if permuted != configs:
             assert builder.stats["regions_renamed"] > before["regions_renamed"]
         configs = permuted
+
+
+def _stack(blocks: int):
+    """`blocks` like dense / relu blocks (same shapes, so like regions), then a dense head."""
+    from ops import Model
+    m = Model(Runtime(execute=False), weights=False)
+    h = m.input((8, 12), name="x")
+    for _ in range(blocks):
+        h = m.relu(m.dense(h, 12))
+    m.dense(h, 3)
+    ops, inputs, loss = m.training_graph()
+    return ops, inputs, loss.name
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 3), per_rank=st.integers(1, 2))
+def test_like_layers_share_one_region_analysis(seed, ranks, per_rank):
+    """More like blocks add no analysis of regions like those already analyzed: their accesses
+    come from the canonical cache, moved to their regions and program positions, and the graph
+    still equals the runtime's, also under random configs. (Updates rotate their shards over
+    the devices, one step per weight, so middle blocks repeat exactly every P blocks; the first
+    block has no input gradient.)"""
+    machine = _machine(ranks, per_rank)
+    rng = np.random.default_rng(seed)
+    devices = len(compute_processors(machine))
+    counts = {}
+    base, more = 2 + devices, 2 + 2 * devices
+    for blocks in (base, more):
+        ops, inputs, loss = _stack(blocks)
+        builder = SegmentBuilder(ops, inputs, loss, machine)
+        configs = {op.name: default_config(op, machine) for op in ops}
+        assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+        counts[blocks] = (builder.stats["regions_analyzed"], builder.stats["regions_renamed"])
+        like = random_config(ops[0], machine, rng)
+        configs.update({op.name: like for op in ops if op.kind == "dense" and op.weight_shapes() == ops[0].weight_shapes()})
+        assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+    assert counts[more][0] == counts[base][0], f"(analyzed, renamed) by blocks: {counts}"
+    assert counts[more][1] > counts[base][1]
