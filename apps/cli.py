@@ -68,8 +68,8 @@ DTYPES = ("float32", "float64")
 OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Adam(lr=lr)}
 #: what the last line of a run (one JSON object) holds
 RESULT_FIELDS = ("app", "ranks", "devices", "batch_size", "iterations", "warmup", "samples_per_s",
-                 "mean_iteration_s", "predicted_iteration_s", "first_loss", "final_loss", "strategy", "tiny",
-                 "dtype", "seed", "optimizer", "lr", "parameters", "trace")
+                 "mean_iteration_s", "median_iteration_s", "predicted_iteration_s", "first_loss", "final_loss",
+                 "strategy", "tiny", "dtype", "seed", "optimizer", "lr", "parameters", "trace")
 
 
 class FlagError(ValueError):
@@ -431,9 +431,11 @@ def train(app: App, args, plan: Plan) -> dict:
     warmup = min(args.warmup, args.iterations - 1)
     span = times[-1] - (times[warmup - 1] if warmup else 0.0)
     measured = args.iterations - warmup
+    steps = np.diff([times[warmup - 1] if warmup else 0.0, *times[warmup:]])
     report = {"app": app.name, "ranks": plan.machine.num_ranks, "devices": len(compute_processors(plan.machine)),
               "batch_size": plan.batch_size, "iterations": args.iterations, "warmup": warmup,
               "samples_per_s": plan.batch_size * measured / span, "mean_iteration_s": span / measured,
+              "median_iteration_s": float(np.median(steps)),
               "predicted_iteration_s": plan.predicted_s,
               "first_loss": losses[0], "final_loss": losses[-1], "strategy": plan.strategy_name,
               "tiny": bool(args.tiny), "dtype": args.dtype, "seed": args.seed, "optimizer": args.optimizer,
