@@ -12,8 +12,9 @@
   to measurements (`python -m strategies.cost calibrate --machine local --write` refits a
   machine file where its device is here).
 - Every task adds the machine's `launch_overhead`. Copies take latency + bytes / bandwidth
-  of their link (the simulator queues copies on MachineModel.channel, one at a time); fills
-  and folds are tasks on the device, bound by its memory bandwidth.
+  of their link: the bytes occupy the link (the simulator queues copies on
+  MachineModel.channel, one at a time), the latency is time in flight that the next copy
+  overlaps; fills and folds are tasks on the device, bound by its memory bandwidth.
 
 Which devices are measured (`CostModel(measured=...)`): False none; True every device whose
 kind is here (a CPU always, a GPU where cupy sees one); None (default) the devices that are
@@ -64,7 +65,14 @@ def copy_time(nbytes: int, link: LinkSpec) -> float:
     """Seconds one copy of `nbytes` takes on `link`: its latency plus bytes over its bandwidth."""
     if math.isinf(link.bandwidth):
         return 0.0
-    return link.latency + max(nbytes, 0) / link.bandwidth
+    return link.latency + transfer_time(nbytes, link)
+
+
+def transfer_time(nbytes: int, link: LinkSpec) -> float:
+    """Seconds the bytes of one copy occupy `link` (its bandwidth term, without the latency)."""
+    if math.isinf(link.bandwidth):
+        return 0.0
+    return max(nbytes, 0) / link.bandwidth
 
 
 def roofline(flops: float, nbytes: float, device: DeviceSpec, efficiency: float) -> float:
@@ -406,6 +414,7 @@ class CostModel:
 
     # ---- copies, fills and folds ---------------------------------------------------------------------
     copy_time = staticmethod(copy_time)
+    transfer_time = staticmethod(transfer_time)
 
     def fill_time(self, nbytes: int, device) -> float:
         """A fill task (zeros, ones) writing `nbytes` on `device`."""

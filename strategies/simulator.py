@@ -98,7 +98,7 @@ class Simulator:
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}
-        self._copy_costs: dict[tuple, tuple[int, float]] = {}   # (src, dst, bytes, redop) -> (resource, seconds)
+        self._copy_costs: dict[tuple, tuple[int, float, float]] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._resolved: dict[tuple, TileConfig] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._peaks = PeakCache(self.ops, self.machine)
@@ -170,9 +170,9 @@ class Simulator:
         simulation (`delta=False`) builds the runtime's graph from scratch. Both time the same
         graph the same way, so their results are equal (tests/test_simulator.py)."""
         graph = self.graph(strategy, delta)
-        res, dur, resources = self.node_costs(graph, cache=delta)
+        res, dur, delay, resources = self.node_costs(graph, cache=delta)
         ptr, idx = graph.pred_arrays()
-        timing = schedule(res, dur, ptr, idx, len(resources))
+        timing = schedule(res, dur, ptr, idx, len(resources), delay)
         used = np.bincount(res, minlength=len(resources))
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}
@@ -196,33 +196,35 @@ class Simulator:
             per_rank[rank] = per_rank.get(rank, 0.0) + b
         return max((b + issue) / mm.devices_per_node for b in per_rank.values())
 
-    def node_costs(self, graph, cache: bool = False) -> tuple[np.ndarray, np.ndarray, list]:
-        """(resource index of each node, its seconds, the resources): processors ('proc', p),
-        link channels ('link', channel) and memories' copy workers ('memory', m), numbered once
-        for this simulator. With `cache`, an assembled graph's costs come per part (a segment's
-        tasks, a region's copies) from what was computed when the part was first seen, so a
-        delta simulation costs only its new parts."""
+    def node_costs(self, graph, cache: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+        """(resource index of each node, its seconds there, its delay after: a copy's latency in
+        flight, the resources): processors ('proc', p), link channels ('link', channel) and
+        memories' copy workers ('memory', m), numbered once for this simulator. With `cache`,
+        an assembled graph's costs come per part (a segment's tasks, a region's copies) from
+        what was computed when the part was first seen, so a delta simulation costs only its
+        new parts."""
         if cache and isinstance(graph, AssembledIteration):
             parts = [self._part_costs(p) for p in graph.parts]
-            res = np.concatenate([r for r, _ in parts])[graph.order] if parts else np.zeros(0, np.int64)
-            dur = np.concatenate([d for _, d in parts])[graph.order] if parts else np.zeros(0)
-            return res, dur, self._resources
-        res = np.empty(len(graph.nodes), np.int64)
-        dur = np.empty(len(graph.nodes))
-        for i, node in enumerate(graph.nodes):
-            res[i], dur[i] = self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
-        return res, dur, self._resources
+            if not parts:
+                return np.zeros(0, np.int64), np.zeros(0), np.zeros(0), self._resources
+            res, dur, delay = (np.concatenate([p[k] for p in parts])[graph.order] for k in range(3))
+            return res, dur, delay, self._resources
+        costs = [self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
+                 for i, node in enumerate(graph.nodes)]
+        return (np.array([c[0] for c in costs], np.int64), np.array([c[1] for c in costs], float),
+                np.array([c[2] for c in costs], float), self._resources)
 
-    def _part_costs(self, part) -> tuple[np.ndarray, np.ndarray]:
+    def _part_costs(self, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
             if isinstance(part, RecordedSegment):
                 costs = [self._cost(t, c) for t, c in zip(part.tasks, part.costs)]
             else:
                 costs = [self._cost(c, None) for c in part.copies]
-            known = self._part_cost_cache[id(part)] = (part, np.array([r for r, _ in costs], np.int64),
-                                                       np.array([d for _, d in costs], float))
-        return known[1], known[2]
+            known = self._part_cost_cache[id(part)] = (part, np.array([c[0] for c in costs], np.int64),
+                                                       np.array([c[1] for c in costs], float),
+                                                       np.array([c[2] for c in costs], float))
+        return known[1], known[2], known[3]
 
     def _resource(self, key: tuple) -> int:
         r = self._resource_index.get(key)
@@ -231,14 +233,14 @@ class Simulator:
             self._resources.append(key)
         return r
 
-    def _cost(self, node, tc) -> tuple[int, float]:
-        """(the resource index a node occupies, its seconds)."""
+    def _cost(self, node, tc) -> tuple[int, float, float]:
+        """(the resource index a node occupies, its seconds there, its delay after)."""
         if isinstance(node, CopyNode):
             what = (node.src, node.dst, node.nbytes, node.redop)
             known = self._copy_costs.get(what)
             if known is None:
-                key, seconds = self._copy_cost(node)
-                known = self._copy_costs[what] = (self._resource(key), seconds)
+                key, seconds, latency = self._copy_cost(node)
+                known = self._copy_costs[what] = (self._resource(key), seconds, latency)
             return known
         cost = self.cost
         if tc.phase == FILL:
@@ -247,17 +249,20 @@ class Simulator:
             seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
         else:
             seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
-        return self._resource(("proc", node.proc)), seconds
+        return self._resource(("proc", node.proc)), seconds, 0.0
 
-    def _copy_cost(self, node: CopyNode) -> tuple[tuple, float]:
+    def _copy_cost(self, node: CopyNode) -> tuple[tuple, float, float]:
+        """(the resource a copy occupies, its seconds there: its bytes on the link and a fold's
+        work, the link's latency in flight)."""
         mm, cost = self.machine_model, self.cost
         device = self._memory_proc[node.dst]
         if node.src == node.dst:
-            return ("memory", node.dst), cost.fold_time(node.nbytes, device)
-        seconds = cost.copy_time(node.nbytes, mm.link(node.src, node.dst))
+            return ("memory", node.dst), cost.fold_time(node.nbytes, device), 0.0
+        link = mm.link(node.src, node.dst)
+        seconds = cost.transfer_time(node.nbytes, link)
         if node.redop is not None:
             seconds += cost.fold_time(node.nbytes, device)
-        return ("link", mm.channel(node.src, node.dst)), seconds
+        return ("link", mm.channel(node.src, node.dst)), seconds, link.latency
 
     def tasks_to_measure(self, strategy) -> list[tuple]:
         """(op, phase, rect, processor[, param]) of every task of the iteration, for CostModel.measure_all

@@ -1,12 +1,14 @@
 """The simulator's timing core: list scheduling of a task graph on resources, in arrays.
 
 A graph here is compact: node i has a resource `res[i]` (a processor or a link; -1 for a
-node that occupies nothing, such as a fence), a duration `dur[i]` in seconds, and its
-predecessors `pred_idx[pred_ptr[i]:pred_ptr[i + 1]]` (node indices, any order). A node is
-ready when its last predecessor ends; every resource runs one node at a time, in the order
-in which its nodes became ready (ties by index, so the result is deterministic). This is
-how the executor behaves too: one worker per processor and one per memory's copies, each
-taking ready nodes first come, first served.
+node that occupies nothing, such as a fence), a duration `dur[i]` in seconds, an optional
+`delay[i]` after it (a message's latency: in flight, it occupies nothing, so a link sends
+the next message meanwhile, as networks pipeline), and its predecessors
+`pred_idx[pred_ptr[i]:pred_ptr[i + 1]]` (node indices, any order). A node ends `delay`
+after its resource is done with it, and is ready when its last predecessor ends; every
+resource runs one node at a time, in the order in which its nodes became ready (ties by
+index, so the result is deterministic). This is how the executor behaves too: one worker
+per processor and one per memory's copies, each taking ready nodes first come, first served.
 
 `schedule` returns the start and end of every node; `Timing` adds the iteration time and
 each resource's busy time. The loop is compiled with numba (nogil, cached), because the
@@ -58,7 +60,7 @@ def _heap_pop(keys, ids, size):
 
 
 @numba.njit(cache=True, nogil=True)
-def _schedule(res, dur, pred_ptr, pred_idx, num_resources):
+def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources):
     n = res.shape[0]
     indeg = np.zeros(n, np.int64)
     succ_count = np.zeros(n + 1, np.int64)
@@ -94,6 +96,7 @@ def _schedule(res, dur, pred_ptr, pred_idx, num_resources):
         e = s + dur[i]
         if r >= 0:
             free[r] = e
+        e += delay[i]
         start[i] = s
         end[i] = e
         done += 1
@@ -125,10 +128,11 @@ class Timing:
 
 
 def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: np.ndarray,
-             num_resources: int) -> Timing:
+             num_resources: int, delay: np.ndarray | None = None) -> Timing:
     """Simulate the graph (see the module docstring); raises ValueError on a cycle or bad index."""
     res = np.ascontiguousarray(res, np.int64)
     dur = np.ascontiguousarray(dur, np.float64)
+    delay = np.zeros(dur.shape) if delay is None else np.ascontiguousarray(delay, np.float64)
     pred_ptr = np.ascontiguousarray(pred_ptr, np.int64)
     pred_idx = np.ascontiguousarray(pred_idx, np.int64)
     n = res.shape[0]
@@ -139,9 +143,12 @@ def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: n
         raise ValueError(f"schedule: resource ids must be in -1..{num_resources - 1}, got {res.min()}..{res.max()}")
     if pred_idx.size and (pred_idx.min() < 0 or pred_idx.max() >= n):
         raise ValueError(f"schedule: predecessor indices must be in 0..{n - 1}")
-    if (dur < 0).any():
-        raise ValueError(f"schedule: negative duration at node {int(np.argmax(dur < 0))}")
-    start, end, done = _schedule(res, dur, pred_ptr, pred_idx, num_resources)
+    if delay.shape != dur.shape:
+        raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
+    if (dur < 0).any() or (delay < 0).any():
+        bad = np.flatnonzero((dur < 0) | (delay < 0))[0]
+        raise ValueError(f"schedule: negative duration or delay at node {int(bad)}")
+    start, end, done = _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources)
     if done != n:
         raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
     busy = np.bincount(res[res >= 0], weights=dur[res >= 0], minlength=num_resources)

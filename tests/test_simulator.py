@@ -38,7 +38,7 @@ def test_one_device_runs_every_task_in_turn():
     gpu = next(i for i, p in enumerate(sim.machine.processors) if p.kind == "gpu")
     on_gpu = [i for i, n in enumerate(graph.nodes) if isinstance(n, TaskNode)
               and sim.machine.processors.index(n.proc) == gpu]
-    res, dur, _ = sim.node_costs(graph)
+    res, dur, _, _ = sim.node_costs(graph)
     assert result.busy[gpu] == pytest.approx(sum(dur[i] for i in on_gpu))
     assert result.time >= result.busy[gpu]
     # tasks on one processor never overlap
