@@ -256,11 +256,16 @@ class Runtime:
         training step makes the same ones every iteration), kept in `_mapped_launches`; the
         shared lists are never changed. The key is None for a launch that is not kept."""
         key = None
-        if placement and all(p in placement for p in points):
-            key = (fn, name, tuple(points), tuple(reqs), tuple(placement[p] for p in points))
-            known = self._mapped_launches.get(key)
-            if known is not None:
-                return known
+        if placement:
+            try:
+                placed = tuple(map(placement.__getitem__, points))
+            except KeyError:   # some point left to the mapper: not kept
+                placed = None
+            if placed is not None:
+                key = (fn, name, tuple(points), tuple(reqs), placed)
+                known = self._mapped_launches.get(key)
+                if known is not None:
+                    return known
         rects = [[r.rect_for(p) for r in reqs] for p in points]
         _check_interference(name, reqs, rects)
         procs = []
