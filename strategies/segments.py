@@ -58,9 +58,9 @@ STEPS = (1, 2)
 class RecordedSegment:
     """A segment's point tasks as the runtime would make them (ids -1), with what each computes;
     per region uid the tasks that touch it, (task index, requirement indices), and, for the
-    canonical region cache, what those tasks ask of it apart from where they run (`shapes`: an
-    interned id of their task indices, requirement indices, rects and privileges) and the
-    memory of each (`memories`)."""
+    canonical region cache, what those tasks ask of it apart from where they run and which
+    tasks they are (`shapes`: an interned id of, task by task, their requirement indices, rects
+    and privileges) and the memory of each (`memories`)."""
 
     key: tuple
     key_id: int                   # a small int per key, so region keys hash fast
@@ -398,9 +398,9 @@ class SegmentBuilder:
         same bounds (a like layer's weight or activation, or a region a plan makes afresh)
         come from one analysis too, moved to this region, these memories and these segments'
         positions. The canonical key is what the analysis reads: the region's bounds, per
-        segment that touches it (in program order) whether it is in the graph's step and its
-        tasks' indices, requirement indices, rects and privileges on the region (its shape),
-        and each task's memory numbered by first appearance."""
+        segment that touches it (in program order) whether it is in the graph's step and, task
+        by task, the requirement indices, rects and privileges on the region (its shape), and
+        each task's memory numbered by first appearance."""
         region = self._region_of[uid]
         numbering: dict = {}
         numbers = tuple([numbering.setdefault(m, len(numbering)) for j in positions for m in program[j].memories[uid]])
