@@ -135,6 +135,8 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
     """The Metropolis-Hastings chains, one per start with its share of the budget, into `result`."""
     ops = sim.ops
     for start, n in zip(starts, share):
+        if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
+            continue
         current = starting[start]
         current_time = baselines.get(start) if start in baselines else _time(sim, current)
         chain_best, since = current_time, 0
