@@ -44,7 +44,7 @@ from .mpi_control import (Alive, Checkpoint, Dispatch, Get, Launches, Push, Quer
 from .mpi_copies import COPY_IN_PROGRESS_BYTES, Copies, RecvHalf, SendHalf
 from .mpi_divergence import Divergence, ShutdownBarrier
 from .mpi_futures import RemoteValues
-from .mpi_progress import SHARED_CORE_SPIN_S, SPIN_S, Op, Progress
+from .mpi_progress import SHARED_CORE_NAP_S, SHARED_CORE_SPIN_S, SPIN_NAP_S, SPIN_S, Op, Progress
 from .mpi_routing import FRONTIER_MAX, Route, Router, route
 from .mpi_watchdog import (ABORT_GRACE_S, DEFAULT_TIMEOUT_S, HEARTBEAT_S, STALL_S, Abort, Watchdog,
                            abort_on_uncaught_exceptions, timeout_from_env)
@@ -101,7 +101,8 @@ class MPITransport:
         # a blocking wait is MPICH polling: only where the node has a core for it does it wait long
         fits = runtime.machine.threads_fit_node(rank, extra_per_rank=1)
         self.progress = Progress(f"taskrt-mpi-r{rank}", self._tick, self._request_failed, fatal,
-                                 spin_s=SPIN_S if fits else SHARED_CORE_SPIN_S)
+                                 spin_s=SPIN_S if fits else SHARED_CORE_SPIN_S,
+                                 nap_s=SPIN_NAP_S if fits else SHARED_CORE_NAP_S)
         self.values = RemoteValues(rank, self.size, ex, self.progress, self._send_ctl, self.watchdog.block)
         self.dispatch = Dispatch({
             Checkpoint: self._on_checkpoint,

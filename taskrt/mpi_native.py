@@ -16,10 +16,10 @@ Shared state, numpy arrays the loop and Python both see:
 - `done`, a ring of slots that the loop appends to and the finisher takes;
 - `ctl`: stop flag, ring heads and tails, the MPI error (the loop stops on one).
 While messages keep coming the loop spins between tests where the node has a core for it,
-else naps 5 us; after SPIN_S without one its naps double up to 1 ms, like the Python
-engine's, and with nothing in flight it sleeps on a semaphore. Used where mpi4py's MPI is
-a shared library this process can call and the processor is x86-64 (stores are seen in
-order by other threads); `TASKRT_MPI_NATIVE=0` turns it off.
+else naps SHARED_CORE_NAP_S; after SPIN_S without one its naps double up to 1 ms, like
+the Python engine's, and with nothing in flight it sleeps on a semaphore. Used where
+mpi4py's MPI is a shared library this process can call and the processor is x86-64 (stores
+are seen in order by other threads); `TASKRT_MPI_NATIVE=0` turns it off.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from mpi4py import MPI
 from numba import types
 from numba.extending import intrinsic
 
-from .mpi_progress import MAX_NAP_S, SPIN_NAP_S, SPIN_S, precise_sleeps
+from .mpi_progress import MAX_NAP_S, SHARED_CORE_NAP_S, SPIN_NAP_S, SPIN_S, precise_sleeps
 
 SLOTS = 128  # receives in flight at once; Testsome scans every slot's handles, so not many
 MAX_BYTES = 2**31 - 1  # an MPI count is a C int
@@ -255,7 +255,8 @@ class NativeReceives:
         self._taken = 0
         self._args = (self.fns, self.comms, self.handles, self.at, self.hdr_addr, self.data_addr, self.nbytes,
                       self.peer, self.tag, self.left, self.posted, self.done, self.ctl, self.statuses, self.indices,
-                      self.outcount, self.sems, spin, SPIN_S, SPIN_NAP_S, MAX_NAP_S, MPI.UNDEFINED, self.byte)
+                      self.outcount, self.sems, spin, SPIN_S, SPIN_NAP_S if spin else SHARED_CORE_NAP_S, MAX_NAP_S,
+                      MPI.UNDEFINED, self.byte)
         # compiled (or loaded from numba's cache) now, at start-up, not in the middle of a run
         receive_loop.compile(tuple(numba.typeof(a) for a in self._args))
 

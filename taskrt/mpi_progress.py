@@ -18,8 +18,9 @@ to finish what ended. A sender has no copy to make, so it only polls.
     wake-up (a message to self, on a communicator of its own), so that new requests join
     the wait; the alarm thread sends it once the wait has been quiet for the spin time, so that
     control messages are read and a long wait for a busy peer stops spinning a core;
-  - otherwise a Testsome, then a nap that a post cuts short: SPIN_NAP_S while there is
-    activity, doubling to MAX_NAP_S after the spin time of quiet;
+  - otherwise a Testsome, then a nap that a post cuts short: `nap_s` (SPIN_NAP_S, or
+    SHARED_CORE_NAP_S where the node has no core to spare) while there is activity, doubling
+    to MAX_NAP_S after the spin time of quiet;
   - with nothing in flight: on an Event, with IDLE_TICK_S turns for control messages.
 
 Run state: `incoming` (a deque the posting threads append to), `reqs` and `ops` (parallel
@@ -46,7 +47,14 @@ from mpi4py import MPI
 #: 0.2 ms, and 6-9 ms never blocking (only Testsome and naps), with steps no slower
 SPIN_S = 0.002
 SHARED_CORE_SPIN_S = 0.0
+#: the first nap after activity, and SHARED_CORE_NAP_S where the node has no core to spare:
+#: each wake-up takes the GIL from the workers. With 100 us rather than 5 us, bench/scaling.py's
+#: 2-rank steps on a 2-core VM were 6% (CNN, data parallel), 9% (CNN, expert) and 21% (MLP,
+#: tensor parallel) shorter, in 9 of 9 interleaved pairs, and this thread's CPU a step fell
+#: from 6.8-8.5 ms to 5.0-6.6 ms; an isolated chain of copies (bench/copy_bandwidth.py) pays
+#: for it, 95 -> 207 us a 16 KiB hop
 SPIN_NAP_S = 5e-6
+SHARED_CORE_NAP_S = 1e-4
 MAX_NAP_S = 0.001
 IDLE_TICK_S = 0.002
 WAKE_TAG = 0
@@ -74,9 +82,10 @@ class Progress:
     when an MPI call on the requests raises; `fatal(text)` when the thread itself breaks."""
 
     def __init__(self, name: str, tick: Callable[[], bool], failed: Callable, fatal: Callable[[str], None],
-                 spin_s: float = SPIN_S):
+                 spin_s: float = SPIN_S, nap_s: float = SPIN_NAP_S):
         self.name = name
         self.spin_s = spin_s
+        self.nap_s = nap_s
         self.tick = tick
         self.failed = failed
         self.fatal = fatal
@@ -177,7 +186,7 @@ class Progress:
             self.fatal(f"taskrt: the MPI progress thread {self.name} failed\n{traceback.format_exc()}")
 
     def _loop(self) -> None:
-        nap = SPIN_NAP_S
+        nap = self.nap_s
         while True:
             self.wake.clear()
             self._take_posted()
@@ -192,7 +201,7 @@ class Progress:
             if recent and self.receiving and not self.stopping:
                 self._wait_blocked()
             elif self._test() or busy:
-                nap = SPIN_NAP_S
+                nap = self.nap_s
             else:
                 self.wake.wait(nap)
                 if not recent:
