@@ -95,6 +95,8 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=int, default=40, help="search proposals for the searched strategy")
     p.add_argument("--rounds", type=int, default=3, help="runs of each strategy, taking turns")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
     out = {"bench": "sim_accuracy", "ranks": 2, "targets": {"mean_error": 0.1, "kendall_tau": 0.8}, "apps": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for app in args.apps:

@@ -63,9 +63,7 @@ def default_cache_path() -> Path:
 
 def copy_time(nbytes: int, link: LinkSpec) -> float:
     """Seconds one copy of `nbytes` takes on `link`: its latency plus bytes over its bandwidth."""
-    if math.isinf(link.bandwidth):
-        return 0.0
-    return link.latency + transfer_time(nbytes, link)
+    return 0.0 if math.isinf(link.bandwidth) else link.latency + transfer_time(nbytes, link)
 
 
 def transfer_time(nbytes: int, link: LinkSpec) -> float:
@@ -422,7 +420,7 @@ class CostModel:
 
     def fold_time(self, nbytes: int, device) -> float:
         """Folding a reduction buffer of `nbytes` into its target on `device` (read both, write one);
-        a fold from another memory also pays copy_time on its link."""
+        a fold from another memory also pays its copy on the link."""
         return 3 * nbytes / self.device(device).mem_bandwidth + self.machine_model.launch_overhead
 
 
