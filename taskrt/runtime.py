@@ -25,6 +25,7 @@ from .analysis import Analyzer
 from .backends import gpu
 from .executor import Executor, TaskError
 from .geometry import Rect
+from .heap import keep_freed_memory
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req
 from .machine import Machine, Memory, Processor, mpi_world_size_from_env
@@ -125,6 +126,7 @@ class Runtime:
         self._blas_limit = None
         if self.executor is not None:
             self._blas_limit = limit_blas_threads(self.machine, rank, blas_threads)
+            keep_freed_memory()
         if transport is not None:
             transport.bind(self)
 
