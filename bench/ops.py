@@ -8,7 +8,10 @@ torch.set_num_threads equal to our BLAS threads. With --gpu both sides run on th
 (cupy against PyTorch CUDA), timed with CUDA events after a warm-up. The two sides run in
 child processes of this run, taking turns (--rounds, each case keeping its best):
 OpenBLAS's and PyTorch's thread pools in one process slow each other down several times
-over on a small machine. Ratio = ours / PyTorch (lower is better).
+over on a small machine. Both run with the malloc settings our runtime makes (taskrt.heap:
+freed buffers kept for reuse; without them, which of a kernel's allocations fault their pages
+in again depends on the allocation history, and one case moved 4x from run to run). Ratio =
+ours / PyTorch (lower is better).
 Usage: python bench/ops.py [--quick] [--tiles] [--gpu] [--rounds N] [--only NAME ...]. Last line: one JSON object.
 """
 from __future__ import annotations
@@ -267,6 +270,9 @@ def run_side(side: str, quick: bool, only, tiles: bool, gpu: bool) -> dict:
     name -> seconds."""
     import torch
 
+    from taskrt.heap import keep_freed_memory
+
+    keep_freed_memory()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     repeats = (2 if quick else 3) * (5 if gpu else 1)
     time_it = timer(side, gpu)

@@ -110,6 +110,9 @@ class Op(ABC):
     #: True for ops whose forward takes `step=` (the training iteration), so that their
     #: randomness changes from one iteration to the next (dropout)
     uses_step: ClassVar[bool] = False
+    #: True for ops whose forward and backward take `out=` (see forward): lowering then hands
+    #: them the output (gradient) views to write into rather than copying their results in
+    writes_out: ClassVar[bool] = False
 
     def __init__(self, name: str, inputs: Sequence[TensorSpec], **attrs: Any):
         self.name = name
@@ -268,6 +271,9 @@ class Op(ABC):
         or None: see `sum_shapes`); ops with a carry take `carry=`: None when the ordered
         dim is not split, else views of the carry rects that hold what the tile before left
         (unless the tile is first) and that the kernel overwrites with what it leaves.
+        Ops with `writes_out` take `out=`: per output, a C-contiguous array of its rect's
+        shape that the kernel may write the output into and return as that output (the
+        same object), or None where there is none to use.
         """
 
     @abstractmethod
@@ -281,6 +287,9 @@ class Op(ABC):
         overlapping tiles are summed by the runtime (REDUCE sum). `sums=` and `carry=` as in
         forward; backward's carry runs the other way: on entry the gradient of what this
         tile left (unless it is last), on exit the gradient of what it started from.
+        `out=` (ops with `writes_out`): per input, an array to write its gradient into and
+        return, as in forward, None, or False where nothing reads that gradient (a model
+        input's): the kernel may then skip it and return None (see `given_out`).
         """
 
     # ---- costs for the analytic model ----------------------------------------------
@@ -306,6 +315,14 @@ class Op(ABC):
             if np.dtype(t.dtype).kind == "f":
                 return t.dtype
         return "float32"
+
+
+def given_out(out, i: int):
+    """What a `writes_out` kernel was given for result i: (the array to write it into or None,
+    whether it is wanted at all: False only for an input gradient that nothing reads)."""
+    if not out:
+        return None, True
+    return (None if out[i] is False else out[i]), out[i] is not False
 
 
 def int_attr(kind: str, name: str, attr: str, value, least: int = 1) -> int:

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from ops import cpu_pool, winograd
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, int_attr, register_op
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, given_out, int_attr, register_op
 from ops.linear import torch_linear_init
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
 from taskrt.geometry import Rect
@@ -222,6 +222,7 @@ class Conv2d(Op):
     """PyTorch's nn.Conv2d (dilation 1). Splits: batch, out channels, height, width."""
 
     kind = "conv2d"
+    writes_out = True
 
     def __init__(self, name, inputs, out_channels: int, kernel, stride=1, padding=0, groups: int = 1,
                  use_bias: bool = True):
@@ -399,6 +400,8 @@ class Conv2d(Op):
             dyg = self._grouped(np, dyt.reshape(oct_, -1), tile)
             colsg = cols.reshape(ng, -1, cols.shape[1])
             gw += np.matmul(dyg, colsg.swapaxes(-1, -2))
+            if dx is None:
+                continue
             np.matmul(wg_t, dyg, out=colsg)
             _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride[0], top_left, dx[a:b])
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
@@ -409,11 +412,12 @@ class Conv2d(Op):
         (ops/cpu_pool.py); on a GPU all at once."""
         return cpu_pool.in_parts(work, n) if xp is np else [work(0, n)]
 
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
+    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, out=None):
         (x,), w = inputs, weights["weight"]
         n, oct_, oh, ow = tile.shape
         pads = self._pads(tile, in_rects[0])
-        y = xp.empty((n, oct_, oh * ow), x.dtype)
+        given = given_out(out, 0)[0]
+        y = xp.empty((n, oct_, oh * ow), x.dtype) if given is None else given.reshape(n, oct_, oh * ow)
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
 
         def samples(a, b):
@@ -426,7 +430,7 @@ class Conv2d(Op):
         self._in_parts(xp, samples, n)
         if bias is not None and path != "batched":
             y += bias[:, None]
-        return [y.reshape(n, oct_, oh, ow)], None
+        return [y.reshape(n, oct_, oh, ow) if given is None else given], None
 
     def _forward_columns(self, xp, tile, xpad, w, y) -> None:
         """y [N, OCt, OH*OW] = the tile's weight rows times the columns of each sample of xpad."""
@@ -439,18 +443,20 @@ class Conv2d(Op):
             else:
                 y[a:b] = xp.matmul(wg, cols).reshape(b - a, ng * ocpg, oh * ow)[:, off:off + oct_]
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
         (x,), w, dy = inputs, weights["weight"], grad_outputs[0]
         pads = self._pads(tile, in_rects[0])
-        dx = xp.empty(x.shape, x.dtype)
+        given, wanted = given_out(out, 0)
+        dx = None if not wanted else xp.empty(x.shape, x.dtype) if given is None else given
         path = self._path(xp, tile)
 
         def samples(a, b):
+            dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
             if path == "winograd":
-                return winograd.backward(x[a:b], w, dy[a:b], (pads[0][0], pads[1][0]), dx[a:b])
+                return winograd.backward(x[a:b], w, dy[a:b], (pads[0][0], pads[1][0]), dx_ab)
             if path == "batched":
-                return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx[a:b])
-            return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx[a:b])
+                return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab)
+            return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab)
         gw = sum(self._in_parts(xp, samples, x.shape[0]))
         grads = {"weight": gw}
         if self.use_bias:
@@ -468,17 +474,19 @@ class Conv2d(Op):
         dyg = self._grouped(xp, xp.ascontiguousarray(dy).reshape(n, oct_, oh * ow), tile)
         gw = xp.zeros((ng, ocpg, w[0].size), x.dtype)
         direct = self.kernel == (1, 1) and self.stride == (1, 1) and xpad is x
-        dxpad = dx if direct else xp.zeros(xpad.shape, x.dtype)
+        dxpad = dx if direct or dx is None else xp.zeros(xpad.shape, x.dtype)
         dcols = None
         for a, b, cols in self._column_chunks(xp, tile, xpad):
             gw += xp.matmul(dyg[a:b], cols.swapaxes(-1, -2)).sum(axis=0)
+            if dx is None:
+                continue
             if direct:
                 xp.matmul(wg_t, dyg[a:b], out=dxpad[a:b].reshape(cols.shape))
                 continue
             dcols = xp.empty_like(cols) if dcols is None else dcols[:b - a]
             xp.matmul(wg_t, dyg[a:b], out=dcols)
             col2im(xp, dcols.reshape(b - a, x.shape[1], *self.kernel, oh, ow), self.stride, dxpad[a:b])
-        if not direct:
+        if not direct and dx is not None:
             (top, _), (left, _) = pads
             dx[...] = dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]]
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, register_op
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from taskrt.geometry import Rect
 
@@ -45,6 +45,7 @@ class Dense(Op):
     """
 
     kind = "dense"
+    writes_out = True
 
     def __init__(self, name, inputs, out_features: int, use_bias: bool = True, activation: str | None = None):
         super().__init__(name, inputs, out_features=out_features, use_bias=use_bias, activation=activation)
@@ -101,12 +102,20 @@ class Dense(Op):
     def bias_weights(self):
         return ("bias",) if self.use_bias else ()
 
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
+    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, out=None):
         (x,) = inputs
         w = weights["weight"]
         if w.shape[1] != x.shape[-1]:
             raise self.fail(f"in features mismatch: input has {x.shape[-1]}, weight is {tuple(w.shape)}")
         x2 = x.reshape(-1, x.shape[-1])
+        given = given_out(out, 0)[0] if self.activation in (None, "relu") else None  # gelu saves z
+        if given is not None:
+            z = xp.matmul(x2, w.T, out=given.reshape(-1, w.shape[0]))
+            if "bias" in weights:
+                z += weights["bias"]
+            if self.activation == "relu":
+                xp.maximum(z, 0, out=z)
+            return [given], None
         z = x2 @ w.T
         if "bias" in weights:
             z += weights["bias"]
@@ -115,14 +124,21 @@ class Dense(Op):
         saved = z if self.activation == "gelu" else None
         return [y.reshape(x.shape[:-1] + (w.shape[0],))], saved
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
         (x,), (y,), (dy,) = inputs, outputs, grad_outputs
         w = weights["weight"]
         n_out = w.shape[0]
         y2, dy2 = y.reshape(-1, n_out), dy.reshape(-1, n_out)
         dz = activation_backward(xp, self.activation, saved, y2, dy2)
         x2 = x.reshape(-1, x.shape[-1])
-        dx = (dz @ w).reshape(x.shape)
+        given, wanted = given_out(out, 0)
+        if not wanted:  # the model's input: no one reads dx
+            dx = None
+        elif given is not None:
+            dx = given
+            xp.matmul(dz, w, out=dx.reshape(-1, w.shape[1]))
+        else:
+            dx = (dz @ w).reshape(x.shape)
         grads = {"weight": dz.T @ x2}
         if "bias" in weights:
             grads["bias"] = dz.sum(axis=0)

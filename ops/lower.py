@@ -452,12 +452,14 @@ class OpPlan:
         extra = self._extra(sums, carry)
         if op.uses_step:
             extra["step"] = step
+        if op.writes_out:
+            extra["out"] = [_target(v, r) for v, r in zip(out_views, self.out_rects[color])]
         outputs, saved = op.forward(ctx.xp, tile, inputs, self.in_rects[color], weights, training=training,
                                     state=state, **extra)
         if len(outputs) != len(out_views):
             raise self._fail(color, f"forward returned {len(outputs)} outputs, the op has {len(out_views)}")
         for i, (view, arr, rect) in enumerate(zip(out_views, outputs, self.out_rects[color])):
-            if rect.empty:
+            if rect.empty or arr is view:
                 continue
             if arr is None or tuple(arr.shape) != view.shape:
                 raise self._fail(color, f"output {i} has shape {None if arr is None else tuple(arr.shape)}, its "
@@ -509,11 +511,14 @@ class OpPlan:
         grad_w_bufs = self._given({k: next(it) for k in self.weight_names}, self.weight_rects[color])
         saved = self._saved_of(color, pop=True)
         in_rects = self.in_rects[color]
+        extra = self._extra(sums, carry)
+        if op.writes_out:
+            extra["out"] = [False if buf is None else _target(buf, r) for buf, r in zip(grad_in_bufs, in_rects)]
         grad_inputs, grad_weights = op.backward(ctx.xp, self.tiles[color], inputs, in_rects, weights, outputs,
-                                                grad_outputs, saved, **self._extra(sums, carry))
+                                                grad_outputs, saved, **extra)
         for i, buf in enumerate(grad_in_bufs):
             g = grad_inputs[i]
-            if buf is None or in_rects[i].empty:
+            if buf is None or in_rects[i].empty or g is buf:
                 continue
             if g is None:
                 if self.writes_grads[i]:  # written, not summed: no contribution is a zero one
@@ -531,6 +536,12 @@ class OpPlan:
                 raise self._fail(color, f"grad of weight {k!r} has shape {tuple(g.shape)}, its rect has "
                                         f"shape {buf.shape}")
             buf[...] = g
+
+
+def _target(view, rect: Rect):
+    """What a kernel with `writes_out` may write a result into: the runtime's view of it, where
+    that is C-contiguous and not empty (else None: the kernel allocates, lowering copies)."""
+    return None if rect.empty or not view.flags.c_contiguous else view
 
 
 def first_users(colors: list, rects: dict) -> dict:

@@ -26,8 +26,8 @@ import numpy as np
 
 from ops.activation import row_chunks
 from ops.cpu_layout import row_starts
-from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, int_attr, register_op,
-                      sample_split_dims)
+from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, given_out, int_attr,
+                      register_op, sample_split_dims)
 from ops.cpu_layout import flat_row, flat_rows
 from taskrt.geometry import Rect
 
@@ -145,6 +145,7 @@ class BatchNorm(Op):
     """
 
     kind = "batch_norm"
+    writes_out = True
     has_training_mode = True
 
     def __init__(self, name, inputs, eps: float = 1e-5, momentum: float = 0.1, relu: bool = False):
@@ -279,7 +280,7 @@ class BatchNorm(Op):
         """The tile at 0 along every dim but the channels: one per channel group."""
         return all(a == 0 for d, a in enumerate(tile.lo) if d != 1)
 
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, sums=None):
+    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, sums=None, out=None):
         (x,) = inputs
         count = self._count
         if training and count < 2:
@@ -299,7 +300,8 @@ class BatchNorm(Op):
         shift = (weights["bias"] - mean * scale).astype(x.dtype)
         scale = scale.astype(x.dtype)
         if self._use_kernels(xp, x):
-            y = np.empty(x.shape, x.dtype)
+            given = given_out(out, 0)[0]
+            y = np.empty(x.shape, x.dtype) if given is None else given
             _bn_apply_cpu(_rows(x), _shape3(x), scale, shift, self.relu, _rows(y, writable=True))
         else:
             y = x * self._bcast(scale, x.ndim) + self._bcast(shift, x.ndim)
@@ -307,7 +309,7 @@ class BatchNorm(Op):
                 xp.maximum(y, 0, out=y)
         return [y], (training, xp.array(mean, dtype=xp.float64), invstd)
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, sums=None):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, sums=None, out=None):
         (x,), (dy,), (y,) = inputs, grad_outputs, outputs
         training, mean, invstd = saved
         count = self._count
@@ -321,7 +323,8 @@ class BatchNorm(Op):
         coef = xp.stack([scale, -scale * invstd * dgamma / count, mean, -scale * dbeta / count]).astype(x.dtype)
         if self._use_kernels(xp, x):
             xr, gr = _rows(x), _rows(dy)
-            dx = np.empty(x.shape, x.dtype)
+            given = given_out(out, 0)[0]
+            dx = np.empty(x.shape, x.dtype) if given is None else given
             _bn_dx_cpu(xr, gr, _rows(y) if self.relu else xr, _shape3(x), self.relu, training, coef,
                        _rows(dx, writable=True))
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, given_out, register_op
 from ops.cpu_layout import flat_row, flat_rows
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
 from taskrt.geometry import Rect
@@ -204,6 +204,7 @@ class Pool2d(Op):
     """PyTorch's max_pool2d / avg_pool2d (count_include_pad=True, floor mode). Every dim splits."""
 
     kind = "pool2d"
+    writes_out = True
     POOL_TYPES = ("max", "avg")
 
     def __init__(self, name, inputs, kernel, stride=None, padding=0, pool_type: str = "max"):
@@ -240,10 +241,10 @@ class Pool2d(Op):
         fill = -np.inf if self.pool_type == "max" else 0.0
         return pad(xp, x, pads, fill), pads
 
-    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
+    def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, out=None):
         """On the CPU max pooling saves the argmax of every window (see _maxpool_cpu) for backward."""
         if xp is np:
-            return self._forward_cpu(inputs[0], tile, in_rects[0])
+            return self._forward_cpu(inputs[0], tile, in_rects[0], given_out(out, 0)[0])
         xpad, _ = self._padded(xp, inputs[0], tile, in_rects[0])
         out_hw = tile.shape[2:]
         kh, kw = self.kernel
@@ -262,9 +263,9 @@ class Pool2d(Op):
         (top, _), (left, _) = window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
         return top, left
 
-    def _forward_cpu(self, x, tile, in_rect):
+    def _forward_cpu(self, x, tile, in_rect, y=None):
         pads = self._top_left(tile, in_rect)
-        y = np.empty(tile.shape, x.dtype)
+        y = np.empty(tile.shape, x.dtype) if y is None else y
         if self.pool_type == "avg":
             _avgpool_cpu(flat_rows(x), x.shape, self.kernel, self.stride, pads, y)
             return [y], None
@@ -272,10 +273,10 @@ class Pool2d(Op):
         _maxpool_cpu(flat_rows(x), x.shape, self.kernel, self.stride, pads, y, arg)
         return [y], arg
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
         (x,), (dy,) = inputs, grad_outputs
         if xp is np:
-            return self._backward_cpu(x, dy, tile, in_rects[0], saved)
+            return self._backward_cpu(x, dy, tile, in_rects[0], saved, given_out(out, 0)[0])
         kh, kw = self.kernel
         if self.pool_type == "max":
             xpad, pads = self._padded(xp, x, tile, in_rects[0])
@@ -292,8 +293,11 @@ class Pool2d(Op):
         (top, _), (left, _) = pads
         return [xp.ascontiguousarray(dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]])], {}
 
-    def _backward_cpu(self, x, dy, tile, in_rect, arg):
-        dx = np.zeros(x.shape, x.dtype)
+    def _backward_cpu(self, x, dy, tile, in_rect, arg, dx=None):
+        if dx is None:
+            dx = np.zeros(x.shape, x.dtype)
+        else:
+            dx.fill(0)
         if self.pool_type == "avg":
             _avgpool_scatter_cpu(flat_rows(dy), dy.shape, self.kernel, self.stride, self._top_left(tile, in_rect), dx)
         else:

@@ -290,21 +290,23 @@ def forward(x, w, top_left, y) -> None:
 
 def backward(x, w, dy, top_left, dx):
     """dw [OC, C, 3, 3] of `forward` for output gradient dy [N, OC, OH, OW], and dx [N, C, H, W]
-    written."""
+    written (unless dx is None)."""
     n, c = x.shape[:2]
     oc = w.shape[0]
     nb = blocks(dy.shape[2:])
     k = _consts(x.dtype)
     u_t = filter_transform(w).swapaxes(1, 2)
     du = np.zeros((ALPHA * ALPHA, oc, c), x.dtype)
-    dx[...] = 0
+    if dx is not None:
+        dx[...] = 0
     per_sample = ALPHA * ALPHA * (2 * c + oc) * nb[0] * nb[1] * x.itemsize
     for a, b in _sample_chunks(n, per_sample):
         dm = np.empty((ALPHA * ALPHA, oc, (b - a) * nb[0] * nb[1]), x.dtype)
         _grad_to_blocks(flat_rows(dy[a:b]), dy[a:b].shape, nb, k, dm)
         v = _input_blocks(x[a:b], top_left, nb)
         du += np.matmul(dm, v.swapaxes(1, 2))
-        _blocks_to_input(np.matmul(u_t, dm, out=v), nb, top_left, k, dx[a:b])
+        if dx is not None:
+            _blocks_to_input(np.matmul(u_t, dm, out=v), nb, top_left, k, dx[a:b])
     g = G.astype(x.dtype)
     dw = np.einsum("ai,aboc,bj->ocij", g, du.reshape(ALPHA, ALPHA, oc, c), g, optimize=True)
     return dw

@@ -15,6 +15,7 @@ import numpy as np
 
 from ops.base import Op
 from taskrt.geometry import Rect
+from taskrt.heap import keep_freed_memory
 
 def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
     """Random host arrays for one tile: (inputs at its input rects, weights, state), as lowering
@@ -58,6 +59,7 @@ class Backend:
             from taskrt.backends import gpu
             self.xp = gpu.module()
         else:
+            keep_freed_memory()  # as the runtime's workers allocate (a fault a page otherwise)
             self.xp = np
 
     def context(self):

@@ -14,6 +14,7 @@ from ops.linear import Dense
 from ops.lower import Lowering, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
 from ops.norm import BatchNorm
+from ops.pool import Pool2d
 from taskrt import Machine, Partition, Rect, Region, ReplayMismatch, Runtime, TaskNode
 from tests.opcheck import spec
 
@@ -288,6 +289,67 @@ def test_every_operator_under_every_split_matches_one_tile(rt1, rt4):
     # the concat split along its axis leaves tiles with empty input rects: no reduction may stay pending
     analyzer = rt4.analyzer
     assert all(not analyzer.lookup(uid).pending for uid in [*analyzer.states, *analyzer.deferred])
+
+
+# ---- kernels that write into the runtime's views (Op.writes_out) ----------------------------------
+def _writers():
+    """One op of each kind with writes_out, its input and weights (numpy, float32)."""
+    rng = np.random.default_rng(4)
+    ops = [Conv2d("conv", [spec((3, 2, 6, 6))], out_channels=4, kernel=3, padding=1),
+           Conv2d("conv_1x1", [spec((3, 4, 6, 6))], out_channels=2, kernel=1),
+           Conv2d("conv_big", [spec((2, 8, 40, 40))], out_channels=8, kernel=3, padding=1),
+           BatchNorm("bn", [spec((3, 2, 6, 6))], relu=True),
+           Pool2d("pool", [spec((3, 2, 6, 6))], kernel=2),
+           Dense("fc", [spec((3, 5))], out_features=4, activation="relu"),
+           Dense("fc_none", [spec((3, 5))], out_features=4)]
+    for op in ops:
+        w = {k: v for k, v in op.init_weights(rng).items() if k not in op.state_shapes()}
+        yield op, rng.standard_normal(op.inputs[0].shape).astype(np.float32), w
+
+
+@pytest.mark.parametrize("op, x, w", list(_writers()), ids=lambda v: getattr(v, "name", ""))
+def test_a_kernel_given_out_writes_and_returns_it_with_the_same_values(op, x, w):
+    assert op.writes_out
+    tile = Rect.from_shape(op.tile_shape)
+    rects = op.input_rects(tile)
+    want, saved = op.forward(np, tile, [x], rects, w, training=True)
+    out = np.full_like(want[0], np.nan)
+    got, saved_out = op.forward(np, tile, [x], rects, w, training=True, out=[out])
+    assert got[0] is out
+    np.testing.assert_allclose(out, want[0], rtol=1e-6, atol=1e-7)
+    dy = np.random.default_rng(5).standard_normal(want[0].shape).astype(np.float32)
+    (dx_want,), gw_want = op.backward(np, tile, [x], rects, w, want, [dy], saved)
+    dx = np.full_like(x, np.nan)
+    (dx_got,), gw_got = op.backward(np, tile, [x], rects, w, [out], [dy], saved_out, out=[dx])
+    assert dx_got is dx
+    np.testing.assert_allclose(dx, dx_want, rtol=1e-6, atol=1e-7)
+    for k in gw_want:
+        np.testing.assert_allclose(gw_got[k], gw_want[k], rtol=1e-6, atol=1e-7)
+    if op.kind in ("conv2d", "dense"):  # these skip an input gradient that nothing reads
+        _, saved = op.forward(np, tile, [x], rects, w, training=True)
+        (none,), gw_skip = op.backward(np, tile, [x], rects, w, want, [dy], saved, out=[False])
+        assert none is None
+        for k in gw_want:
+            np.testing.assert_allclose(gw_skip[k], gw_want[k], rtol=1e-6, atol=1e-7)
+
+
+def test_lowering_gives_writing_kernels_its_views_and_skips_the_copy(rt1, monkeypatch):
+    seen = []
+    forward = Conv2d.forward
+
+    def spy(self, *args, out=None, **kw):
+        outputs, saved = forward(self, *args, out=out, **kw)
+        seen.append(out is not None and out[0] is not None and outputs[0] is out[0])
+        return outputs, saved
+
+    monkeypatch.setattr(Conv2d, "forward", spy)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, 2, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, 4)
+    m = _cnn(rt1)
+    m.compile(SGD(lr=0.1), configs=_ones(m))
+    m.fit(x, y, iterations=2, shuffle=False, verbose=False)
+    assert seen and all(seen)  # one tile, a contiguous view: written in place every time
 
 
 def test_training_steps_are_replayed(rt4):
