@@ -32,6 +32,7 @@ from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
 from strategies.timing import Timing, schedule
+from taskrt.heap import collect_cycles_less
 from taskrt.taskgraph import CopyNode
 
 
@@ -86,6 +87,7 @@ class Simulator:
 
     def __init__(self, ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, machine_model: MachineModel,
                  cost: CostModel | None = None, optimizer=None, fingerprint: str | None = None):
+        collect_cycles_less()  # graphs of 10^5 nodes: the collector's default pace cost a fifth of a build
         self.ops = list(ops)
         self.inputs = list(inputs)
         self.loss = loss

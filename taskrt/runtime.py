@@ -25,7 +25,7 @@ from .analysis import Analyzer
 from .backends import gpu
 from .executor import Executor, TaskError
 from .geometry import Rect
-from .heap import keep_freed_memory
+from .heap import collect_cycles_less, keep_freed_memory
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, req
 from .machine import Machine, Memory, Processor, mpi_world_size_from_env
@@ -127,6 +127,7 @@ class Runtime:
         if self.executor is not None:
             self._blas_limit = limit_blas_threads(self.machine, rank, blas_threads)
             keep_freed_memory()
+            collect_cycles_less()
         if transport is not None:
             transport.bind(self)
 

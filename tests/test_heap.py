@@ -44,3 +44,31 @@ def test_a_freed_buffer_is_reused_and_the_setting_can_be_turned_off():
     assert off == "False"
     assert reused < PAGES, reused  # 19 rounds, fewer faults than one fresh round
     assert returned > 10 * PAGES, returned  # the default: the freed heap is trimmed, each round faults again
+
+
+def thresholds_after(keep: str, before: str) -> str:
+    """gc's thresholds in a fresh process after `before` ran and then collect_cycles_less()."""
+    program = f"import gc\n{before}\nfrom taskrt import heap\nprint(heap.collect_cycles_less(), gc.get_threshold())"
+    env = {**os.environ, "TASKRT_KEEP_HEAP": keep, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120,
+                          check=True).stdout.strip()
+
+
+def test_the_cycle_collector_runs_less_unless_the_user_set_it_or_said_no():
+    from taskrt.heap import YOUNG_THRESHOLD
+
+    assert thresholds_after("1", "") == f"True ({YOUNG_THRESHOLD}, 10, 10)"
+    assert thresholds_after("0", "") == "False (700, 10, 10)"
+    assert thresholds_after("1", "gc.set_threshold(5000, 5, 5)") == "False (5000, 5, 5)"
+
+
+def test_a_runtime_that_executes_collects_cycles_less():
+    program = ("import gc\nfrom taskrt import Runtime\n"
+               "with Runtime(cpus=1, execute=False):\n    print(gc.get_threshold()[0])\n"
+               "with Runtime(cpus=1):\n    print(gc.get_threshold()[0])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout.split()
+    from taskrt.heap import YOUNG_THRESHOLD
+
+    assert out == ["700", str(YOUNG_THRESHOLD)]  # building graphs only changes nothing
