@@ -269,3 +269,14 @@ def test_gpu_code_paths_match_the_cpu_ones():
         case = dict(case)
         op = make_conv(case.pop("shape"), "float64", **case)
         run_both_paths(op, *conv_data(op, dtype=np.float64))
+
+
+@given(n=st.integers(1, 300), per_sample=st.integers(1, 3 << 20))
+def test_im2col_chunks_cover_the_samples_in_as_few_even_batches_as_fit(n, per_sample):
+    chunks = conv_module._chunks(np, n, per_sample)
+    fit = max(1, conv_module._CHUNK_BYTES // per_sample)
+    sizes = [b - a for a, b in chunks]
+    assert chunks[0][0] == 0 and chunks[-1][1] == n
+    assert all(b == a2 for (_, b), (a2, _) in zip(chunks, chunks[1:]))  # contiguous
+    assert len(chunks) == -(-n // fit) and max(sizes) <= fit  # as few as fit
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1  # even, largest first
