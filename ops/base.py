@@ -111,7 +111,8 @@ class Op(ABC):
     #: randomness changes from one iteration to the next (dropout)
     uses_step: ClassVar[bool] = False
     #: True for ops whose forward and backward take `out=` (see forward): lowering then hands
-    #: them the output (gradient) views to write into rather than copying their results in
+    #: them the output (gradient) views to write into rather than copying their results in, and
+    #: their backward skips an input gradient that nothing reads
     writes_out: ClassVar[bool] = False
 
     def __init__(self, name: str, inputs: Sequence[TensorSpec], **attrs: Any):
@@ -289,7 +290,7 @@ class Op(ABC):
         tile left (unless it is last), on exit the gradient of what it started from.
         `out=` (ops with `writes_out`): per input, an array to write its gradient into and
         return, as in forward, None, or False where nothing reads that gradient (a model
-        input's): the kernel may then skip it and return None (see `given_out`).
+        input's): the kernel then skips it and returns None (see `given_out`).
         """
 
     # ---- costs for the analytic model ----------------------------------------------

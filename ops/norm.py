@@ -200,8 +200,7 @@ class BatchNorm(Op):
         return {"moments": (2, c), "grad": (2, c)}
 
     def sum_rects(self, tile):
-        channels = Rect((tile.lo[1],), (tile.hi[1],))
-        both = Rect((0, tile.lo[1]), (2, tile.hi[1]))
+        both = Rect((0, tile.lo[1]), (2, tile.hi[1]))  # the two sums of the tile's channels
         return {"moments": both, "grad": both}
 
     def forward_sums(self, training):
@@ -324,9 +323,11 @@ class BatchNorm(Op):
         # dx = scale * (g - dbeta / count - xhat * dgamma / count), xhat = (x - mean) * invstd
         scale = weights["weight"] * invstd
         coef = xp.stack([scale, -scale * invstd * dgamma / count, mean, -scale * dbeta / count]).astype(x.dtype)
-        if self._use_kernels(xp, x):
+        given, wanted = given_out(out, 0)
+        if not wanted:  # the model's input: the weight gradients alone
+            dx = None
+        elif self._use_kernels(xp, x):
             xr, gr = _rows(x), _rows(dy)
-            given = given_out(out, 0)[0]
             dx = np.empty(x.shape, x.dtype) if given is None else given
             _bn_dx_cpu(xr, gr, _rows(y) if self.relu else xr, _shape3(x), self.relu, training, coef,
                        _rows(dx, writable=True))

@@ -275,8 +275,11 @@ class Pool2d(Op):
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
         (x,), (dy,) = inputs, grad_outputs
+        given, wanted = given_out(out, 0)
+        if not wanted:  # the model's input: pooling has no weights, so nothing is left to do
+            return [None], {}
         if xp is np:
-            return self._backward_cpu(x, dy, tile, in_rects[0], saved, given_out(out, 0)[0])
+            return self._backward_cpu(x, dy, tile, in_rects[0], saved, given)
         kh, kw = self.kernel
         if self.pool_type == "max":
             xpad, pads = self._padded(xp, x, tile, in_rects[0])

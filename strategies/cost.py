@@ -44,10 +44,11 @@ from strategies.measure import Backend, Progress, measure_tile, measure_update
 from taskrt.geometry import Rect
 from taskrt.machine import Processor, count_gpus, gpus_from_env
 
-PHASES = ("forward", "backward", "update")
+PHASES = ("forward", "backward", "backward_weights", "update")
 #: the cost cache's format and kernel generation: raised when the kernels' speed changes (2: Winograd,
-#: 1x1 GEMMs, fused row kernels), so that measurements of the old kernels are not reused
-CACHE_VERSION = 2
+#: 1x1 GEMMs, fused row kernels; 3: measured with freed memory kept, taskrt.heap, and kernels that
+#: write into the runtime's views), so that measurements of the old kernels are not reused
+CACHE_VERSION = 3
 #: the kind the analytic model files optimizer updates under (its efficiency entry)
 UPDATE_KIND = "update"
 
@@ -137,8 +138,9 @@ def update_key(optimizer, shard: Rect, dtype: str, device: str) -> CostKey:
 
 # ---- work of a task (the analytic model's inputs) ---------------------------------------------------
 def work(op: Op, phase: str, tile: Rect) -> tuple[float, float]:
-    """(flops, bytes) of an op tile's forward or backward kernel."""
-    if phase == "forward":
+    """(flops, bytes) of an op tile's forward or backward kernel; a backward of the weight
+    gradients alone ('backward_weights') is charged forward's work (one product of the two)."""
+    if phase in ("forward", "backward_weights"):
         return float(op.flops(tile)), float(op.bytes_moved(tile))
     flops = op.backward_flops(tile) if hasattr(op, "backward_flops") else 2 * op.flops(tile)
     nbytes = op.backward_bytes(tile) if hasattr(op, "backward_bytes") else 2 * op.bytes_moved(tile)
@@ -341,7 +343,8 @@ class CostModel:
 
     def task_time(self, op: Op, phase: str, rect: Rect, device, param: str | None = None,
                   optimizer=None) -> float:
-        """Seconds of a task: `op`'s tile `rect` in phase 'forward' or 'backward', or in phase
+        """Seconds of a task: `op`'s tile `rect` in phase 'forward', 'backward' or
+        'backward_weights' (no input gradient: strategies.graph.BACKWARD_WEIGHTS), or in phase
         'update' the optimizer update of shard `rect` of weight `param` ('weight' or
         'op.weight'), on `device` (a DeviceSpec, a processor, or a kind): its kernel, measured
         or analytic, plus the machine's launch overhead."""
@@ -372,7 +375,7 @@ class CostModel:
             param = rest[0] if rest else None
             if self.key(op, phase, rect, spec, param).text in self.entries:
                 continue
-            run = "update" if phase == "update" else "forward"
+            run = phase if phase in ("update", "backward_weights") else "forward"
             jobs.setdefault(self.key(op, run, rect, spec, param).text, (op, run, rect, spec, param, None))
         if not jobs:
             return 0
@@ -396,6 +399,11 @@ class CostModel:
                 key = self.key(op, phase, rect, spec, param, opt)
                 seconds = measure_update(opt, rect, self._param_dtype(op, param), backend, self.repeats, self.warmup)
                 new[key.text] = self._entry(key, seconds, self.work(op, phase, rect, param, opt))
+                continue
+            if phase == "backward_weights":  # the weight gradients alone: a run of its own
+                key = self.key(op, phase, rect, spec)
+                seconds = measure_tile(op, rect, backend, self.repeats, self.warmup, input_grads=False)[1]
+                new[key.text] = self._entry(key, seconds, work(op, phase, rect))
                 continue
             times = measure_tile(op, rect, backend, self.repeats, self.warmup)
             for ph, seconds in zip(("forward", "backward"), times):

@@ -29,6 +29,9 @@ from taskrt.machine import Machine
 from taskrt.taskgraph import CopyNode, TaskNode
 
 FORWARD, BACKWARD, UPDATE, FILL = "forward", "backward", "update", "fill"
+#: a backward that computes weight gradients alone: no one reads its op's input gradients (the
+#: model's input), and the op's kernel skips them (Op.writes_out)
+BACKWARD_WEIGHTS = "backward_weights"
 _CHUNK = re.compile(r"\[\d+\]$")
 
 
@@ -84,7 +87,10 @@ def task_cost_of(op: Op | None, plan, name: str, reqs, point) -> TaskCost:
         return TaskCost(None, FILL, reqs[0].rect if reqs else Rect((), ()))
     if name.endswith(".update"):
         return TaskCost(op, UPDATE, reqs[0].rect, name[:-len(".update")])
-    return TaskCost(op, launch_phase(name), plan.tiles[point])
+    phase = launch_phase(name)
+    if phase == BACKWARD and op.writes_out and not any(plan.grad_inputs):
+        phase = BACKWARD_WEIGHTS
+    return TaskCost(op, phase, plan.tiles[point])
 
 
 def launch_phase(name: str) -> str:

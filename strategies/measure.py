@@ -89,9 +89,10 @@ def _median_times(step, runs: int, warmup: int, sync) -> list[float]:
 
 
 def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: int = 1,
-                 seed: int = 0) -> tuple[float, float]:
+                 seed: int = 0, input_grads: bool = True) -> tuple[float, float]:
     """Median (forward, backward) kernel seconds of one op tile; every run does a training forward
-    then a backward on the arrays and saved values that forward made."""
+    then a backward on the arrays and saved values that forward made. input_grads=False times a
+    backward told that no one reads the input gradients (out=False, ops with writes_out)."""
     rng = np.random.default_rng(seed)
     inputs, weights, state = tile_arrays(op, tile, rng)
     in_rects = op.input_rects(tile)
@@ -104,6 +105,8 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
         grads.append(put(rng.uniform(0.5, 1.5, size=rect.shape).astype(spec.dtype)) if float_out else None)
     extra = _kernel_extras(op)
     bwd_extra = {k: v for k, v in extra.items() if k != "step"}
+    if not input_grads and op.writes_out:
+        bwd_extra["out"] = [False] * len(op.inputs)
     xp, sync = backend.xp, backend.sync
 
     def step():

@@ -27,7 +27,7 @@ from ops.base import Op, TensorSpec
 from ops.lower import ConfigError, TileConfig, default_config, resolve_config
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
-from strategies.graph import BACKWARD, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
+from strategies.graph import BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
@@ -275,7 +275,7 @@ class Simulator:
             if isinstance(node, CopyNode):
                 continue
             tc = graph.task_cost_at(i)
-            if tc.phase in (FORWARD, BACKWARD):
+            if tc.phase in (FORWARD, BACKWARD, BACKWARD_WEIGHTS):
                 out.append((tc.op, tc.phase, tc.rect, node.proc))
             elif tc.phase == UPDATE:
                 out.append((tc.op, UPDATE, tc.rect, node.proc, tc.param))

@@ -146,6 +146,29 @@ def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
     assert again.stats == {"measured": 0, "cached": 2, "analytic": 0}
 
 
+def test_a_backward_of_the_weight_gradients_alone_is_measured_with_the_input_gradient_skipped(tmp_path,
+                                                                                                monkeypatch):
+    mm = load_machine("local")
+    op = Dense("fc", [spec(16, 32)], 24, activation="relu")
+    tile = Rect.from_shape(op.tile_shape)
+    seen = []
+    backward = Dense.backward
+
+    def spy(self, *args, out=None, **kw):
+        seen.append(out)
+        return backward(self, *args, out=out, **kw)
+
+    monkeypatch.setattr(Dense, "backward", spy)
+    cost = CostModel(mm, cache_path=tmp_path / "costs.json", repeats=2, warmup=0)
+    assert cost.task_time(op, "backward_weights", tile, mm.device) > mm.launch_overhead
+    assert seen == [[False], [False]]  # every run told that no one reads dx
+    assert cost.key(op, "backward_weights", tile, mm.device) != cost.key(op, "backward", tile, mm.device)
+    cost.task_time(op, "backward", tile, mm.device)
+    assert seen[2:] == [None, None]
+    flops = {ph: cost.work(op, ph, tile)[0] for ph in ("forward", "backward", "backward_weights")}
+    assert flops["backward_weights"] == flops["forward"] < flops["backward"]
+
+
 def test_measure_all_measures_each_key_once_with_a_progress_line(tmp_path):
     mm = load_machine("local")
     emb = Embedding("emb", [spec(6, 5, dtype="int64", name="idx")], 50, 8)

@@ -16,7 +16,7 @@ from strategies.graph import build_iteration
 from strategies.machine_model import load_machine
 from strategies.random import random_config
 from strategies.simulator import Simulator
-from taskrt import Runtime, TaskNode
+from taskrt import Rect, Runtime, TaskNode
 from taskrt.taskgraph import CopyNode
 from tests.test_soap_models import MODELS, data
 
@@ -144,6 +144,25 @@ def test_the_chunks_of_a_split_sequence_are_costed_by_their_phase():
               and n.name.startswith("l1.") and "[" in n.name}
     assert phases == {"l1.fwd[0]": "forward", "l1.fwd[1]": "forward", "l1.bwd[1]": "backward",
                       "l1.bwd[0]": "backward"}
+
+
+def test_a_backward_whose_input_gradient_nobody_reads_is_costed_as_the_weight_gradients_alone():
+    m = Model(Runtime(execute=False), weights=False)
+    x = m.input((8, 3, 8, 8), name="x")
+    h = m.pool2d(m.conv2d(m.conv2d(x, 4, 3, padding=1, name="first"), 4, 3, padding=1, name="second"), 2)
+    m.dense(m.flat(h), 3)
+    ops, inputs, loss = m.training_graph()
+    machine = load_machine("p100", nodes=1).to_machine()
+    from ops.lower import default_config
+    graph = build_iteration(ops, inputs, loss.name, {op.name: default_config(op, machine) for op in ops}, machine)
+    phases = {graph.task_cost(n).phase for n in graph.nodes if isinstance(n, TaskNode) and n.name == "first.bwd"}
+    assert phases == {"backward_weights"}
+    assert {graph.task_cost(n).phase for n in graph.nodes if isinstance(n, TaskNode)
+            and n.name == "second.bwd"} == {"backward"}
+    cost = CostModel(load_machine("p100", nodes=1), measured=False)
+    first = next(op for op in ops if op.name == "first")
+    tile = Rect.from_shape(first.tile_shape)
+    assert cost.task_time(first, "backward_weights", tile, "gpu") < cost.task_time(first, "backward", tile, "gpu")
 
 
 @settings(max_examples=6, deadline=None)
