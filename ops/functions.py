@@ -12,14 +12,26 @@ import numpy as np
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "gelu")
 
 
-@numba.vectorize(["float32(float32)", "float64(float64)"], nopython=True, cache=True)
-def _erf_cpu(x):
+_KERNELS: dict = {}
+
+
+def _erf_scalar(x):
     return math.erf(x)
+
+
+def _erf_cpu():
+    """numba's vectorized erf, made on first use: made at import, it cost every process that
+    imports ops 0.2 s, and only gelu needs it."""
+    kernel = _KERNELS.get("erf")
+    if kernel is None:
+        kernel = _KERNELS["erf"] = numba.vectorize(["float32(float32)", "float64(float64)"], nopython=True,
+                                                   cache=True)(_erf_scalar)
+    return kernel
 
 
 def erf(xp, x):
     if xp is np:
-        return _erf_cpu(x)
+        return _erf_cpu()(x)
     from cupyx.scipy.special import erf as cupy_erf
     return cupy_erf(x)
 
