@@ -29,6 +29,9 @@ def main():
         tile = rt.region((1 << 18,), "float64", "tile")  # 2 MiB: a message MPI moves by CMA
         rt.fill(tile, 0.0)
         rt.wait()
+        # wait() is not a barrier: without one, the last rank may start its clock after rank 0's
+        # task has begun, and measure less than the task's WAIT_S (seen: 1.33 s for 1.5)
+        rt.transport.world.Barrier()
         cpu0, wall0 = time.process_time(), time.monotonic()
         rt.launch(compute_then_write, req(tile, WRITE), proc=first, name="compute_then_write")
         total = rt.launch(lambda v: float(v.sum()), req(tile, READ), proc=last, name="total")
