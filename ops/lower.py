@@ -335,6 +335,12 @@ class OpPlan:
         d = self.ordered
         return [(k, [c for c in self.colors if c[d] == k]) for k in range(self.config.degrees[d])]
 
+    @property
+    def skips_input_grads(self) -> bool:
+        """Whether the op's backward computes its weight gradients alone: no one reads any of its
+        inputs' gradients, and its kernel is told so (out=False, Op.writes_out) and skips them."""
+        return self.op.writes_out and not any(self.grad_inputs)
+
     def _forward_sum_names(self, training: bool) -> list[str]:
         return list(self.op.forward_sums(training)) if self.sum_names else []
 

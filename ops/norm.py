@@ -123,6 +123,13 @@ def _bn_dx_cpu(x, dy, y, shape, relu, training, coef, dx):
                 dr[i] = v
 
 
+def _mean_and_variance(xp, m1, m2, shift):
+    """(mean, biased variance), new arrays, from the moments m1 = E[x - shift] and m2 =
+    E[(x - shift)^2]; a variance below 0 by rounding is 0 (a NaN stays NaN)."""
+    var = m2 - m1 * m1
+    return shift + m1, xp.where(var < 0, 0.0, var)
+
+
 def _shape3(a) -> tuple[int, int, int]:
     n, c, h, w = a.shape
     return n, c, h * w
@@ -252,9 +259,7 @@ class BatchNorm(Op):
         spread), in float64."""
         shift = x[(0, slice(None)) + (0,) * (x.ndim - 2)].astype(xp.float64)
         s, ss = self._moments(xp, x, shift)
-        m = s / self._count
-        var = ss / self._count - m * m
-        return shift + m, xp.where(var < 0, 0.0, var)  # keeps a NaN
+        return _mean_and_variance(xp, s / self._count, ss / self._count, shift)
 
     def _grad_moments(self, xp, x, dy, y, mean):
         """Per channel, in float64: sum(g) and sum(g * (x - mean)), g = dy where y > 0 if relu, else dy."""
@@ -288,10 +293,8 @@ class BatchNorm(Op):
         if training:
             if sums is None:
                 mean, var = self._local_stats(xp, x)
-            else:  # copies: the sums' region is refilled next step, before backward reads `saved`
-                mean = xp.array(sums["moments"][0])
-                var = sums["moments"][1] - mean * mean
-                var = xp.where(var < 0, 0.0, var)  # keeps a NaN
+            else:  # new arrays: the sums' region is refilled next step, before backward reads `saved`
+                mean, var = _mean_and_variance(xp, sums["moments"][0], sums["moments"][1], 0.0)
             if state is not None:
                 self._running_update(state, mean, var, count)
         else:

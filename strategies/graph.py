@@ -88,7 +88,7 @@ def task_cost_of(op: Op | None, plan, name: str, reqs, point) -> TaskCost:
     if name.endswith(".update"):
         return TaskCost(op, UPDATE, reqs[0].rect, name[:-len(".update")])
     phase = launch_phase(name)
-    if phase == BACKWARD and op.writes_out and not any(plan.grad_inputs):
+    if phase == BACKWARD and plan.skips_input_grads:
         phase = BACKWARD_WEIGHTS
     return TaskCost(op, phase, plan.tiles[point])
 

@@ -17,6 +17,7 @@ from ops.base import Op
 from taskrt.geometry import Rect
 from taskrt.heap import keep_freed_memory
 
+
 def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
     """Random host arrays for one tile: (inputs at its input rects, weights, state), as lowering
     gives them: only the weights and state with non-empty rects. Floats are uniform in

@@ -1,4 +1,4 @@
-"""taskrt.heap: a freed large buffer is reused by the next allocation, not faulted in again."""
+"""taskrt.heap: freed large buffers are reused, not faulted in again; the cycle collector runs less often."""
 import os
 import subprocess
 import sys
