@@ -96,8 +96,11 @@ def _prime_factors(n: int) -> list[int]:
     return out + ([n] if n > 1 else [])
 
 
-def random_strategy(model: Model | Sequence[Op], machine: Machine, rng) -> Strategy:
-    """A random_config for every op of a Model (its own ops) or of a list of ops."""
+def random_strategy(model: Model | Sequence[Op], machine: Machine, rng, shaped: bool = False) -> Strategy:
+    """A random_config for every op of a Model (its own ops) or of a list of ops; with `shaped`, a
+    proposal_config for every op (the search's random start: a strategy from the space it
+    searches, where one of wholly random configs is mostly copies)."""
     rng = np.random.default_rng(rng)
     ops = graph_ops(model)
-    return Strategy(model_fingerprint(ops), {op.name: random_config(op, machine, rng) for op in ops})
+    draw = proposal_config if shaped else random_config
+    return Strategy(model_fingerprint(ops), {op.name: draw(op, machine, rng) for op in ops})

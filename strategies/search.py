@@ -2,10 +2,11 @@
 
 A proposal gives one random operator a random valid config (strategies.random.proposal_config:
 any split kind it declares, a tile count that fits the machine's nodes, on consecutive
-devices drawn from the machine, and now and then any config at all); the simulator times the new
-strategy, and the chain moves there with probability min(1, exp(beta * (old - new))).
-Strategies that do not fit a device's memory are rejected. Chains start from data
-parallelism, the expert strategy and a random strategy in turn, sharing the budget; each
+devices drawn from the machine, and now and then any config at all), or, a quarter of the
+time, the config of an op next to it in the graph; the simulator times the new strategy, and
+the chain moves there with probability min(1, exp(beta * (old - new))). Strategies that do
+not fit a device's memory are rejected. Chains start from data parallelism, the expert
+strategy and a random strategy (a proposal config for every op) in turn, sharing the budget; each
 stops at its share of proposals or seconds, or when its best has not improved for half of
 its share. The whole search is reproducible for a seed.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ops.lower import ConfigError, resolve_config
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.random import proposal_config, random_strategy
@@ -40,6 +42,10 @@ STARTS = ("data", "expert", "random")
 #: on 16 K80s against 1.23-1.28x, 1.25-1.42x against 1.0-1.19x for the tiny RNN text
 #: classifier (two seeds each)
 BETA = 500.0
+#: the share of proposals that give the op the config of one of its neighbours (an op it reads
+#: from or one that reads it) instead of a drawn one, where that config fits the op: the
+#: tensors between the two then need no copies, which a drawn config rarely achieves
+NEIGHBOUR_SHARE = 0.25
 
 
 @dataclass
@@ -117,7 +123,7 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
         s = _complete(sim, make(graph_ops, sim.machine))
         baselines[name] = _time(sim, s)
         starting[name] = s
-    starting["random"] = _complete(sim, random_strategy(graph_ops, sim.machine, rng))
+    starting["random"] = _complete(sim, random_strategy(graph_ops, sim.machine, rng, shaped=True))
     best_name = min(baselines, key=baselines.get)
     best, best_time = starting[best_name], baselines[best_name]
     if beta is None:
@@ -142,6 +148,7 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
             deadline: float | None, bar: "_Bar") -> None:
     """The Metropolis-Hastings chains, one per start with its share of the budget, into `result`."""
     ops = sim.ops
+    neighbours = _neighbours(ops)
     for start, n in zip(starts, share):
         if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
             continue
@@ -152,7 +159,7 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
             if deadline is not None and time.perf_counter() > deadline:
                 break
             op = ops[int(rng.integers(len(ops)))]
-            proposal = current.replace(op.name, proposal_config(op, sim.machine, rng))
+            proposal = current.replace(op.name, _propose(sim, op, current, neighbours[op.name], rng))
             t = _time(sim, proposal)
             result.proposals += 1
             if not math.isfinite(t):
@@ -170,6 +177,31 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
             bar.show(result.proposals, result.best_time)
             if since > n // 2:
                 break
+
+
+def _neighbours(ops) -> dict[str, list[str]]:
+    """Op name -> the ops it reads from and the ops that read it, in graph order."""
+    producer = {t.name: op.name for op in ops for t in op.outputs}
+    out: dict[str, list[str]] = {op.name: [] for op in ops}
+    for op in ops:
+        for t in op.inputs:
+            src = producer.get(t.name)
+            if src is not None and src != op.name:
+                out[op.name].append(src)
+                out[src].append(op.name)
+    return out
+
+
+def _propose(sim: Simulator, op, current: Strategy, neighbours: list[str], rng):
+    """A config for `op`: a neighbour's config under `current` where one is drawn (NEIGHBOUR_SHARE of
+    the time) and fits the op, else strategies.random.proposal_config's."""
+    if neighbours and rng.random() < NEIGHBOUR_SHARE:
+        config = current.ops[neighbours[int(rng.integers(len(neighbours)))]]
+        try:
+            return resolve_config(op, config, sim.machine)
+        except ConfigError:
+            pass   # another tile space: a drawn config instead
+    return proposal_config(op, sim.machine, rng)
 
 
 def _complete(sim: Simulator, strategy: Strategy) -> Strategy:

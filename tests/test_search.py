@@ -73,3 +73,45 @@ def test_the_command_line_writes_a_strategy_the_app_trains_with(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--machine", "nowhere"],
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --machine nowhere:")
+
+
+def test_a_neighbour_proposal_takes_the_config_of_an_op_next_to_it_where_it_fits(monkeypatch):
+    import numpy as np
+
+    import strategies.search as search_module
+    from ops.lower import TileConfig
+    from ops.strategy import Strategy
+
+    model = mlp()
+    sim = simulator(model)
+    ops = {op.name: op for op in sim.ops}
+    neighbours = search_module._neighbours(sim.ops)
+    first, second = [op.name for op in sim.ops if op.kind == "dense"]
+    assert first in neighbours[second] and second in neighbours[first]
+    assert all(name not in neighbours[name] for name in neighbours)
+    monkeypatch.setattr(search_module, "NEIGHBOUR_SHARE", 1.0)
+    split = TileConfig((1, 2, 1), (0, 1))                    # the first dense's outputs split in two
+    current = Strategy(sim.fingerprint, {**sim.configs(None), first: split})
+    assert search_module._propose(sim, ops[second], current, [first], np.random.default_rng(0)) == split
+    # a config of another tile space (4 dims for a dense's 3) does not fit: a drawn one instead
+    current = Strategy(sim.fingerprint, {**sim.configs(None), first: TileConfig((2, 1, 1, 1), (0, 1))})
+    drawn = search_module._propose(sim, ops[second], current, [first], np.random.default_rng(0))
+    assert len(drawn.degrees) == 3
+
+
+def test_the_random_start_is_drawn_from_the_proposals():
+    import numpy as np
+
+    from strategies.random import random_strategy, tile_counts
+
+    model = mlp()
+    sim = simulator(model)
+    s = random_strategy(model, sim.machine, np.random.default_rng(5), shaped=True)
+    assert s == random_strategy(model, sim.machine, np.random.default_rng(5), shaped=True)
+    configs, _ = s.resolve([op for op in sim.ops if op.name != sim.loss], sim.machine, fingerprint=sim.fingerprint)
+    counts = tile_counts(sim.machine)
+    # proposal configs have a tile count that fits the machine's layout, on consecutive devices
+    # (or, one in UNSHAPED_SHARE, are any config: seed 5 draws none of those here)
+    for c in configs.values():
+        assert c.num_tiles in counts
+        assert list(c.devices) == list(range(c.devices[0], c.devices[0] + c.num_tiles))
