@@ -35,6 +35,7 @@ build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -199,6 +200,9 @@ class SegmentBuilder:
         self.input_segment = self.low.host_fill_segment("input", [
             (self.low.values[t.name], 0) for t in inputs])
         self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0}
+        #: the last build's program, and per region uid its positions in it and its result: the
+        #: next build (a proposal changes one op) redoes only the regions of the segments it changed
+        self._last: tuple[list, dict, dict] | None = None
 
     def __repr__(self) -> str:
         return (f"SegmentBuilder({len(self.ops)} ops, {len(self._segments)} segments and "
@@ -320,18 +324,17 @@ class SegmentBuilder:
     def _assemble(self, program: list[RecordedSegment], second: int, configs) -> AssembledIteration:
         """Lay the second step's tasks and the copies their regions' analyses cause out in program
         order (each task after its copies, those by requirement, then as analyzed), in arrays."""
-        where: dict[int, list[int]] = {}
-        for j, rec in enumerate(program):
-            for uid in rec.touches:
-                where.setdefault(uid, []).append(j)
+        where, by_uid, redo = self._regions_of(program)
         ids = [rec.key_id for rec in program]
-        results = []
-        for uid, positions in where.items():
+        for uid in redo:
+            positions = where[uid]
             key = (uid, tuple([ids[j] for j in positions]))
             result = self._regions.get(key)
             if result is None:
                 result = self._regions[key] = self._region(uid, program, positions, second)
-            results.append(result)
+            by_uid[uid] = result
+        self._last = (program, where, by_uid)
+        results = [by_uid[uid] for uid in where]
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
         sizes = np.array([len(rec.tasks) if j >= second else 0 for j, rec in enumerate(program)], np.int64)
         offset = np.cumsum(sizes) - sizes
@@ -376,6 +379,38 @@ class SegmentBuilder:
         return AssembledIteration(ptr, src, segment_of[order], buffer_index[order], order,
                                   step2 + [r for r in results if r.copies], program, self._view(configs),
                                   self.machine)
+
+    def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, object]:
+        """(region uid -> the positions of the segments that touch it, in program order; uid -> the
+        last build's result for the uids whose segments are all as they were; the uids to look up
+        afresh). From the last build's where the program has its length (a changed config
+        changes which segments stand at a few positions), else from scratch."""
+        last = self._last
+        if last is None or len(last[0]) != len(program):
+            where: dict[int, list[int]] = {}
+            for j, rec in enumerate(program):
+                for uid in rec.touches:
+                    where.setdefault(uid, []).append(j)
+            return where, {}, list(where)
+        before, where, by_uid = last[0], dict(last[1]), dict(last[2])
+        redo: dict[int, None] = {}   # (a dict: in the order met, so that runs are alike)
+        for j, (old, new) in enumerate(zip(before, program)):
+            if old is new:
+                continue
+            for uid in old.touches.keys() - new.touches.keys():
+                positions = [k for k in where[uid] if k != j]
+                if positions:
+                    where[uid] = positions
+                else:
+                    del where[uid]
+                    by_uid.pop(uid, None)
+            for uid in new.touches.keys() - old.touches.keys():
+                positions = list(where.get(uid, ()))
+                bisect.insort(positions, j)
+                where[uid] = positions
+            redo.update(dict.fromkeys(new.touches))
+            redo.update(dict.fromkeys(old.touches))
+        return where, by_uid, [uid for uid in redo if uid in where]
 
     def _view(self, configs) -> _PlanView:
         low = self.low
