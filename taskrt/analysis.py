@@ -299,14 +299,18 @@ class Analyzer:
                 if producer is not None:
                     preds.add(producer)
             elif priv.reads:
-                inter = prect.intersect(rect)
+                whole = rect.contains(prect)   # (mostly: a reader of a whole weight, of a halo)
+                inter = prect if whole else prect.intersect(rect)
                 src = choose_source(valid, mem)
                 copy = CopyNode(self.new_id(), region, inter, src, mem, launch=launch, op=op)
                 self.emit(copy, () if valid[src] is None else (valid[src],))
-                del st.pieces[prect]
-                for rest in prect.subtract(inter):
-                    st.pieces[rest] = dict(valid)
-                st.pieces[inter] = {**valid, mem: copy.id}
+                if whole:
+                    st.pieces.move_to_end(prect, {**valid, mem: copy.id})
+                else:
+                    del st.pieces[prect]
+                    for rest in prect.subtract(inter):
+                        st.pieces[rest] = dict(valid)
+                    st.pieces[inter] = {**valid, mem: copy.id}
                 preds.add(copy.id)
 
     def _set_valid(self, st: RegionState, rect: Rect, valid: dict) -> None:

@@ -72,6 +72,15 @@ class RectMap:
             self._file(rect)
         self._items[rect] = value
 
+    def move_to_end(self, rect: Rect, value) -> None:
+        """Give key `rect` a new value and the last place in insertion order (what deleting it and
+        adding it again does, without refiling it in the grid: its cells are the same)."""
+        del self._items[rect]
+        self._items[rect] = value
+        if self._grid is not None:
+            self._order[rect] = self._seq
+            self._seq += 1
+
     def __delitem__(self, rect: Rect) -> None:
         del self._items[rect]
         if self._grid is not None:
@@ -87,6 +96,8 @@ class RectMap:
     def overlapping(self, rect: Rect) -> list[tuple[Rect, object]]:
         """(key, value) of every key that shares a point with `rect`, in insertion order."""
         items = self._items
+        if rect == self.bounds:   # a whole region: every key but an empty one lies in it
+            return [(r, v) for r, v in items.items() if not r.empty]
         if self._grid is None and not self._gridded():
             return [(r, v) for r, v in items.items() if r.overlaps(rect)]
         if rect.empty:
@@ -98,8 +109,9 @@ class RectMap:
         found = set()
         for cell in cells:
             found.update(grid.get(cell, ()))
-        order = self._order
-        return [(r, items[r]) for r in sorted((r for r in found if r.overlaps(rect)), key=order.__getitem__)]
+        hits = [r for r in found if r.overlaps(rect)]
+        hits.sort(key=self._order.__getitem__)
+        return [(r, items[r]) for r in hits]
 
     def overlaps_any(self, rect: Rect) -> bool:
         """Whether some key shares a point with `rect`."""
