@@ -36,7 +36,7 @@ build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -85,7 +85,8 @@ class RegionResult:
     region); buffer_j/t name a fold's buffer task (-1: none). Preds are edges, one a column of
     the rows (dst kind, dst a, dst b, src kind, src a, src b), so that assembly reads each row
     contiguously: an end is a copy (kind 0: its index here in a) or a task (kind 1: (j, t) in
-    a, b); edges into the first step are already gone."""
+    a, b); edges into the first step are already gone. `columns` stacks the five per-copy
+    arrays (in the order above), so that assembly joins every result's in one go."""
 
     copies: tuple                 # CopyNode templates (ids -1)
     copy_j: np.ndarray
@@ -94,6 +95,11 @@ class RegionResult:
     buffer_j: np.ndarray
     buffer_t: np.ndarray
     edges: np.ndarray
+    columns: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "columns", np.stack([self.copy_j, self.copy_t, self.copy_req, self.buffer_j,
+                                                      self.buffer_t]).astype(np.int64, copy=False))
 
 
 @dataclass
@@ -340,19 +346,18 @@ class SegmentBuilder:
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)
         n_tasks = int(sizes.sum())
-        counts = np.array([len(r.copies) for r in results], np.int64)
+        columns = [r.columns for r in results]
+        counts = np.array([c.shape[1] for c in columns], np.int64)
         n_copies = int(counts.sum())
         n = n_tasks + n_copies
         copy_base = n_tasks + np.cumsum(counts) - counts          # node number of each result's copy 0
-
-        def cat(name):
-            parts = [getattr(r, name) for r in results]
-            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        copy_task = offset[cat("copy_j")] + cat("copy_t")
+        copy_j, copy_t, copy_req, buffer_j, buffer_t = (np.concatenate(columns, axis=1) if columns
+                                                        else np.zeros((5, 0), np.int64))
+        copy_task = offset[copy_j] + copy_t
         local = np.arange(n_copies, dtype=np.int64) - np.repeat(copy_base - n_tasks, counts)
         # order: by causing task, then (copies) requirement and analysis order, the task last
         key_task = np.concatenate([np.arange(n_tasks, dtype=np.int64), copy_task])
-        key_req = np.concatenate([np.full(n_tasks, 1 << 30, np.int64), cat("copy_req")])
+        key_req = np.concatenate([np.full(n_tasks, 1 << 30, np.int64), copy_req])
         key_local = np.concatenate([np.zeros(n_tasks, np.int64), local])
         order = np.lexsort((key_local, key_req, key_task))
         position = np.empty(n, np.int64)
@@ -372,8 +377,7 @@ class SegmentBuilder:
                                      np.zeros(n_copies, np.int64)])
         segment_of[n_tasks:] = segment_of[copy_task]
         buffer_index = np.full(n, -1, np.int64)
-        buffer_j = cat("buffer_j")
-        buf = offset[np.maximum(buffer_j, 0)] + cat("buffer_t")
+        buf = offset[np.maximum(buffer_j, 0)] + buffer_t
         # a buffer made by a task of the first step (numbered below 0) is not in the graph either
         buffer_index[n_tasks:] = np.where((buffer_j >= 0) & (buf >= 0), position[np.maximum(buf, 0)], -1)
         return AssembledIteration(ptr, src, segment_of[order], buffer_index[order], order,
