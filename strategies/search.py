@@ -121,8 +121,13 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     starting = {}
     for name, make in BASELINES.items():
         s = _complete(sim, make(graph_ops, sim.machine))
+        t = time.perf_counter()
         baselines[name] = _time(sim, s)
         starting[name] = s
+        if progress is not None:   # a first graph at 64 devices takes seconds: say what is going on
+            progress.write(f"search: baseline {name:8s} {baselines[name] * 1e3:10.3f} ms predicted "
+                           f"({time.perf_counter() - t:.1f} s to simulate)\n")
+            progress.flush()
     starting["random"] = _complete(sim, random_strategy(graph_ops, sim.machine, rng, shaped=True))
     best_name = min(baselines, key=baselines.get)
     best, best_time = starting[best_name], baselines[best_name]
