@@ -80,10 +80,12 @@ class Rect:
 
     def contains(self, other: "Rect") -> bool:
         """True when every point of `other` lies in self (an empty `other` is contained)."""
-        self._check_dims(other)
-        if other.empty:
+        if len(self.lo) != len(other.lo):
+            self._check_dims(other)
+        if other._empty:
             return True
-        return all(a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi))
+        # (asked on every write and whole-piece copy the analysis makes: the comparisons stay in C)
+        return all(map(operator.le, self.lo, other.lo)) and all(map(operator.le, other.hi, self.hi))
 
     def contains_point(self, point: Sequence[int]) -> bool:
         return all(a <= p < b for a, b, p in zip(self.lo, self.hi, point))
