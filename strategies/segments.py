@@ -384,7 +384,7 @@ class SegmentBuilder:
                                   step2 + [r for r in results if r.copies], program, self._view(configs),
                                   self.machine)
 
-    def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, object]:
+    def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, list[int]]:
         """(region uid -> the positions of the segments that touch it, in program order; uid -> the
         last build's result for the uids whose segments are all as they were; the uids to look up
         afresh). From the last build's where the program has its length (a changed config
