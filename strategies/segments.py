@@ -86,7 +86,8 @@ class RegionResult:
     the rows (dst kind, dst a, dst b, src kind, src a, src b), so that assembly reads each row
     contiguously: an end is a copy (kind 0: its index here in a) or a task (kind 1: (j, t) in
     a, b); edges into the first step are already gone. `columns` stacks the five per-copy
-    arrays (in the order above), so that assembly joins every result's in one go."""
+    arrays (in the order above), so that assembly joins every result's in one go; the five
+    are its rows (views: the cache keeps each number once)."""
 
     copies: tuple                 # CopyNode templates (ids -1)
     copy_j: np.ndarray
@@ -98,8 +99,11 @@ class RegionResult:
     columns: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "columns", np.stack([self.copy_j, self.copy_t, self.copy_req, self.buffer_j,
-                                                      self.buffer_t]).astype(np.int64, copy=False))
+        names = ("copy_j", "copy_t", "copy_req", "buffer_j", "buffer_t")
+        columns = np.stack([getattr(self, name) for name in names]).astype(np.int64, copy=False)
+        object.__setattr__(self, "columns", columns)
+        for name, row in zip(names, columns):
+            object.__setattr__(self, name, row)
 
 
 @dataclass
