@@ -40,10 +40,13 @@ part), has its gradient WRITTEN by that op's backward, with no fill before it an
 (PyTorch's autograd does the same: a gradient with one contribution is not accumulated).
 The optimizer update is an index launch over a disjoint tiling of each weight.
 
-Replay: one training iteration (forward, fills, backward, updates) is issued inside
-`rt.replay("train_step:<tag>")`: the runtime analyzes it once (twice: the first entry
-finds the weights in host memory only) and replays the recorded nodes afterwards. Inputs
-and labels are attached before the block, so the block always starts from the same state.
+Replay: one training iteration (forward, fills, backward, updates) is one program
+(taskrt/program.py): its launches, made once with the markers STEP and VALID in their args
+(`Lowering._program`), issued by `rt.issue_program("train_step:<tag>", ...)` with the step's
+values in place of the markers. The runtime analyzes it once (twice: the first entry finds
+the weights in host memory only) and afterwards makes the recorded nodes again in one go.
+Inputs and labels are attached before the block, so the block always starts from the same
+state. Inference (`infer_step`) is a program too.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ import numpy as np
 
 from ops.base import SAMPLE, Op, TensorSpec
 from taskrt import READ, READ_WRITE, WRITE, Partition, Reduce, Region, req
+from taskrt.program import Launch
 from taskrt.geometry import Rect, disjoint_cover, shard_degrees
 from taskrt.geometry import equal_rects as tile_rects  # the tile of each color: Partition.equal's rule
 from taskrt.machine import Machine
@@ -189,6 +193,25 @@ class ParamRegions:
     value: Region
     grad: Region | None
     state: dict[str, Region]
+
+
+class ProgramArg:
+    """A marker in the args of a cached program's launches, replaced by its value at each
+    issue (Lowering._issue_program): STEP, the training iteration; VALID, the real samples."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name.upper()
+
+
+STEP, VALID = ProgramArg("step"), ProgramArg("valid")
+
+
+def _step_arg(step):
+    """A launch's step argument: an int, or the STEP marker of a program."""
+    return step if step is STEP else int(step)
 
 
 @dataclass(frozen=True)
@@ -394,7 +417,7 @@ class OpPlan:
                        for k, colors in self._positions()]
             return [before, kernels]
         before, kernels = self._once(("forward", training), make)
-        args = (training, valid, int(step))
+        args = (training, valid, _step_arg(step))
         return before + [PlanLaunch(name, self._forward_task, colors, reqs, self.placement, args)
                          for name, colors, reqs in kernels]
 
@@ -710,6 +733,8 @@ class Lowering:
                 uses.setdefault(t.name, []).append((op.name, i))
         #: tensor name -> (op name, input index) of its only use, for tensors used once
         self.sole_consumers = {t: u[0] for t, u in uses.items() if len(u) == 1}
+        #: program name -> (its launches, their args with markers, which args hold markers)
+        self._programs: dict[str, tuple] = {}
         self.plans: dict[str, OpPlan] = {}
         for op in self.ops:
             self.plans[op.name] = OpPlan(self, op, configs[op.name], backward[op.name],
@@ -781,7 +806,7 @@ class Lowering:
 
     def update_segment(self, update: "UpdatePlan", step: int) -> Segment:
         launch = PlanLaunch(f"{update.param.name}.update", update.fn, update.colors, update.reqs, update.placement,
-                            (int(step),))
+                            (_step_arg(step),))
         return Segment(update.op_name, UPDATE_PHASE, (launch,))
 
     def host_fill_segment(self, phase: str, fills: Sequence[tuple[Region, float]]) -> Segment:
@@ -850,18 +875,55 @@ class Lowering:
             self.issue(segment)
 
     def train_step(self, step: int, valid: int | None = None):
-        """One iteration (forward, backward, update) in a replay block; returns the loss FutureMap."""
-        with self.rt.replay(f"train_step:{self.tag}"):
-            result = self.forward(training=True, valid=valid, step=step)
-            self.backward()
-            self.update(step)
-        return result
+        """One iteration (forward, backward, update) as one program; returns the loss FutureMap
+        (None without a loss)."""
+        def make():
+            return ([self.forward_segment(self.plans[op.name], True, VALID, STEP) for op in self.ops]
+                    + self.backward_segments() + self.update_segments(STEP))
+        return self._issue_program(f"train_step:{self.tag}", make, int(step), valid)
 
     def infer_step(self, valid: int | None = None, with_loss: bool = False):
-        """Inference forward of the graph (with or without the loss op) in its own replay block."""
-        names = None if with_loss else [op.name for op in self.ops if op.name != self.loss]
-        with self.rt.replay(f"infer{'+loss' if with_loss else ''}:{self.tag}"):
-            return self.forward(training=False, ops=names, valid=valid)
+        """Inference forward of the graph (with or without the loss op) as one program; the loss
+        FutureMap (None without the loss)."""
+        def make():
+            return [self.forward_segment(self.plans[op.name], False, VALID) for op in self.ops
+                    if with_loss or op.name != self.loss]
+        return self._issue_program(f"infer{'+loss' if with_loss else ''}:{self.tag}", make, 0, valid)
+
+    def _issue_program(self, name: str, make: Callable[[], list[Segment]], step: int, valid: int | None):
+        """Issue the program `make()` gives (made once per name) with STEP and VALID replaced
+        by `step` and `valid`; the FutureMap of the loss op's forward kernel, or None."""
+        launches, templates, marked = self._program(name, make)
+        values = {STEP: step, VALID: valid}
+        made: dict[tuple, tuple] = {}   # markers replaced once per distinct args tuple
+        args = []
+        for t, has_marker in zip(templates, marked):
+            if has_marker:
+                a = made.get(t)
+                if a is None:
+                    a = made[t] = tuple(values[x] if type(x) is ProgramArg else x for x in t)
+                t = a
+            args.append(t)
+        futures = self.rt.issue_program(name, launches, args)
+        return next((fm for fm in futures if fm is not None), None)
+
+    def _program(self, name: str, make: Callable[[], list[Segment]]) -> tuple:
+        """(launches, their args with markers, whether each args tuple holds a marker) of program
+        `name`, made from its segments once: the same launch list every time is what lets the
+        runtime reissue it whole."""
+        program = self._programs.get(name)
+        if program is None:
+            launches, templates = [], []
+            for segment in make():
+                last = len(segment.launches) - 1
+                for i, launch in enumerate(segment.launches):
+                    returns = segment.op == self.loss and segment.phase == FORWARD_PHASE and i == last
+                    launches.append(Launch(launch.fn, tuple(launch.colors), tuple(launch.reqs), launch.name,
+                                           launch.placement, segment.op or "", returns))
+                    templates.append(tuple(launch.args))
+            marked = [any(type(a) is ProgramArg for a in t) for t in templates]
+            program = self._programs[name] = (tuple(launches), templates, marked)
+        return program
 
     # ---- data in and out (host arrays) -----------------------------------------------------------
     def attach(self, region: Region, array) -> None:

@@ -127,6 +127,10 @@ class MPITransport:
     def on_launch(self, spec) -> None:
         self.divergence.on_launch(spec)
 
+    def on_signatures(self, signatures) -> None:
+        """Launches made again without specs (ReplayBlock.reissue), by their signatures."""
+        self.divergence.on_signatures(signatures)
+
     def submit(self, node, preds) -> None:
         ex = self.executor
         local_preds = self.router.localize(preds, ex.unfinished)

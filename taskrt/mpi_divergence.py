@@ -45,9 +45,13 @@ class Divergence:
 
     # ---- launches and checkpoints (main thread) ------------------------------------------------
     def on_launch(self, spec) -> None:
-        self.log.add(spec.signature or launch_signature(spec))
-        if self.log.count >= self.check.next_check:
-            self.check.reached()
+        self.on_signatures((spec.signature or launch_signature(spec),))
+
+    def on_signatures(self, signatures) -> None:
+        for signature in signatures:
+            self.log.add(signature)
+            if self.log.count >= self.check.next_check:
+                self.check.reached()
 
     def checkpoint(self, kind: str) -> None:
         """Send (launch count, running hash) to the checkpoint peers."""

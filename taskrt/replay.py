@@ -13,12 +13,18 @@ sets are not transitively reduced: each block would carry the sets of the blocks
 A launch that differs from the recording stops the replay with a ReplayMismatch warning:
 the launches replayed so far are re-analyzed (without making nodes again) and the block
 goes on dynamically.
+
+A block issued by `Runtime.issue_program` (taskrt/program.py) records its list of launches
+too. When the same list comes back and the block replays, `reissue` makes every node of
+the recording again in one loop over its flattened rows (`Recording.rows`) and hands them
+to the executor in batches: the launches are not made, mapped or matched one by one.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
 
+from .launch import Future, FutureMap
 from .taskgraph import CopyNode, TaskNode
 
 
@@ -45,6 +51,11 @@ class Recording:
     replayable: bool = True
     #: regions whose state at exit has the state at entry's abstract (a steady-state step)
     steady: set[int] = field(default_factory=set)
+    #: the launch list of an issue_program block (None for a `with` block), its launches'
+    #: replication signatures, and the flattened rows that reissue makes nodes from
+    program: object = None
+    signatures: list = field(default_factory=list)
+    _rows: "Rows | None" = None
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
         """Turn what was emitted into per-launch templates with block-relative ids."""
@@ -78,6 +89,39 @@ class Recording:
         self.steady = {uid for uid, st in self.end_states.items() if st.abstract() == self.begin_abstract[uid]}
         self.emitted = []
 
+    def rows(self) -> "Rows":
+        """The recording's nodes in issue order, with what reissue needs of each (made once)."""
+        if self._rows is None:
+            self._rows = Rows.of(self)
+        return self._rows
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A program block's recorded nodes flattened in issue order (node i is the block's i-th
+    node): per node (template, offsets of its preds in the block, whether it waits on the
+    fence, its launch's index, its point's index in the launch (tasks) or its fold buffer
+    task's offset (copies, -1: none)); the nodes no other node of the block waits for; and the
+    launches whose futures are returned."""
+
+    rows: tuple
+    sinks: tuple[int, ...]
+    any_external: bool
+    returning: tuple[int, ...]
+
+    @staticmethod
+    def of(rec: Recording) -> "Rows":
+        rows, waited = [], set()
+        for k, templates in enumerate(rec.templates):
+            for node, inner, external, slot in templates:
+                if type(node) is not TaskNode:
+                    slot = -1 if node.buffer is None else node.buffer[0] - rec.first_id
+                rows.append((node, inner, external, k, slot))
+                waited.update(inner)
+        sinks = tuple(i for i in range(len(rows)) if i not in waited)
+        returning = tuple(k for k, launch in enumerate(rec.program) if launch.returns)
+        return Rows(tuple(rows), sinks, any(r[2] for r in rows), returning)
+
 
 class ReplayBlock:
     """One `with rt.replay(name)` entry: recording, replaying, or fallen back to dynamic."""
@@ -89,8 +133,11 @@ class ReplayBlock:
         self.recording: Recording | None = None
         self.launch_ids: list[int] = []
         self.specs: list = []
-        self.new_ids: list[int] = []
+        self.new_ids: list[int] | range = []
         self.fence_id: int | None = None
+        #: the launch list when issue_program runs the block; whether reissue made its nodes
+        self.program = None
+        self.reissued = False
 
     # ---- entering and leaving ----------------------------------------------------------
     def __enter__(self):
@@ -118,13 +165,19 @@ class ReplayBlock:
         if exc_type is not None:
             return False
         if self.mode == "recording":
+            self.recording.program = self.program
             self.recording.finish(rt.analyzer, self.launch_ids)
             rt._recordings[self.name] = self.recording
         elif self.mode == "replaying":
-            if len(self.specs) != len(self.recording.launch_keys):
+            if self.reissued:
+                self._install_end_state()
+            elif len(self.specs) != len(self.recording.launch_keys):
                 self._fall_back(f"the block ended after {len(self.specs)} launches; the recording has "
                                 f"{len(self.recording.launch_keys)}")
             else:
+                if self.program is not None and self.program is not self.recording.program:
+                    # launch by launch the same as the recording: next time reissue it
+                    self.recording.program, self.recording._rows = self.program, None
                 self._install_end_state()
         return False
 
@@ -138,6 +191,7 @@ class ReplayBlock:
         rt = self.rt
         if self.mode == "recording":
             self.recording.launch_keys.append(spec.key())
+            self.recording.signatures.append(spec.signature)
             self.launch_ids.append(spec.launch_id)
             rt._analyze(spec)
             return
@@ -186,6 +240,56 @@ class ReplayBlock:
                 rt._emit_many(items)
                 items = []
         rt._emit_many(items)
+
+    def can_reissue(self, launches) -> bool:
+        """Whether this entry replays a recording made of this very launch list."""
+        return self.mode == "replaying" and self.recording.program is launches
+
+    def reissue(self, args) -> list:
+        """Make every node of the recorded program again, with fresh ids, args[k] for launch
+        k's tasks and futures for its returning launches, emitted in batches; the FutureMaps
+        (None for launches that do not return)."""
+        rt, rec = self.rt, self.recording
+        rows = rec.rows()
+        fence = self.fence_id
+        base = rt._next_id
+        rt._next_id += len(rows.rows)
+        self.new_ids = range(base, base + len(rows.rows))
+        first_launch = rt._launch_count
+        rt._launch_count += len(rec.launch_keys)
+        if rt.transport is not None:
+            rt.transport.on_signatures(rec.signatures)
+        futures: dict[int, list] = {}
+        out: list = [None] * len(rec.launch_keys)
+        for k in rows.returning:
+            _, _, points, _, procs = rec.launch_keys[k]
+            futures[k] = [Future(rt, None, proc.rank) for proc in procs]
+            out[k] = FutureMap(dict(zip(points, futures[k])))
+        offset = base.__add__
+        items = []
+        for i, (node, inner, external, k, slot) in enumerate(rows.rows):
+            preds = tuple(map(offset, inner))
+            if external:
+                preds += (fence,)
+            if type(node) is TaskNode:
+                fut = None
+                if k in futures:
+                    fut = futures[k][slot]
+                    fut.node_id = base + i
+                new = TaskNode(base + i, node.name, node.proc, node.fn, node.reqs, args[k], node.point,
+                               first_launch + k, node.op, node.kind, fut)
+            else:
+                new = CopyNode(base + i, node.region, node.rect, node.src, node.dst, node.redop,
+                               None if slot < 0 else (base + slot, node.buffer[1]), first_launch + k, node.op)
+            items.append((new, preds))
+            if len(items) == EMIT_BATCH:
+                rt._emit_many(items, sinks=False)
+                items = []
+        rt._emit_many(items, sinks=False)
+        rt._add_sinks(map(offset, rows.sinks), fence if rows.any_external else None)
+        self.reissued = True
+        rt.replay_stats["reissued"] += 1
+        return out
 
     def _install_end_state(self) -> None:
         rt, fence = self.rt, self.fence_id

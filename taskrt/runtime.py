@@ -31,6 +31,7 @@ from .launch import Future, FutureMap, Requirement, req
 from .machine import Machine, Memory, Processor, mpi_world_size_from_env
 from .mapper import DefaultMapper, Mapper
 from .privilege import READ, WRITE
+from .program import Launch, check_program
 from .region import Partition, Region
 from .replay import ReplayBlock
 from .replication import launch_signature
@@ -104,7 +105,7 @@ class Runtime:
         self._sink_limit = 1024
         self._replay: ReplayBlock | None = None
         self._recordings = {}
-        self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0}
+        self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0, "reissued": 0}
         self._ctx_fns: dict[Callable, bool] = {}
         self.analyzer = Analyzer(self._new_id, self._emit, self._is_done)
         gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
@@ -310,6 +311,22 @@ class Runtime:
         """`with rt.replay("step"):` analyze this block once, replay it on later entries."""
         return ReplayBlock(self, name)
 
+    def issue_program(self, name: str, launches: Sequence[Launch], args: Sequence[tuple]) -> list[FutureMap | None]:
+        """Issue launches[k] with args[k] for every k, as replay block `name`; the FutureMaps of
+        the launches marked `returns` (None for the others). When the block replays a recording
+        of this very list, its nodes are issued again in one go (taskrt/program.py)."""
+        check_program(launches, args)
+        with self.replay(name) as block:
+            if block.can_reissue(launches):
+                return block.reissue(args)
+            block.program = launches
+            out = []
+            for launch, a in zip(launches, args):
+                fm = self.index_launch(launch.fn, list(launch.points), *launch.reqs, args=a, name=launch.name,
+                                       placement=launch.placement, op=launch.op)
+                out.append(fm if launch.returns else None)
+            return out
+
     # ---- graph building (called by the analyzer and replay) ------------------------------
     def _new_id(self) -> int:
         nid = self._next_id
@@ -319,27 +336,40 @@ class Runtime:
     def _emit(self, node, preds) -> None:
         self._emit_many([(node, tuple(preds))])
 
-    def _emit_many(self, items: list[tuple]) -> None:
-        """Record and submit (node, preds tuple) pairs in order (one executor call for them all)."""
-        graph, tracer, replay, sinks = self.graph, self.tracer, self._replay, self._sinks
-        for node, preds in items:
-            graph.add(node, preds)
-            if tracer is not None:
-                tracer.preds[node.id] = preds
-            for p in preds:
-                sinks.discard(p)
-            sinks.add(node.id)
-            if replay is not None:
-                replay.on_emit(node, preds)
-        if len(sinks) > self._sink_limit:
-            self._sinks = {s for s in sinks if not self._is_done(s)}
-            self._sink_limit = max(1024, 2 * len(self._sinks))
+    def _emit_many(self, items: list[tuple], sinks: bool = True) -> None:
+        """Record and submit (node, preds tuple) pairs in order (one executor call for them all).
+        sinks=False: the caller keeps `_sinks` itself (ReplayBlock.reissue knows the block's)."""
+        graph, tracer, replay = self.graph, self.tracer, self._replay
+        if graph.keep or tracer is not None or sinks or (replay is not None and replay.mode == "recording"):
+            for node, preds in items:
+                graph.add(node, preds)
+                if tracer is not None:
+                    tracer.preds[node.id] = preds
+                if sinks:
+                    self._sinks.difference_update(preds)
+                    self._sinks.add(node.id)
+                if replay is not None:
+                    replay.on_emit(node, preds)
+            if sinks:
+                self._prune_sinks()
         if self.executor is not None:
             if self.transport is not None:
                 for node, preds in items:
                     self.transport.submit(node, preds)
             else:
                 self.executor.submit_many(items)
+
+    def _add_sinks(self, ids, waited_for: int | None) -> None:
+        """Nodes `ids` are sinks now, and `waited_for` (if any) no longer is one."""
+        if waited_for is not None:
+            self._sinks.discard(waited_for)
+        self._sinks.update(ids)
+        self._prune_sinks()
+
+    def _prune_sinks(self) -> None:
+        if len(self._sinks) > self._sink_limit:
+            self._sinks = {s for s in self._sinks if not self._is_done(s)}
+            self._sink_limit = max(1024, 2 * len(self._sinks))
 
     def _emit_fence(self, name: str) -> int:
         """A no-op node after everything issued so far; returns its id."""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from taskrt import (READ, READ_WRITE, WRITE, Machine, Partition, Rect, Reduce, Region, ReplayMismatch, Runtime,
                     TaskError, req)
+from taskrt.program import Launch
 
 # ---- random programs --------------------------------------------------------------------
 # A program is a list of steps over a few int64 regions. Each step is an index launch over
@@ -136,7 +137,8 @@ def run_sequential(shapes, parts, steps):
 
 
 def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
-    """The program on a runtime: `repeat` times over, each time in a replay block if asked.
+    """The program on a runtime: `repeat` times over, each time in a replay block if asked
+    (replay="program": as one Runtime.issue_program of the same launch list each time).
     `steps` come through `_same_steps`, so no step reads the region it writes."""
     regions, partitions = build(lambda s: rt.region(s, "int64"), shapes, parts)
     for region, shape in zip(regions, shapes):
@@ -151,7 +153,12 @@ def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
                 reqs.append(req(src_part, READ, projection=ByIndex(part, src_part)))
         launches.append((KERNELS[kind], part, reqs, k))
     futures = []
+    program = tuple(Launch(fn, tuple(part.colors()), tuple(reqs), f"step{k}", returns=True)
+                    for fn, part, reqs, k in launches)
     for _ in range(repeat):
+        if replay == "program":
+            futures += rt.issue_program("program", program, [(k,) for _, _, _, k in launches])
+            continue
         with (rt.replay("program") if replay else nullcontext()):
             for fn, part, reqs, k in launches:
                 futures.append(rt.index_launch(fn, part, *reqs, args=(k,)))
@@ -199,6 +206,19 @@ def test_replayed_random_programs_match_sequential(cpus, separate, prog):
     with Runtime(cpus=cpus, separate_memories=separate) as rt:
         check_program(rt, prog, repeat=4, replay=True)
         assert rt.replay_stats["mismatches"] == 0
+
+
+@pytest.mark.parametrize("cpus,separate", [(1, False), (2, False), (4, True)])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prog=programs())
+def test_reissued_random_programs_match_sequential(cpus, separate, prog):
+    """A random program issued again and again with issue_program (the recorded nodes made
+    anew in one go once the block replays) gives the sequential arrays and futures."""
+    with Runtime(cpus=cpus, separate_memories=separate) as rt:
+        check_program(rt, prog, repeat=5, replay="program")
+        stats = dict(rt.replay_stats)
+    assert stats["mismatches"] == 0
+    assert stats["reissued"] == stats["replayed"], stats
 
 
 # ---- reductions ---------------------------------------------------------------------------
@@ -367,7 +387,12 @@ def _jacobi_program(rt, steps, use_replay, mutate_at=None):
         smooth = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
         dst[...] = smooth[lo:lo + dst.shape[0]]
 
+    program = (Launch(stencil, tuple(out_b.colors()), (req(halo_a, READ), req(out_b, WRITE)), "stencil:b"),
+               Launch(stencil, tuple(out_a.colors()), (req(halo_b, READ), req(out_a, WRITE)), "stencil:a"))
     for step in range(steps):
+        if use_replay == "program":
+            assert rt.issue_program("step", program, [(), ()]) == [None, None]
+            continue
         block = rt.replay("step") if use_replay else nullcontext()
         with block:
             rt.index_launch(stencil, out_b, req(halo_a, READ), req(out_b, WRITE))
@@ -386,6 +411,90 @@ def test_replay_gives_the_dynamic_result(separate):
         stats = dict(rt.replay_stats)
     np.testing.assert_array_equal(got, want)
     assert stats["replayed"] >= 5 and stats["mismatches"] == 0
+
+
+@pytest.mark.parametrize("cpus,separate", [(1, False), (4, True)])
+def test_a_reissued_program_gives_the_dynamic_result(cpus, separate):
+    """issue_program of the same launch list: recorded twice (the first entry starts from the
+    attached state), then reissued whole every time, with the dynamic run's result."""
+    with Runtime(cpus=cpus, separate_memories=separate) as rt:
+        want = _jacobi_program(rt, 8, use_replay=False)
+    with Runtime(cpus=cpus, separate_memories=separate) as rt:
+        got = _jacobi_program(rt, 8, use_replay="program")
+        stats = dict(rt.replay_stats)
+    np.testing.assert_array_equal(got, want)
+    assert stats == {"recorded": 2, "replayed": 6, "mismatches": 0, "reissued": 6}
+
+
+def test_a_reissued_program_takes_each_issue_s_args_and_returns_only_what_is_asked():
+    """Each reissue runs its tasks with that issue's args; only launches marked `returns` get a
+    FutureMap, the others None."""
+    def scale(ctx, view, factor):
+        view *= factor
+        return float(view.sum())
+
+    def total(view):
+        return float(view.sum())
+
+    with Runtime(cpus=2) as rt:
+        a = rt.region((8,), "float64", "a")
+        rt.attach(a, np.ones(8))
+        parts = a.partition((2,))
+        program = (Launch(scale, tuple(parts.colors()), (req(parts, READ_WRITE),), "scale"),
+                   Launch(total, ((),), (req(a, READ),), "total", returns=True))
+        sums = []
+        for factor in (2.0, 3.0, 0.5, 4.0, 1.0):
+            scaled, fm = rt.issue_program("p", program, [(factor,), ()])
+            assert scaled is None
+            sums.append(fm[()].get())
+        assert rt.replay_stats["reissued"] == 3
+        np.testing.assert_array_equal(rt.read(a), np.full(8, 12.0))
+    assert sums == [16.0, 48.0, 24.0, 96.0, 96.0]
+
+
+def test_a_program_equal_launch_by_launch_is_reissued_from_its_next_issue():
+    """A new list of the same launches replays launch by launch once (keys compared), then is
+    reissued whole."""
+    def inc(view):
+        view += 1
+
+    with Runtime(cpus=2) as rt:
+        a = rt.region((4,), "int64", "a")
+        rt.fill(a, 0)
+
+        def program():
+            return (Launch(inc, ((0,), (1,)), (req(a.partition((2,)), READ_WRITE),), "inc"),)
+        for _ in range(3):
+            rt.issue_program("p", program(), [()])
+        assert rt.replay_stats["reissued"] == 0   # recorded, recorded, replayed launch by launch
+        same = program()
+        for _ in range(3):
+            rt.issue_program("p", same, [()])
+        assert rt.replay_stats["reissued"] == 2
+        np.testing.assert_array_equal(rt.read(a), np.full(4, 6))
+
+
+def test_issue_program_refuses_bad_programs_before_issuing_anything():
+    with Runtime(cpus=1) as rt:
+        a = rt.region((4,), "float64", "a")
+        rt.fill(a, 0.0)
+        launch = Launch(lambda v, x: None, ((),), (req(a, READ_WRITE),), "f")
+        before = rt._next_id
+        with pytest.raises(ValueError, match="1 args tuples for 2 launches"):
+            rt.issue_program("p", (launch, launch), [(1,)])
+        with pytest.raises(TypeError, match="args of launch 0 .'f'. must be a tuple, got list"):
+            rt.issue_program("p", (launch,), [[1]])
+        fut = rt.launch(lambda: 1)
+        after = rt._next_id
+        with pytest.raises(TypeError, match="hold a Future"):
+            rt.issue_program("p", (launch,), [(fut,)])
+        with pytest.raises(TypeError, match="launch 0 must be a taskrt Launch, got tuple"):
+            rt.issue_program("p", ((None, (), ()),), [()])
+        assert rt._next_id == after and before + 1 == after
+    with pytest.raises(ValueError, match="launch 'g': empty launch domain"):
+        Launch(None, (), (), "g")
+    with pytest.raises(TypeError, match="launch 'g': requirement 0 must be a Requirement"):
+        Launch(None, ((),), (a,), "g")
 
 
 def test_a_replayed_launch_larger_than_an_emit_batch_runs_every_point_in_order():
@@ -480,7 +589,7 @@ def test_replay_compares_only_the_regions_touched_since_it_last_replayed(monkeyp
     # follows the outside write: compared, differs, recorded again (and so is entry 5, whose
     # state is no longer that recording's start)
     assert counts[2] == 1 and counts[3] == 0 and counts[4] == 1
-    assert stats == {"recorded": 4, "replayed": 2, "mismatches": 0}
+    assert stats == {"recorded": 4, "replayed": 2, "mismatches": 0, "reissued": 0}
 
 
 def test_replay_of_a_shorter_block_falls_back():

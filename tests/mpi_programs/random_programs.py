@@ -4,7 +4,8 @@ Rank 0 draws a fixed set of programs with the same hypothesis strategy (derandom
 every run checks the same programs) and broadcasts them; every rank runs each program on
 a replicated Runtime and compares the arrays it reads back (whole, on every rank) and
 every point task's result (fetched from the rank that ran it) with the sequential
-reference. Prints "OK rank R" when all match.
+reference, and ten of them again issued three times over as one program (Runtime.issue_program).
+Prints "OK rank R" when all match.
 
 Usage: mpiexec -n N python random_programs.py [examples]
 """
@@ -42,6 +43,12 @@ def main() -> None:
             for prog in programs:
                 tr.check_program(rt, prog, where=f"rank {rt.rank} (cpus={cpus}, separate={separate}): ")
                 checked += 1
+    with Runtime.from_mpi(cpus=2, separate_memories=True) as rt:
+        for prog in programs[:10]:   # issued again and again as one program (reissued whole)
+            tr.check_program(rt, prog, repeat=3, replay="program", where=f"rank {rt.rank} (program): ")
+            checked += 1
+        if rt.replay_stats["reissued"] == 0:
+            raise AssertionError(f"rank {rt.rank}: no program was reissued: {rt.replay_stats}")
     print(f"OK rank {comm.rank}: {checked} programs on {comm.size} ranks", flush=True)
 
 
