@@ -151,6 +151,38 @@ class MPITransport:
                 ex.submit(Join(node.id), join)
         self.values.max_submitted = node.id
 
+    def submit_rows(self, rows, routed, base: int, fence: int, make, tracer=None) -> None:
+        """A reissued program block (ReplayBlock.reissue): this rank's rows as `routed`
+        (mpi_routing.route_rows) says, row i's node made by make(i) with id base + i, handed to
+        the executor in batches; remote rows get frontiers (Router.take_block)."""
+        ex, router, log_hash = self.executor, self.router, self.log.hash
+        fence_local = tuple(router.localize((fence,), ex.unfinished))
+        sends, recvs = router.take_block(routed, base, fence_local, ex.unfinished)
+        items = []
+        for i, how, preds, waits_fence, seq in routed.submitted:
+            wait = tuple([base + j for j in preds]) + fence_local if waits_fence else tuple([base + j for j in preds])
+            if how is Route.JOIN:
+                items.append((Join(base + i), wait))
+                continue
+            node = make(i)
+            if how is Route.LOCAL:
+                if type(node) is TaskNode and node.future is not None:
+                    self.values.submit_task(node, True, [], self.host_memory)
+                item = node
+            elif how is Route.SEND:
+                item = self.copies.send_half(node, sends[node.dst.rank] + seq, log_hash)
+            else:
+                item = self.copies.recv_half(node, recvs[node.src.rank] + seq, log_hash)
+            if tracer is not None:
+                inner, external = rows[i][1], rows[i][2]
+                tracer.preds[node.id] = tuple([base + j for j in inner]) + ((fence,) if external else ())
+            items.append((item, wait))
+            if len(items) >= 256:
+                ex.submit_many(items)
+                items = []
+        ex.submit_many(items)
+        self.values.max_submitted = base + len(rows) - 1
+
     def is_done(self, node_id) -> bool:
         """Done as far as this rank can tell: a remote node is done once its local ancestors are."""
         return self.router.is_done(node_id, self.executor.unfinished)

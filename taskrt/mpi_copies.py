@@ -106,14 +106,18 @@ class Copies:
     # ---- halves (main thread, at submit) -----------------------------------------------------
     def send(self, node, seq: int, log_hash: int, preds) -> None:
         """Submit the send half of copy `node`, this rank's copy number `seq` to its dst rank."""
-        cheap = node.src.kind == "sys" and (node.redop is not None or contiguous(node.rect, node.region.shape))
-        self.executor.submit(SendHalf(self, node, node.src, node.dst.rank, seq % self.tag_ub,
-                                      (node.launch, log_hash), cheap), preds)
+        self.executor.submit(self.send_half(node, seq, log_hash), preds)
 
     def receive(self, node, seq: int, log_hash: int, preds) -> None:
         """Submit the receive half of copy `node`, this rank's copy number `seq` from its src rank."""
-        self.executor.submit(RecvHalf(self, node, node.dst, node.src.rank, seq % self.tag_ub,
-                                      (node.launch, log_hash), True), preds)
+        self.executor.submit(self.recv_half(node, seq, log_hash), preds)
+
+    def send_half(self, node, seq: int, log_hash: int) -> SendHalf:
+        cheap = node.src.kind == "sys" and (node.redop is not None or contiguous(node.rect, node.region.shape))
+        return SendHalf(self, node, node.src, node.dst.rank, seq % self.tag_ub, (node.launch, log_hash), cheap)
+
+    def recv_half(self, node, seq: int, log_hash: int) -> RecvHalf:
+        return RecvHalf(self, node, node.dst, node.src.rank, seq % self.tag_ub, (node.launch, log_hash), True)
 
     # ---- posting and finishing (workers post; the progress thread or receive loop finishes) --
     def post_send(self, half: SendHalf):

@@ -17,6 +17,14 @@ executor Join with its id instead (a merged event), so that frontiers stay small
 far ahead of the run the program issues. Copies between ranks a -> b are numbered in graph
 order on both sides: `sends_to[b]` on a, `recvs_from[a]` on b.
 
+A reissued program block (taskrt/replay.py) is routed once per recording instead of node
+by node: `route_rows` works out, from the block's rows alone, which rows this rank submits
+and what each waits for locally (its preds, with remote ones replaced by the local rows they
+stand for, and whether it waits for the block's fence), each copy's number among the
+block's copies with its peer, and the frontier of every remote row that stands for local
+ones. Those frontiers hold every local row a remote one reaches, finished or not: a superset
+of what `stand_in` keeps, and so the same order.
+
 State (a Router's, main thread only, no lock): `frontier` (remote id -> unfinished local
 ids), `sends_to`, `recvs_from`, and the sweep counters. The executor's unfinished nodes
 are passed in (`unfinished`, anything with `in`), so this module needs neither MPI nor an
@@ -25,6 +33,7 @@ executor.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from .taskgraph import TaskNode
 
@@ -41,6 +50,8 @@ class Route(enum.Enum):
     SEND = "send"
     RECV = "recv"
     REMOTE = "remote"
+    #: a remote node standing for more than FRONTIER_MAX local ones: an executor Join with its id
+    JOIN = "join"
 
 
 def route(node, rank: int) -> Route:
@@ -57,6 +68,54 @@ def route(node, rank: int) -> Route:
     if dst == rank:
         return Route.RECV
     return Route.REMOTE
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """How one rank submits a program block's rows (see `route_rows`). `submitted`: per row
+    this rank's executor gets, in order, (row, route, the local rows it waits for, whether it
+    waits for the fence, the copy's number among the block's copies with its peer (-1 for
+    others)). `frontiers`: per remote row that stands for local ones, (row, those rows, whether
+    the fence's frontier counts too). `sends` / `recvs`: the block's copies to / from each peer."""
+
+    submitted: tuple
+    frontiers: tuple
+    sends: tuple[int, ...]
+    recvs: tuple[int, ...]
+
+
+def route_rows(rows, rank: int, size: int) -> RoutedRows:
+    """Route a program block's rows (node, preds as row offsets, waits for the fence, ...) for
+    `rank` of `size` ranks, as `Router` would route them node by node."""
+    submitted, frontiers = [], []
+    local_rows: set[int] = set()
+    stands_for: dict[int, tuple[frozenset, bool]] = {}
+    sends, recvs = [0] * size, [0] * size
+    for i, (node, inner, external, _, _) in enumerate(rows):
+        local, fence = set(), bool(external)
+        for j in inner:
+            if j in local_rows:
+                local.add(j)
+            elif j in stands_for:
+                more, more_fence = stands_for[j]
+                local |= more
+                fence |= more_fence
+        how = route(node, rank)
+        if how is Route.REMOTE:
+            if len(local) + fence <= FRONTIER_MAX:
+                if local or fence:
+                    stands_for[i] = (frozenset(local), fence)
+                    frontiers.append((i, tuple(sorted(local)), fence))
+                continue
+            how = Route.JOIN
+        seq = -1
+        if how is Route.SEND:
+            seq, sends[node.dst.rank] = sends[node.dst.rank], sends[node.dst.rank] + 1
+        elif how is Route.RECV:
+            seq, recvs[node.src.rank] = recvs[node.src.rank], recvs[node.src.rank] + 1
+        local_rows.add(i)
+        submitted.append((i, how, tuple(sorted(local)), fence, seq))
+    return RoutedRows(tuple(submitted), tuple(frontiers), tuple(sends), tuple(recvs))
 
 
 class Router:
@@ -115,6 +174,23 @@ class Router:
             if self._remembered >= self._sweep_at:
                 self.sweep(unfinished)
         return None
+
+    def take_block(self, routed: RoutedRows, base: int, fence_local: tuple, unfinished) -> tuple[list, list]:
+        """A reissued block's rows numbered from `base` (RoutedRows): note its remote rows'
+        frontiers (with `fence_local`, what the fence stands for, where they reach it) and
+        count its copies; the first copy numbers to and from each peer."""
+        fence_set = set(fence_local)
+        frontier = self.frontier
+        for i, rows, fence in routed.frontiers:
+            f = {base + j for j in rows}
+            frontier[base + i] = f | fence_set if fence else f
+        first_sends, first_recvs = list(self.sends_to), list(self.recvs_from)
+        self.sends_to = [a + b for a, b in zip(self.sends_to, routed.sends)]
+        self.recvs_from = [a + b for a, b in zip(self.recvs_from, routed.recvs)]
+        self._remembered += len(routed.frontiers)
+        if self._remembered >= self._sweep_at:
+            self.sweep(unfinished)
+        return first_sends, first_recvs
 
     def sweep(self, unfinished) -> None:
         """Forget remote nodes whose local ancestors have all finished."""

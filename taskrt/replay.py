@@ -17,7 +17,9 @@ goes on dynamically.
 A block issued by `Runtime.issue_program` (taskrt/program.py) records its list of launches
 too. When the same list comes back and the block replays, `reissue` makes every node of
 the recording again in one loop over its flattened rows (`Recording.rows`) and hands them
-to the executor in batches: the launches are not made, mapped or matched one by one.
+to the executor in batches: the launches are not made, mapped or matched one by one. On many
+ranks a rank makes only its own share of the rows, routed once per recording
+(taskrt/mpi_routing.py `route_rows`).
 """
 from __future__ import annotations
 
@@ -101,26 +103,38 @@ class Rows:
     """A program block's recorded nodes flattened in issue order (node i is the block's i-th
     node): per node (template, offsets of its preds in the block, whether it waits on the
     fence, its launch's index, its point's index in the launch (tasks) or its fold buffer
-    task's offset (copies, -1: none)); the nodes no other node of the block waits for; and the
-    launches whose futures are returned."""
+    task's offset (copies, -1: none)); the nodes no other node of the block waits for; and per
+    launch whose futures are returned, the row of each of its points."""
 
     rows: tuple
     sinks: tuple[int, ...]
     any_external: bool
-    returning: tuple[int, ...]
+    returning: dict[int, tuple[int, ...]]
+    _routed: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def routed(self, rank: int, size: int):
+        """How rank `rank` of `size` submits the rows (taskrt/mpi_routing.py), made once."""
+        routed = self._routed.get(rank)
+        if routed is None:
+            from .mpi_routing import route_rows
+            routed = self._routed[rank] = route_rows(self.rows, rank, size)
+        return routed
 
     @staticmethod
     def of(rec: Recording) -> "Rows":
         rows, waited = [], set()
+        returns = {k for k, launch in enumerate(rec.program) if launch.returns}
+        returning: dict[int, list] = {k: [None] * len(rec.launch_keys[k][2]) for k in returns}
         for k, templates in enumerate(rec.templates):
             for node, inner, external, slot in templates:
                 if type(node) is not TaskNode:
                     slot = -1 if node.buffer is None else node.buffer[0] - rec.first_id
+                elif k in returning:
+                    returning[k][slot] = len(rows)
                 rows.append((node, inner, external, k, slot))
                 waited.update(inner)
         sinks = tuple(i for i in range(len(rows)) if i not in waited)
-        returning = tuple(k for k, launch in enumerate(rec.program) if launch.returns)
-        return Rows(tuple(rows), sinks, any(r[2] for r in rows), returning)
+        return Rows(tuple(rows), sinks, any(r[2] for r in rows), {k: tuple(v) for k, v in returning.items()})
 
 
 class ReplayBlock:
@@ -257,35 +271,39 @@ class ReplayBlock:
         self.new_ids = range(base, base + len(rows.rows))
         first_launch = rt._launch_count
         rt._launch_count += len(rec.launch_keys)
-        if rt.transport is not None:
-            rt.transport.on_signatures(rec.signatures)
+        transport = rt.transport
+        if transport is not None:
+            transport.on_signatures(rec.signatures)
         futures: dict[int, list] = {}
         out: list = [None] * len(rec.launch_keys)
-        for k in rows.returning:
+        for k, task_rows in rows.returning.items():
             _, _, points, _, procs = rec.launch_keys[k]
-            futures[k] = [Future(rt, None, proc.rank) for proc in procs]
+            futures[k] = [Future(rt, base + i, proc.rank) for proc, i in zip(procs, task_rows)]
             out[k] = FutureMap(dict(zip(points, futures[k])))
-        offset = base.__add__
-        items = []
-        for i, (node, inner, external, k, slot) in enumerate(rows.rows):
-            preds = tuple(map(offset, inner))
-            if external:
-                preds += (fence,)
+
+        def make(i: int):
+            """Row i's node, with id base + i."""
+            node, _, _, k, slot = rows.rows[i]
             if type(node) is TaskNode:
-                fut = None
-                if k in futures:
-                    fut = futures[k][slot]
-                    fut.node_id = base + i
-                new = TaskNode(base + i, node.name, node.proc, node.fn, node.reqs, args[k], node.point,
-                               first_launch + k, node.op, node.kind, fut)
-            else:
-                new = CopyNode(base + i, node.region, node.rect, node.src, node.dst, node.redop,
-                               None if slot < 0 else (base + slot, node.buffer[1]), first_launch + k, node.op)
-            items.append((new, preds))
-            if len(items) == EMIT_BATCH:
-                rt._emit_many(items, sinks=False)
-                items = []
-        rt._emit_many(items, sinks=False)
+                return TaskNode(base + i, node.name, node.proc, node.fn, node.reqs, args[k], node.point,
+                                first_launch + k, node.op, node.kind, futures[k][slot] if k in futures else None)
+            return CopyNode(base + i, node.region, node.rect, node.src, node.dst, node.redop,
+                            None if slot < 0 else (base + slot, node.buffer[1]), first_launch + k, node.op)
+
+        offset = base.__add__
+        if transport is not None and not rt.graph.keep:
+            # only this rank's share of the rows, routed once per recording (mpi_routing.route_rows)
+            transport.submit_rows(rows.rows, rows.routed(transport.rank, transport.size), base, fence, make,
+                                  rt.tracer)
+        else:
+            items = []
+            for i, (_, inner, external, _, _) in enumerate(rows.rows):
+                preds = tuple(map(offset, inner))
+                items.append((make(i), preds + (fence,) if external else preds))
+                if len(items) == EMIT_BATCH:
+                    rt._emit_many(items, sinks=False)
+                    items = []
+            rt._emit_many(items, sinks=False)
         rt._add_sinks(map(offset, rows.sinks), fence if rows.any_external else None)
         self.reissued = True
         rt.replay_stats["reissued"] += 1
