@@ -7,12 +7,17 @@ same synthetic batches (made per sample by the same generator) with the same opt
 torch.set_num_threads equal to our CPU processors (OpenMP threads that sleep rather than spin
 while they wait, OMP_WAIT_POLICY=PASSIVE: spinning threads on a shared machine made PyTorch's
 2-thread runs several times slower than its 1-thread ones); 2 ranks: DistributedDataParallel
-over gloo, each rank making its half of every batch. Each side runs in its own child processes, one after
+over gloo, each rank making its half of every batch, with batch norm's statistics summed over
+the ranks (SyncBatchNorm's algorithm: one all-reduce of the moments in forward, one of the
+gradient sums in backward, as ours does; PyTorch's own SyncBatchNorm runs on GPUs only), since
+data parallelism here computes what one device computes on the whole batch; --local-bn gives
+DDP's default instead, each rank's statistics of its half, a different network function.
+Each side runs in its own child processes, one after
 the other. Iterations after the warm-up count. Ratio = ours / PyTorch samples per second
 (higher is better, target >= 0.8); for an app below it a traced run of ours says where the
 time of a steady-state iteration goes (busy processors, the busiest op kinds, idle time).
 
-    python bench/apps.py [--quick] [--only mlp alexnet ...] [--iterations 20] [--warmup 5]
+    python bench/apps.py [--quick] [--only mlp alexnet ...] [--iterations 20] [--warmup 5] [--local-bn]
 
 Last line: one JSON object.
 """
@@ -40,12 +45,58 @@ TARGET = 0.8
 
 
 # ---- the app's graph as a torch module -----------------------------------------------------------
-def torch_network(model):
-    """A torch.nn.Module running `model`'s ops (built with weights) with torch calls and its weights."""
+def synced_batch_norm():
+    """Batch norm in training with statistics over every rank of the default process group (the
+    algorithm of torch.nn.SyncBatchNorm, which runs on GPUs only): fn(x, weight, bias, eps) ->
+    (y, mean, biased variance, samples), float64 moment sums as ours."""
+    import torch
+    import torch.distributed as dist
+
+    class SyncedBatchNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, eps):
+            dims = [0] + list(range(2, x.dim()))
+            c = x.shape[1]
+            xd = x.double()
+            packed = torch.cat([xd.sum(dims), (xd * xd).sum(dims),
+                                torch.tensor([x.numel() / c], dtype=torch.float64)])
+            dist.all_reduce(packed)
+            count = packed[-1]
+            mean = packed[:c] / count
+            var = (packed[c:2 * c] / count - mean * mean).clamp(min=0)
+            shape = [1, c] + [1] * (x.dim() - 2)
+            invstd = (var + eps).rsqrt().to(x.dtype).view(shape)
+            xhat = (x - mean.to(x.dtype).view(shape)) * invstd
+            ctx.save_for_backward(xhat, weight, invstd, count)
+            ctx.mark_non_differentiable(mean, var, count)
+            return xhat * weight.view(shape) + bias.view(shape), mean, var, count
+
+        @staticmethod
+        def backward(ctx, dy, _mean, _var, _count):
+            xhat, weight, invstd, count = ctx.saved_tensors
+            dims = [0] + list(range(2, dy.dim()))
+            c = dy.shape[1]
+            local = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)])
+            total = local.clone()
+            dist.all_reduce(total)
+            shape = [1, c] + [1] * (dy.dim() - 2)
+            mean_dy = (total[:c] / count).to(dy.dtype).view(shape)
+            mean_dy_xhat = (total[c:] / count).to(dy.dtype).view(shape)
+            dx = (dy - mean_dy - xhat * mean_dy_xhat) * invstd * weight.view(shape)
+            # the weights' gradients from this rank's samples: DDP averages them over the ranks
+            return dx, local[c:], local[:c], None
+
+    return SyncedBatchNorm.apply
+
+
+def torch_network(model, sync_bn: bool = False):
+    """A torch.nn.Module running `model`'s ops (built with weights) with torch calls and its weights;
+    sync_bn: batch norm in training with statistics over every rank (synced_batch_norm)."""
     import torch
     import torch.nn.functional as F
 
     activations = {"relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
+    synced = synced_batch_norm() if sync_bn else None
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -108,8 +159,15 @@ def torch_network(model):
                 pool = F.max_pool2d if op.pool_type == "max" else F.avg_pool2d
                 return pool(xs[0], op.kernel, op.stride, op.padding)
             if k == "batch_norm":
-                y = F.batch_norm(xs[0], self.buffer(op, "running_mean"), self.buffer(op, "running_var"), w("weight"),
-                                 w("bias"), self.training, op.momentum, op.eps)
+                running_mean, running_var = self.buffer(op, "running_mean"), self.buffer(op, "running_var")
+                if synced is not None and self.training:
+                    y, mean, var, count = synced(xs[0], w("weight"), w("bias"), op.eps)
+                    with torch.no_grad():
+                        running_mean.lerp_(mean.to(running_mean.dtype), op.momentum)
+                        running_var.lerp_((var * count / (count - 1)).to(running_var.dtype), op.momentum)
+                else:
+                    y = F.batch_norm(xs[0], running_mean, running_var, w("weight"), w("bias"), self.training,
+                                     op.momentum, op.eps)
                 return F.relu(y) if op.relu else y
             if k == "layer_norm":
                 return F.layer_norm(xs[0], op.normalized_shape, w("weight"), w("bias"), op.eps)
@@ -168,7 +226,7 @@ def torch_side(args) -> dict:
     b, rank, world = args.batch_size, args.rank, args.world
     model, output = build_model(module.build, module.TINY, b, seed=args.seed,
                                 runtime=Runtime(machine=Machine.build(1, 1), execute=False))
-    net = torch_network(model)
+    net = torch_network(model, sync_bn=world > 1 and not args.local_bn)
     logits_of = output.name
     producer = next(op for op in model.ops if output in op.outputs)
     if producer.kind == "softmax":
@@ -214,20 +272,31 @@ def ours(name: str, ranks: int, cpus: int, iterations: int, warmup: int, trace: 
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def theirs(name: str, ranks: int, threads: int, iterations: int, warmup: int, mine: dict) -> dict:
+#: tries of the PyTorch side: gloo's processes have died at exit ("terminate called without an
+#: active exception") after a run that had finished
+TORCH_TRIES = 3
+
+
+def theirs(name: str, ranks: int, threads: int, iterations: int, warmup: int, mine: dict,
+           local_bn: bool = False) -> dict:
     """The PyTorch side on `ranks` processes of `threads` threads, as our run `mine` trained."""
-    port = 29500 + os.getpid() % 1000
-    flags = ["--app", name, "--world", str(ranks), "--port", str(port), "--iterations", str(iterations),
-             "--warmup", str(warmup), "--threads", str(threads), "--batch-size", str(mine["batch_size"]),
-             "--optimizer", mine["optimizer"], "--lr", str(mine["lr"]), "--seed", str(mine["seed"])]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--side", "torch", "--rank", str(r), *flags],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-             for r in range(ranks)]
-    outs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"the PyTorch side of {name} on {ranks} ranks failed")
-    return json.loads(outs[0].splitlines()[-1])
+    for attempt in range(TORCH_TRIES):
+        port = 29500 + (os.getpid() + 7 * attempt) % 1000
+        flags = ["--app", name, "--world", str(ranks), "--port", str(port), "--iterations", str(iterations),
+                 "--warmup", str(warmup), "--threads", str(threads), "--batch-size", str(mine["batch_size"]),
+                 "--optimizer", mine["optimizer"], "--lr", str(mine["lr"]), "--seed", str(mine["seed"])]
+        flags += ["--local-bn"] if local_bn else []
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        procs = [subprocess.Popen([sys.executable, __file__, "--side", "torch", "--rank", str(r), *flags],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                 for r in range(ranks)]
+        outs = [p.communicate()[0] for p in procs]
+        lines = outs[0].splitlines()
+        if lines and lines[-1].startswith("{"):
+            return json.loads(lines[-1])   # rank 0 reported: a failure after it is gloo's exit
+        print(f"  the PyTorch side of {name} on {ranks} ranks failed (exit {[p.returncode for p in procs]}); "
+              f"{'trying again' if attempt + 1 < TORCH_TRIES else 'giving up'}", flush=True)
+    raise RuntimeError(f"the PyTorch side of {name} on {ranks} ranks failed {TORCH_TRIES} times")
 
 
 def task_kind(task: str, kinds: dict) -> str:
@@ -294,6 +363,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="+", default=None, help="these apps only")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--local-bn", action="store_true",
+                   help="PyTorch's 2 ranks with DDP's per-rank batch norm statistics (default: summed over ranks)")
     args = p.parse_args(argv)
     if args.quick:
         args.iterations, args.warmup = 8, 3
@@ -311,7 +382,7 @@ def main(argv=None) -> None:
         for ranks in (1, 2):
             cpus = max(1, cores // ranks)
             mine = ours(name, ranks, cpus, args.iterations, args.warmup)
-            peer = theirs(name, ranks, cpus, args.iterations, args.warmup, mine)
+            peer = theirs(name, ranks, cpus, args.iterations, args.warmup, mine, args.local_bn)
             ratio = mine["samples_per_s"] / peer["samples_per_s"]
             ratios.setdefault(name, {})[str(ranks)] = round(ratio, 3)
             rates.setdefault(name, {})[str(ranks)] = {"ours": round(mine["samples_per_s"], 1),
@@ -323,6 +394,7 @@ def main(argv=None) -> None:
                 print(f"  {notes[-1]}", flush=True)
     print(json.dumps({"bench": "apps", "cores": cores, "iterations": args.iterations, "warmup": args.warmup,
                       "unit": "ratio of samples/s ours/pytorch (higher is better), tiny apps", "target": TARGET,
+                      "torch_batch_norm_on_2_ranks": "per rank" if args.local_bn else "summed over ranks",
                       "ratios": ratios, "samples_per_s": rates, "short_of_target": notes}))
 
 
