@@ -2,10 +2,15 @@
 
 The keep decision for element i is a splitmix64 hash of i (its flat index in the whole
 tensor, computed from the tile's rect) keyed by the seed and the training step: plain
-uint64 array math that runs the same on numpy and cupy.
+uint64 array math that runs the same on numpy and cupy. On the CPU one numba pass makes the
+output and the multiplier together (_dropout_cpu), where the array math takes a dozen passes
+over uint64 temporaries.
 """
 from __future__ import annotations
 
+import functools
+
+import numba
 import numpy as np
 
 from ops.base import Op, float_attr, int_attr, register_op, sample_split_dims
@@ -21,6 +26,42 @@ def _splitmix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
     z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return z ^ (z >> 31)
+
+
+_U64_GOLDEN, _U64_MIX1, _U64_MIX2 = np.uint64(_GOLDEN), np.uint64(_MIX1), np.uint64(_MIX2)
+_U64_30, _U64_27, _U64_31, _U64_11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+
+
+@numba.njit(nogil=True, cache=True)
+def _dropout_cpu(x, lo, shape, strides, key, threshold, scale, y, mult):
+    """y = x * mult, mult = scale where keep_mask keeps the element, else 0: x, y and mult the
+    tile's elements in C order (1-D), the tile at `lo` of `shape` in a tensor of element
+    `strides`; key = splitmix64(seed), threshold = rate * 2**53 (keep_mask's hash, per element)."""
+    nd = shape.size
+    inner = shape[nd - 1]
+    rows = x.size // inner if inner else 0
+    for r in range(rows):
+        rem, base = r, lo[nd - 1]
+        for d in range(nd - 2, -1, -1):
+            base += (lo[d] + rem % shape[d]) * strides[d]
+            rem //= shape[d]
+        _dropout_row(x[r * inner:(r + 1) * inner], np.uint64(base), key, threshold, scale,
+                     y[r * inner:(r + 1) * inner], mult[r * inner:(r + 1) * inner])
+
+
+@numba.njit(nogil=True, inline="always")
+def _dropout_row(x, base, key, threshold, scale, y, mult):
+    """One contiguous row of _dropout_cpu, global indices from `base`: a loop LLVM vectorizes."""
+    for j in range(x.size):
+        z = (base + np.uint64(j)) * _U64_GOLDEN + key
+        z ^= z >> _U64_30
+        z *= _U64_MIX1
+        z ^= z >> _U64_27
+        z *= _U64_MIX2
+        z ^= z >> _U64_31
+        m = scale * ((z >> _U64_11) >= threshold)
+        mult[j] = m
+        y[j] = x[j] * m
 
 
 def global_index(xp, lo, hi, full_shape):
@@ -82,19 +123,45 @@ class Dropout(Op):
         # one multiply per element (the hash is integer work)
         return tile.volume
 
+    def _seed(self, step: int) -> int:
+        """The hash's seed at training iteration `step` (step 0: the op's seed itself)."""
+        return _splitmix64((int(self.seed) & _MASK64) ^ _splitmix64(int(step) & _MASK64)) if step else self.seed
+
+    def _scale(self) -> float:
+        return 0.0 if self.rate >= 1.0 else 1.0 / (1.0 - self.rate)
+
     def _multiplier(self, xp, tile, dtype, step: int = 0):
         """mask / (1 - rate) for the tile's elements at training iteration `step`, in the input's dtype."""
-        seed = _splitmix64((int(self.seed) & _MASK64) ^ _splitmix64(int(step) & _MASK64)) if step else self.seed
-        keep = keep_mask(xp, seed, self.rate, tile.lo, tile.hi, self.tile_shape)
-        scale = 0.0 if self.rate >= 1.0 else 1.0 / (1.0 - self.rate)
-        return keep * np.dtype(dtype).type(scale)
+        keep = keep_mask(xp, self._seed(step), self.rate, tile.lo, tile.hi, self.tile_shape)
+        return keep * np.dtype(dtype).type(self._scale())
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, step: int = 0):
         (x,) = inputs
         if not training or self.rate == 0.0:
             return [x], None  # the runtime copies outputs into their regions
+        if xp is np and x.ndim:
+            return self._forward_cpu(tile, x, step)
         mult = self._multiplier(xp, tile, x.dtype, step)
         return [x * mult], mult
+
+    def _forward_cpu(self, tile, x, step: int):
+        """forward in one numba pass (_dropout_cpu), the same numbers as the array math."""
+        x = np.ascontiguousarray(x)
+        y, mult = np.empty_like(x), np.empty_like(x)
+        key = np.uint64(_splitmix64(self._seed(step) & _MASK64))
+        _dropout_cpu(x.reshape(-1), np.array(tile.lo, np.int64), np.array(tile.shape, np.int64),
+                     self._element_strides, key, np.uint64(round(self.rate * (1 << 53))), x.dtype.type(self._scale()),
+                     y.reshape(-1), mult.reshape(-1))
+        return [y], mult
+
+    @functools.cached_property
+    def _element_strides(self) -> np.ndarray:
+        """The tensor's C-order element strides (what global_index multiplies by)."""
+        strides, stride = [], 1
+        for n in reversed(self.tile_shape):
+            strides.append(stride)
+            stride *= int(n)
+        return np.array(strides[::-1], np.int64)
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         (dy,) = grad_outputs

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ops.base import ATTRIBUTE, OP_REGISTRY, SAMPLE, ShapeError
 from ops.dropout import Dropout, global_index, keep_mask
@@ -98,3 +99,28 @@ def test_dropout_rules_and_errors():
     assert OP_REGISTRY["dropout"] is Dropout
     with pytest.raises(ShapeError, match=r"dropout 'drop': rate must be in \[0, 1\], got 1.5"):
         Dropout("drop", [spec((4, 5))], rate=1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data(), st.sampled_from([0.1, 0.5, 0.8, 1.0]),
+       st.integers(0, 2**40), st.integers(0, 50), st.sampled_from(["float32", "float64"]))
+def test_the_cpu_kernel_gives_the_array_math_bit_for_bit(shape, data, rate, seed, step, dtype):
+    """forward on numpy (one numba pass) against the xp array math that cupy runs, on any tile
+    of any tensor: the same multiplier and output, bit for bit."""
+    shape = tuple(shape)
+    lo = [data.draw(st.integers(0, n - 1)) for n in shape]
+    hi = [data.draw(st.integers(a + 1, n)) for a, n in zip(lo, shape)]
+    tile = Rect.make(lo, hi)
+    op = Dropout("drop", [spec(shape, dtype)], rate=rate, seed=seed)
+    x = np.random.default_rng(seed % 97).standard_normal(tile.shape).astype(dtype)
+    (y,), mult = op.forward(np, tile, [x], [tile], {}, step=step)
+    want = op._multiplier(np, tile, x.dtype, step)
+    assert mult.dtype == want.dtype == y.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(mult, want)
+    np.testing.assert_array_equal(y, x * want)
+    # a strided view (every other element of a bigger array) gives the same
+    big = np.zeros(tile.shape + (2,), dtype)
+    big[..., 0] = x
+    assert x.size == 1 or not big[..., 0].flags.c_contiguous
+    (y_view,), _ = op.forward(np, tile, [big[..., 0]], [tile], {}, step=step)
+    np.testing.assert_array_equal(y_view, y)
