@@ -12,6 +12,7 @@ Elsewhere (cupy) it is plain array code.
 """
 from __future__ import annotations
 
+import types
 
 import numba
 import numpy as np
@@ -41,17 +42,43 @@ PARALLEL_MIN_VALUES = 1 << 19
 
 
 def use_task_threads(values: int) -> int:
-    """Sets this thread's numba kernels to the task's cores (one for fewer than
-    PARALLEL_MIN_VALUES values) and returns how many that is."""
+    """How many of the task's cores a kernel over `values` values uses (one for fewer than
+    PARALLEL_MIN_VALUES), this thread's numba kernels set to them where that is more than one."""
     threads = task_threads() if values >= PARALLEL_MIN_VALUES else 1
-    numba.set_num_threads(threads)
+    if threads > 1:
+        numba.set_num_threads(threads)
     return threads
 
 
-def row_chunks(rows: int, length: int) -> int:
-    """use_task_threads for `rows` rows of `length`, and how many pieces to cut the rows into:
-    a few per thread, so that they even out."""
-    return max(1, min(rows, 4 * use_task_threads(rows * length)))
+def row_split(rows: int, length: int) -> tuple[int, int]:
+    """(threads, chunks) for a row kernel over `rows` rows of `length`: use_task_threads, and
+    how many pieces to cut the rows into, a few per thread so that they even out."""
+    threads = use_task_threads(rows * length)
+    return threads, max(1, min(rows, 4 * threads))
+
+
+_ROW_KERNEL_OPTIONS = dict(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+
+
+class RowKernel:
+    """A row kernel whose prange cuts the rows into `chunks` (its last argument), compiled
+    twice from one function: parallel, for a task with several cores, and serial, for one. A
+    parallel kernel's launch goes through numba's threading layer even on one thread, and two
+    workers' launches contend there: an 8k-value layer norm took 10.8 us a call alone and
+    26.9 us a call from each of two threads at once; serial, 9.5 and 6.5."""
+
+    def __init__(self, fn):
+        self.parallel = numba.njit(parallel=True, **_ROW_KERNEL_OPTIONS)(fn)
+        # its own name, so that numba's cache (keyed by name, not by flags) keeps both
+        serial = types.FunctionType(fn.__code__, fn.__globals__, f"{fn.__name__}_serial", fn.__defaults__,
+                                    fn.__closure__)
+        serial.__qualname__ = f"{fn.__qualname__}_serial"
+        self.serial = numba.njit(**_ROW_KERNEL_OPTIONS)(serial)
+        self.__doc__ = fn.__doc__
+
+    def on(self, threads: int):
+        """The compilation to run on `threads` threads (row_split's)."""
+        return self.parallel if threads > 1 else self.serial
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -95,7 +122,7 @@ def _exp_shifted_row(x, m, y, bits, fast):
     return total
 
 
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+@RowKernel
 def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
     """Row r of y = softmax of row r of x ((flat, starts) pairs, rows of n; y may be x), with
     the polynomial exp if `fast` (float32). Causal when period > 0: row r sees its first
@@ -117,7 +144,7 @@ def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
                 yr[i] = 0
 
 
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+@RowKernel
 def _softmax_grad_rows_cpu(y, ys, dy, dys, n, dx, dxs, chunks):
     """Rows dx = y * (dy - sum(dy * y)), the sum per row in float64 ((flat, starts) pairs,
     rows of n; dx may be dy)."""
@@ -142,8 +169,9 @@ def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
         flat, xs = row_starts(x, writable=out is x)
         yflat, ys = (flat, xs) if out is x else row_starts(out, writable=True)
         period, first = (0, 0) if causal_first is None else (x.shape[-2], causal_first)
-        _softmax_rows_cpu(flat, xs, x.shape[-1], yflat, ys, period, first, x.dtype == np.float32,
-                          row_chunks(xs.size, x.shape[-1]))
+        threads, chunks = row_split(xs.size, x.shape[-1])
+        _softmax_rows_cpu.on(threads)(flat, xs, x.shape[-1], yflat, ys, period, first, x.dtype == np.float32,
+                                      chunks)
         return
     if causal_first is not None:
         lq, lk = x.shape[-2:]
@@ -162,7 +190,8 @@ def softmax_grad_rows(xp, y, dy, out=None):
         yflat, ys = row_starts(y)
         gflat, gs = row_starts(dy, writable=out is dy)
         oflat, os_ = (gflat, gs) if out is dy else row_starts(out, writable=True)
-        _softmax_grad_rows_cpu(yflat, ys, gflat, gs, y.shape[-1], oflat, os_, row_chunks(ys.size, y.shape[-1]))
+        threads, chunks = row_split(ys.size, y.shape[-1])
+        _softmax_grad_rows_cpu.on(threads)(yflat, ys, gflat, gs, y.shape[-1], oflat, os_, chunks)
         return out
     dx = dy - (dy * y).sum(axis=-1, keepdims=True)
     dx *= y

@@ -44,12 +44,25 @@ def flat_row(rows, start, length):
     return rows[0][start:start + length]
 
 
+#: row_starts' offsets by (leading dims, their strides): a step asks for the same few every time
+_STARTS: dict[tuple, np.ndarray] = {}
+_STARTS_KEPT = 4096
+
+
 def row_starts(a, writable: bool = False):
     """`a`'s rows (its last dim) for a numba kernel as (flat, starts): flat_rows' 1-D view and
     the element offset of every row in C order, so that row r is flat[starts[r]:][:a.shape[-1]]
-    whatever the strides of the leading dims (a tile of a bigger array is not copied)."""
+    whatever the strides of the leading dims (a tile of a bigger array is not copied). The
+    offsets are made once per layout (read-only, shared)."""
     flat, *strides = flat_rows(a, writable)
-    starts = np.zeros(1, np.int64)
-    for n, s in zip(a.shape[:-1], strides):
-        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    key = (a.shape[:-1], tuple(strides))
+    starts = _STARTS.get(key)
+    if starts is None:
+        starts = np.zeros(1, np.int64)
+        for n, s in zip(a.shape[:-1], strides):
+            starts = (starts[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+        starts.flags.writeable = False
+        if len(_STARTS) >= _STARTS_KEPT:
+            _STARTS.clear()
+        _STARTS[key] = starts
     return flat, starts

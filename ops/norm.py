@@ -24,7 +24,7 @@ import math
 import numba
 import numpy as np
 
-from ops.activation import row_chunks
+from ops.activation import RowKernel, row_split
 from ops.cpu_layout import row_starts
 from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, given_out, int_attr,
                       register_op, sample_split_dims)
@@ -348,7 +348,7 @@ class BatchNorm(Op):
 
 # ---- LayerNorm's CPU kernels ------------------------------------------------------------------
 # They take [..., D] arrays as row_starts (flat, starts), D the normalized values of a row.
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+@RowKernel
 def _ln_forward_cpu(x, xs, d, eps, affine, w, b, y, ys, mean, rstd, chunks):
     """Per row: mean, rstd = 1 / sqrt(biased variance + eps) (both from float64 sums), and
     y = (x - mean) * rstd (* w + b if affine)."""
@@ -374,7 +374,7 @@ def _ln_forward_cpu(x, xs, d, eps, affine, w, b, y, ys, mean, rstd, chunks):
                     yr[i] = (xr[i] - m) * rs
 
 
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+@RowKernel
 def _ln_backward_cpu(x, xs, dy, dys, d, affine, w, mean, rstd, dx, dxs, dw, db, chunks):
     """Per row, with xhat = (x - mean) * rstd and g = dy * w (dy if not affine):
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). If affine, chunk c's rows add their
@@ -487,8 +487,9 @@ class LayerNorm(Op):
         yflat, ys = row_starts(self._rows(y), writable=True)
         mean, rstd = np.empty(xs.size, x.dtype), np.empty(xs.size, x.dtype)
         w, b = self._flat_weights(weights, x.dtype)
-        _ln_forward_cpu(xflat, xs, rows.shape[-1], self.eps, self.elementwise_affine, w, b, yflat, ys, mean, rstd,
-                        row_chunks(xs.size, rows.shape[-1]))
+        threads, chunks = row_split(xs.size, rows.shape[-1])
+        _ln_forward_cpu.on(threads)(xflat, xs, rows.shape[-1], self.eps, self.elementwise_affine, w, b, yflat, ys,
+                                    mean, rstd, chunks)
         return [y], (mean, rstd)
 
     def _flat_weights(self, weights, dtype):
@@ -505,11 +506,12 @@ class LayerNorm(Op):
         dx = np.empty(x.shape, x.dtype)
         dflat, ds = row_starts(self._rows(dx), writable=True)
         d = rows.shape[-1]
-        chunks = row_chunks(xs.size, d)
+        threads, chunks = row_split(xs.size, d)
         w, _ = self._flat_weights(weights, x.dtype)
         parts = (chunks, d) if self.elementwise_affine else (0, 0)
         dw, db = np.empty(parts), np.empty(parts)
-        _ln_backward_cpu(xflat, xs, gflat, gs, d, self.elementwise_affine, w, mean, rstd, dflat, ds, dw, db, chunks)
+        _ln_backward_cpu.on(threads)(xflat, xs, gflat, gs, d, self.elementwise_affine, w, mean, rstd, dflat, ds, dw,
+                                     db, chunks)
         if not self.elementwise_affine:
             return [dx], {}
         shape, dtype = self.normalized_shape, weights["weight"].dtype
