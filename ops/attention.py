@@ -15,6 +15,7 @@ pool, one group per core the task has, each GEMM on one BLAS thread: these small
 gain nothing from BLAS's own threads, which also stall badly while another process holds a
 core, and one job per group waits for the cores once, not once per GEMM. Inside a group the
 pairs go one at a time (see _pairs), so a pair's scores stay in cache between its steps.
+Scores small enough (WHOLE_SCORES_BYTES) go whole instead, all pairs in each call.
 
 The heads are a partial parameter split (the tile space is [batch, Lq, E, heads]): a tile
 projects and attends with its own heads only, and its output projection, over its heads'
@@ -59,10 +60,21 @@ def _head_groups(batch: int, heads: int, parts: int) -> list[tuple[slice, slice]
     return [(slice(None), slice(heads * i // n, heads * (i + 1) // n)) for i in range(n)]
 
 
-def _per_head_groups(xp, batch: int, heads: int, work) -> None:
-    """work(samples, heads) over all the (sample, head) pairs: at once with cupy; on the CPU as
-    one job per group on the pool, a group per core of the task, BLAS on one thread."""
-    if xp is not np:
+#: scores of at most this many bytes (all pairs of a tile) are worked on whole, in batched GEMMs
+#: and one softmax call, on the CPU too: per pair, a tiny transformer's tile (4 samples, 2 heads,
+#: 64 x 64) paid more for the calls than for their math
+WHOLE_SCORES_BYTES = 1 << 18
+
+
+def _whole(xp, scores_shape: tuple, itemsize: int) -> bool:
+    """Whether the per-head work runs on all pairs at once (always with cupy)."""
+    return xp is not np or math.prod(scores_shape) * itemsize <= WHOLE_SCORES_BYTES
+
+
+def _per_head_groups(xp, batch: int, heads: int, work, whole: bool) -> None:
+    """work(samples, heads) over all the (sample, head) pairs: at once when `whole`; else on the
+    CPU as one job per group on the pool, a group per core of the task, BLAS on one thread."""
+    if whole:
         work(slice(None), slice(None))
         return
     with cpu_pool.blas_on_one_thread() as threads:
@@ -74,21 +86,22 @@ def _per_head_groups(xp, batch: int, heads: int, work) -> None:
             job.result()
 
 
-def _pairs(xp, batch: int, heads: int, samples: slice, hs: slice) -> list[tuple]:
+def _pairs(batch: int, heads: int, samples: slice, hs: slice, whole: bool) -> list[tuple]:
     """The (sample, head) index pairs of a group, for the per-head work to take one at a time on
     the CPU: a pair's scores (Lq x Lk) then stay in cache from one GEMM through the softmax to
-    the next, where a whole group's would stream through memory three times. With cupy the
+    the next, where a whole group's would stream through memory three times. When `whole`, the
     group in one go (batched GEMMs)."""
-    if xp is not np:
+    if whole:
         return [(samples, hs)]
     return [(i, h) for i in range(*samples.indices(batch)) for h in range(*hs.indices(heads))]
 
 
-def _scores(xp, shape: tuple, dtype):
-    """The softmaxed scores [batch, heads, Lq, Lk], kept for backward: on the CPU one array per
-    sample, since glibc's malloc maps each allocation over 32 MiB afresh (a page fault per page
-    on first touch, a fifth of the forward at 8 x 8 x 512 x 512) and reuses smaller ones."""
-    if xp is not np:
+def _scores(xp, shape: tuple, dtype, whole: bool):
+    """The softmaxed scores [batch, heads, Lq, Lk], kept for backward: on the CPU, unless
+    `whole`, one array per sample, since glibc's malloc maps each allocation over 32 MiB afresh
+    (a page fault per page on first touch, a fifth of the forward at 8 x 8 x 512 x 512) and
+    reuses smaller ones."""
+    if whole:
         return xp.empty(shape, dtype)
     return [np.empty(shape[1:], dtype) for _ in range(shape[0])]
 
@@ -224,18 +237,19 @@ class MultiHeadAttention(Op):
         k = self._project(key, weights, 1, cols)
         v = self._project(value, weights, 2, cols)
 
-        p = _scores(xp, (b, nh, lq, key.shape[1]), q.dtype)
+        whole = _whole(xp, (b, nh, lq, key.shape[1]), q.itemsize)
+        p = _scores(xp, (b, nh, lq, key.shape[1]), q.dtype, whole)
         ctx = xp.empty((b, lq, nh * d), dtype=q.dtype)
         qh, kh, vh, ctx_h = _heads(q, nh), _heads(k, nh), _heads(v, nh), _heads(ctx, nh)
         causal_first = in_rects[0].lo[1] if self.causal else None  # query q0 + i may not see key j > q0 + i
 
         def attend(bs, hs):
-            for i, h in _pairs(xp, b, nh, bs, hs):
+            for i, h in _pairs(b, nh, bs, hs, whole):
                 pg = _pair(p, i, h)
                 xp.matmul(qh[i, h], kh[i, h].swapaxes(-1, -2), out=pg)
                 softmax_rows_(xp, pg, pg, causal_first)
                 xp.matmul(pg, vh[i, h], out=ctx_h[i, h])
-        _per_head_groups(xp, b, nh, attend)
+        _per_head_groups(xp, b, nh, attend, whole)
 
         out = ctx.reshape(-1, nh * d) @ weights["out_proj_weight"].T
         if "out_proj_bias" in weights:
@@ -266,7 +280,7 @@ class MultiHeadAttention(Op):
         dqh, dkh, dvh = _heads(dq, nh), _heads(dk, nh), _heads(dv, nh)
 
         def attend_back(bs, hs):
-            pairs = _pairs(xp, b, nh, bs, hs)
+            pairs = _pairs(b, nh, bs, hs, whole)
             ds = xp.empty_like(_pair(p, *pairs[0]))  # dP, then dS in place: a pair's, reused on the CPU
             for i, h in pairs:
                 pg = _pair(p, i, h)
@@ -275,7 +289,8 @@ class MultiHeadAttention(Op):
                 softmax_grad_rows(xp, pg, ds, out=ds)
                 xp.matmul(ds, kh[i, h], out=dqh[i, h])
                 xp.matmul(ds.swapaxes(-1, -2), qh[i, h], out=dkh[i, h])
-        _per_head_groups(xp, b, nh, attend_back)
+        whole = not isinstance(p, list)
+        _per_head_groups(xp, b, nh, attend_back, whole)
         dq *= scale  # q was scaled after projection
 
         cols = self._columns(tile)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ops import attention
 from ops.attention import MultiHeadAttention, _head_groups
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from taskrt.geometry import Rect
@@ -80,14 +81,25 @@ def test_cross_attention_with_different_lengths():
 
 @settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 3), lq=st.integers(1, 6), lk=st.integers(1, 6), heads=st.integers(1, 3),
-       d=st.integers(1, 4), use_bias=st.booleans(), causal=st.booleans(), seed=st.integers(0, 99))
-def test_attention_any_shape(batch, lq, lk, heads, d, use_bias, causal, seed):
+       d=st.integers(1, 4), use_bias=st.booleans(), causal=st.booleans(), seed=st.integers(0, 99),
+       whole_bytes=st.sampled_from([0, attention.WHOLE_SCORES_BYTES]))
+def test_attention_any_shape(batch, lq, lk, heads, d, use_bias, causal, seed, whole_bytes):
+    """Against torch, and tiled, with the (sample, head) pairs one at a time (whole_bytes 0) and
+    all at once."""
     if causal:
         lk = lq
-    op, xs, w, g = mha_case(batch, lq, lk, heads * d, heads, use_bias, causal, seed)
-    check_against_torch(op, xs, w, g)
-    op64, xs64, w64, g64 = mha_case(batch, lq, lk, heads * d, heads, use_bias, causal, seed, np.float64)
-    check_tiled(op64, xs64, w64, [g64])
+    saved = attention.WHOLE_SCORES_BYTES
+    attention.WHOLE_SCORES_BYTES = whole_bytes
+    try:
+        op, xs, w, g = mha_case(batch, lq, lk, heads * d, heads, use_bias, causal, seed)
+        check_against_torch(op, xs, w, g)
+        op64, xs64, w64, g64 = mha_case(batch, lq, lk, heads * d, heads, use_bias, causal, seed, np.float64)
+        check_tiled(op64, xs64, w64, [g64])
+        tile = Rect.from_shape(op.tile_shape)
+        _, scores = op.forward(np, tile, xs, op.input_rects(tile), w)
+        assert isinstance(scores[3], list) == (whole_bytes == 0)
+    finally:
+        attention.WHOLE_SCORES_BYTES = saved
 
 
 def test_head_tiles_sum_to_the_whole_attention():
