@@ -47,8 +47,11 @@ from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PH
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, task_cost_of
 from taskrt import Runtime
-from taskrt.analysis import Analyzer
+from taskrt.geometry import Rect
 from taskrt.machine import Machine
+from taskrt.region_analysis import ACCESS, BUFFER_NODE, BUFFER_REQ, DST, NODE, REDOP, SRC, analyze_region
+from taskrt.region_analysis import privilege_code as _privilege_code
+from taskrt.region_analysis import redop_name as _redop_name
 from taskrt.taskgraph import CopyNode, PhysicalReq, TaskNode
 
 #: the program of build_iteration: initial fills, then two training steps; the second is the graph
@@ -460,67 +463,72 @@ class SegmentBuilder:
         return _moved(*known, region, memories, tasks, program)
 
     def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
-        """Run the runtime's Analyzer over `region`'s accesses alone (the tasks of the segments at
-        `positions` that touch it) and keep what it adds to the second step (from `second` on)."""
+        """The analysis of `region`'s accesses alone (the tasks of the segments at `positions` that
+        touch it, in program order: taskrt/region_analysis.py, the runtime's Analyzer compiled),
+        keeping what it adds to the second step (from `second` on)."""
         uid = region.uid
         segments = [program[j] for j in positions]
-        in_graph = [j >= second for j in positions]
-        ids = iter(range(1 << 62))
-        owner: dict[int, tuple] = {}       # local task id -> access (k, t)
-        emitted: list = []                  # (copy node, preds, access causing it, first req)
-        current = [None, 0]
-
-        def emit(node, preds):
-            if isinstance(node, CopyNode):
-                emitted.append((node, tuple(preds), current[0], current[1]))
-            else:
-                local_preds[node.id] = tuple(preds)
-
-        local_preds: dict[int, tuple] = {}
-        analyzer = Analyzer(lambda: next(ids), emit)
+        access_k, access_t, first_req = [], [], []      # per access: its segment, task and first req
+        numbers: dict = {}                                # memory -> its number, by first appearance
+        access_mem, access_first, rects, privileges = [], [0], [], []
         for k, rec in enumerate(segments):
             for t, reqs in rec.touches[uid]:
                 task = rec.tasks[t]
-                current[0], current[1] = (k, t), reqs[0]
-                node = analyzer.add_task(task.name, task.proc, None,
-                                         [(region, task.reqs[j].rect, task.reqs[j].privilege) for j in reqs],
-                                         point=task.point, op=task.op)
-                owner[node.id] = (k, t)
-        copy_of: dict[int, int] = {}
-        kept = []
-        for node, preds, access, first_req in emitted:
-            if in_graph[access[0]]:
-                copy_of[node.id] = len(kept)
-                kept.append((node, preds, access, first_req))
+                access_k.append(k)
+                access_t.append(t)
+                first_req.append(reqs[0])
+                access_mem.append(numbers.setdefault(task.proc.memory, len(numbers)))
+                for j in reqs:
+                    r = task.reqs[j]
+                    rects.append(r.rect.lo + r.rect.hi)
+                    privileges.append(_privilege_code(r.privilege))
+                access_first.append(len(privileges))
+        out = analyze_region(region.ndim, access_mem, access_first,
+                             np.array(rects, np.int64).reshape(len(rects), 2 * region.ndim), privileges)
+        memories = list(numbers)
+        in_graph = np.array([j >= second for j in positions], bool)
+        access_k, access_t = np.array(access_k, np.int64), np.array(access_t, np.int64)
+        place = np.array(positions, np.int64)
+        copies = out.copies
+        # node number -> its access (tasks) and its kept copy's index (copies of the second step)
+        n_nodes = int(max(out.task_node.max(initial=-1), copies[:, NODE].max(initial=-1))) + 1
+        task_access = np.full(n_nodes, -1, np.int64)
+        task_access[out.task_node] = np.arange(len(out.task_node))
+        kept = in_graph[access_k[copies[:, ACCESS]]]
+        kept_copies = copies[kept]
+        copy_index = np.full(n_nodes, -1, np.int64)
+        copy_index[kept_copies[:, NODE]] = np.arange(len(kept_copies))
 
-        def end(n: int):
-            """(kind, a, b) of a local node id; None for a node of the first step (its edges go)."""
-            if n in copy_of:
-                return (0, copy_of[n], 0)
-            k, t = owner.get(n, (0, -1))
-            if t < 0 or not in_graph[k]:
-                return None
-            return (1, positions[k], t)
+        def ends(nodes: np.ndarray) -> np.ndarray:
+            """Rows (kind, a, b) per node: a kept copy (0, its index, 0), a task of the second step
+            (1, its segment's position, its index there); kind -1 for the rest (edges to them go)."""
+            rows = np.full((3, len(nodes)), -1, np.int64)
+            is_copy = copy_index[nodes] >= 0
+            acc = task_access[nodes]
+            is_task = (acc >= 0) & in_graph[access_k[np.maximum(acc, 0)]]
+            rows[:, is_copy] = np.stack([np.zeros(is_copy.sum(), np.int64), copy_index[nodes[is_copy]],
+                                         np.zeros(is_copy.sum(), np.int64)])
+            rows[:, is_task] = np.stack([np.ones(is_task.sum(), np.int64), place[access_k[acc[is_task]]],
+                                         access_t[acc[is_task]]])
+            return rows
 
-        edges = []
-        for node, preds, access, _ in kept:
-            edges += [(0, copy_of[node.id], 0, *e) for e in map(end, preds) if e is not None]
-        for nid, preds in local_preds.items():
-            k, t = owner[nid]
-            if in_graph[k]:
-                edges += [(1, positions[k], t, *e) for e in map(end, preds) if e is not None]
-        templates = tuple(CopyNode(-1, n.region, n.rect, n.src, n.dst, redop=n.redop,
-                                   buffer=None if n.buffer is None else (-1, n.buffer[1]), op=n.op)
-                          for n, _, _, _ in kept)
-        buffer = [(positions[owner[n.buffer[0]][0]], owner[n.buffer[0]][1]) if n.buffer is not None else (-1, -1)
-                  for n, _, _, _ in kept]
-
-        def column(values):
-            return np.array(values, np.int64)
-        result = RegionResult(templates, column([positions[a[0]] for _, _, a, _ in kept]),
-                              column([a[1] for _, _, a, _ in kept]),
-                              column([f for _, _, _, f in kept]), column([b[0] for b in buffer]),
-                              column([b[1] for b in buffer]), np.array(edges, np.int64).reshape(-1, 6).T.copy())
+        dst, src = ends(out.edges[:, 0]), ends(out.edges[:, 1])
+        keep = (dst[0] >= 0) & (src[0] >= 0)
+        edges = np.concatenate([dst[:, keep], src[:, keep]])
+        causes = kept_copies[:, ACCESS]
+        nd = region.ndim
+        templates = tuple(
+            CopyNode(-1, region, Rect(tuple(r[:nd]), tuple(r[nd:])), memories[c[SRC]], memories[c[DST]],
+                     redop=_redop_name(c[REDOP]), buffer=None if c[BUFFER_NODE] < 0 else (-1, c[BUFFER_REQ]),
+                     op=segments[k].tasks[t].op)
+            for c, r, k, t in zip(kept_copies.tolist(), out.copy_rects[kept].tolist(),
+                                  access_k[causes].tolist(), access_t[causes].tolist()))
+        has_buffer = kept_copies[:, BUFFER_NODE] >= 0
+        buffer_access = task_access[np.where(has_buffer, kept_copies[:, BUFFER_NODE], 0)]
+        result = RegionResult(templates, place[access_k[causes]], access_t[causes],
+                              np.array(first_req, np.int64)[causes],
+                              np.where(has_buffer, place[access_k[buffer_access]], -1),
+                              np.where(has_buffer, access_t[buffer_access], -1), edges)
         self.stats["regions_analyzed"] += 1
         return result
 

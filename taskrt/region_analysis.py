@@ -1,0 +1,566 @@
+"""The analysis of one region's accesses in one go, compiled: what Analyzer.add_task makes of them.
+
+The simulator's segment builder (strategies/segments.py) analyzes one region at a time: the
+requirements that a list of tasks has on it, in program order, become copies, folds and
+edges. `analyze_region` does that with the algorithm of taskrt/analysis.py, step for step
+(users and whether their rects are disjoint, pieces with the memories holding them in
+insertion order, pending reductions folded per sub-rect in program order, a whole piece's
+copy moving it last), on arrays in one numba loop. The Python Analyzer stays what the
+runtime runs, and the reference tests/test_region_analysis.py compares this with. Keys are
+found by scanning the live slots in insertion order, so an access costs O(pieces + users);
+the Python maps' grid does better only past thousands of them.
+
+Inputs: the region's rank (dims); per task (access, in program order) its memory number and
+its first row in the requirement arrays (access_first has one more entry, the end); per
+requirement row its rect ([lo..., hi...]) and privilege code (`privilege_code`).
+Output (`RegionAnalysis`): nodes numbered as the Analyzer numbers them (copies, folds and
+tasks, in the order made); per copy its node, rect, source and destination memory, reduction
+operator (-1: a copy), fold buffer (the reducing task's node and the requirement's index
+among its task's rows here; -1: none) and the access that made it; per access its task's
+node; every edge (node, pred), a pred once per node.
+
+State, each a table of slots in insertion order (a key given a new value keeps its slot,
+one moved last gets a new slot, a deleted one is marked dead):
+- users: rect, alive, and the heads and tails of its readers and of its other users
+  ((privilege, node) pairs), linked lists in shared arrays; and `disjoint`;
+- pieces: rect, alive, and its valid memories as a block of (memory, producer) rows in the
+  value arrays (producer -1: valid before any node), never changed once written;
+- pending: a doubly linked list in program order of (rect, operator, buffer, memory, node);
+  a partly folded entry's rest takes its place in the list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from .privilege import REDUCTION_OPS, Privilege
+
+#: privilege codes: R, WD, RW, then Reduce of each operator in REDUCTION_OPS' order
+READ_CODE, WRITE_CODE, READ_WRITE_CODE, REDUCE_BASE = 0, 1, 2, 3
+_REDOPS = tuple(REDUCTION_OPS)
+
+
+def privilege_code(p: Privilege) -> int:
+    if p.mode == "R":
+        return READ_CODE
+    if p.mode == "WD":
+        return WRITE_CODE
+    if p.mode == "RW":
+        return READ_WRITE_CODE
+    return REDUCE_BASE + _REDOPS.index(p.redop)
+
+
+def redop_name(code: int) -> str | None:
+    """The reduction operator of a copy's code (-1: a plain copy)."""
+    return None if code < 0 else _REDOPS[code]
+
+
+@dataclass(frozen=True)
+class RegionAnalysis:
+    """What analyze_region made (see the module doc). `copies` has a row per copy: (node, src,
+    dst, redop, buffer node, buffer requirement, access); `copy_rects` its [lo..., hi...]."""
+
+    copies: np.ndarray
+    copy_rects: np.ndarray
+    task_node: np.ndarray
+    edges: np.ndarray   # rows (node, pred)
+
+
+#: the columns of RegionAnalysis.copies
+NODE, SRC, DST, REDOP, BUFFER_NODE, BUFFER_REQ, ACCESS = range(7)
+
+
+def analyze_region(ndim: int, access_mem, access_first, req_rects, req_priv) -> RegionAnalysis:
+    """The accesses' analysis (see the module doc): access a's requirements are rows
+    access_first[a] .. access_first[a + 1] - 1 of req_rects ([lo..., hi...]) and req_priv."""
+    rects = np.ascontiguousarray(req_rects, np.int64).reshape(-1, 2 * ndim)
+    copies, copy_rects, tasks, edges = _analyze(
+        ndim, np.ascontiguousarray(access_mem, np.int64), np.ascontiguousarray(access_first, np.int64), rects,
+        np.ascontiguousarray(req_priv, np.int64))
+    return RegionAnalysis(copies, copy_rects, tasks, edges)
+
+
+# ---- rows that grow --------------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True)
+def _room(a, n):
+    """`a`, or a copy twice as long, with at least n rows."""
+    if n <= a.shape[0]:
+        return a
+    b = np.empty((max(n, 2 * a.shape[0]),) + a.shape[1:], a.dtype)
+    b[:a.shape[0]] = a
+    return b
+
+
+# ---- rects, as [lo..., hi...] rows -------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, inline="always")
+def _empty(r, nd):
+    for d in range(nd):
+        if r[nd + d] <= r[d]:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _overlaps(a, b, nd):
+    if _empty(a, nd) or _empty(b, nd):
+        return False
+    for d in range(nd):
+        if a[d] >= b[nd + d] or b[d] >= a[nd + d]:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _equal(a, b, nd):
+    for d in range(2 * nd):
+        if a[d] != b[d]:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _contains(a, b, nd):
+    """a holds every point of b (an empty b is held)."""
+    if _empty(b, nd):
+        return True
+    for d in range(nd):
+        if b[d] < a[d] or a[nd + d] < b[nd + d]:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _intersect(a, b, nd):
+    out = np.empty(2 * nd, np.int64)
+    for d in range(nd):
+        out[d] = max(a[d], b[d])
+        out[nd + d] = min(a[nd + d], b[nd + d])
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _subtract(a, b, nd):
+    """Rect.subtract: the disjoint boxes covering a minus b, in its order, as rows."""
+    inter = _intersect(a, b, nd)
+    out = np.empty((2 * nd + 1, 2 * nd), np.int64)
+    if _empty(inter, nd):
+        if _empty(a, nd):
+            return out[:0]
+        out[0] = a
+        return out[:1]
+    cur = a.copy()
+    k = 0
+    for d in range(nd):
+        if cur[d] < inter[d]:
+            out[k] = cur
+            out[k, nd + d] = inter[d]
+            k += 1
+            cur[d] = inter[d]
+        if inter[nd + d] < cur[nd + d]:
+            out[k] = cur
+            out[k, d] = inter[nd + d]
+            k += 1
+            cur[nd + d] = inter[nd + d]
+    return out[:k]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _conflicts(a, b):
+    """Privilege.conflicts by code."""
+    if a == READ_CODE:
+        return b != READ_CODE
+    if a >= REDUCE_BASE:
+        return b < REDUCE_BASE or a != b
+    return True
+
+
+# ---- the state (see the module doc) -------------------------------------------------------------------
+_U_ALIVE, _U_RHEAD, _U_RTAIL, _U_OHEAD, _U_OTAIL = range(5)
+_P_ALIVE, _P_VSTART, _P_VLEN = range(3)
+_E_REDOP, _E_BUFNODE, _E_BUFREQ, _E_MEM, _E_NODE, _E_PREV, _E_NEXT = range(7)
+
+
+@numba.njit(cache=True, nogil=True)
+def _find(rects, info, n, r, nd):
+    """The live slot whose rect equals r, or -1."""
+    for s in range(n):
+        if info[s, 0] and _equal(rects[s], r, nd):
+            return s
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _overlapping(rects, info, n, r, nd):
+    """The live slots whose rect shares a point with r, in insertion order."""
+    out = np.empty(n, np.int64)
+    k = 0
+    for s in range(n):
+        if info[s, 0] and _overlaps(rects[s], r, nd):
+            out[k] = s
+            k += 1
+    return out[:k]
+
+
+@numba.njit(cache=True, nogil=True)
+def _users_over(u_rect, u_info, n_u, disjoint, r, nd):
+    """Analyzer._overlapping_users: the exact key alone where users are disjoint, else every overlap."""
+    if disjoint:
+        s = _find(u_rect, u_info, n_u, r, nd)
+        if s >= 0:
+            out = np.empty(1, np.int64)
+            out[0] = s
+            return out
+    return _overlapping(u_rect, u_info, n_u, r, nd)
+
+
+@numba.njit(cache=True, nogil=True)
+def _pieces_over(p_rect, p_info, n_p, r, nd):
+    """Analyzer._overlapping_pieces: the exact key alone, else every overlap."""
+    s = _find(p_rect, p_info, n_p, r, nd)
+    if s >= 0:
+        out = np.empty(1, np.int64)
+        out[0] = s
+        return out
+    return _overlapping(p_rect, p_info, n_p, r, nd)
+
+
+@numba.njit(cache=True, nogil=True)
+def _pairwise_disjoint(u_rect, u_info, n_u, nd):
+    for i in range(n_u):
+        if not u_info[i, _U_ALIVE] or _empty(u_rect[i], nd):
+            continue
+        for j in range(i + 1, n_u):
+            if u_info[j, _U_ALIVE] and _overlaps(u_rect[i], u_rect[j], nd):
+                return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _unique(a):
+    """The distinct values of a 1-D array (sorted)."""
+    if a.shape[0] < 2:
+        return a.copy()
+    s = np.sort(a)
+    keep = np.ones(s.shape[0], np.bool_)
+    for i in range(1, s.shape[0]):
+        keep[i] = s[i] != s[i - 1]
+    return s[keep]
+
+
+# ---- the analysis ------------------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True)
+def _analyze(nd, access_mem, access_first, req_rect, req_priv):
+    cap = 16
+    w = 2 * nd
+    u_rect = np.empty((cap, w), np.int64)
+    u_info = np.zeros((cap, 5), np.int64)
+    n_u = 0
+    links = np.empty((cap, 3), np.int64)      # a user list's entries: (node, privilege, next)
+    n_l = 0
+    disjoint = True
+    p_rect = np.empty((cap, w), np.int64)
+    p_info = np.zeros((cap, 3), np.int64)
+    n_p = 0
+    vals = np.empty((cap, 2), np.int64)       # (memory, producer) blocks of the pieces
+    n_v = 0
+    e_rect = np.empty((cap, w), np.int64)
+    e_info = np.empty((cap, 7), np.int64)
+    n_e = 0
+    e_head, e_tail, n_pending = -1, -1, 0
+    copies = np.empty((cap, 7), np.int64)
+    copy_rects = np.empty((cap, w), np.int64)
+    n_c = 0
+    n_access = access_mem.shape[0]
+    tasks = np.empty(n_access, np.int64)
+    edges = np.empty((cap, 2), np.int64)
+    n_ed = 0
+    next_id = 0
+    preds = np.empty(cap, np.int64)
+
+    for a in range(n_access):
+        mem = access_mem[a]
+        r0, r1 = access_first[a], access_first[a + 1]
+        n_preds = 0
+        for row in range(r0, r1):
+            rect, priv = req_rect[row], req_priv[row]
+            if _empty(rect, nd):
+                continue
+            # ---- fold the pending reductions that overlap and do not commute (Analyzer._flush)
+            if n_pending:
+                hits = np.empty(n_pending, np.int64)
+                n_hits = 0
+                e = e_head
+                while e >= 0:
+                    if _overlaps(e_rect[e], rect, nd):
+                        hits[n_hits] = e
+                        n_hits += 1
+                    e = e_info[e, _E_NEXT]
+                for h in range(n_hits):
+                    e = hits[h]
+                    if priv >= REDUCE_BASE and priv == REDUCE_BASE + e_info[e, _E_REDOP]:
+                        continue
+                    part = _intersect(e_rect[e], rect, nd)
+                    fpreds = np.empty(1 + 2 * (n_p + 1), np.int64)
+                    fpreds[0] = e_info[e, _E_NODE]
+                    n_f = 1
+                    # the fold target reads (RW): what part needs in mem, copied in where missing
+                    (p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
+                     fpreds, n_f) = _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed,
+                                              next_id, fpreds, n_f, part, True, mem, a, nd)
+                    fid = next_id
+                    next_id += 1
+                    copies = _room(copies, n_c + 1)
+                    copy_rects = _room(copy_rects, n_c + 1)
+                    copies[n_c, 0] = fid
+                    copies[n_c, 1] = e_info[e, _E_MEM]
+                    copies[n_c, 2] = mem
+                    copies[n_c, 3] = e_info[e, _E_REDOP]
+                    copies[n_c, 4] = e_info[e, _E_BUFNODE]
+                    copies[n_c, 5] = e_info[e, _E_BUFREQ]
+                    copies[n_c, 6] = a
+                    copy_rects[n_c] = part
+                    n_c += 1
+                    edges, n_ed = _edges(edges, n_ed, fid, fpreds[:n_f])
+                    p_rect, p_info, n_p, vals, n_v = _set_valid(p_rect, p_info, n_p, vals, n_v, part, mem, fid, nd)
+                    (u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
+                        u_rect, u_info, n_u, links, n_l, disjoint, part, READ_WRITE_CODE, fid, nd)
+                    preds = _room(preds, n_preds + 1)
+                    preds[n_preds] = fid
+                    n_preds += 1
+                    # the rest of the entry stays pending, in its place in program order
+                    rests = _subtract(e_rect[e], part, nd)
+                    before, after = e_info[e, _E_PREV], e_info[e, _E_NEXT]
+                    e_rect = _room(e_rect, n_e + rests.shape[0])
+                    e_info = _room(e_info, n_e + rests.shape[0])
+                    for q in range(rests.shape[0]):
+                        x = n_e
+                        n_e += 1
+                        e_rect[x] = rests[q]
+                        e_info[x] = e_info[e]
+                        e_info[x, _E_PREV] = before
+                        if before >= 0:
+                            e_info[before, _E_NEXT] = x
+                        else:
+                            e_head = x
+                        before = x
+                        n_pending += 1
+                    if before >= 0:
+                        e_info[before, _E_NEXT] = after
+                    else:
+                        e_head = after
+                    if after >= 0:
+                        e_info[after, _E_PREV] = before
+                    else:
+                        e_tail = before
+                    n_pending -= 1
+            # ---- logical dependences (Analyzer._logical_preds)
+            reading = priv == READ_CODE
+            over = _users_over(u_rect, u_info, n_u, disjoint, rect, nd)
+            for q in range(over.shape[0]):
+                s = over[q]
+                for head in (_U_RHEAD, _U_OHEAD):
+                    x = u_info[s, head]
+                    while x >= 0:
+                        if (head == _U_RHEAD and not reading) or (head == _U_OHEAD and _conflicts(links[x, 1], priv)):
+                            preds = _room(preds, n_preds + 1)
+                            preds[n_preds] = links[x, 0]
+                            n_preds += 1
+                        x = links[x, 2]
+            # ---- where the data is (Analyzer._physical_preds), not for reductions
+            if priv < REDUCE_BASE:
+                reads = priv == READ_CODE or priv == READ_WRITE_CODE
+                preds = _room(preds, n_preds + 2 * (n_p + 1))
+                (p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
+                 preds, n_preds) = _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed,
+                                             next_id, preds, n_preds, rect, reads, mem, a, nd)
+        # ---- the task, then what it leaves behind
+        tid = next_id
+        next_id += 1
+        tasks[a] = tid
+        edges, n_ed = _edges(edges, n_ed, tid, preds[:n_preds])
+        for row in range(r0, r1):
+            rect, priv = req_rect[row], req_priv[row]
+            if _empty(rect, nd):
+                continue
+            (u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
+                u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, tid, nd)
+            if priv == WRITE_CODE or priv == READ_WRITE_CODE:
+                p_rect, p_info, n_p, vals, n_v = _set_valid(p_rect, p_info, n_p, vals, n_v, rect, mem, tid, nd)
+            elif priv >= REDUCE_BASE:
+                e_rect = _room(e_rect, n_e + 1)
+                e_info = _room(e_info, n_e + 1)
+                x = n_e
+                n_e += 1
+                e_rect[x] = rect
+                e_info[x, _E_REDOP] = priv - REDUCE_BASE
+                e_info[x, _E_BUFNODE] = tid
+                e_info[x, _E_BUFREQ] = row - r0
+                e_info[x, _E_MEM] = mem
+                e_info[x, _E_NODE] = tid
+                e_info[x, _E_PREV] = e_tail
+                e_info[x, _E_NEXT] = -1
+                if e_tail >= 0:
+                    e_info[e_tail, _E_NEXT] = x
+                else:
+                    e_head = x
+                e_tail = x
+                n_pending += 1
+    return copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def _edges(edges, n_ed, node, preds):
+    """Add an edge to `node` from each distinct pred."""
+    distinct = _unique(preds)
+    edges = _room(edges, n_ed + distinct.shape[0])
+    for p in distinct:
+        edges[n_ed, 0] = node
+        edges[n_ed, 1] = p
+        n_ed += 1
+    return edges, n_ed
+
+
+@numba.njit(cache=True, nogil=True)
+def _new_piece(p_rect, p_info, n_p, rect, vstart, vlen):
+    p_rect = _room(p_rect, n_p + 1)
+    p_info = _room(p_info, n_p + 1)
+    p_rect[n_p] = rect
+    p_info[n_p, _P_ALIVE] = 1
+    p_info[n_p, _P_VSTART] = vstart
+    p_info[n_p, _P_VLEN] = vlen
+    return p_rect, p_info, n_p + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds, n_preds,
+              rect, reads, mem, access, nd):
+    """Analyzer._physical_preds: depend on whoever made `rect`'s pieces valid in `mem`; where
+    one is valid elsewhere only and the access reads, copy it (or its overlap) in first.
+    `preds` has room for two entries per piece."""
+    for s in _pieces_over(p_rect, p_info, n_p, rect, nd):
+        vs, vl = p_info[s, _P_VSTART], p_info[s, _P_VLEN]
+        found = -1
+        for q in range(vs, vs + vl):
+            if vals[q, 0] == mem:
+                found = q
+                break
+        if found >= 0:
+            if vals[found, 1] >= 0:
+                preds = _room(preds, n_preds + 1)
+                preds[n_preds] = vals[found, 1]
+                n_preds += 1
+            continue
+        if not reads:
+            continue
+        whole = _contains(rect, p_rect[s], nd)
+        inter = p_rect[s].copy() if whole else _intersect(p_rect[s], rect, nd)
+        cid = next_id
+        next_id += 1
+        copies = _room(copies, n_c + 1)
+        copy_rects = _room(copy_rects, n_c + 1)
+        copies[n_c, 0] = cid
+        copies[n_c, 1] = vals[vs, 0]   # the piece's first valid memory (choose_source)
+        copies[n_c, 2] = mem
+        copies[n_c, 3] = -1
+        copies[n_c, 4] = -1
+        copies[n_c, 5] = -1
+        copies[n_c, 6] = access
+        copy_rects[n_c] = inter
+        n_c += 1
+        if vals[vs, 1] >= 0:
+            edges = _room(edges, n_ed + 1)
+            edges[n_ed, 0] = cid
+            edges[n_ed, 1] = vals[vs, 1]
+            n_ed += 1
+        # the piece's memories and mem, made valid there by the copy
+        vals = _room(vals, n_v + vl + 1)
+        vals[n_v:n_v + vl] = vals[vs:vs + vl]
+        vals[n_v + vl, 0] = mem
+        vals[n_v + vl, 1] = cid
+        p_info[s, _P_ALIVE] = 0
+        if not whole:   # the rest keeps its memories, before the copied part (Analyzer's order)
+            rests = _subtract(p_rect[s], inter, nd)
+            for q in range(rests.shape[0]):
+                p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, rests[q], vs, vl)
+        p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, inter, n_v, vl + 1)
+        n_v += vl + 1
+        preds = _room(preds, n_preds + 1)
+        preds[n_preds] = cid
+        n_preds += 1
+    return p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds, n_preds
+
+
+@numba.njit(cache=True, nogil=True)
+def _set_valid(p_rect, p_info, n_p, vals, n_v, rect, mem, node, nd):
+    """Analyzer._set_valid: `rect` is valid in `mem` alone, made so by `node`."""
+    vals = _room(vals, n_v + 1)
+    vals[n_v, 0] = mem
+    vals[n_v, 1] = node
+    s = _find(p_rect, p_info, n_p, rect, nd)
+    if s >= 0:
+        p_info[s, _P_VSTART] = n_v
+        p_info[s, _P_VLEN] = 1
+        return p_rect, p_info, n_p, vals, n_v + 1
+    for t in _overlapping(p_rect, p_info, n_p, rect, nd):
+        p_info[t, _P_ALIVE] = 0
+        rests = _subtract(p_rect[t], rect, nd)
+        for q in range(rests.shape[0]):
+            p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, rests[q], p_info[t, _P_VSTART],
+                                             p_info[t, _P_VLEN])
+    p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, rect, n_v, 1)
+    return p_rect, p_info, n_p, vals, n_v + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd):
+    """Analyzer._record_user: `node` touched `rect` with `priv`."""
+    is_read = priv == READ_CODE
+    if priv == WRITE_CODE or priv == READ_WRITE_CODE:
+        over = _users_over(u_rect, u_info, n_u, disjoint, rect, nd)
+        doomed = 0
+        for s in over:
+            if not _equal(u_rect[s], rect, nd) and _contains(rect, u_rect[s], nd):
+                u_info[s, _U_ALIVE] = 0   # a writer orders everything after it: forget what it covers
+                doomed += 1
+        if doomed and not disjoint:
+            disjoint = _pairwise_disjoint(u_rect, u_info, n_u, nd)
+        overlaps_others = over.shape[0] > doomed
+    else:
+        s = _find(u_rect, u_info, n_u, rect, nd)
+        if s >= 0:
+            links = _room(links, n_l + 1)
+            links[n_l, 0] = node
+            links[n_l, 1] = priv
+            links[n_l, 2] = -1
+            head, tail = (_U_RHEAD, _U_RTAIL) if is_read else (_U_OHEAD, _U_OTAIL)
+            if u_info[s, tail] >= 0:
+                links[u_info[s, tail], 2] = n_l
+            else:
+                u_info[s, head] = n_l
+            u_info[s, tail] = n_l
+            return u_rect, u_info, n_u, links, n_l + 1, disjoint
+        overlaps_others = False
+        if disjoint:
+            overlaps_others = _overlapping(u_rect, u_info, n_u, rect, nd).shape[0] > 0
+    s = _find(u_rect, u_info, n_u, rect, nd)
+    if s < 0:
+        if disjoint and overlaps_others:
+            disjoint = False
+        u_rect = _room(u_rect, n_u + 1)
+        u_info = _room(u_info, n_u + 1)
+        s = n_u
+        n_u += 1
+        u_rect[s] = rect
+        u_info[s, _U_ALIVE] = 1
+    # a new user list (a key given a new value keeps its slot)
+    links = _room(links, n_l + 1)
+    links[n_l, 0] = node
+    links[n_l, 1] = priv
+    links[n_l, 2] = -1
+    u_info[s, _U_RHEAD] = n_l if is_read else -1
+    u_info[s, _U_RTAIL] = n_l if is_read else -1
+    u_info[s, _U_OHEAD] = -1 if is_read else n_l
+    u_info[s, _U_OTAIL] = -1 if is_read else n_l
+    return u_rect, u_info, n_u, links, n_l + 1, disjoint

@@ -1,0 +1,113 @@
+"""The compiled analysis of one region's accesses (taskrt/region_analysis.py) against the runtime's
+Analyzer (taskrt/analysis.py) on the same accesses: the same nodes in the same order, the same
+copies and folds, the same edges."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from taskrt import READ, READ_WRITE, WRITE, Machine, Reduce, Region
+from taskrt.analysis import Analyzer
+from taskrt.geometry import Rect
+from taskrt.region_analysis import (ACCESS, BUFFER_NODE, BUFFER_REQ, DST, NODE, REDOP, SRC, analyze_region,
+                                    privilege_code, redop_name)
+from taskrt.taskgraph import CopyNode
+
+MACHINE = Machine.build(2, cpus_per_rank=2, separate_memories=True)
+PRIVILEGES = [READ, WRITE, READ_WRITE, Reduce("sum"), Reduce("max")]
+
+
+def reference(region: Region, accesses) -> tuple:
+    """(copies as (node, rect, src, dst, redop, buffer, access), task nodes, edges as a set of
+    (node, pred)) from the Python Analyzer; memories as numbers, by first appearance."""
+    ids = iter(range(1 << 30))
+    copies, tasks, edges, current = [], [], set(), [0]
+
+    def emit(node, preds):
+        edges.update((node.id, p) for p in preds)
+        if isinstance(node, CopyNode):
+            copies.append((node.id, node.rect, node.src, node.dst, node.redop,
+                           None if node.buffer is None else node.buffer, current[0]))
+
+    analyzer = Analyzer(lambda: next(ids), emit)
+    for a, (proc, reqs) in enumerate(accesses):
+        current[0] = a
+        tasks.append(analyzer.add_task("t", proc, None, [(region, r, p) for r, p in reqs]).id)
+    return copies, tasks, edges
+
+
+def compiled(region: Region, accesses) -> tuple:
+    numbers: dict = {}
+    mems, first, rects, privs = [], [0], [], []
+    for proc, reqs in accesses:
+        mems.append(numbers.setdefault(proc.memory, len(numbers)))
+        for r, p in reqs:
+            rects.append(r.lo + r.hi)
+            privs.append(privilege_code(p))
+        first.append(len(privs))
+    out = analyze_region(region.ndim, mems, first, np.array(rects, np.int64).reshape(len(rects), -1), privs)
+    memory = list(numbers)
+    nd = region.ndim
+    copies = [(int(c[NODE]), Rect(tuple(map(int, r[:nd])), tuple(map(int, r[nd:]))), memory[c[SRC]], memory[c[DST]],
+               redop_name(int(c[REDOP])), None if c[BUFFER_NODE] < 0 else (int(c[BUFFER_NODE]), int(c[BUFFER_REQ])),
+               int(c[ACCESS])) for c, r in zip(out.copies, out.copy_rects)]
+    edges = {(int(n), int(p)) for n, p in out.edges}
+    assert len(edges) == len(out.edges), "an edge twice"
+    return copies, [int(t) for t in out.task_node], edges
+
+
+@st.composite
+def access_lists(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    region = Region(shape, "float32", "r")
+
+    def rect():
+        if draw(st.integers(0, 9)) == 0:   # a whole-region access now and then
+            return region.rect
+        lo = [draw(st.integers(0, n - 1)) for n in shape]
+        hi = [draw(st.integers(a, n)) for a, n in zip(lo, shape)]   # empty sometimes
+        return Rect(tuple(lo), tuple(hi))
+
+    # tiles of a few fixed partitions, so that accesses repeat rects as programs do
+    tiles = [rect() for _ in range(draw(st.integers(1, 6)))]
+    procs = draw(st.lists(st.sampled_from(MACHINE.processors), min_size=1, max_size=4, unique=True))
+    accesses = []
+    for _ in range(draw(st.integers(1, 25))):
+        reqs = []
+        for _ in range(draw(st.integers(1, 2))):
+            r = draw(st.sampled_from(tiles)) if draw(st.booleans()) else rect()
+            reqs.append((r, draw(st.sampled_from(PRIVILEGES))))
+        # one task's requirements on one region must not conflict where they overlap
+        if len(reqs) == 2 and reqs[0][0].overlaps(reqs[1][0]) and reqs[0][1].conflicts(reqs[1][1]):
+            reqs = reqs[:1]
+        accesses.append((draw(st.sampled_from(procs)), reqs))
+    return region, accesses
+
+
+@settings(max_examples=400, deadline=None)
+@given(access_lists())
+def test_the_compiled_analysis_makes_what_the_analyzer_makes(case):
+    region, accesses = case
+    want_copies, want_tasks, want_edges = reference(region, accesses)
+    got_copies, got_tasks, got_edges = compiled(region, accesses)
+    assert got_tasks == want_tasks
+    assert got_copies == want_copies
+    assert got_edges == want_edges
+
+
+def test_a_data_parallel_weight_gradient_reduce_scatters_and_gathers():
+    """Four devices reduce a weight's gradient, four shard readers fold it, four whole readers
+    gather it: the hand-countable case, both ways."""
+    region = Region((8, 4), "float32", "w.grad")
+    procs = MACHINE.processors[:4]
+    shards = [Rect((2 * i, 0), (2 * i + 2, 4)) for i in range(4)]
+    accesses = ([(p, [(s, WRITE)]) for p, s in zip(procs, shards)]
+                + [(p, [(region.rect, Reduce("sum"))]) for p in procs]
+                + [(p, [(s, READ_WRITE)]) for p, s in zip(procs, shards)]
+                + [(p, [(region.rect, READ)]) for p in procs])
+    want = reference(region, accesses)
+    got = compiled(region, accesses)
+    assert got == want
+    folds = [c for c in got[0] if c[4] == "sum"]
+    gathers = [c for c in got[0] if c[4] is None]
+    assert len(folds) == 16 and len(gathers) == 12
