@@ -197,3 +197,17 @@ def test_like_layers_share_one_region_analysis(seed, ranks, per_rank):
         assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
     assert counts[more][0] == counts[base][0], f"(analyzed, renamed) by blocks: {counts}"
     assert counts[more][1] > counts[base][1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(0, 39), st.integers(0, 39)), max_size=300))
+def test_pred_lists_are_each_node_s_distinct_preds_ascending(n, pairs):
+    """_pred_lists against sorting the (node, pred) pairs and dropping repeats."""
+    from strategies.segments import _pred_lists
+    pairs = [(d % n, s % n) for d, s in pairs]
+    dst = np.array([d for d, _ in pairs], np.int64)
+    src = np.array([s for _, s in pairs], np.int64)
+    ptr, idx = _pred_lists(dst, src, n)
+    want = sorted(set(pairs))
+    assert ptr.tolist() == [sum(1 for d, _ in want if d < v) for v in range(n + 1)]
+    assert idx.tolist() == [s for _, s in want]
