@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -83,6 +83,7 @@ class TileConfig:
 
     degrees: tuple[int, ...]
     devices: tuple[int, ...] | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         degrees = _int_tuple("degrees", self.degrees)
@@ -97,6 +98,11 @@ class TileConfig:
             if any(d < 0 for d in devices):
                 raise ConfigError(f"TileConfig devices must be processor indices >= 0, got {devices}")
             object.__setattr__(self, "devices", devices)
+        # a key of the simulator's caches, hashed thousands of times a proposal: once
+        object.__setattr__(self, "_hash", hash((self.degrees, self.devices)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         grid = "x".join(str(d) for d in self.degrees) or "scalar"

@@ -71,7 +71,7 @@ def transfer_time(nbytes: int, link: LinkSpec) -> float:
     """Seconds the bytes of one copy occupy `link` (its bandwidth term, without the latency)."""
     if math.isinf(link.bandwidth):
         return 0.0
-    return max(nbytes, 0) / link.bandwidth
+    return np.maximum(nbytes, 0) / link.bandwidth   # (the simulator passes arrays of copies' bytes too)
 
 
 def roofline(flops: float, nbytes: float, device: DeviceSpec, efficiency: float) -> float:

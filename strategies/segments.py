@@ -80,6 +80,18 @@ class RecordedSegment:
 
 
 @dataclass(frozen=True)
+class _OpSegments:
+    """An op's own recorded segments under one config (SegmentBuilder._op_segments)."""
+
+    config: TileConfig
+    plan: OpPlan
+    forward: RecordedSegment
+    backward: RecordedSegment
+    zero_grads: tuple
+    updates: tuple
+
+
+@dataclass(frozen=True)
 class RegionResult:
     """What one region's analysis adds to the graph's second iteration, in arrays.
 
@@ -91,9 +103,20 @@ class RegionResult:
     contiguously: an end is a copy (kind 0: its index here in a) or a task (kind 1: (j, t) in
     a, b); edges into the first step are already gone. `columns` stacks the five per-copy
     arrays (in the order above), so that assembly joins every result's in one go; the five
-    are its rows (views: the cache keeps each number once)."""
+    are its rows (views: the cache keeps each number once).
 
-    copies: tuple                 # CopyNode templates (ids -1)
+    The copies themselves are arrays too, of `region`: per copy its rect ([lo..., hi...]), its
+    source and destination as indices into `memories`, its reduction operator code (-1: a copy,
+    taskrt.region_analysis) and a fold's buffer requirement (-1: none). So a result moved to
+    another region or other memories (SegmentBuilder._region) only swaps those two fields, and
+    the CopyNodes are made only when something asks for them (`copy_nodes`)."""
+
+    region: object
+    memories: tuple
+    copy_rects: np.ndarray
+    copy_ends: np.ndarray         # rows (src, dst): indices into memories
+    copy_redop: np.ndarray
+    copy_buffer_req: np.ndarray
     copy_j: np.ndarray
     copy_t: np.ndarray
     copy_req: np.ndarray
@@ -101,6 +124,7 @@ class RegionResult:
     buffer_t: np.ndarray
     edges: np.ndarray
     columns: np.ndarray = field(init=False, repr=False, compare=False)
+    _nodes: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         names = ("copy_j", "copy_t", "copy_req", "buffer_j", "buffer_t")
@@ -108,6 +132,29 @@ class RegionResult:
         object.__setattr__(self, "columns", columns)
         for name, row in zip(names, columns):
             object.__setattr__(self, name, row)
+
+    def __len__(self) -> int:
+        return len(self.copy_j)
+
+    def copy_nodes(self, program: list) -> tuple:
+        """The copies as CopyNode templates (ids -1), each named after the op of the task that
+        causes it (`program`: the segments by position), made once."""
+        if not self._nodes:
+            nd, region, memories = self.region.ndim, self.region, self.memories
+            ops = [program[j].tasks[t].op for j, t in zip(self.copy_j.tolist(), self.copy_t.tolist())]
+            self._nodes.append(tuple(
+                CopyNode(-1, region, Rect(tuple(r[:nd]), tuple(r[nd:])), memories[src], memories[dst],
+                         redop=_redop_name(redop), buffer=None if req < 0 else (-1, req), op=op)
+                for r, (src, dst), redop, req, op in zip(self.copy_rects.tolist(), self.copy_ends.tolist(),
+                                                         self.copy_redop.tolist(), self.copy_buffer_req.tolist(),
+                                                         ops)))
+        return self._nodes[0]
+
+    def copy_nbytes(self) -> np.ndarray:
+        """Each copy's bytes."""
+        nd = self.region.ndim
+        extent = np.maximum(self.copy_rects[:, nd:] - self.copy_rects[:, :nd], 0)
+        return np.prod(extent, axis=1, dtype=np.int64) * np.dtype(self.region.dtype).itemsize
 
 
 @dataclass
@@ -136,7 +183,7 @@ class AssembledIteration:
     def nodes(self) -> list:
         if self._nodes is None:
             templates = [t for part in self.parts for t in
-                         (part.tasks if isinstance(part, RecordedSegment) else part.copies)]
+                         (part.tasks if isinstance(part, RecordedSegment) else part.copy_nodes(self.segments))]
             self._nodes = [templates[i] for i in self.order.tolist()]
         return self._nodes
 
@@ -205,15 +252,20 @@ class SegmentBuilder:
         self._shape_ids: dict[tuple, int] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._region_of: dict = {}   # uid -> Region, of every region a recorded segment touches
-        self.zero_segment = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
+        self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0}
+        self._op_parts: dict[tuple, _OpSegments] = {}
+        # the program's own fills: of unsharded weight gradients, of every weight and state at
+        # the start, and of the inputs before each step
+        zero = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
             (p.grad, 0.0) for p in self.low.params.values() if p.grad is not None
             and p.name not in {u.param.name for u in self.low.updates}])
-        self.init_segment = self.low.host_fill_segment("init", [
+        init = self.low.host_fill_segment("init", [
             (r, 0.0) for p in self.low.params.values() for r in (p.value, *p.state.values())]
             + [(r, 0.0) for r in self.low.stats.values()])
-        self.input_segment = self.low.host_fill_segment("input", [
-            (self.low.values[t.name], 0) for t in inputs])
-        self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0}
+        given = self.low.host_fill_segment("input", [(self.low.values[t.name], 0) for t in inputs])
+        self._zero = self._get(("graph", ZERO_GRAD_PHASE), lambda: (zero, None))
+        self._init = self._get(("graph", "init"), lambda: (init, None))
+        self._input = self._get(("graph", "input"), lambda: (given, None))
         #: the last build's program, and per region uid its positions in it and its result: the
         #: next build (a proposal changes one op) redoes only the regions of the segments it changed
         self._last: tuple[list, dict, dict] | None = None
@@ -243,44 +295,49 @@ class SegmentBuilder:
             out.append(u)
         return out
 
-    def _program(self, configs: dict[str, TileConfig]) -> tuple[list[tuple], int]:
-        """The program of build_iteration as (segment key, make) pairs in order, `make()` giving
-        (the Segment, the plan that costs its tasks); and where the iteration graph starts: the
-        second step's first forward segment (its input fills stay outside, as there)."""
+    def _program(self, configs: dict[str, TileConfig]) -> tuple[list[RecordedSegment], int]:
+        """The program of build_iteration as its segments in order; and where the iteration graph
+        starts: the second step's first forward segment (its input fills stay outside, as there).
+        An op's own segments come from _op_segments (made once per op and config); the gradient
+        fills depend on the consumers' configs too, and are looked up per step."""
         low = self.low
-        by_op = [(op, configs[op.name]) for op in self.ops]
-        step = []
-        for op, cfg in by_op:
-            step.append(((op.name, FORWARD_PHASE, cfg),
-                         lambda op=op, cfg=cfg: (low.forward_segment(self.plan(op, cfg), True), self.plan(op, cfg))))
-        plans = {op.name: self.plan(op, cfg) for op, cfg in by_op}
-        written = {op.name: low.written_grads(plans, op) for op in self.ops}
-        for op, cfg in by_op:
+        parts = [self._op_segments(op, configs[op.name]) for op in self.ops]
+        plans = {op.name: part.plan for op, part in zip(self.ops, parts)}
+        fills, filled = [], set()
+        for op, part in zip(self.ops, parts):
             # which outputs' gradients the consumers write whole depends on their configs
-            w = written[op.name]
-            step.append(((op.name, GRAD_FILL_PHASE, cfg, tuple(sorted(w))),
-                         lambda op=op, w=w: (low.grad_fill_segment(plans[op.name], w), plans[op.name])))
-        filled = set().union(*written.values())
-        for key, make in step[len(by_op):]:
-            filled.update(self._get(key, make).fills)
-        host = low.host_fill_segment(GRAD_FILL_PHASE, [(region, 1.0 if name == low.loss_output else 0.0)
-                                                        for name, region in low.grads.items() if name not in filled])
-        step.append((("graph", GRAD_FILL_PHASE, tuple(l.reqs[0].region.uid for l in host.launches)),
-                     lambda host=host: (host, None)))
-        for op, cfg in by_op:
-            for u in self.updates(op, cfg):
-                step.append(((u.param.name, ZERO_GRAD_PHASE, cfg), lambda u=u: (low.zero_grad_segment(u), None)))
-        step.append((("graph", ZERO_GRAD_PHASE), lambda: (self.zero_segment, None)))
-        for op, cfg in reversed(by_op):
-            step.append(((op.name, BACKWARD_PHASE, cfg),
-                         lambda op=op, cfg=cfg: (low.backward_segment(self.plan(op, cfg)), self.plan(op, cfg))))
-        for op, cfg in by_op:
-            for u in self.updates(op, cfg):
-                step.append(((u.param.name, UPDATE_PHASE, cfg), lambda u=u: (low.update_segment(u, 1), None)))
-        init = (("graph", "init"), lambda: (self.init_segment, None))
-        inputs = (("graph", "input"), lambda: (self.input_segment, None))
-        program = [init, inputs, *step, inputs, *step]
-        return program, 3 + len(step)
+            written = low.written_grads(plans, op)
+            rec = self._get((op.name, GRAD_FILL_PHASE, part.config, tuple(sorted(written))),
+                            lambda plan=part.plan, w=written: (low.grad_fill_segment(plan, w), plan))
+            fills.append(rec)
+            filled.update(written, rec.fills)
+        unfilled = tuple(name for name in low.grads if name not in filled)
+        host = self._get(("graph", GRAD_FILL_PHASE, tuple(low.grads[name].uid for name in unfilled)),
+                         lambda: (low.host_fill_segment(GRAD_FILL_PHASE, [
+                             (low.grads[name], 1.0 if name == low.loss_output else 0.0) for name in unfilled]), None))
+        step = ([part.forward for part in parts] + fills + [host]
+                + [rec for part in parts for rec in part.zero_grads] + [self._zero]
+                + [part.backward for part in reversed(parts)] + [rec for part in parts for rec in part.updates])
+        return [self._init, self._input, *step, self._input, *step], 3 + len(step)
+
+    def _op_segments(self, op: Op, config: TileConfig) -> "_OpSegments":
+        """op's own recorded segments under `config` (forward, backward, weight-gradient zeroing and
+        updates), made once."""
+        key = (op.name, config)
+        known = self._op_parts.get(key)
+        if known is None:
+            plan = self.plan(op, config)
+            low = self.low
+            updates = self.updates(op, config)
+            known = self._op_parts[key] = _OpSegments(
+                config, plan,
+                self._get((op.name, FORWARD_PHASE, config), lambda: (low.forward_segment(plan, True), plan)),
+                self._get((op.name, BACKWARD_PHASE, config), lambda: (low.backward_segment(plan), plan)),
+                tuple(self._get((u.param.name, ZERO_GRAD_PHASE, config), lambda u=u: (low.zero_grad_segment(u), None))
+                      for u in updates),
+                tuple(self._get((u.param.name, UPDATE_PHASE, config), lambda u=u: (low.update_segment(u, 1), None))
+                      for u in updates))
+        return known
 
     def _get(self, key: tuple, make) -> RecordedSegment:
         rec = self._segments.get(key)
@@ -333,7 +390,7 @@ class SegmentBuilder:
     def build(self, configs: dict[str, TileConfig]) -> AssembledIteration:
         """The iteration graph under `configs` (op name -> resolved TileConfig, every op)."""
         program, second = self._program(configs)
-        return self._assemble([self._get(key, make) for key, make in program], second, configs)
+        return self._assemble(program, second, configs)
 
     def _assemble(self, program: list[RecordedSegment], second: int, configs) -> AssembledIteration:
         """Lay the second step's tasks and the copies their regions' analyses cause out in program
@@ -384,7 +441,7 @@ class SegmentBuilder:
         # a buffer made by a task of the first step (numbered below 0) is not in the graph either
         buffer_index[n_tasks:] = np.where((buffer_j >= 0) & (buf >= 0), position[np.maximum(buf, 0)], -1)
         return AssembledIteration(ptr, src, segment_of[order], buffer_index[order], order,
-                                  step2 + [r for r in results if r.copies], program, self._view(configs),
+                                  step2 + [r for r in results if len(r)], program, self._view(configs),
                                   self.machine)
 
     def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, list[int]]:
@@ -456,7 +513,7 @@ class SegmentBuilder:
             self._canonical[key] = (result, region, memories, tasks)
             return result
         self.stats["regions_renamed"] += 1
-        return _moved(*known, region, memories, tasks, program)
+        return _moved(*known, region, memories, tasks)
 
     def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
         """The analysis of `region`'s accesses alone (the tasks of the segments at `positions` that
@@ -512,17 +569,11 @@ class SegmentBuilder:
         keep = (dst[0] >= 0) & (src[0] >= 0)
         edges = np.concatenate([dst[:, keep], src[:, keep]])
         causes = kept_copies[:, ACCESS]
-        nd = region.ndim
-        templates = tuple(
-            CopyNode(-1, region, Rect(tuple(r[:nd]), tuple(r[nd:])), memories[c[SRC]], memories[c[DST]],
-                     redop=_redop_name(c[REDOP]), buffer=None if c[BUFFER_NODE] < 0 else (-1, c[BUFFER_REQ]),
-                     op=segments[k].tasks[t].op)
-            for c, r, k, t in zip(kept_copies.tolist(), out.copy_rects[kept].tolist(),
-                                  access_k[causes].tolist(), access_t[causes].tolist()))
         has_buffer = kept_copies[:, BUFFER_NODE] >= 0
         buffer_access = task_access[np.where(has_buffer, kept_copies[:, BUFFER_NODE], 0)]
-        result = RegionResult(templates, place[access_k[causes]], access_t[causes],
-                              np.array(first_req, np.int64)[causes],
+        result = RegionResult(region, tuple(memories), out.copy_rects[kept], kept_copies[:, [SRC, DST]],
+                              kept_copies[:, REDOP], np.where(has_buffer, kept_copies[:, BUFFER_REQ], -1),
+                              place[access_k[causes]], access_t[causes], np.array(first_req, np.int64)[causes],
                               np.where(has_buffer, place[access_k[buffer_access]], -1),
                               np.where(has_buffer, access_t[buffer_access], -1), edges)
         self.stats["regions_analyzed"] += 1
@@ -540,12 +591,12 @@ def _task_keys(program: list[RecordedSegment], positions: list[int], uid: int) -
 
 
 def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_tasks: np.ndarray, region,
-           memories: tuple, tasks: np.ndarray, program: list[RecordedSegment]) -> RegionResult:
+           memories: tuple, tasks: np.ndarray) -> RegionResult:
     """`result`, an analysis of `analyzed` whose accesses came from tasks `analyzed_tasks` (keys, in
-    program order) on memories `analyzed_on`, as the analysis of the same accesses to `region` by
-    `tasks` on `memories`: the copies on the region with their ends renamed (and named after
-    the op of the task that causes each), and every task they name replaced by the one in its
-    place."""
+    program order) on memories `analyzed_on` (result.memories), as the analysis of the same
+    accesses to `region` by `tasks` on `memories`: the copies on the region between the renamed
+    memories (the same indices into the new memories), and every task they name replaced by the
+    one in its place."""
     if analyzed is region and analyzed_on == memories and np.array_equal(analyzed_tasks, tasks):
         return result
     order = np.argsort(analyzed_tasks)
@@ -555,10 +606,6 @@ def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_
         new = tasks[order[np.searchsorted(ranked, j * TASK_KEY + t)]]
         return new // TASK_KEY, new % TASK_KEY
     copy_j, copy_t = move(result.copy_j, result.copy_t)
-    rename = dict(zip(analyzed_on, memories))
-    copies = tuple(CopyNode(-1, region, c.rect, rename[c.src], rename[c.dst], redop=c.redop, buffer=c.buffer,
-                            op=program[j].tasks[t].op)
-                   for c, j, t in zip(result.copies, copy_j.tolist(), copy_t.tolist()))
     has = result.buffer_j >= 0
     buffer_j, buffer_t = result.buffer_j.copy(), result.buffer_t.copy()
     buffer_j[has], buffer_t[has] = move(buffer_j[has], buffer_t[has])
@@ -566,7 +613,8 @@ def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_
     for kind in (0, 3):
         on = edges[kind] == 1
         edges[kind + 1, on], edges[kind + 2, on] = move(edges[kind + 1, on], edges[kind + 2, on])
-    return RegionResult(copies, copy_j, copy_t, result.copy_req, buffer_j, buffer_t, edges)
+    return RegionResult(region, memories, result.copy_rects, result.copy_ends, result.copy_redop,
+                        result.copy_buffer_req, copy_j, copy_t, result.copy_req, buffer_j, buffer_t, edges)
 
 
 @numba.njit(cache=True, nogil=True)
