@@ -204,26 +204,16 @@ def _overlapping(rects, info, n, r, nd):
 
 
 @numba.njit(cache=True, nogil=True)
-def _users_over(u_rect, u_info, n_u, disjoint, r, nd):
-    """Analyzer._overlapping_users: the exact key alone where users are disjoint, else every overlap."""
-    if disjoint:
-        s = _find(u_rect, u_info, n_u, r, nd)
+def _over(rects, info, n, r, nd, exact_first):
+    """The slot keyed r alone when `exact_first` and there is one, else every overlap: the
+    Analyzer's _overlapping_pieces (always) and _overlapping_users (when users are disjoint)."""
+    if exact_first:
+        s = _find(rects, info, n, r, nd)
         if s >= 0:
             out = np.empty(1, np.int64)
             out[0] = s
             return out
-    return _overlapping(u_rect, u_info, n_u, r, nd)
-
-
-@numba.njit(cache=True, nogil=True)
-def _pieces_over(p_rect, p_info, n_p, r, nd):
-    """Analyzer._overlapping_pieces: the exact key alone, else every overlap."""
-    s = _find(p_rect, p_info, n_p, r, nd)
-    if s >= 0:
-        out = np.empty(1, np.int64)
-        out[0] = s
-        return out
-    return _overlapping(p_rect, p_info, n_p, r, nd)
+    return _overlapping(rects, info, n, r, nd)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -357,7 +347,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     n_pending -= 1
             # ---- logical dependences (Analyzer._logical_preds)
             reading = priv == READ_CODE
-            over = _users_over(u_rect, u_info, n_u, disjoint, rect, nd)
+            over = _over(u_rect, u_info, n_u, rect, nd, disjoint)
             for q in range(over.shape[0]):
                 s = over[q]
                 for head in (_U_RHEAD, _U_OHEAD):
@@ -439,7 +429,7 @@ def _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_
     """Analyzer._physical_preds: depend on whoever made `rect`'s pieces valid in `mem`; where
     one is valid elsewhere only and the access reads, copy it (or its overlap) in first.
     `preds` has room for two entries per piece."""
-    for s in _pieces_over(p_rect, p_info, n_p, rect, nd):
+    for s in _over(p_rect, p_info, n_p, rect, nd, True):
         vs, vl = p_info[s, _P_VSTART], p_info[s, _P_VLEN]
         found = -1
         for q in range(vs, vs + vl):
@@ -518,7 +508,7 @@ def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd
     """Analyzer._record_user: `node` touched `rect` with `priv`."""
     is_read = priv == READ_CODE
     if priv == WRITE_CODE or priv == READ_WRITE_CODE:
-        over = _users_over(u_rect, u_info, n_u, disjoint, rect, nd)
+        over = _over(u_rect, u_info, n_u, rect, nd, disjoint)
         doomed = 0
         for s in over:
             if not _equal(u_rect[s], rect, nd) and _contains(rect, u_rect[s], nd):
