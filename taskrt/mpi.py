@@ -160,7 +160,9 @@ class MPITransport:
         sends, recvs = router.take_block(routed, base, fence_local, ex.unfinished)
         items = []
         for i, how, preds, waits_fence, seq in routed.submitted:
-            wait = tuple([base + j for j in preds]) + fence_local if waits_fence else tuple([base + j for j in preds])
+            wait = tuple([base + j for j in preds])
+            if waits_fence:
+                wait += fence_local
             if how is Route.JOIN:
                 items.append((Join(base + i), wait))
                 continue
