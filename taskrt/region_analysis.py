@@ -329,11 +329,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                         n_e += 1
                         e_rect[x] = rests[q]
                         e_info[x] = e_info[e]
-                        e_info[x, _E_PREV] = before
-                        if before >= 0:
-                            e_info[before, _E_NEXT] = x
-                        else:
-                            e_head = x
+                        e_head = _link(e_info, x, before, e_head)
                         before = x
                         n_pending += 1
                     if before >= 0:
@@ -389,15 +385,21 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 e_info[x, _E_BUFREQ] = row - r0
                 e_info[x, _E_MEM] = mem
                 e_info[x, _E_NODE] = tid
-                e_info[x, _E_PREV] = e_tail
                 e_info[x, _E_NEXT] = -1
-                if e_tail >= 0:
-                    e_info[e_tail, _E_NEXT] = x
-                else:
-                    e_head = x
+                e_head = _link(e_info, x, e_tail, e_head)
                 e_tail = x
                 n_pending += 1
     return copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def _link(e_info, x, before, head):
+    """Put pending entry x after entry `before` (-1: first) in the list; the list's head."""
+    e_info[x, _E_PREV] = before
+    if before >= 0:
+        e_info[before, _E_NEXT] = x
+        return head
+    return x
 
 
 @numba.njit(cache=True, nogil=True)
