@@ -62,6 +62,19 @@ class Requirement:
         return (self.region.uid, target, self.privilege, self.projection)
 
 
+def check_launch(name: str, fn, points, reqs) -> None:
+    """A launch's function, requirements and domain, refused by name before anything is issued
+    (Runtime.index_launch and taskrt.program.Launch alike)."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"a task must be callable, got {type(fn).__name__}: {fn!r}")
+    for i, r in enumerate(reqs):
+        if not isinstance(r, Requirement):
+            raise TypeError(f"launch {name!r}: requirement {i} must be a Requirement (use taskrt.req), "
+                            f"got {type(r).__name__}: {r!r}")
+    if not points:
+        raise ValueError(f"launch {name!r}: empty launch domain")
+
+
 def req(target, privilege, rect: Rect | None = None, projection: Callable | None = None) -> Requirement:
     """Requirement on a Region (whole or `rect` of it) or a Partition, checked at once."""
     privilege = as_privilege(privilege)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .launch import Future, Requirement
+from .launch import Future, Requirement, check_launch
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,14 +35,7 @@ class Launch:
     returns: bool = False
 
     def __post_init__(self):
-        if self.fn is not None and not callable(self.fn):
-            raise TypeError(f"launch {self.name!r}: a task must be callable, got {type(self.fn).__name__}")
-        if not self.points:
-            raise ValueError(f"launch {self.name!r}: empty launch domain")
-        for i, r in enumerate(self.reqs):
-            if not isinstance(r, Requirement):
-                raise TypeError(f"launch {self.name!r}: requirement {i} must be a Requirement (use taskrt.req), "
-                                f"got {type(r).__name__}: {r!r}")
+        check_launch(self.name, self.fn, self.points, self.reqs)
 
     def __repr__(self) -> str:
         return f"Launch({self.name!r}, {len(self.points)} points, {len(self.reqs)} requirements)"

@@ -27,7 +27,7 @@ from .executor import Executor, TaskError
 from .geometry import Rect
 from .heap import collect_cycles_less, keep_freed_memory
 from .instances import InstanceStore
-from .launch import Future, FutureMap, Requirement, req
+from .launch import Future, FutureMap, Requirement, check_launch, req
 from .machine import Machine, Memory, Processor, mpi_world_size_from_env
 from .mapper import DefaultMapper, Mapper
 from .privilege import READ, WRITE
@@ -229,15 +229,8 @@ class Runtime:
 
     def _make_spec(self, fn, points, reqs, args, point_args, name, placement, op) -> LaunchSpec:
         self._check_alive()
-        if fn is not None and not callable(fn):
-            raise TypeError(f"a task must be callable, got {type(fn).__name__}: {fn!r}")
         name = name or getattr(fn, "__name__", "task")
-        for i, r in enumerate(reqs):
-            if not isinstance(r, Requirement):
-                raise TypeError(f"launch {name!r}: requirement {i} must be a Requirement (use taskrt.req), "
-                                f"got {type(r).__name__}: {r!r}")
-        if not points:
-            raise ValueError(f"launch {name!r}: empty launch domain")
+        check_launch(name, fn, points, reqs)
         rects, procs, signature, key = self._mapped(fn, name, points, reqs, placement)
         args = tuple(args)
         if point_args:
