@@ -431,6 +431,14 @@ class CostModel:
         a fold from another memory also pays its copy on the link."""
         return 3 * nbytes / self.device(device).mem_bandwidth + self.machine_model.launch_overhead
 
+    def copy_times(self, nbytes: np.ndarray, link_bandwidth: np.ndarray, dst_bandwidth: np.ndarray,
+                   fold: np.ndarray) -> np.ndarray:
+        """Seconds each of many copies occupies its link: transfer_time (bytes over `link_bandwidth`,
+        inf within one memory) and, where `fold`, fold_time on a device of `dst_bandwidth`. The
+        same arithmetic as those two, element by element, so the same seconds."""
+        transfer = np.maximum(nbytes, 0) / link_bandwidth
+        return np.where(fold, transfer + (3 * nbytes / dst_bandwidth + self.machine_model.launch_overhead), transfer)
+
 
 # ---- fitting efficiencies ------------------------------------------------------------------------------
 def _fit_one(samples: list[Measurement], device: DeviceSpec) -> float:

@@ -47,6 +47,7 @@ from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PH
                        OpPlan, Segment, TileConfig, UpdatePlan, default_config)
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, task_cost_of
+from strategies.joined import Joiner
 from taskrt import Runtime
 from taskrt.geometry import Rect
 from taskrt.machine import Machine
@@ -269,6 +270,8 @@ class SegmentBuilder:
         #: the last build's program, and per region uid its positions in it and its result: the
         #: next build (a proposal changes one op) redoes only the regions of the segments it changed
         self._last: tuple[list, dict, dict] | None = None
+        self._columns = Joiner(5, np.int64)    # the results' columns and edges, joined from the last build's
+        self._edges = Joiner(6, np.int64)
 
     def __repr__(self) -> str:
         return (f"SegmentBuilder({len(self.ops)} ops, {len(self._segments)} segments and "
@@ -407,42 +410,17 @@ class SegmentBuilder:
         self._last = (program, where, by_uid)
         results = [by_uid[uid] for uid in where]
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
-        sizes = np.array([len(rec.tasks) if j >= second else 0 for j, rec in enumerate(program)], np.int64)
+        sizes = np.fromiter((len(rec.tasks) for rec in program), np.int64, len(program))
+        sizes[:second] = 0
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)
-        n_tasks = int(sizes.sum())
-        columns = [r.columns for r in results]
-        counts = np.array([c.shape[1] for c in columns], np.int64)
-        n_copies = int(counts.sum())
-        n = n_tasks + n_copies
-        copy_base = n_tasks + np.cumsum(counts) - counts          # node number of each result's copy 0
-        copy_j, copy_t, copy_req, buffer_j, buffer_t = (np.concatenate(columns, axis=1) if columns
-                                                        else np.zeros((5, 0), np.int64))
-        copy_task = offset[copy_j] + copy_t
-        local = np.arange(n_copies, dtype=np.int64) - np.repeat(copy_base - n_tasks, counts)
-        # order: by causing task, then (copies) requirement and analysis order, the task last
-        key_task = np.concatenate([np.arange(n_tasks, dtype=np.int64), copy_task])
-        key_req = np.concatenate([np.full(n_tasks, 1 << 30, np.int64), copy_req])
-        key_local = np.concatenate([np.zeros(n_tasks, np.int64), local])
-        order = np.lexsort((key_local, key_req, key_task))
-        position = np.empty(n, np.int64)
-        position[order] = np.arange(n)
-        edges = [r.edges for r in results]
-        e = np.concatenate(edges, axis=1) if edges else np.zeros((6, 0), np.int64)
-        base = np.repeat(copy_base, [x.shape[1] for x in edges])
-        dst, src = _ends(e[0:3], offset, base), _ends(e[3:6], offset, base)
-        ptr, src = _pred_lists(position[dst], position[src], n)
-        step2 = program[second:]
-        segment_of = np.concatenate([np.repeat(np.arange(second, len(program)), sizes[second:]),
-                                     np.zeros(n_copies, np.int64)])
-        segment_of[n_tasks:] = segment_of[copy_task]
-        buffer_index = np.full(n, -1, np.int64)
-        buf = offset[np.maximum(buffer_j, 0)] + buffer_t
-        # a buffer made by a task of the first step (numbered below 0) is not in the graph either
-        buffer_index[n_tasks:] = np.where((buffer_j >= 0) & (buf >= 0), position[np.maximum(buf, 0)], -1)
-        return AssembledIteration(ptr, src, segment_of[order], buffer_index[order], order,
-                                  step2 + [r for r in results if len(r)], program, self._view(configs),
-                                  self.machine)
+        columns, copy_counts = self._columns.join(results, _columns_of)
+        edges, edge_counts = self._edges.join(results, _edges_of)
+        order, ptr, idx, segment_of, buffer_index = _lay_out(columns, copy_counts, edges, edge_counts, offset,
+                                                             sizes, second)
+        return AssembledIteration(ptr, idx, segment_of, buffer_index, order,
+                                  program[second:] + [r for r, c in zip(results, copy_counts.tolist()) if c], program,
+                                  self._view(configs), self.machine)
 
     def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, list[int]]:
         """(region uid -> the positions of the segments that touch it, in program order; uid -> the
@@ -658,10 +636,95 @@ def _asks(task: TaskNode, reqs: tuple[int, ...]) -> tuple:
     return tuple((task.reqs[j].rect, task.reqs[j].privilege) for j in reqs)
 
 
-def _ends(ends: np.ndarray, offset: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """Node numbers of edge ends, rows (kind, a, b): a task (kind 1) is task b of the segment at
-    program position a (numbered from offset[a]); a copy (kind 0) is copy a of its result (from
-    base)."""
-    kind, a, b = ends
-    # a copy's index may pass the end of offset: clipped, and not chosen
-    return np.where(kind == 1, offset.take(a, mode="clip") + b, base + a)
+def _columns_of(result: RegionResult) -> np.ndarray:
+    return result.columns
+
+
+def _edges_of(result: RegionResult) -> np.ndarray:
+    return result.edges
+
+
+@numba.njit(cache=True, nogil=True)
+def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
+    """The assembly's arrays from the region results' joined columns and edges (RegionResult:
+    columns and edges per result, `copy_counts` and `edge_counts` of them) and each program
+    position's task count (`sizes`, zero before `second`) and first task number (`offset`).
+
+    Tasks are numbered in program order, copies after them by result. The layout puts each task
+    after the copies it causes, those by requirement and then in the order analyzed (a counting
+    sort by causing task, linear in the nodes). Returns (order: layout position -> number,
+    pred_ptr, pred_idx in layout positions, segment_of and buffer_index per position)."""
+    n_tasks = 0
+    for j in range(second, sizes.shape[0]):
+        n_tasks += sizes[j]
+    n_copies = columns.shape[1]
+    n = n_tasks + n_copies
+    copy_task = np.empty(n_copies, np.int64)
+    for c in range(n_copies):
+        copy_task[c] = offset[columns[0, c]] + columns[1, c]
+    # copies bucketed by causing task (stably), each bucket then by requirement (stably)
+    start = np.zeros(n_tasks + 1, np.int64)
+    for c in range(n_copies):
+        start[copy_task[c] + 1] += 1
+    for v in range(n_tasks):
+        start[v + 1] += start[v]
+    bucket = np.empty(n_copies, np.int64)
+    fill = start[:n_tasks].copy()
+    for c in range(n_copies):
+        v = copy_task[c]
+        bucket[fill[v]] = c
+        fill[v] += 1
+    for v in range(n_tasks):
+        for i in range(start[v] + 1, start[v + 1]):
+            c = bucket[i]
+            k = i - 1
+            while k >= start[v] and columns[2, bucket[k]] > columns[2, c]:
+                bucket[k + 1] = bucket[k]
+                k -= 1
+            bucket[k + 1] = c
+    order = np.empty(n, np.int64)
+    position = np.empty(n, np.int64)
+    at = 0
+    for v in range(n_tasks):
+        for i in range(start[v], start[v + 1]):
+            order[at] = n_tasks + bucket[i]
+            position[n_tasks + bucket[i]] = at
+            at += 1
+        order[at] = v
+        position[v] = at
+        at += 1
+    # edges: an end is a task (kind 1: task b of the segment at position a) or a copy (kind 0:
+    # copy a of its result)
+    m = edges.shape[1]
+    dst = np.empty(m, np.int64)
+    src = np.empty(m, np.int64)
+    e = 0
+    base = n_tasks
+    for r in range(edge_counts.shape[0]):
+        for _ in range(edge_counts[r]):
+            for side in range(2):
+                kind, a, b = edges[3 * side, e], edges[3 * side + 1, e], edges[3 * side + 2, e]
+                node = offset[a] + b if kind == 1 else base + a
+                if side == 0:
+                    dst[e] = position[node]
+                else:
+                    src[e] = position[node]
+            e += 1
+        base += copy_counts[r]
+    ptr, idx = _pred_lists(dst, src, n)
+    # which segment caused each node, and a fold's buffer task (-1: none, or made in the first step)
+    segment_of = np.empty(n, np.int64)
+    buffer_index = np.full(n, -1, np.int64)
+    v = 0
+    for j in range(second, sizes.shape[0]):
+        for _ in range(sizes[j]):
+            segment_of[position[v]] = j
+            v += 1
+    for c in range(n_copies):
+        p = position[n_tasks + c]
+        segment_of[p] = segment_of[position[copy_task[c]]]
+        if columns[3, c] >= 0:
+            buf = offset[columns[3, c]] + columns[4, c]
+            if buf >= 0:
+                buffer_index[p] = position[buf]
+    return order, ptr, idx, segment_of, buffer_index

@@ -18,6 +18,7 @@ read simulations and real runs alike.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,6 +29,7 @@ from ops.lower import ConfigError, TileConfig, default_config, resolve_config
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
 from strategies.graph import BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
+from strategies.joined import Joiner
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
@@ -103,8 +105,12 @@ class Simulator:
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
-        self._part_cost_cache: dict[int, tuple] = {}
+        self._part_cost_cache: dict[int, tuple] = {}   # id(part) -> (part, its costs)
+        self._costs_joined = Joiner(3, np.float64)     # the parts' costs, joined from the last graph's
         self._copy_costs: dict[tuple, tuple[int, float, float]] = {}   # (src, dst, bytes, redop) -> _cost's answer
+        self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
+        self._pairs: dict[int, tuple] = {}   # see _copy_pair
+        self._task_seconds: dict[tuple, float] = {}   # see _cost
         self._resolved: dict[tuple, TileConfig] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._peaks = PeakCache(self.ops, self.machine)
@@ -210,45 +216,56 @@ class Simulator:
         what was computed when the part was first seen, so a delta simulation costs only its
         new parts."""
         if cache and isinstance(graph, AssembledIteration):
-            parts = [self._part_costs(p) for p in graph.parts]
-            if not parts:
-                return np.zeros(0, np.int64), np.zeros(0), np.zeros(0), self._resources
-            res, dur, delay = (np.concatenate([p[k] for p in parts])[graph.order] for k in range(3))
-            return res, dur, delay, self._resources
+            joined, _ = self._costs_joined.join(graph.parts, self._part_costs)
+            costs = joined[:, graph.order]
+            return costs[0].astype(np.int64), costs[1], costs[2], self._resources
         costs = [self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
                  for i, node in enumerate(graph.nodes)]
         return (np.array([c[0] for c in costs], np.int64), np.array([c[1] for c in costs], float),
                 np.array([c[2] for c in costs], float), self._resources)
 
-    def _part_costs(self, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _part_costs(self, part) -> np.ndarray:
+        """A part's costs as rows (resource index, seconds, delay), one column a node, made once."""
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
             if isinstance(part, RecordedSegment):
-                costs = [self._cost(t, c) for t, c in zip(part.tasks, part.costs)]
-                res, dur, delay = (np.array([c[0] for c in costs], np.int64), np.array([c[1] for c in costs], float),
-                                   np.array([c[2] for c in costs], float))
+                costs = np.array([self._cost(t, c) for t, c in zip(part.tasks, part.costs)], float).reshape(-1, 3).T
             else:
-                res, dur, delay = self._region_costs(part)
-            known = self._part_cost_cache[id(part)] = (part, res, dur, delay)
-        return known[1], known[2], known[3]
+                costs = np.stack(self._region_costs(part)).astype(float)
+            known = self._part_cost_cache[id(part)] = (part, costs)
+        return known[1]
 
     def _region_costs(self, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """_cost of a region result's copies, from its arrays: _copy_cost once per distinct (source,
-        destination, operator), on the bytes of all its copies at once (the same arithmetic, so
-        the same seconds as copy by copy)."""
-        distinct, which = np.unique(np.column_stack([part.copy_ends, part.copy_redop]), axis=0,
-                                    return_inverse=True)
-        which = which.reshape(-1)
-        order = np.argsort(which, kind="stable")
-        bounds = np.searchsorted(which[order], np.arange(len(distinct) + 1))
-        nbytes = part.copy_nbytes()
-        res, dur, delay = np.empty(len(which), np.int64), np.empty(len(which)), np.empty(len(which))
-        for g, (src, dst, redop) in enumerate(distinct.tolist()):
-            sel = order[bounds[g]:bounds[g + 1]]
-            key, seconds, latency = self._copy_cost(part.memories[src], part.memories[dst], nbytes[sel],
-                                                    _redop_name(redop))
-            res[sel], dur[sel], delay[sel] = self._resource(key), seconds, latency
-        return res, dur, delay
+        """_cost of a region result's copies, from its arrays: each distinct (source, destination,
+        fold or not) looked up once (_copy_pair), the seconds of all copies in one go with
+        CostModel.copy_times (the arithmetic of transfer_time and fold_time: the same seconds as
+        copy by copy)."""
+        numbers = np.array([self._memory_number[m] for m in part.memories], np.int64)
+        src, dst = numbers[part.copy_ends[:, 0]], numbers[part.copy_ends[:, 1]]
+        fold = (part.copy_redop >= 0) | (src == dst)
+        codes, which = np.unique((src * len(self._memory_number) + dst) * 2 + fold, return_inverse=True)
+        pairs = [self._copy_pair(int(c)) for c in codes.tolist()]
+        res, bandwidth, latency, dst_bandwidth = (np.array(column)[which.reshape(-1)] for column in zip(*pairs))
+        return res, self.cost.copy_times(part.copy_nbytes(), bandwidth, dst_bandwidth, fold), latency
+
+    def _copy_pair(self, code: int) -> tuple[int, float, float, float]:
+        """(resource index, the link's bandwidth (inf within one memory), its latency, the destination
+        device's memory bandwidth) of copies from memory src to dst, `code` (src * memories + dst)
+        * 2 + fold, made once."""
+        known = self._pairs.get(code)
+        if known is None:
+            memories = self.machine.memories
+            src, dst = divmod(code // 2, len(memories))
+            src, dst = memories[src], memories[dst]
+            device = self.cost.device(self._memory_proc[dst])
+            if src == dst:
+                known = (self._resource(("memory", dst)), math.inf, 0.0, device.mem_bandwidth)
+            else:
+                link = self.machine_model.link(src, dst)
+                known = (self._resource(("link", self.machine_model.channel(src, dst))), link.bandwidth, link.latency,
+                         device.mem_bandwidth)
+            self._pairs[code] = known
+        return known
 
     def _resource(self, key: tuple) -> int:
         r = self._resource_index.get(key)
@@ -261,13 +278,19 @@ class Simulator:
         """(the resource index a node occupies, its seconds there, its delay after)."""
         if isinstance(node, CopyNode):
             return self._copy_cost_of(node.src, node.dst, node.nbytes, node.redop)
-        cost = self.cost
-        if tc.phase == FILL:
-            seconds = cost.fill_time(node.nbytes, node.proc)
-        elif tc.phase == UPDATE:
-            seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
-        else:
-            seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
+        # what a task's seconds depend on, so that like tiles of other configs are timed once
+        what = ((FILL, node.nbytes, node.proc.kind) if tc.phase == FILL
+                else (tc.op.name, tc.phase, tc.rect, tc.param, node.proc.kind))
+        seconds = self._task_seconds.get(what)
+        if seconds is None:
+            cost = self.cost
+            if tc.phase == FILL:
+                seconds = cost.fill_time(node.nbytes, node.proc)
+            elif tc.phase == UPDATE:
+                seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
+            else:
+                seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
+            self._task_seconds[what] = seconds
         return self._resource(("proc", node.proc)), seconds, 0.0
 
     def _copy_cost_of(self, src, dst, nbytes: int, redop: str | None) -> tuple[int, float, float]:
