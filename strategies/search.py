@@ -154,6 +154,10 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
     """The Metropolis-Hastings chains, one per start with its share of the budget, into `result`."""
     ops = sim.ops
     neighbours = _neighbours(ops)
+    # the predicted time of every strategy simulated so far, by its configs in op order: a
+    # proposal often repeats one (a neighbour's config that the op already has, a move back),
+    # a sixth of them on tiny Inception-v3, and a simulation is deterministic
+    known: dict[tuple, float] = {}
     for start, n in zip(starts, share):
         if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
             continue
@@ -165,7 +169,10 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
                 break
             op = ops[int(rng.integers(len(ops)))]
             proposal = current.replace(op.name, _propose(sim, op, current, neighbours[op.name], rng))
-            t = _time(sim, proposal)
+            key = tuple([proposal.ops[o.name] for o in ops])
+            t = known.get(key)
+            if t is None:
+                t = known[key] = _time(sim, proposal)
             result.proposals += 1
             if not math.isfinite(t):
                 result.infeasible += 1
