@@ -6,9 +6,10 @@ edges. `analyze_region` does that with the algorithm of taskrt/analysis.py, step
 (users and whether their rects are disjoint, pieces with the memories holding them in
 insertion order, pending reductions folded per sub-rect in program order, a whole piece's
 copy moving it last), on arrays in one numba loop. The Python Analyzer stays what the
-runtime runs, and the reference tests/test_region_analysis.py compares this with. Keys are
-found by scanning the live slots in insertion order, so an access costs O(pieces + users);
-the Python maps' grid does better only past thousands of them.
+runtime runs, and the reference tests/test_region_analysis.py compares this with. Pieces
+and users are found through an index (a hash by rect, buckets along the dim the accesses
+split most; see "an index of a table's slots"), so that an access costs about the slots it
+meets rather than all of them.
 
 Inputs: the region's rank (dims); per task (access, in program order) its memory number and
 its first row in the requirement arrays (access_first has one more entry, the end); per
@@ -182,38 +183,268 @@ _P_ALIVE, _P_VSTART, _P_VLEN = range(3)
 _E_REDOP, _E_BUFNODE, _E_BUFREQ, _E_MEM, _E_NODE, _E_PREV, _E_NEXT = range(7)
 
 
+# ---- an index of a table's slots ---------------------------------------------------------------------
+# Pieces and users are looked up by exact rect and by overlap with a rect, once or more an
+# access. Scanning every slot made an access cost O(slots): at 1,024 devices, where a region
+# has thousands of tiles, a region's analysis took a quarter of a second. A table's index is
+# one int64 array:
+# - a hash of rect -> the last slot given that rect (open addressing, a power of two of
+#   buckets, -1 empty). Live rects are distinct within a table (pieces are disjoint, a user's
+#   rect has one slot), so that slot is the live one with that rect if any is;
+# - buckets along one dim (the one the accesses split most, between their distinct
+#   boundaries, at most MAX_BUCKETS): each a list of the live slots whose rect reaches into
+#   it; a rect that spans more than SPAN_BIG buckets is on a list of its own that every
+#   query reads. A query spanning more than SPAN_SCAN buckets scans the slots instead.
+# Dead slots stay listed until the table is compacted (_compact rebuilds the index).
+_H_COUNT, _H_SIZE, _DIM, _BUCKETS, _NODES, _NODE_CAP, _BIG, _BIG_CAP = range(8)
+_HEADER = 8
+MAX_BUCKETS = 4096
+SPAN_BIG = 16
+SPAN_SCAN = 64
+
+
 @numba.njit(cache=True, nogil=True)
-def _find(rects, info, n, r, nd):
+def _split_bounds(req_rect, nd):
+    """(the dim whose rects have the most distinct boundaries, those boundaries sorted, at most
+    MAX_BUCKETS + 1 of them: every k-th where there are more, the last kept)."""
+    best_dim, best = 0, np.empty(0, np.int64)
+    for d in range(nd):
+        values = np.empty(2 * req_rect.shape[0], np.int64)
+        k = 0
+        for row in range(req_rect.shape[0]):
+            if not _empty(req_rect[row], nd):
+                values[k] = req_rect[row, d]
+                values[k + 1] = req_rect[row, nd + d]
+                k += 2
+        distinct = _unique(values[:k])
+        if d == 0 or distinct.shape[0] > best.shape[0]:
+            best_dim, best = d, distinct
+    if best.shape[0] > MAX_BUCKETS + 1:
+        step = (best.shape[0] + MAX_BUCKETS - 1) // MAX_BUCKETS
+        kept = best[::step]
+        if kept[-1] != best[-1]:
+            out = np.empty(kept.shape[0] + 1, np.int64)
+            out[:-1] = kept
+            out[-1] = best[-1]
+            kept = out
+        best = kept
+    if best.shape[0] < 2:   # no rect, or empty ones only: one bucket
+        best = np.zeros(2, np.int64)
+    return best_dim, best
+
+
+@numba.njit(cache=True, nogil=True)
+def _new_index(dim, bounds, hash_size, node_cap, big_cap):
+    buckets = bounds.shape[0] - 1
+    ix = np.full(_HEADER + hash_size + bounds.shape[0] + buckets + 2 * node_cap + big_cap, -1, np.int64)
+    ix[_H_COUNT] = 0
+    ix[_H_SIZE] = hash_size
+    ix[_DIM] = dim
+    ix[_BUCKETS] = buckets
+    ix[_NODES] = 0
+    ix[_NODE_CAP] = node_cap
+    ix[_BIG] = 0
+    ix[_BIG_CAP] = big_cap
+    start = _HEADER + hash_size
+    ix[start:start + bounds.shape[0]] = bounds
+    return ix
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bounds_at(ix):
+    return _HEADER + ix[_H_SIZE]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _heads_at(ix):
+    return _bounds_at(ix) + ix[_BUCKETS] + 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nodes_at(ix):
+    return _heads_at(ix) + ix[_BUCKETS]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _big_at(ix):
+    return _nodes_at(ix) + 2 * ix[_NODE_CAP]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _hash(r, nd):
+    h = np.uint64(14695981039346656037)
+    for d in range(2 * nd):
+        h = (h ^ np.uint64(r[d])) * np.uint64(1099511628211)
+    # the low bits pick the bucket: mix the high ones in (splitmix64's finish)
+    h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return h ^ (h >> np.uint64(31))
+
+
+@numba.njit(cache=True, nogil=True)
+def _bucket(ix, x):
+    """The bucket holding coordinate x along the index's dim (clamped to the ends)."""
+    lo = _bounds_at(ix)
+    n = ix[_BUCKETS]
+    a, b = 0, n - 1
+    while a < b:   # the last bucket whose lower bound is <= x
+        m = (a + b + 1) // 2
+        if ix[lo + m] <= x:
+            a = m
+        else:
+            b = m - 1
+    return a
+
+
+@numba.njit(cache=True, nogil=True)
+def _span(ix, r, nd):
+    d = ix[_DIM]
+    return _bucket(ix, r[d]), _bucket(ix, r[nd + d] - 1)
+
+
+@numba.njit(cache=True, nogil=True)
+def _find(tab, rects, info, r, nd):
     """The live slot whose rect equals r, or -1."""
-    for s in range(n):
-        if info[s, 0] and _equal(rects[s], r, nd):
-            return s
-    return -1
+    mask = tab[_H_SIZE] - 1
+    i = np.int64(_hash(r, nd) & np.uint64(mask))
+    while True:
+        s = tab[_HEADER + i]
+        if s < 0:
+            return -1
+        if _equal(rects[s], r, nd):
+            return s if info[s, 0] else -1
+        i = (i + 1) & mask
 
 
 @numba.njit(cache=True, nogil=True)
-def _overlapping(rects, info, n, r, nd):
-    """The live slots whose rect shares a point with r, in insertion order."""
-    out = np.empty(n, np.int64)
+def _add(ix, rects, s, nd):
+    """Enter slot s in the index, which has room for it."""
+    mask = ix[_H_SIZE] - 1
+    i = np.int64(_hash(rects[s], nd) & np.uint64(mask))
+    while True:
+        t = ix[_HEADER + i]
+        if t < 0:
+            ix[_HEADER + i] = s
+            ix[_H_COUNT] += 1
+            break
+        if _equal(rects[t], rects[s], nd):
+            ix[_HEADER + i] = s
+            break
+        i = (i + 1) & mask
+    if _empty(rects[s], nd):
+        return
+    b0, b1 = _span(ix, rects[s], nd)
+    if b1 - b0 + 1 > SPAN_BIG:
+        ix[_big_at(ix) + ix[_BIG]] = s
+        ix[_BIG] += 1
+        return
+    heads, nodes = _heads_at(ix), _nodes_at(ix)
+    for b in range(b0, b1 + 1):
+        k = ix[_NODES]
+        ix[nodes + 2 * k] = s
+        ix[nodes + 2 * k + 1] = ix[heads + b]
+        ix[heads + b] = k
+        ix[_NODES] = k + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _reindex(ix, rects, info, n, nd, hash_size, node_cap, big_cap):
+    """A new index of the live slots below n, with these capacities."""
+    lo = _bounds_at(ix)
+    out = _new_index(ix[_DIM], ix[lo:lo + ix[_BUCKETS] + 1].copy(), hash_size, node_cap, big_cap)
+    for s in range(n):
+        if info[s, 0]:
+            _add(out, rects, s, nd)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _put(ix, rects, info, s, nd):
+    """Enter slot s; the index, rebuilt larger where it had no room."""
+    need = 1 if _empty(rects[s], nd) else _span(ix, rects[s], nd)[1] - _span(ix, rects[s], nd)[0] + 1
+    hash_size, node_cap, big_cap = ix[_H_SIZE], ix[_NODE_CAP], ix[_BIG_CAP]
+    if 2 * (ix[_H_COUNT] + 1) > hash_size or ix[_NODES] + need > node_cap or ix[_BIG] + 1 > big_cap:
+        while 2 * (s + 2) > hash_size:
+            hash_size *= 2
+        while 2 * (ix[_NODES] + need) > node_cap:
+            node_cap *= 2
+        while 2 * (ix[_BIG] + 1) > big_cap:
+            big_cap *= 2
+        ix = _reindex(ix, rects, info, s, nd, hash_size, node_cap, big_cap)
+    _add(ix, rects, s, nd)
+    return ix
+
+
+@numba.njit(cache=True, nogil=True)
+def _compact(tab, rects, info, n, nd):
+    """(index, rects, info, n) with the dead slots dropped, the live ones in their order: when
+    more than half are dead (pieces copied to another memory move last, leaving one behind
+    each time), so that lookups stay linear in what is live."""
+    alive = 0
+    for s in range(n):
+        if info[s, 0]:
+            alive += 1
+    if 2 * alive >= n:
+        return tab, rects, info, n
     k = 0
     for s in range(n):
-        if info[s, 0] and _overlaps(rects[s], r, nd):
-            out[k] = s
+        if info[s, 0]:
+            rects[k] = rects[s]
+            info[k] = info[s]
             k += 1
-    return out[:k]
+    return _reindex(tab, rects, info, k, nd, tab[_H_SIZE], tab[_NODE_CAP], tab[_BIG_CAP]), rects, info, k
 
 
 @numba.njit(cache=True, nogil=True)
-def _over(rects, info, n, r, nd, exact_first):
+def _overlapping(tab, rects, info, n, r, nd):
+    """The live slots whose rect shares a point with r, in insertion order."""
+    if _empty(r, nd):
+        return np.empty(0, np.int64)
+    b0, b1 = _span(tab, r, nd)
+    if b1 - b0 + 1 > SPAN_SCAN:
+        out = np.empty(n, np.int64)
+        k = 0
+        for s in range(n):
+            if info[s, 0] and _overlaps(rects[s], r, nd):
+                out[k] = s
+                k += 1
+        return out[:k]
+    heads, nodes, big = _heads_at(tab), _nodes_at(tab), _big_at(tab)
+    count = tab[_BIG]
+    for b in range(b0, b1 + 1):
+        x = tab[heads + b]
+        while x >= 0:
+            count += 1
+            x = tab[nodes + 2 * x + 1]
+    found = np.empty(count, np.int64)
+    k = 0
+    for q in range(tab[_BIG]):
+        s = tab[big + q]
+        if info[s, 0] and _overlaps(rects[s], r, nd):
+            found[k] = s
+            k += 1
+    for b in range(b0, b1 + 1):
+        x = tab[heads + b]
+        while x >= 0:
+            s = tab[nodes + 2 * x]
+            if info[s, 0] and _overlaps(rects[s], r, nd):
+                found[k] = s
+                k += 1
+            x = tab[nodes + 2 * x + 1]
+    return _unique(found[:k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _over(tab, rects, info, n, r, nd, exact_first):
     """The slot keyed r alone when `exact_first` and there is one, else every overlap: the
     Analyzer's _overlapping_pieces (always) and _overlapping_users (when users are disjoint)."""
     if exact_first:
-        s = _find(rects, info, n, r, nd)
+        s = _find(tab, rects, info, r, nd)
         if s >= 0:
             out = np.empty(1, np.int64)
             out[0] = s
             return out
-    return _overlapping(rects, info, n, r, nd)
+    return _overlapping(tab, rects, info, n, r, nd)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -240,19 +471,26 @@ def _unique(a):
 
 
 # ---- the analysis ------------------------------------------------------------------------------------
+#: accesses between looks at how many slots are dead (_compact)
+COMPACT_EVERY = 32
+
+
 @numba.njit(cache=True, nogil=True)
 def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     cap = 16
+    split_dim, bounds = _split_bounds(req_rect, nd)
     w = 2 * nd
     u_rect = np.empty((cap, w), np.int64)
     u_info = np.zeros((cap, 5), np.int64)
     n_u = 0
+    u_tab = _new_index(split_dim, bounds, 64, 64, 16)
     links = np.empty((cap, 3), np.int64)      # a user list's entries: (node, privilege, next)
     n_l = 0
     disjoint = True
     p_rect = np.empty((cap, w), np.int64)
     p_info = np.zeros((cap, 3), np.int64)
     n_p = 0
+    p_tab = _new_index(split_dim, bounds, 64, 64, 16)
     vals = np.empty((cap, 2), np.int64)       # (memory, producer) blocks of the pieces
     n_v = 0
     e_rect = np.empty((cap, w), np.int64)
@@ -270,6 +508,9 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     preds = np.empty(cap, np.int64)
 
     for a in range(n_access):
+        if a % COMPACT_EVERY == 0:
+            p_tab, p_rect, p_info, n_p = _compact(p_tab, p_rect, p_info, n_p, nd)
+            u_tab, u_rect, u_info, n_u = _compact(u_tab, u_rect, u_info, n_u, nd)
         mem = access_mem[a]
         r0, r1 = access_first[a], access_first[a + 1]
         n_preds = 0
@@ -296,9 +537,9 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     fpreds[0] = e_info[e, _E_NODE]
                     n_f = 1
                     # the fold target reads (RW): what part needs in mem, copied in where missing
-                    (p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
-                     fpreds, n_f) = _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed,
-                                              next_id, fpreds, n_f, part, True, mem, a, nd)
+                    (p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
+                     fpreds, n_f) = _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges,
+                                              n_ed, next_id, fpreds, n_f, part, True, mem, a, nd)
                     fid = next_id
                     next_id += 1
                     copies = _room(copies, n_c + 1)
@@ -313,9 +554,10 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     copy_rects[n_c] = part
                     n_c += 1
                     edges, n_ed = _edges(edges, n_ed, fid, fpreds[:n_f])
-                    p_rect, p_info, n_p, vals, n_v = _set_valid(p_rect, p_info, n_p, vals, n_v, part, mem, fid, nd)
-                    (u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
-                        u_rect, u_info, n_u, links, n_l, disjoint, part, READ_WRITE_CODE, fid, nd)
+                    p_tab, p_rect, p_info, n_p, vals, n_v = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, part,
+                                                                        mem, fid, nd)
+                    (u_tab, u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
+                        u_tab, u_rect, u_info, n_u, links, n_l, disjoint, part, READ_WRITE_CODE, fid, nd)
                     preds = _room(preds, n_preds + 1)
                     preds[n_preds] = fid
                     n_preds += 1
@@ -343,7 +585,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     n_pending -= 1
             # ---- logical dependences (Analyzer._logical_preds)
             reading = priv == READ_CODE
-            over = _over(u_rect, u_info, n_u, rect, nd, disjoint)
+            over = _over(u_tab, u_rect, u_info, n_u, rect, nd, disjoint)
             for q in range(over.shape[0]):
                 s = over[q]
                 for head in (_U_RHEAD, _U_OHEAD):
@@ -358,9 +600,9 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
             if priv < REDUCE_BASE:
                 reads = priv == READ_CODE or priv == READ_WRITE_CODE
                 preds = _room(preds, n_preds + 2 * (n_p + 1))
-                (p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
-                 preds, n_preds) = _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed,
-                                             next_id, preds, n_preds, rect, reads, mem, a, nd)
+                (p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
+                 preds, n_preds) = _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges,
+                                             n_ed, next_id, preds, n_preds, rect, reads, mem, a, nd)
         # ---- the task, then what it leaves behind
         tid = next_id
         next_id += 1
@@ -370,10 +612,11 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
             rect, priv = req_rect[row], req_priv[row]
             if _empty(rect, nd):
                 continue
-            (u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
-                u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, tid, nd)
+            (u_tab, u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
+                u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, tid, nd)
             if priv == WRITE_CODE or priv == READ_WRITE_CODE:
-                p_rect, p_info, n_p, vals, n_v = _set_valid(p_rect, p_info, n_p, vals, n_v, rect, mem, tid, nd)
+                p_tab, p_rect, p_info, n_p, vals, n_v = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem,
+                                                                    tid, nd)
             elif priv >= REDUCE_BASE:
                 e_rect = _room(e_rect, n_e + 1)
                 e_info = _room(e_info, n_e + 1)
@@ -415,23 +658,24 @@ def _edges(edges, n_ed, node, preds):
 
 
 @numba.njit(cache=True, nogil=True)
-def _new_piece(p_rect, p_info, n_p, rect, vstart, vlen):
+def _new_piece(p_tab, p_rect, p_info, n_p, rect, vstart, vlen, nd):
     p_rect = _room(p_rect, n_p + 1)
     p_info = _room(p_info, n_p + 1)
     p_rect[n_p] = rect
     p_info[n_p, _P_ALIVE] = 1
     p_info[n_p, _P_VSTART] = vstart
     p_info[n_p, _P_VLEN] = vlen
-    return p_rect, p_info, n_p + 1
+    p_tab = _put(p_tab, p_rect, p_info, n_p, nd)
+    return p_tab, p_rect, p_info, n_p + 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds, n_preds,
-              rect, reads, mem, access, nd):
+def _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds,
+              n_preds, rect, reads, mem, access, nd):
     """Analyzer._physical_preds: depend on whoever made `rect`'s pieces valid in `mem`; where
     one is valid elsewhere only and the access reads, copy it (or its overlap) in first.
     `preds` has room for two entries per piece."""
-    for s in _over(p_rect, p_info, n_p, rect, nd, True):
+    for s in _over(p_tab, p_rect, p_info, n_p, rect, nd, True):
         vs, vl = p_info[s, _P_VSTART], p_info[s, _P_VLEN]
         found = -1
         for q in range(vs, vs + vl):
@@ -475,42 +719,42 @@ def _physical(p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_
         if not whole:   # the rest keeps its memories, before the copied part (Analyzer's order)
             rests = _subtract(p_rect[s], inter, nd)
             for q in range(rests.shape[0]):
-                p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, rests[q], vs, vl)
-        p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, inter, n_v, vl + 1)
+                p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, rests[q], vs, vl, nd)
+        p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, inter, n_v, vl + 1, nd)
         n_v += vl + 1
         preds = _room(preds, n_preds + 1)
         preds[n_preds] = cid
         n_preds += 1
-    return p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds, n_preds
+    return p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds, n_preds
 
 
 @numba.njit(cache=True, nogil=True)
-def _set_valid(p_rect, p_info, n_p, vals, n_v, rect, mem, node, nd):
+def _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem, node, nd):
     """Analyzer._set_valid: `rect` is valid in `mem` alone, made so by `node`."""
     vals = _room(vals, n_v + 1)
     vals[n_v, 0] = mem
     vals[n_v, 1] = node
-    s = _find(p_rect, p_info, n_p, rect, nd)
+    s = _find(p_tab, p_rect, p_info, rect, nd)
     if s >= 0:
         p_info[s, _P_VSTART] = n_v
         p_info[s, _P_VLEN] = 1
-        return p_rect, p_info, n_p, vals, n_v + 1
-    for t in _overlapping(p_rect, p_info, n_p, rect, nd):
+        return p_tab, p_rect, p_info, n_p, vals, n_v + 1
+    for t in _overlapping(p_tab, p_rect, p_info, n_p, rect, nd):
         p_info[t, _P_ALIVE] = 0
         rests = _subtract(p_rect[t], rect, nd)
         for q in range(rests.shape[0]):
-            p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, rests[q], p_info[t, _P_VSTART],
-                                             p_info[t, _P_VLEN])
-    p_rect, p_info, n_p = _new_piece(p_rect, p_info, n_p, rect, n_v, 1)
-    return p_rect, p_info, n_p, vals, n_v + 1
+            p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, rests[q], p_info[t, _P_VSTART],
+                                                    p_info[t, _P_VLEN], nd)
+    p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, rect, n_v, 1, nd)
+    return p_tab, p_rect, p_info, n_p, vals, n_v + 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd):
+def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd):
     """Analyzer._record_user: `node` touched `rect` with `priv`."""
     is_read = priv == READ_CODE
     if priv == WRITE_CODE or priv == READ_WRITE_CODE:
-        over = _over(u_rect, u_info, n_u, rect, nd, disjoint)
+        over = _over(u_tab, u_rect, u_info, n_u, rect, nd, disjoint)
         doomed = 0
         for s in over:
             if not _equal(u_rect[s], rect, nd) and _contains(rect, u_rect[s], nd):
@@ -520,7 +764,7 @@ def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd
             disjoint = _pairwise_disjoint(u_rect, u_info, n_u, nd)
         overlaps_others = over.shape[0] > doomed
     else:
-        s = _find(u_rect, u_info, n_u, rect, nd)
+        s = _find(u_tab, u_rect, u_info, rect, nd)
         if s >= 0:
             links = _room(links, n_l + 1)
             links[n_l, 0] = node
@@ -532,11 +776,11 @@ def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd
             else:
                 u_info[s, head] = n_l
             u_info[s, tail] = n_l
-            return u_rect, u_info, n_u, links, n_l + 1, disjoint
+            return u_tab, u_rect, u_info, n_u, links, n_l + 1, disjoint
         overlaps_others = False
         if disjoint:
-            overlaps_others = _overlapping(u_rect, u_info, n_u, rect, nd).shape[0] > 0
-    s = _find(u_rect, u_info, n_u, rect, nd)
+            overlaps_others = _overlapping(u_tab, u_rect, u_info, n_u, rect, nd).shape[0] > 0
+    s = _find(u_tab, u_rect, u_info, rect, nd)
     if s < 0:
         if disjoint and overlaps_others:
             disjoint = False
@@ -546,6 +790,7 @@ def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd
         n_u += 1
         u_rect[s] = rect
         u_info[s, _U_ALIVE] = 1
+        u_tab = _put(u_tab, u_rect, u_info, s, nd)
     # a new user list (a key given a new value keeps its slot)
     links = _room(links, n_l + 1)
     links[n_l, 0] = node
@@ -555,4 +800,4 @@ def _record_user(u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd
     u_info[s, _U_RTAIL] = n_l if is_read else -1
     u_info[s, _U_OHEAD] = -1 if is_read else n_l
     u_info[s, _U_OTAIL] = -1 if is_read else n_l
-    return u_rect, u_info, n_u, links, n_l + 1, disjoint
+    return u_tab, u_rect, u_info, n_u, links, n_l + 1, disjoint

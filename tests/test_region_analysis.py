@@ -95,6 +95,37 @@ def test_the_compiled_analysis_makes_what_the_analyzer_makes(case):
     assert got_edges == want_edges
 
 
+BIG_MACHINE = Machine.build(2, cpus_per_rank=4, separate_memories=True)
+
+
+@st.composite
+def tiled_access_lists(draw):
+    """Long programs over the tiles of several partitions of a long region: enough tiles that
+    rects fall in many of the index's buckets (one rect spanning more than SPAN_BIG, a query
+    more than SPAN_SCAN) and enough accesses that dead slots are compacted away."""
+    n0, n1 = draw(st.integers(64, 200)), draw(st.integers(1, 6))
+    region = Region((n0, n1), "float32", "r")
+    partitions = []
+    for parts in draw(st.lists(st.sampled_from([1, 2, 3, 20, 70, n0]), min_size=1, max_size=3)):
+        cuts = [n0 * i // parts for i in range(parts + 1)]
+        partitions.append([Rect((a, 0), (b, n1)) for a, b in zip(cuts, cuts[1:]) if b > a])
+    if n1 > 1:
+        partitions.append([Rect((0, j), (n0, j + 1)) for j in range(n1)])
+    accesses = []
+    for _ in range(draw(st.integers(40, 160))):
+        tiles = draw(st.sampled_from(partitions))
+        r = tiles[draw(st.integers(0, len(tiles) - 1))]
+        accesses.append((draw(st.sampled_from(BIG_MACHINE.processors)), [(r, draw(st.sampled_from(PRIVILEGES)))]))
+    return region, accesses
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiled_access_lists())
+def test_long_tiled_programs_match_too(case):
+    region, accesses = case
+    assert compiled(region, accesses) == reference(region, accesses)
+
+
 def test_a_data_parallel_weight_gradient_reduce_scatters_and_gathers():
     """Four devices reduce a weight's gradient, four shard readers fold it, four whole readers
     gather it: the hand-countable case, both ways."""
