@@ -448,12 +448,12 @@ def _over(tab, rects, info, n, r, nd, exact_first):
 
 
 @numba.njit(cache=True, nogil=True)
-def _pairwise_disjoint(u_rect, u_info, n_u, nd):
+def _pairwise_disjoint(u_tab, u_rect, u_info, n_u, nd):
+    """No two live users' rects overlap (each user's overlaps found through the index: a live
+    non-empty rect overlaps itself, so more than one is another)."""
     for i in range(n_u):
-        if not u_info[i, _U_ALIVE] or _empty(u_rect[i], nd):
-            continue
-        for j in range(i + 1, n_u):
-            if u_info[j, _U_ALIVE] and _overlaps(u_rect[i], u_rect[j], nd):
+        if u_info[i, _U_ALIVE] and not _empty(u_rect[i], nd):
+            if _overlapping(u_tab, u_rect, u_info, n_u, u_rect[i], nd).shape[0] > 1:
                 return False
     return True
 
@@ -761,7 +761,7 @@ def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, n
                 u_info[s, _U_ALIVE] = 0   # a writer orders everything after it: forget what it covers
                 doomed += 1
         if doomed and not disjoint:
-            disjoint = _pairwise_disjoint(u_rect, u_info, n_u, nd)
+            disjoint = _pairwise_disjoint(u_tab, u_rect, u_info, n_u, nd)
         overlaps_others = over.shape[0] > doomed
     else:
         s = _find(u_tab, u_rect, u_info, rect, nd)
