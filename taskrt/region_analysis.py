@@ -27,7 +27,8 @@ one moved last gets a new slot, a deleted one is marked dead):
 - pieces: rect, alive, and its valid memories as a block of (memory, producer) rows in the
   value arrays (producer -1: valid before any node), never changed once written;
 - pending: a doubly linked list in program order of (rect, operator, buffer, memory, node);
-  a partly folded entry's rest takes its place in the list.
+  a partly folded entry's rest takes its place in the list. An index like the other tables'
+  finds the entries a rect overlaps, and order labels put them in the list's order.
 """
 from __future__ import annotations
 
@@ -473,6 +474,10 @@ def _unique(a):
 # ---- the analysis ------------------------------------------------------------------------------------
 #: accesses between looks at how many slots are dead (_compact)
 COMPACT_EVERY = 32
+#: the gap between the order labels of pending reductions appended to the list: the list is
+#: in program order, and a partly folded entry's rests take its place, so an overlap query
+#: over the index sorts its hits by label (order maintenance; _relabel when a gap runs out)
+LABEL_GAP = 1 << 20
 
 
 @numba.njit(cache=True, nogil=True)
@@ -497,6 +502,11 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     e_info = np.empty((cap, 7), np.int64)
     n_e = 0
     e_head, e_tail, n_pending = -1, -1, 0
+    # the pending entries' index (alive: in the list) and their order labels (_relabel)
+    e_live = np.zeros((cap, 1), np.int64)
+    e_label = np.empty(cap, np.int64)
+    e_tab = _new_index(split_dim, bounds, 64, 64, 16)
+    e_dead_listed = 0
     copies = np.empty((cap, 7), np.int64)
     copy_rects = np.empty((cap, w), np.int64)
     n_c = 0
@@ -511,6 +521,9 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
         if a % COMPACT_EVERY == 0:
             p_tab, p_rect, p_info, n_p = _compact(p_tab, p_rect, p_info, n_p, nd)
             u_tab, u_rect, u_info, n_u = _compact(u_tab, u_rect, u_info, n_u, nd)
+            if e_dead_listed > n_pending:   # (list entries are linked by slot: reindexed, not compacted)
+                e_tab = _reindex(e_tab, e_rect, e_live, n_e, nd, e_tab[_H_SIZE], e_tab[_NODE_CAP], e_tab[_BIG_CAP])
+                e_dead_listed = 0
         mem = access_mem[a]
         r0, r1 = access_first[a], access_first[a + 1]
         n_preds = 0
@@ -520,15 +533,10 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 continue
             # ---- fold the pending reductions that overlap and do not commute (Analyzer._flush)
             if n_pending:
-                hits = np.empty(n_pending, np.int64)
-                n_hits = 0
-                e = e_head
-                while e >= 0:
-                    if _overlaps(e_rect[e], rect, nd):
-                        hits[n_hits] = e
-                        n_hits += 1
-                    e = e_info[e, _E_NEXT]
-                for h in range(n_hits):
+                hits = _overlapping(e_tab, e_rect, e_live, n_e, rect, nd)
+                if hits.shape[0] > 1:   # in the list's order
+                    hits = hits[np.argsort(e_label[hits])]
+                for h in range(hits.shape[0]):
                     e = hits[h]
                     if priv >= REDUCE_BASE and priv == REDUCE_BASE + e_info[e, _E_REDOP]:
                         continue
@@ -566,11 +574,25 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     before, after = e_info[e, _E_PREV], e_info[e, _E_NEXT]
                     e_rect = _room(e_rect, n_e + rests.shape[0])
                     e_info = _room(e_info, n_e + rests.shape[0])
-                    for q in range(rests.shape[0]):
+                    e_live = _room(e_live, n_e + rests.shape[0])
+                    e_label = _room(e_label, n_e + rests.shape[0])
+                    # labels for the rests, in e's place: from e's own up to the next entry's
+                    k = rests.shape[0]
+                    upper = e_label[after] if after >= 0 else e_label[e] + LABEL_GAP
+                    if (upper - e_label[e]) // (k + 1) == 0:
+                        _relabel(e_label, e_info, e_head)
+                        upper = e_label[after] if after >= 0 else e_label[e] + LABEL_GAP
+                    step = (upper - e_label[e]) // (k + 1)
+                    e_live[e, 0] = 0
+                    e_dead_listed += 1
+                    for q in range(k):
                         x = n_e
                         n_e += 1
                         e_rect[x] = rests[q]
                         e_info[x] = e_info[e]
+                        e_label[x] = e_label[e] + q * step
+                        e_live[x, 0] = 1
+                        e_tab = _put(e_tab, e_rect, e_live, x, nd)
                         e_head = _link(e_info, x, before, e_head)
                         before = x
                         n_pending += 1
@@ -620,9 +642,14 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
             elif priv >= REDUCE_BASE:
                 e_rect = _room(e_rect, n_e + 1)
                 e_info = _room(e_info, n_e + 1)
+                e_live = _room(e_live, n_e + 1)
+                e_label = _room(e_label, n_e + 1)
                 x = n_e
                 n_e += 1
                 e_rect[x] = rect
+                e_label[x] = e_label[e_tail] + LABEL_GAP if e_tail >= 0 else 0
+                e_live[x, 0] = 1
+                e_tab = _put(e_tab, e_rect, e_live, x, nd)
                 e_info[x, _E_REDOP] = priv - REDUCE_BASE
                 e_info[x, _E_BUFNODE] = tid
                 e_info[x, _E_BUFREQ] = row - r0
@@ -633,6 +660,18 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 e_tail = x
                 n_pending += 1
     return copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def _relabel(e_label, e_info, head):
+    """Space the pending list's labels LABEL_GAP apart again, in its order (when a split found
+    no room between two neighbours' labels)."""
+    e = head
+    label = 0
+    while e >= 0:
+        e_label[e] = label
+        label += LABEL_GAP
+        e = e_info[e, _E_NEXT]
 
 
 @numba.njit(cache=True, nogil=True)
