@@ -35,7 +35,6 @@ from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
 from strategies.timing import Timing, schedule
 from taskrt.heap import collect_cycles_less, keep_freed_memory
-from taskrt.region_analysis import redop_name as _redop_name
 from taskrt.taskgraph import CopyNode
 
 
