@@ -98,10 +98,18 @@ class _Bar:
             self.stream.flush()
 
 
-def _time(sim: Simulator, strategy: Strategy) -> float:
-    """Predicted seconds of one iteration; infinite when the strategy does not fit the memory."""
-    result = sim.simulate(strategy)
-    return result.time if result.fits else math.inf
+def _time(sim: Simulator, strategy: Strategy, known: dict) -> float:
+    """Predicted seconds of one iteration; infinite when the strategy does not fit the memory.
+    `known` holds the time of every strategy timed so far in this search, by its configs in op
+    order: the chains often propose one again (a neighbour's config that the op already has, a
+    move back; a sixth of the proposals on tiny Inception-v3), and a simulation is
+    deterministic."""
+    key = tuple([strategy.ops[op.name] for op in sim.ops])
+    t = known.get(key)
+    if t is None:
+        result = sim.simulate(strategy)
+        t = known[key] = result.time if result.fits else math.inf
+    return t
 
 
 def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = None, beta: float | None = None,
@@ -119,10 +127,11 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     graph_ops = model if model is not None else [op for op in sim.ops if op.name != sim.loss]
     baselines = {}
     starting = {}
+    known: dict[tuple, float] = {}
     for name, make in BASELINES.items():
         s = _complete(sim, make(graph_ops, sim.machine))
         t = time.perf_counter()
-        baselines[name] = _time(sim, s)
+        baselines[name] = _time(sim, s, known)
         starting[name] = s
         if progress is not None:   # a first graph at 64 devices takes seconds: say what is going on
             progress.write(f"search: baseline {name:8s} {baselines[name] * 1e3:10.3f} ms predicted "
@@ -141,7 +150,7 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     # of the collector's full passes while the chains run (a fifth of a proposal's time)
     gc.freeze()
     try:
-        _chains(sim, result, starting, baselines, starts, share, rng, beta, deadline, bar)
+        _chains(sim, result, starting, baselines, starts, share, rng, beta, deadline, bar, known)
     finally:
         gc.unfreeze()
     bar.close()
@@ -150,29 +159,22 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
 
 
 def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dict, starts, share, rng, beta: float,
-            deadline: float | None, bar: "_Bar") -> None:
+            deadline: float | None, bar: "_Bar", known: dict) -> None:
     """The Metropolis-Hastings chains, one per start with its share of the budget, into `result`."""
     ops = sim.ops
     neighbours = _neighbours(ops)
-    # the predicted time of every strategy simulated so far, by its configs in op order: a
-    # proposal often repeats one (a neighbour's config that the op already has, a move back),
-    # a sixth of them on tiny Inception-v3, and a simulation is deterministic
-    known: dict[tuple, float] = {}
     for start, n in zip(starts, share):
         if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
             continue
         current = starting[start]
-        current_time = baselines.get(start) if start in baselines else _time(sim, current)
+        current_time = baselines.get(start) if start in baselines else _time(sim, current, known)
         chain_best, since = current_time, 0
         for _ in range(n):
             if deadline is not None and time.perf_counter() > deadline:
                 break
             op = ops[int(rng.integers(len(ops)))]
             proposal = current.replace(op.name, _propose(sim, op, current, neighbours[op.name], rng))
-            key = tuple([proposal.ops[o.name] for o in ops])
-            t = known.get(key)
-            if t is None:
-                t = known[key] = _time(sim, proposal)
+            t = _time(sim, proposal, known)
             result.proposals += 1
             if not math.isfinite(t):
                 result.infeasible += 1

@@ -115,3 +115,20 @@ def test_the_random_start_is_drawn_from_the_proposals():
     for c in configs.values():
         assert c.num_tiles in counts
         assert list(c.devices) == list(range(c.devices[0], c.devices[0] + c.num_tiles))
+
+
+def test_a_proposal_that_repeats_a_strategy_is_not_simulated_again(monkeypatch):
+    """The chains meet strategies timed before (a baseline, a neighbour's config the op already
+    has, a move back); the memo answers those. On a three-op graph most proposals repeat one."""
+    model = mlp()
+    sim = simulator(model)
+    timed = []
+    simulate = sim.simulate
+
+    def counting(strategy, *args, **kwargs):
+        timed.append(tuple(sorted(strategy.ops.items())))
+        return simulate(strategy, *args, **kwargs)
+    monkeypatch.setattr(sim, "simulate", counting)
+    result = search(sim, budget=60, seed=1, model=model)
+    assert len(timed) == len(set(timed)), "a strategy simulated twice"
+    assert len(timed) < result.proposals
