@@ -6,7 +6,8 @@ Measured here, on one core:
 - graph building, microseconds per node of one training iteration's graph for a 102-op
   network of conv / batch norm / relu blocks then flat, dense and softmax, data parallel on
   4, 16 and 64 processors (Machine.build(P // 4, 4)): by the runtime over the whole program
-  (strategies.graph.build_iteration), from empty segment caches (strategies.segments), from
+  (strategies.graph.build_iteration), by the runtime replaying a recorded training step (the
+  third and later steps of Lowering.train_step), from empty segment caches (strategies.segments), from
   full caches (assembly only), and after one op's config changes (the delta a search
   proposal costs); the target is 10 us per node at 64;
 - full simulations (the runtime's graph built afresh, costs, timing) and delta simulations
@@ -35,8 +36,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
-from ops.lower import default_config  # noqa: E402
+from ops.lower import Lowering, default_config  # noqa: E402
 from ops.model import Model  # noqa: E402
+from ops.optimizers import SGD  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.graph import build_iteration  # noqa: E402
 from strategies.random import random_config  # noqa: E402
@@ -94,11 +96,34 @@ def build_rate(model: Model, processors: int, changes: int) -> dict:
         g = builder.build(changed)
         delta.append((time.perf_counter() - t0) / len(g.nodes))
 
+    # last: the replayed steps leave 10^5 nodes a step alive until collected
+    replayed = replayed_step_rate(ops, inputs, loss.name, configs, machine)
+
     def us(seconds):
         return round(seconds / nodes * 1e6, 2)
-    return {"nodes": nodes, "runtime_us_per_node": us(runtime), "segments_cold_us_per_node": us(cold),
+    return {"nodes": nodes, "runtime_us_per_node": us(runtime), "runtime_replayed_us_per_node": replayed,
+            "segments_cold_us_per_node": us(cold),
             "segments_cached_us_per_node": us(warm),
             "one_change_us_per_node": round(float(np.median(delta)) * 1e6, 2) if delta else None}
+
+
+def replayed_step_rate(ops, inputs, loss: str, configs: dict, machine, steps: int = 5) -> float:
+    """Microseconds per node of a training step the runtime replays (Lowering.train_step on an
+    execute=False runtime: the first two steps are analyzed, the later ones reissue the
+    recorded program): the median over steps 3 to `steps`."""
+    rt = Runtime(machine, execute=False)
+    low = Lowering(rt, ops, inputs, configs, SGD(lr=0.01, momentum=0.9), loss=loss, tag="replayed")
+    rates = []
+    for step in range(1, steps + 1):
+        for t in inputs:
+            rt.fill(low.values[t.name], 0)
+        first = rt._next_id
+        t0 = time.perf_counter()
+        low.train_step(step)
+        if step >= 3:
+            rates.append((time.perf_counter() - t0) / (rt._next_id - first))
+    rt.shutdown()
+    return round(float(np.median(rates)) * 1e6, 2)
 
 
 def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
