@@ -237,8 +237,8 @@ class Simulator:
     def _region_costs(self, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """_cost of a region result's copies, from its arrays: each distinct (source, destination,
         fold or not) looked up once (_copy_pair), the seconds of all copies in one go with
-        CostModel.copy_times (the arithmetic of transfer_time and fold_time: the same seconds as
-        copy by copy)."""
+        CostModel.copy_times (the arithmetic of transfer_time and fold_time, element by element:
+        the same seconds as _copy_cost_of's copy by copy)."""
         numbers = np.array([self._memory_number[m] for m in part.memories], np.int64)
         src, dst = numbers[part.copy_ends[:, 0]], numbers[part.copy_ends[:, 1]]
         fold = (part.copy_redop >= 0) | (src == dst)
@@ -293,26 +293,18 @@ class Simulator:
         return self._resource(("proc", node.proc)), seconds, 0.0
 
     def _copy_cost_of(self, src, dst, nbytes: int, redop: str | None) -> tuple[int, float, float]:
-        """_cost of a copy of `nbytes` from memory `src` to `dst` (a fold with `redop`), made once."""
+        """_cost of a copy of `nbytes` from memory `src` to `dst` (a fold with `redop`), made once: the
+        arithmetic of _region_costs for one copy."""
         what = (src, dst, nbytes, redop)
         known = self._copy_costs.get(what)
         if known is None:
-            key, seconds, latency = self._copy_cost(src, dst, nbytes, redop)
-            known = self._copy_costs[what] = (self._resource(key), seconds, latency)
+            fold = redop is not None or src == dst
+            res, bandwidth, latency, dst_bandwidth = self._copy_pair(
+                (self._memory_number[src] * len(self._memory_number) + self._memory_number[dst]) * 2 + fold)
+            seconds = self.cost.copy_times(np.array([nbytes]), np.array([bandwidth]), np.array([dst_bandwidth]),
+                                           np.array([fold]))
+            known = self._copy_costs[what] = (res, float(seconds[0]), latency)
         return known
-
-    def _copy_cost(self, src, dst, nbytes, redop: str | None) -> tuple[tuple, float, float]:
-        """(the resource a copy occupies, its seconds there: its bytes on the link and a fold's
-        work, the link's latency in flight); `nbytes` may be an array of copies' bytes."""
-        mm, cost = self.machine_model, self.cost
-        device = self._memory_proc[dst]
-        if src == dst:
-            return ("memory", dst), cost.fold_time(nbytes, device), 0.0
-        link = mm.link(src, dst)
-        seconds = cost.transfer_time(nbytes, link)
-        if redop is not None:
-            seconds += cost.fold_time(nbytes, device)
-        return ("link", mm.channel(src, dst)), seconds, link.latency
 
     def tasks_to_measure(self, strategy) -> list[tuple]:
         """(op, phase, rect, processor[, param]) of every task of the iteration, for CostModel.measure_all
