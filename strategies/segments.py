@@ -36,6 +36,7 @@ build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -133,9 +134,6 @@ class RegionResult:
         object.__setattr__(self, "columns", columns)
         for name, row in zip(names, columns):
             object.__setattr__(self, name, row)
-
-    def __len__(self) -> int:
-        return len(self.copy_j)
 
     def copy_nodes(self, program: list) -> tuple:
         """The copies as CopyNode templates (ids -1), each named after the op of the task that
@@ -636,12 +634,15 @@ def _asks(task: TaskNode, reqs: tuple[int, ...]) -> tuple:
     return tuple((task.reqs[j].rect, task.reqs[j].privilege) for j in reqs)
 
 
-def _columns_of(result: RegionResult) -> np.ndarray:
-    return result.columns
+#: what the builder's joiners join of each region result
+_columns_of, _edges_of = operator.attrgetter("columns"), operator.attrgetter("edges")
 
 
-def _edges_of(result: RegionResult) -> np.ndarray:
-    return result.edges
+@numba.njit(cache=True, nogil=True, inline="always")
+def _end_node(kind, a, b, offset, base):
+    """The number of an edge end: a task (kind 1) is task b of the segment at program position a
+    (numbered from offset[a]); a copy (kind 0) is copy a of its result (numbered from base)."""
+    return offset[a] + b if kind == 1 else base + a
 
 
 @numba.njit(cache=True, nogil=True)
@@ -693,8 +694,7 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
         order[at] = v
         position[v] = at
         at += 1
-    # edges: an end is a task (kind 1: task b of the segment at position a) or a copy (kind 0:
-    # copy a of its result)
+    # edges, rows (dst kind, a, b, src kind, a, b): ends as layout positions
     m = edges.shape[1]
     dst = np.empty(m, np.int64)
     src = np.empty(m, np.int64)
@@ -702,13 +702,8 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
     base = n_tasks
     for r in range(edge_counts.shape[0]):
         for _ in range(edge_counts[r]):
-            for side in range(2):
-                kind, a, b = edges[3 * side, e], edges[3 * side + 1, e], edges[3 * side + 2, e]
-                node = offset[a] + b if kind == 1 else base + a
-                if side == 0:
-                    dst[e] = position[node]
-                else:
-                    src[e] = position[node]
+            dst[e] = position[_end_node(edges[0, e], edges[1, e], edges[2, e], offset, base)]
+            src[e] = position[_end_node(edges[3, e], edges[4, e], edges[5, e], offset, base)]
             e += 1
         base += copy_counts[r]
     ptr, idx = _pred_lists(dst, src, n)

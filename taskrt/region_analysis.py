@@ -362,7 +362,10 @@ def _reindex(ix, rects, info, n, nd, hash_size, node_cap, big_cap):
 @numba.njit(cache=True, nogil=True)
 def _put(ix, rects, info, s, nd):
     """Enter slot s; the index, rebuilt larger where it had no room."""
-    need = 1 if _empty(rects[s], nd) else _span(ix, rects[s], nd)[1] - _span(ix, rects[s], nd)[0] + 1
+    need = 1
+    if not _empty(rects[s], nd):
+        b0, b1 = _span(ix, rects[s], nd)
+        need = b1 - b0 + 1
     hash_size, node_cap, big_cap = ix[_H_SIZE], ix[_NODE_CAP], ix[_BIG_CAP]
     if 2 * (ix[_H_COUNT] + 1) > hash_size or ix[_NODES] + need > node_cap or ix[_BIG] + 1 > big_cap:
         while 2 * (s + 2) > hash_size:
