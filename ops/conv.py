@@ -23,12 +23,17 @@ from taskrt.geometry import Rect
 #: im2col works on batches of samples whose columns take about this many bytes: each core's
 #: part of the batch keeps its columns in its share of the L3 cache, beside other work
 _CHUNK_BYTES = 2 << 20
-#: fewer input channels than this and Winograd's transforms cost more than its GEMMs save
+#: Winograd (ops/winograd.py) where its transforms cost less than its GEMMs save. Measured on
+#: one core, forward + backward, against the im2col paths: 0.33-0.6x their time from 8x8 to
+#: 56x56 images with 16 to 512 channels, but 1.2-1.4x for 8 -> 8 channels (0.6x for 8 -> 16 or
+#: 16 -> 8), 1.1x for 512 channels at 7x7 with 32 blocks, and 1.0x for 64 channels with 8-16:
+#: with few blocks, transforming the filters ([36, C, OC]) is much of the work. So: at least
+#: this many input channels,
 _WINOGRAD_MIN_CHANNELS = 8
-#: smaller output images than this (pixels) and im2col is faster: few 4x4 blocks an image make
-#: its 36 GEMMs thin (measured on 2 cores: 0.5-0.7x im2col's time at 28x28 and up, 1.1-3x at
-#: 16x16 and below with 32 to 512 channels)
-_WINOGRAD_MIN_PIXELS = 24 * 24
+#: this many (input channels x the tile's output channels),
+_WINOGRAD_MIN_CHANNEL_PAIRS = 128
+#: and this many 4x4 output blocks in the tile
+_WINOGRAD_MIN_BLOCKS = 64
 #: output tiles of at most this many pixels (and a kernel other than 1x1, stride 1 along the
 #: width) run with all their samples' columns side by side (Conv2d._batched): one GEMM a chunk
 #: where the per-sample ones are thin. Measured on one core, forward + backward, batch 8-32,
@@ -318,17 +323,20 @@ class Conv2d(Op):
     def _path(self, xp, tile: Rect) -> str:
         """How a tile runs: "winograd" (see _winograd), "batched" (see _batched), or "columns":
         im2col per sample and one batched matmul per chunk (_forward_columns)."""
-        if self._winograd(xp):
+        if self._winograd(xp, tile):
             return "winograd"
         return "batched" if self._batched(xp, tile) else "columns"
 
-    def _winograd(self, xp) -> bool:
-        """Whether tiles run as Winograd F(4x4, 3x3) (ops/winograd.py): 3x3 stride-1 convolutions
-        of one group on the CPU, with enough input channels and output pixels for its transforms
-        to pay."""
-        out = self.outputs[0].shape
-        return (xp is np and self.kernel == (3, 3) and self.stride == (1, 1) and self.groups == 1
-                and self.inputs[0].shape[1] >= _WINOGRAD_MIN_CHANNELS and out[2] * out[3] >= _WINOGRAD_MIN_PIXELS)
+    def _winograd(self, xp, tile: Rect) -> bool:
+        """Whether a tile runs as Winograd F(4x4, 3x3) (ops/winograd.py): 3x3 stride-1 convolutions
+        of one group on the CPU, with enough channels and blocks for its transforms to pay."""
+        if not (xp is np and self.kernel == (3, 3) and self.stride == (1, 1) and self.groups == 1):
+            return False
+        n, oct_, oh, ow = tile.shape
+        c = self.inputs[0].shape[1]
+        th, tw = winograd.blocks((oh, ow))
+        return (c >= _WINOGRAD_MIN_CHANNELS and c * oct_ >= _WINOGRAD_MIN_CHANNEL_PAIRS
+                and n * th * tw >= _WINOGRAD_MIN_BLOCKS)
 
     def _pads(self, tile: Rect, in_rect: Rect):
         """The tile's virtual padding ((top, bottom), (left, right)) of its input rect."""

@@ -11,16 +11,17 @@ a quarter of a direct convolution's multiplies. Backward is the exact adjoint of
 steps (the output gradient transformed by A, two GEMMs per xi, the input gradient brought
 back by B and added up where the 6x6 blocks overlap), so it too costs 36 GEMMs of the same
 shape per product. Float32 results are within a few 1e-6 of the outputs' scale (measured
-against float64 in tests/test_winograd.py). The block transforms are numba kernels over
-contiguous rows; blocks are laid out [36, channels, blocks] with block (n, th, tw) at
-(n * TH + th) * TW + tw, so the GEMMs read and write whole rows.
+against float64 in tests/test_winograd.py). The block transforms are numba kernels whose
+inner loops run over the channels: the image is brought channels-last once ([N, H, W, C]),
+and the blocks are laid out [36, blocks, channels] with block (n, th, tw) at
+(n * TH + th) * TW + tw, so that each GEMM is [blocks, C] @ [C, OC], the blocks its long side.
 """
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
-
-from ops.cpu_layout import flat_row, flat_rows
 
 #: output block side, filter side and input block side (ALPHA = M + R - 1)
 M, R, ALPHA = 4, 3, 6
@@ -45,6 +46,10 @@ AT = np.array([[1, 1, 1, 1, 1, 0],
 #: blocks are transformed in batches of samples whose transforms take about this many bytes
 #: (they stay in cache between the transforms and the GEMMs)
 _CHUNK_BYTES = 2 << 20
+#: but a chunk has at least this many blocks (if the batch has them): the GEMMs' long side, and
+#: the weight gradient's inner one, which with a few blocks a chunk would be updated in thin
+#: rank-k steps (512 channels at 7x7: one sample a chunk took 3x as long as 32)
+_MIN_CHUNK_BLOCKS = 256
 
 
 def blocks(out_hw) -> tuple[int, int]:
@@ -89,165 +94,180 @@ def _a(d0, d1, d2, d3, k):
     return d0, p + q, p - q, r + s, r - s, d3
 
 
-# Each kernel below works a plane (n, c) at a time: it gathers the plane's blocks into (or
-# scatters them from) rows z[xi, c, blocks of the plane], one row per position xi of a block,
-# through a padded copy of the plane; the transforms then run along those rows, contiguous and
-# vectorized: first across the blocks' columns (xi = 6*i + j, j varies), then down their rows.
+# The kernels below keep the channels innermost, and the columns of an image split by their
+# place in a block: xs[n, row, s, tw, c] holds column 4*tw + s, so that for one row of blocks
+# and one place s the blocks' channels lie side by side, [TW * C] contiguous. Every transform
+# then runs along such rows, vectorized, whatever the image size (a plane of a 16x16 image
+# has just 16 blocks; a loop over them paid its fixed costs 16 x 16 times a sample). The
+# image goes into and out of that layout through one transposing pass each way.
 @numba.njit(nogil=True, cache=True)
-def _input_to_blocks(x, shape, pads, n_blocks, k, out):
-    """out[6*i + j, c, (n*TH + th)*TW + tw] = (B^T d B)[i, j] for the 6x6 block d of x at padded
-    row 4*th and column 4*tw: x [N, C, H, W] (flat_rows) padded virtually by pads (top, left)
-    and with zeros past its end."""
-    n_, c_, h_, w_ = shape
-    top, left = pads
-    th_, tw_ = n_blocks
-    nb = th_ * tw_
-    _, sn, sc, sh = x
-    plane = np.zeros((4 * th_ + 2, 4 * tw_ + 2), out.dtype)
-    rows = min(h_, plane.shape[0] - top)
-    take = max(0, min(w_, plane.shape[1] - left))
-    blk = np.empty((36, nb), out.dtype)
-    across = np.empty((36, nb), out.dtype)
+def _split_columns(x, top, left, out):
+    """out[n, i, s, t, c] = x[n, c, i - top, 4*t + s - left] where that lies inside x, 0
+    elsewhere: x [N, C, H, W] (any strides) into out [N, HP, S, T, C]."""
+    n_, c_, h_, w_ = x.shape
+    hp, s_, t_ = out.shape[1:4]
+    zero = out.dtype.type(0)
     for n in range(n_):
-        for c in range(c_):
-            start = n * sn + c * sc
-            for ih in range(rows):
-                plane[top + ih, left:left + take] = flat_row(x, start + ih * sh, take)
-            for i in range(6):
-                for j in range(6):
-                    dst = blk[6 * i + j]
-                    for th in range(th_):
-                        src = plane[4 * th + i]
-                        for tw in range(tw_):
-                            dst[th * tw_ + tw] = src[4 * tw + j]
-            for i in range(6):
-                r = 6 * i
-                for t in range(nb):
-                    (across[r, t], across[r + 1, t], across[r + 2, t], across[r + 3, t], across[r + 4, t],
-                     across[r + 5, t]) = _bt(blk[r, t], blk[r + 1, t], blk[r + 2, t], blk[r + 3, t], blk[r + 4, t],
-                                             blk[r + 5, t], k)
-            for j in range(6):
-                for t in range(nb):
-                    (blk[j, t], blk[6 + j, t], blk[12 + j, t], blk[18 + j, t], blk[24 + j, t],
-                     blk[30 + j, t]) = _bt(across[j, t], across[6 + j, t], across[12 + j, t], across[18 + j, t],
-                                           across[24 + j, t], across[30 + j, t], k)
-            for xi in range(36):
-                out[xi, c, n * nb:(n + 1) * nb] = blk[xi]
+        for i in range(hp):
+            ih = i - top
+            for s in range(s_):
+                for t in range(t_):
+                    iw = 4 * t + s - left
+                    dst = out[n, i, s, t]
+                    if 0 <= ih < h_ and 0 <= iw < w_:
+                        for c in range(c_):
+                            dst[c] = x[n, c, ih, iw]
+                    else:
+                        for c in range(c_):
+                            dst[c] = zero
 
 
 @numba.njit(nogil=True, cache=True)
-def _grad_to_blocks(dy, shape, n_blocks, k, out):
-    """out[6*i + j, c, (n*TH + th)*TW + tw] = (A g A^T)[i, j] for the 4x4 block g of dy
-    [N, C, OH, OW] (flat_rows) at row 4*th and column 4*tw, zeros past its end."""
-    n_, c_, h_, w_ = shape
-    th_, tw_ = n_blocks
-    nb = th_ * tw_
-    _, sn, sc, sh = dy
-    plane = np.zeros((4 * th_, 4 * tw_), out.dtype)
-    gathered = np.empty((16, nb), out.dtype)
-    across = np.empty((24, nb), out.dtype)
-    blk = np.empty((36, nb), out.dtype)
-    for n in range(n_):
-        for c in range(c_):
-            start = n * sn + c * sc
-            for ih in range(h_):
-                plane[ih, :w_] = flat_row(dy, start + ih * sh, w_)
-            for i in range(4):
-                for j in range(4):
-                    dst = gathered[4 * i + j]
-                    for th in range(th_):
-                        src = plane[4 * th + i]
-                        for tw in range(tw_):
-                            dst[th * tw_ + tw] = src[4 * tw + j]
-            for i in range(4):
-                r, q = 4 * i, 6 * i
-                for t in range(nb):
-                    (across[q, t], across[q + 1, t], across[q + 2, t], across[q + 3, t], across[q + 4, t],
-                     across[q + 5, t]) = _a(gathered[r, t], gathered[r + 1, t], gathered[r + 2, t],
-                                            gathered[r + 3, t], k)
-            for j in range(6):
-                for t in range(nb):
-                    blk[j, t], blk[6 + j, t], blk[12 + j, t], blk[18 + j, t], blk[24 + j, t], blk[30 + j, t] = _a(
-                        across[j, t], across[6 + j, t], across[12 + j, t], across[18 + j, t], k)
-            for xi in range(36):
-                out[xi, c, n * nb:(n + 1) * nb] = blk[xi]
-
-
-@numba.njit(nogil=True, cache=True)
-def _blocks_to_output(z, n_blocks, k, out):
-    """out[n, c, 4*th + r, 4*tw + s] = (A^T z_block A)[r, s] for every block z_block =
-    z[:, c, (n*TH + th)*TW + tw] (6x6); out [N, C, OH, OW], what falls past its end dropped."""
+def _merge_columns(z, top, left, out):
+    """out[n, c, i, j] = the sum of z[n, i + top, s, t, c] over the (s, t) inside z with
+    4*t + s = j + left (two where blocks overlap, else one or none): the adjoint of
+    _split_columns, z [N, HP, S, T, C] into out [N, C, H, W] (any strides)."""
     n_, c_, h_, w_ = out.shape
-    th_, tw_ = n_blocks
-    nb = th_ * tw_
-    zc = np.empty((36, nb), out.dtype)
-    across = np.empty((24, nb), out.dtype)
-    done = np.empty((16, nb), out.dtype)
-    plane = np.empty((4 * th_, 4 * tw_), out.dtype)
+    hp, s_, t_ = z.shape[1:4]
+    zero = out.dtype.type(0)
     for n in range(n_):
-        for c in range(c_):
-            for xi in range(36):
-                zc[xi] = z[xi, c, n * nb:(n + 1) * nb]
+        for i in range(h_):
+            zi = i + top
+            for j in range(w_):
+                t, s = divmod(j + left, 4)
+                if zi < hp and t < t_:
+                    src = z[n, zi, s, t]
+                    for c in range(c_):
+                        out[n, c, i, j] = src[c]
+                else:
+                    for c in range(c_):
+                        out[n, c, i, j] = zero
+                if zi < hp and s + 4 < s_ and 1 <= t <= t_:  # the last block's overlap
+                    src = z[n, zi, s + 4, t - 1]
+                    for c in range(c_):
+                        out[n, c, i, j] += src[c]
+
+
+@numba.njit(nogil=True, cache=True)
+def _input_transform(xs, k, v):
+    """v[6*i + j, (n*TH + th)*TW + tw, c] = (B^T d B)[i, j] for the 6x6 block d of the padded
+    image at row 4*th and column 4*tw: xs [N, HP, 6, TW, C] as _split_columns makes it."""
+    n_, hp, _, t_, c_ = xs.shape
+    th_ = (hp - 2) // 4
+    ln = t_ * c_
+    xf = xs.reshape(n_, hp, 6, ln)
+    vf = v.reshape(36, -1)
+    down = np.empty((6, 6, ln), v.dtype)  # B^T down the block's rows: [i, s, tw * C + c]
+    for n in range(n_):
+        for th in range(th_):
+            r = 4 * th
+            for s in range(6):
+                d0, d1, d2, d3, d4, d5 = xf[n, r, s], xf[n, r + 1, s], xf[n, r + 2, s], xf[n, r + 3, s], \
+                    xf[n, r + 4, s], xf[n, r + 5, s]
+                o0, o1, o2, o3, o4, o5 = down[0, s], down[1, s], down[2, s], down[3, s], down[4, s], down[5, s]
+                for q in range(ln):
+                    o0[q], o1[q], o2[q], o3[q], o4[q], o5[q] = _bt(d0[q], d1[q], d2[q], d3[q], d4[q], d5[q], k)
+            a = (n * th_ + th) * ln
             for i in range(6):
-                r, q = 6 * i, 4 * i
-                for t in range(nb):
-                    across[q, t], across[q + 1, t], across[q + 2, t], across[q + 3, t] = _at(
-                        zc[r, t], zc[r + 1, t], zc[r + 2, t], zc[r + 3, t], zc[r + 4, t], zc[r + 5, t], k)
-            for j in range(4):
-                for t in range(nb):
-                    done[j, t], done[4 + j, t], done[8 + j, t], done[12 + j, t] = _at(
-                        across[j, t], across[4 + j, t], across[8 + j, t], across[12 + j, t], across[16 + j, t],
-                        across[20 + j, t], k)
+                e = down[i]
+                o0, o1, o2, o3, o4, o5 = (vf[6 * i, a:a + ln], vf[6 * i + 1, a:a + ln], vf[6 * i + 2, a:a + ln],
+                                          vf[6 * i + 3, a:a + ln], vf[6 * i + 4, a:a + ln], vf[6 * i + 5, a:a + ln])
+                for q in range(ln):
+                    o0[q], o1[q], o2[q], o3[q], o4[q], o5[q] = _bt(e[0, q], e[1, q], e[2, q], e[3, q], e[4, q],
+                                                                   e[5, q], k)
+
+
+@numba.njit(nogil=True, cache=True)
+def _grad_transform(gs, k, dm):
+    """dm[6*i + j, (n*TH + th)*TW + tw, c] = (A g A^T)[i, j] for the 4x4 block g of the output
+    gradient at row 4*th and column 4*tw: gs [N, 4TH, 4, TW, C] as _split_columns makes it."""
+    n_, h4, _, t_, c_ = gs.shape
+    th_ = h4 // 4
+    ln = t_ * c_
+    gf = gs.reshape(n_, h4, 4, ln)
+    mf = dm.reshape(36, -1)
+    down = np.empty((6, 4, ln), dm.dtype)  # A down the block's rows: [i, s, tw * C + c]
+    for n in range(n_):
+        for th in range(th_):
+            r = 4 * th
+            for s in range(4):
+                d0, d1, d2, d3 = gf[n, r, s], gf[n, r + 1, s], gf[n, r + 2, s], gf[n, r + 3, s]
+                o0, o1, o2, o3, o4, o5 = down[0, s], down[1, s], down[2, s], down[3, s], down[4, s], down[5, s]
+                for q in range(ln):
+                    o0[q], o1[q], o2[q], o3[q], o4[q], o5[q] = _a(d0[q], d1[q], d2[q], d3[q], k)
+            a = (n * th_ + th) * ln
+            for i in range(6):
+                e = down[i]
+                o0, o1, o2, o3, o4, o5 = (mf[6 * i, a:a + ln], mf[6 * i + 1, a:a + ln], mf[6 * i + 2, a:a + ln],
+                                          mf[6 * i + 3, a:a + ln], mf[6 * i + 4, a:a + ln], mf[6 * i + 5, a:a + ln])
+                for q in range(ln):
+                    o0[q], o1[q], o2[q], o3[q], o4[q], o5[q] = _a(e[0, q], e[1, q], e[2, q], e[3, q], k)
+
+
+@numba.njit(nogil=True, cache=True)
+def _output_transform(m, k, ys):
+    """ys[n, 4*th + r, s, tw, c] = (A^T M A)[r, s] for each block's 6x6 products M =
+    m[:, (n*TH + th)*TW + tw, c]; ys [N, 4TH, 4, TW, C] (columns split as _split_columns)."""
+    n_, h4, _, t_, c_ = ys.shape
+    th_ = h4 // 4
+    ln = t_ * c_
+    yf = ys.reshape(n_, h4, 4, ln)
+    mf = m.reshape(36, -1)
+    down = np.empty((4, 6, ln), ys.dtype)  # A^T down the block's rows: [r, j, tw * C + c]
+    for n in range(n_):
+        for th in range(th_):
+            a = (n * th_ + th) * ln
+            for j in range(6):
+                e0, e1, e2, e3, e4, e5 = (mf[j, a:a + ln], mf[6 + j, a:a + ln], mf[12 + j, a:a + ln],
+                                          mf[18 + j, a:a + ln], mf[24 + j, a:a + ln], mf[30 + j, a:a + ln])
+                o0, o1, o2, o3 = down[0, j], down[1, j], down[2, j], down[3, j]
+                for q in range(ln):
+                    o0[q], o1[q], o2[q], o3[q] = _at(e0[q], e1[q], e2[q], e3[q], e4[q], e5[q], k)
             for r in range(4):
-                for s in range(4):
-                    src = done[4 * r + s]
-                    for th in range(th_):
-                        dst = plane[4 * th + r]
-                        for tw in range(tw_):
-                            dst[4 * tw + s] = src[th * tw_ + tw]
-            out[n, c] = plane[:h_, :w_]
+                e = down[r]
+                o = yf[n, 4 * th + r]
+                for q in range(ln):
+                    o[0, q], o[1, q], o[2, q], o[3, q] = _at(e[0, q], e[1, q], e[2, q], e[3, q], e[4, q], e[5, q], k)
 
 
 @numba.njit(nogil=True, cache=True)
-def _blocks_to_input(z, n_blocks, pads, k, out):
-    """out[n, c, 4*th + i - top, 4*tw + j - left] += (B z_block B^T)[i, j] for every block
-    z_block = z[:, c, (n*TH + th)*TW + tw] (6x6): the adjoint of _input_to_blocks. out
-    [N, C, H, W]; what falls outside it is dropped, and the overlapping blocks add up."""
-    n_, c_, h_, w_ = out.shape
-    top, left = pads
-    th_, tw_ = n_blocks
-    nb = th_ * tw_
-    plane = np.empty((4 * th_ + 2, 4 * tw_ + 2), out.dtype)
-    rows = min(h_, plane.shape[0] - top)
-    take = max(0, min(w_, plane.shape[1] - left))
-    zc = np.empty((36, nb), out.dtype)
-    across = np.empty((36, nb), out.dtype)
-    done = np.empty((36, nb), out.dtype)
+def _input_grad_transform(dv, k, dxs):
+    """dxs[n, 4*th + i, j, tw, c] = the sum of (B Z B^T)[i, j] over the blocks Z =
+    dv[:, (n*TH + th)*TW + tw, c] (6x6) that cover that row: the adjoint of _input_transform.
+    Rows overlap by two from one row of blocks to the next (columns do not: each block has its
+    own six in dxs); dxs [N, HP, 6, TW, C] is written whole, the blocks cover its rows."""
+    n_, hp, _, t_, c_ = dxs.shape
+    th_ = (hp - 2) // 4
+    ln = t_ * c_
+    df = dxs.reshape(n_, hp, 6, ln)
+    vf = dv.reshape(36, -1)
+    down = np.empty((6, 6, ln), dxs.dtype)  # B down the block's rows: [i, j, tw * C + c]
     for n in range(n_):
-        for c in range(c_):
-            for xi in range(36):
-                zc[xi] = z[xi, c, n * nb:(n + 1) * nb]
-            for i in range(6):
-                r = 6 * i
-                for t in range(nb):
-                    (across[r, t], across[r + 1, t], across[r + 2, t], across[r + 3, t], across[r + 4, t],
-                     across[r + 5, t]) = _b(zc[r, t], zc[r + 1, t], zc[r + 2, t], zc[r + 3, t], zc[r + 4, t],
-                                            zc[r + 5, t], k)
+        for th in range(th_):
+            a = (n * th_ + th) * ln
             for j in range(6):
-                for t in range(nb):
-                    (done[j, t], done[6 + j, t], done[12 + j, t], done[18 + j, t], done[24 + j, t],
-                     done[30 + j, t]) = _b(across[j, t], across[6 + j, t], across[12 + j, t], across[18 + j, t],
-                                           across[24 + j, t], across[30 + j, t], k)
-            plane[:] = 0
+                e0, e1, e2, e3, e4, e5 = (vf[j, a:a + ln], vf[6 + j, a:a + ln], vf[12 + j, a:a + ln],
+                                          vf[18 + j, a:a + ln], vf[24 + j, a:a + ln], vf[30 + j, a:a + ln])
+                o0, o1, o2, o3, o4, o5 = down[0, j], down[1, j], down[2, j], down[3, j], down[4, j], down[5, j]
+                for q in range(ln):
+                    o0[q], o1[q], o2[q], o3[q], o4[q], o5[q] = _b(e0[q], e1[q], e2[q], e3[q], e4[q], e5[q], k)
             for i in range(6):
-                for j in range(6):
-                    src = done[6 * i + j]
-                    for th in range(th_):
-                        dst = plane[4 * th + i]
-                        for tw in range(tw_):
-                            dst[4 * tw + j] += src[th * tw_ + tw]
-            for ih in range(rows):
-                out[n, c, ih, :take] += plane[top + ih, left:left + take]
+                e = down[i]
+                o0, o1, o2, o3, o4, o5 = (df[n, 4 * th + i, 0], df[n, 4 * th + i, 1], df[n, 4 * th + i, 2],
+                                          df[n, 4 * th + i, 3], df[n, 4 * th + i, 4], df[n, 4 * th + i, 5])
+                if i < 2 and th > 0:  # rows the row of blocks above wrote too
+                    for q in range(ln):
+                        f0, f1, f2, f3, f4, f5 = _b(e[0, q], e[1, q], e[2, q], e[3, q], e[4, q], e[5, q], k)
+                        o0[q] += f0
+                        o1[q] += f1
+                        o2[q] += f2
+                        o3[q] += f3
+                        o4[q] += f4
+                        o5[q] += f5
+                else:
+                    for q in range(ln):
+                        o0[q], o1[q], o2[q], o3[q], o4[q], o5[q] = _b(e[0, q], e[1, q], e[2, q], e[3, q], e[4, q],
+                                                                      e[5, q], k)
 
 
 def _consts(dtype) -> tuple:
@@ -255,24 +275,51 @@ def _consts(dtype) -> tuple:
     return tuple(np.dtype(dtype).type(v) for v in (2, 4, 5, 8))
 
 
-def _sample_chunks(n: int, bytes_per_sample: int) -> list[tuple[int, int]]:
-    """Sample ranges whose transformed blocks take about _CHUNK_BYTES (they stay in cache)."""
-    step = max(1, _CHUNK_BYTES // max(1, bytes_per_sample))
+def _sample_chunks(n: int, bytes_per_sample: int, blocks_per_sample: int) -> list[tuple[int, int]]:
+    """Sample ranges whose transformed blocks take about _CHUNK_BYTES (they stay in cache), and
+    hold at least _MIN_CHUNK_BLOCKS blocks."""
+    step = max(1, _CHUNK_BYTES // max(1, bytes_per_sample), -(-_MIN_CHUNK_BLOCKS // blocks_per_sample))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
-def filter_transform(w):
-    """U [36, OC, C] = G g G^T of each 3x3 filter g of w [OC, C, 3, 3]."""
-    g = G.astype(w.dtype)
-    return np.einsum("ai,ocij,bj->aboc", g, w, g, optimize=True).reshape(ALPHA * ALPHA, *w.shape[:2])
+#: kron(G, G) [36, 9] by dtype: G g G^T of a 3x3 filter g is kron(G, G) @ g.ravel()
+_KRON: dict = {}
 
 
-def _input_blocks(x, top_left, n_blocks):
-    """V [36, C, N*TH*TW]: the input blocks of x [N, C, H, W] (padded by top_left), transformed."""
-    n, c = x.shape[:2]
-    v = np.empty((ALPHA * ALPHA, c, n * n_blocks[0] * n_blocks[1]), x.dtype)
-    _input_to_blocks(flat_rows(x), x.shape, top_left, n_blocks, _consts(x.dtype), v)
-    return v
+def _kron(dtype):
+    dtype = np.dtype(dtype)
+    if dtype not in _KRON:
+        _KRON[dtype] = np.kron(G, G).astype(dtype)
+    return _KRON[dtype]
+
+
+def filter_transform(w, channels_last: bool = False):
+    """U = G g G^T of each 3x3 filter g of w [OC, C, 3, 3], as [36, OC, C], or [36, C, OC] with
+    channels_last: every filter at once, one GEMM with kron(G, G)."""
+    oc, c = w.shape[:2]
+    if channels_last:
+        return (_kron(w.dtype) @ w.transpose(1, 0, 2, 3).reshape(c * oc, 9).T).reshape(ALPHA * ALPHA, c, oc)
+    return (_kron(w.dtype) @ w.reshape(oc * c, 9).T).reshape(ALPHA * ALPHA, oc, c)
+
+
+def _filter_gradient(du):
+    """dw [OC, C, 3, 3] from du [36, C, OC], the gradient of U = filter_transform(w, channels_last=True):
+    G^T dU G for each filter, one GEMM with kron(G, G)^T."""
+    c, oc = du.shape[1:]
+    dw = (_kron(du.dtype).T @ du.reshape(ALPHA * ALPHA, c * oc)).reshape(3, 3, c, oc)
+    return np.ascontiguousarray(dw.transpose(3, 2, 0, 1))
+
+
+class _Buffers:
+    """Scratch arrays sized for the first (largest) chunk of samples, handed out per chunk as
+    contiguous arrays of that chunk's size."""
+
+    def __init__(self, dtype, samples: int, per_sample: dict[str, tuple]):
+        self.per_sample = {name: math.prod(shape) for name, shape in per_sample.items()}
+        self.flat = {name: np.empty(samples * size, dtype) for name, size in self.per_sample.items()}
+
+    def get(self, name: str, samples: int, shape: tuple):
+        return self.flat[name][:samples * self.per_sample[name]].reshape(shape)
 
 
 def forward(x, w, top_left, y) -> None:
@@ -280,12 +327,23 @@ def forward(x, w, top_left, y) -> None:
     top_left = (top, left), zeros past its end) with w [OC, C, 3, 3]."""
     n, c = x.shape[:2]
     oc = w.shape[0]
-    nb = blocks(y.shape[2:])
+    th, tw = blocks(y.shape[2:])
     k = _consts(x.dtype)
-    u = filter_transform(w)
-    per_sample = ALPHA * ALPHA * (c + oc) * nb[0] * nb[1] * x.itemsize
-    for a, b in _sample_chunks(n, per_sample):
-        _blocks_to_output(np.matmul(u, _input_blocks(x[a:b], top_left, nb)), nb, k, y[a:b])
+    ut = filter_transform(w, channels_last=True)
+    sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), "m": (ALPHA * ALPHA, th * tw, oc),
+             "y": (4 * th, 4, tw, oc)}
+    chunks = _sample_chunks(n, sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
+    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    for a, b in chunks:
+        s = b - a
+        xs = buf.get("x", s, (s, *sizes["x"]))
+        _split_columns(x[a:b], top_left[0], top_left[1], xs)
+        v = buf.get("v", s, (ALPHA * ALPHA, s * th * tw, c))
+        _input_transform(xs, k, v)
+        m = np.matmul(v, ut, out=buf.get("m", s, (ALPHA * ALPHA, s * th * tw, oc)))
+        ys = buf.get("y", s, (s, *sizes["y"]))
+        _output_transform(m, k, ys)
+        _merge_columns(ys, 0, 0, y[a:b])
 
 
 def backward(x, w, dy, top_left, dx):
@@ -293,20 +351,30 @@ def backward(x, w, dy, top_left, dx):
     written (unless dx is None)."""
     n, c = x.shape[:2]
     oc = w.shape[0]
-    nb = blocks(dy.shape[2:])
+    th, tw = blocks(dy.shape[2:])
     k = _consts(x.dtype)
-    u_t = filter_transform(w).swapaxes(1, 2)
-    du = np.zeros((ALPHA * ALPHA, oc, c), x.dtype)
-    if dx is not None:
-        dx[...] = 0
-    per_sample = ALPHA * ALPHA * (2 * c + oc) * nb[0] * nb[1] * x.itemsize
-    for a, b in _sample_chunks(n, per_sample):
-        dm = np.empty((ALPHA * ALPHA, oc, (b - a) * nb[0] * nb[1]), x.dtype)
-        _grad_to_blocks(flat_rows(dy[a:b]), dy[a:b].shape, nb, k, dm)
-        v = _input_blocks(x[a:b], top_left, nb)
-        du += np.matmul(dm, v.swapaxes(1, 2))
+    u = filter_transform(w)
+    du = np.empty((ALPHA * ALPHA, c, oc), x.dtype)
+    sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), "g": (4 * th, 4, tw, oc),
+             "m": (ALPHA * ALPHA, th * tw, oc)}
+    chunks = _sample_chunks(n, sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
+    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    for a, b in chunks:
+        s = b - a
+        xs = buf.get("x", s, (s, *sizes["x"]))
+        _split_columns(x[a:b], top_left[0], top_left[1], xs)
+        v = buf.get("v", s, (ALPHA * ALPHA, s * th * tw, c))
+        _input_transform(xs, k, v)
+        gs = buf.get("g", s, (s, *sizes["g"]))
+        _split_columns(dy[a:b], 0, 0, gs)
+        dm = buf.get("m", s, (ALPHA * ALPHA, s * th * tw, oc))
+        _grad_transform(gs, k, dm)
+        if a == 0:
+            np.matmul(v.swapaxes(1, 2), dm, out=du)
+        else:
+            du += np.matmul(v.swapaxes(1, 2), dm)
         if dx is not None:
-            _blocks_to_input(np.matmul(u_t, dm, out=v), nb, top_left, k, dx[a:b])
-    g = G.astype(x.dtype)
-    dw = np.einsum("ai,aboc,bj->ocij", g, du.reshape(ALPHA, ALPHA, oc, c), g, optimize=True)
-    return dw
+            np.matmul(dm, u, out=v)
+            _input_grad_transform(v, k, xs)
+            _merge_columns(xs, top_left[0], top_left[1], dx[a:b])
+    return _filter_gradient(du)

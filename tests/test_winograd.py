@@ -81,6 +81,7 @@ def test_forward_and_backward_match_torch(n, c, oc, h, w, top, left, bottom, rig
 def test_views_and_several_chunks(monkeypatch):
     """Strided views in (as a tile's are), and sample chunks smaller than the batch."""
     monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(winograd, "_MIN_CHUNK_BLOCKS", 1)
     rng = np.random.default_rng(3)
     big = rng.standard_normal((5, 6, 13, 12))
     x = big[1:4, 1:5, 2:, 1:-1]
@@ -112,15 +113,17 @@ def test_float32_error_against_float64():
 
 @pytest.fixture(autouse=True)
 def small_images_run_as_winograd(request, monkeypatch):
-    """The Winograd path on the small images these tests use (in use it starts at
-    _WINOGRAD_MIN_PIXELS output pixels), except where a test checks that choice itself."""
+    """The Winograd path on the small images and channel counts these tests use (in use it
+    starts at _WINOGRAD_MIN_BLOCKS blocks and _WINOGRAD_MIN_CHANNEL_PAIRS), except where a test
+    checks that choice itself."""
     if "real_threshold" not in request.keywords:
-        monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_PIXELS", 1)
+        monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_BLOCKS", 1)
+        monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_CHANNEL_PAIRS", 1)
 
 
 def winograd_conv(shape, dtype="float32", **attrs):
     op = Conv2d("conv", [spec(shape, dtype)], kernel=3, **attrs)
-    assert op._winograd(np), f"{op} should run as Winograd"
+    assert op._winograd(np, Rect.from_shape(op.tile_shape)), f"{op} should run as Winograd"
     return op
 
 
@@ -180,15 +183,26 @@ def test_conv2d_winograd_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo
 
 @pytest.mark.real_threshold
 def test_conv2d_winograd_only_where_it_pays(monkeypatch):
-    side = int(np.ceil(np.sqrt(conv_module._WINOGRAD_MIN_PIXELS)))
-    assert Conv2d("c", [spec((1, 8, side, side))], out_channels=8, kernel=3, padding=1)._winograd(np)
-    assert not Conv2d("c", [spec((1, 8, side - 1, side - 1))], out_channels=8, kernel=3, padding=1)._winograd(np)
-    monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_PIXELS", 1)   # the other conditions, on small images
-    assert not Conv2d("c", [spec((1, 4, 8, 8))], out_channels=4, kernel=3)._winograd(np)  # few channels
-    assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, stride=2)._winograd(np)
-    assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, groups=2)._winograd(np)
-    assert not Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=(3, 1))._winograd(np)
-    assert Conv2d("c", [spec((1, 8, 8, 8))], out_channels=8, kernel=3, padding=1)._winograd(np)
+    def winograd_tile(shape, oc, tile_parts=None, **attrs):
+        op = Conv2d("c", [spec(shape)], out_channels=oc, kernel=attrs.pop("kernel", 3), **attrs)
+        hi = list(op.tile_shape)
+        for d, parts in (tile_parts or {}).items():
+            hi[d] //= parts
+        return op._winograd(np, Rect.make([0] * 4, hi))
+    blocks = conv_module._WINOGRAD_MIN_BLOCKS  # 4x4 blocks: an 8x8 image has 4
+    assert winograd_tile((blocks // 4, 16, 8, 8), 16, padding=1)
+    assert not winograd_tile((blocks // 4 - 1, 16, 8, 8), 16, padding=1)
+    assert not winograd_tile((blocks // 4, 16, 8, 8), 16, {0: 2}, padding=1)  # a tile of half the batch
+    assert winograd_tile((blocks // 4, 16, 8, 8), 8, padding=1)  # 16 x 8 channel pairs
+    assert not winograd_tile((blocks // 4, 8, 8, 8), 8, padding=1)  # 8 x 8
+    assert not winograd_tile((blocks // 4, 8, 8, 8), 16, {1: 2}, padding=1)  # 8 x 8 of 8 x 16
+    monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_BLOCKS", 1)   # the other conditions, on small images
+    monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_CHANNEL_PAIRS", 1)
+    assert not winograd_tile((1, 4, 8, 8), 4)  # few input channels
+    assert not winograd_tile((1, 8, 8, 8), 8, stride=2)
+    assert not winograd_tile((1, 8, 8, 8), 8, groups=2)
+    assert not winograd_tile((1, 8, 8, 8), 8, kernel=(3, 1))
+    assert winograd_tile((1, 8, 8, 8), 8, padding=1)
 
 
 def test_in_parts_splits_over_the_blas_threads_with_blas_on_one():
