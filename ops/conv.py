@@ -436,13 +436,13 @@ class Conv2d(Op):
 
         def samples(a, b):
             if path == "winograd":
-                winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow))
+                winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias)
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
                 self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
         self._in_parts(xp, samples, n)
-        if bias is not None and path != "batched":
+        if bias is not None and path == "columns":
             y += bias[:, None]
         return [y.reshape(n, oct_, oh, ow) if given is None else given], None
 

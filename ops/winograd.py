@@ -123,13 +123,13 @@ def _split_columns(x, top, left, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _merge_columns(z, top, left, out):
+def _merge_columns(z, top, left, bias, out):
     """out[n, c, i, j] = the sum of z[n, i + top, s, t, c] over the (s, t) inside z with
-    4*t + s = j + left (two where blocks overlap, else one or none): the adjoint of
-    _split_columns, z [N, HP, S, T, C] into out [N, C, H, W] (any strides)."""
+    4*t + s = j + left (two where blocks overlap, else one or none), plus bias[c] unless bias is
+    empty: the adjoint of _split_columns, z [N, HP, S, T, C] into out [N, C, H, W] (any strides)."""
     n_, c_, h_, w_ = out.shape
     hp, s_, t_ = z.shape[1:4]
-    zero = out.dtype.type(0)
+    b = bias if bias.size else np.zeros(c_, out.dtype)
     for n in range(n_):
         for i in range(h_):
             zi = i + top
@@ -138,10 +138,10 @@ def _merge_columns(z, top, left, out):
                 if zi < hp and t < t_:
                     src = z[n, zi, s, t]
                     for c in range(c_):
-                        out[n, c, i, j] = src[c]
+                        out[n, c, i, j] = src[c] + b[c]
                 else:
                     for c in range(c_):
-                        out[n, c, i, j] = zero
+                        out[n, c, i, j] = b[c]
                 if zi < hp and s + 4 < s_ and 1 <= t <= t_:  # the last block's overlap
                     src = z[n, zi, s + 4, t - 1]
                     for c in range(c_):
@@ -322,9 +322,9 @@ class _Buffers:
         return self.flat[name][:samples * self.per_sample[name]].reshape(shape)
 
 
-def forward(x, w, top_left, y) -> None:
+def forward(x, w, top_left, y, bias=None) -> None:
     """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
-    top_left = (top, left), zeros past its end) with w [OC, C, 3, 3]."""
+    top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given."""
     n, c = x.shape[:2]
     oc = w.shape[0]
     th, tw = blocks(y.shape[2:])
@@ -343,7 +343,7 @@ def forward(x, w, top_left, y) -> None:
         m = np.matmul(v, ut, out=buf.get("m", s, (ALPHA * ALPHA, s * th * tw, oc)))
         ys = buf.get("y", s, (s, *sizes["y"]))
         _output_transform(m, k, ys)
-        _merge_columns(ys, 0, 0, y[a:b])
+        _merge_columns(ys, 0, 0, np.empty(0, x.dtype) if bias is None else bias, y[a:b])
 
 
 def backward(x, w, dy, top_left, dx):
@@ -376,5 +376,5 @@ def backward(x, w, dy, top_left, dx):
         if dx is not None:
             np.matmul(dm, u, out=v)
             _input_grad_transform(v, k, xs)
-            _merge_columns(xs, top_left[0], top_left[1], dx[a:b])
+            _merge_columns(xs, top_left[0], top_left[1], np.empty(0, x.dtype), dx[a:b])
     return _filter_gradient(du)
