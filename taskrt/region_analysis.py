@@ -505,6 +505,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     e_info = np.empty((cap, 7), np.int64)
     n_e = 0
     e_head, e_tail, n_pending = -1, -1, 0
+    pending_by_op = np.zeros(len(_REDOPS), np.int64)   # the pending entries of each operator
     # the pending entries' index (alive: in the list) and their order labels (_relabel)
     e_live = np.zeros((cap, 1), np.int64)
     e_label = np.empty(cap, np.int64)
@@ -535,7 +536,9 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
             if _empty(rect, nd):
                 continue
             # ---- fold the pending reductions that overlap and do not commute (Analyzer._flush)
-            if n_pending:
+            # (a reduction commutes with the pending ones of its operator: when all are of it, none
+            # folds, and the scan is skipped; n reductions in a row would otherwise cost n^2 / 2)
+            if n_pending and not (priv >= REDUCE_BASE and pending_by_op[priv - REDUCE_BASE] == n_pending):
                 hits = _overlapping(e_tab, e_rect, e_live, n_e, rect, nd)
                 if hits.shape[0] > 1:   # in the list's order
                     hits = hits[np.argsort(e_label[hits])]
@@ -599,6 +602,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                         e_head = _link(e_info, x, before, e_head)
                         before = x
                         n_pending += 1
+                        pending_by_op[e_info[e, _E_REDOP]] += 1
                     if before >= 0:
                         e_info[before, _E_NEXT] = after
                     else:
@@ -608,6 +612,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     else:
                         e_tail = before
                     n_pending -= 1
+                    pending_by_op[e_info[e, _E_REDOP]] -= 1
             # ---- logical dependences (Analyzer._logical_preds)
             reading = priv == READ_CODE
             over = _over(u_tab, u_rect, u_info, n_u, rect, nd, disjoint)
@@ -662,6 +667,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 e_head = _link(e_info, x, e_tail, e_head)
                 e_tail = x
                 n_pending += 1
+                pending_by_op[priv - REDUCE_BASE] += 1
     return copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
 
 
