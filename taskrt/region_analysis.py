@@ -192,62 +192,92 @@ _E_REDOP, _E_BUFNODE, _E_BUFREQ, _E_MEM, _E_NODE, _E_PREV, _E_NEXT = range(7)
 # - a hash of rect -> the last slot given that rect (open addressing, a power of two of
 #   buckets, -1 empty). Live rects are distinct within a table (pieces are disjoint, a user's
 #   rect has one slot), so that slot is the live one with that rect if any is;
-# - buckets along one dim (the one the accesses split most, between their distinct
-#   boundaries, at most MAX_BUCKETS): each a list of the live slots whose rect reaches into
-#   it; a rect that spans more than SPAN_BIG buckets is on a list of its own that every
-#   query reads. A query spanning more than SPAN_SCAN buckets scans the slots instead.
+# - a grid of cells over the two dims the accesses split most (between their distinct
+#   boundaries along each, at most MAX_CELLS cells): each cell a list of the live slots whose
+#   rect reaches into it; a rect that spans more than SPAN_BIG cells is on a list of its own
+#   that every query reads. A query spanning more than SPAN_SCAN cells scans the slots
+#   instead. (Buckets along one dim alone left a query of a region tiled along two dims
+#   checking the hundreds of tiles of the other dim in each bucket.)
 # Dead slots stay listed until the table is compacted (_compact rebuilds the index).
-_H_COUNT, _H_SIZE, _DIM, _BUCKETS, _NODES, _NODE_CAP, _BIG, _BIG_CAP = range(8)
-_HEADER = 8
-MAX_BUCKETS = 4096
+_H_COUNT, _H_SIZE, _DIM, _BUCKETS, _DIM2, _BUCKETS2, _NODES, _NODE_CAP, _BIG, _BIG_CAP = range(10)
+_HEADER = 10
+MAX_CELLS = 4096
 SPAN_BIG = 16
 SPAN_SCAN = 64
 
 
 @numba.njit(cache=True, nogil=True)
-def _split_bounds(req_rect, nd):
-    """(the dim whose rects have the most distinct boundaries, those boundaries sorted, at most
-    MAX_BUCKETS + 1 of them: every k-th where there are more, the last kept)."""
-    best_dim, best = 0, np.empty(0, np.int64)
-    for d in range(nd):
-        values = np.empty(2 * req_rect.shape[0], np.int64)
-        k = 0
-        for row in range(req_rect.shape[0]):
-            if not _empty(req_rect[row], nd):
-                values[k] = req_rect[row, d]
-                values[k + 1] = req_rect[row, nd + d]
-                k += 2
-        distinct = _unique(values[:k])
-        if d == 0 or distinct.shape[0] > best.shape[0]:
-            best_dim, best = d, distinct
-    if best.shape[0] > MAX_BUCKETS + 1:
-        step = (best.shape[0] + MAX_BUCKETS - 1) // MAX_BUCKETS
-        kept = best[::step]
-        if kept[-1] != best[-1]:
+def _thin(bounds, most):
+    """The sorted boundaries `bounds`, every k-th (the last kept) where they make more than
+    `most` buckets; [0, 0] (one bucket) where they make none."""
+    if bounds.shape[0] > most + 1:
+        step = (bounds.shape[0] + most - 1) // most
+        kept = bounds[::step]
+        if kept[-1] != bounds[-1]:
             out = np.empty(kept.shape[0] + 1, np.int64)
             out[:-1] = kept
-            out[-1] = best[-1]
+            out[-1] = bounds[-1]
             kept = out
-        best = kept
-    if best.shape[0] < 2:   # no rect, or empty ones only: one bucket
-        best = np.zeros(2, np.int64)
-    return best_dim, best
+        bounds = kept
+    if bounds.shape[0] < 2:   # no rect, or empty ones only: one bucket
+        bounds = np.zeros(2, np.int64)
+    return bounds
 
 
 @numba.njit(cache=True, nogil=True)
-def _new_index(dim, bounds, hash_size, node_cap, big_cap):
-    buckets = bounds.shape[0] - 1
-    ix = np.full(_HEADER + hash_size + bounds.shape[0] + buckets + 2 * node_cap + big_cap, -1, np.int64)
+def _boundaries(req_rect, nd, d):
+    """The distinct lo and hi coordinates along dim d of the non-empty rects, sorted."""
+    values = np.empty(2 * req_rect.shape[0], np.int64)
+    k = 0
+    for row in range(req_rect.shape[0]):
+        if not _empty(req_rect[row], nd):
+            values[k] = req_rect[row, d]
+            values[k + 1] = req_rect[row, nd + d]
+            k += 2
+    return _unique(values[:k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _split_bounds(req_rect, nd):
+    """(dim, its boundaries, second dim, its boundaries): the two dims whose rects have the most
+    distinct boundaries, those sorted and thinned to at most MAX_CELLS cells in all (the
+    second dim gets what the first leaves; a region of one dim has one bucket along it)."""
+    counts = np.zeros(nd, np.int64)
+    for d in range(nd):
+        counts[d] = _boundaries(req_rect, nd, d).shape[0]
+    first = 0
+    for d in range(nd):
+        if counts[d] > counts[first]:
+            first = d
+    second = -1
+    for d in range(nd):
+        if d != first and (second < 0 or counts[d] > counts[second]):
+            second = d
+    b1 = _thin(_boundaries(req_rect, nd, first), MAX_CELLS)
+    if second < 0:
+        return first, b1, first, np.zeros(2, np.int64)
+    b2 = _thin(_boundaries(req_rect, nd, second), max(1, MAX_CELLS // (b1.shape[0] - 1)))
+    return first, b1, second, b2
+
+
+@numba.njit(cache=True, nogil=True)
+def _new_index(dim, bounds, dim2, bounds2, hash_size, node_cap, big_cap):
+    buckets, buckets2 = bounds.shape[0] - 1, bounds2.shape[0] - 1
+    ix = np.full(_HEADER + hash_size + bounds.shape[0] + bounds2.shape[0] + buckets * buckets2 + 2 * node_cap
+                 + big_cap, -1, np.int64)
     ix[_H_COUNT] = 0
     ix[_H_SIZE] = hash_size
     ix[_DIM] = dim
     ix[_BUCKETS] = buckets
+    ix[_DIM2] = dim2
+    ix[_BUCKETS2] = buckets2
     ix[_NODES] = 0
     ix[_NODE_CAP] = node_cap
     ix[_BIG] = 0
     ix[_BIG_CAP] = big_cap
     start = _HEADER + hash_size
     ix[start:start + bounds.shape[0]] = bounds
+    ix[start + bounds.shape[0]:start + bounds.shape[0] + bounds2.shape[0]] = bounds2
     return ix
 
 
@@ -257,13 +287,18 @@ def _bounds_at(ix):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _heads_at(ix):
+def _bounds2_at(ix):
     return _bounds_at(ix) + ix[_BUCKETS] + 1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _heads_at(ix):
+    return _bounds2_at(ix) + ix[_BUCKETS2] + 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _nodes_at(ix):
-    return _heads_at(ix) + ix[_BUCKETS]
+    return _heads_at(ix) + ix[_BUCKETS] * ix[_BUCKETS2]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -283,10 +318,9 @@ def _hash(r, nd):
 
 
 @numba.njit(cache=True, nogil=True)
-def _bucket(ix, x):
-    """The bucket holding coordinate x along the index's dim (clamped to the ends)."""
-    lo = _bounds_at(ix)
-    n = ix[_BUCKETS]
+def _bucket(ix, lo, n, x):
+    """The bucket holding coordinate x among the n buckets whose boundaries start at ix[lo]
+    (clamped to the ends)."""
     a, b = 0, n - 1
     while a < b:   # the last bucket whose lower bound is <= x
         m = (a + b + 1) // 2
@@ -299,8 +333,11 @@ def _bucket(ix, x):
 
 @numba.njit(cache=True, nogil=True)
 def _span(ix, r, nd):
-    d = ix[_DIM]
-    return _bucket(ix, r[d]), _bucket(ix, r[nd + d] - 1)
+    """(first, last bucket along the first dim, first, last along the second) that r reaches."""
+    d, d2 = ix[_DIM], ix[_DIM2]
+    lo, lo2, n, n2 = _bounds_at(ix), _bounds2_at(ix), ix[_BUCKETS], ix[_BUCKETS2]
+    return (_bucket(ix, lo, n, r[d]), _bucket(ix, lo, n, r[nd + d] - 1),
+            _bucket(ix, lo2, n2, r[d2]), _bucket(ix, lo2, n2, r[nd + d2] - 1))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -334,25 +371,27 @@ def _add(ix, rects, s, nd):
         i = (i + 1) & mask
     if _empty(rects[s], nd):
         return
-    b0, b1 = _span(ix, rects[s], nd)
-    if b1 - b0 + 1 > SPAN_BIG:
+    b0, b1, c0, c1 = _span(ix, rects[s], nd)
+    if (b1 - b0 + 1) * (c1 - c0 + 1) > SPAN_BIG:
         ix[_big_at(ix) + ix[_BIG]] = s
         ix[_BIG] += 1
         return
-    heads, nodes = _heads_at(ix), _nodes_at(ix)
+    heads, nodes, n2 = _heads_at(ix), _nodes_at(ix), ix[_BUCKETS2]
     for b in range(b0, b1 + 1):
-        k = ix[_NODES]
-        ix[nodes + 2 * k] = s
-        ix[nodes + 2 * k + 1] = ix[heads + b]
-        ix[heads + b] = k
-        ix[_NODES] = k + 1
+        for c in range(c0, c1 + 1):
+            k = ix[_NODES]
+            ix[nodes + 2 * k] = s
+            ix[nodes + 2 * k + 1] = ix[heads + b * n2 + c]
+            ix[heads + b * n2 + c] = k
+            ix[_NODES] = k + 1
 
 
 @numba.njit(cache=True, nogil=True)
 def _reindex(ix, rects, info, n, nd, hash_size, node_cap, big_cap):
     """A new index of the live slots below n, with these capacities."""
-    lo = _bounds_at(ix)
-    out = _new_index(ix[_DIM], ix[lo:lo + ix[_BUCKETS] + 1].copy(), hash_size, node_cap, big_cap)
+    lo, lo2 = _bounds_at(ix), _bounds2_at(ix)
+    out = _new_index(ix[_DIM], ix[lo:lo + ix[_BUCKETS] + 1].copy(), ix[_DIM2], ix[lo2:lo2 + ix[_BUCKETS2] + 1].copy(),
+                     hash_size, node_cap, big_cap)
     for s in range(n):
         if info[s, 0]:
             _add(out, rects, s, nd)
@@ -364,8 +403,8 @@ def _put(ix, rects, info, s, nd):
     """Enter slot s; the index, rebuilt larger where it had no room."""
     need = 1
     if not _empty(rects[s], nd):
-        b0, b1 = _span(ix, rects[s], nd)
-        need = b1 - b0 + 1
+        b0, b1, c0, c1 = _span(ix, rects[s], nd)
+        need = (b1 - b0 + 1) * (c1 - c0 + 1)
     hash_size, node_cap, big_cap = ix[_H_SIZE], ix[_NODE_CAP], ix[_BIG_CAP]
     if 2 * (ix[_H_COUNT] + 1) > hash_size or ix[_NODES] + need > node_cap or ix[_BIG] + 1 > big_cap:
         while 2 * (s + 2) > hash_size:
@@ -404,8 +443,8 @@ def _overlapping(tab, rects, info, n, r, nd):
     """The live slots whose rect shares a point with r, in insertion order."""
     if _empty(r, nd):
         return np.empty(0, np.int64)
-    b0, b1 = _span(tab, r, nd)
-    if b1 - b0 + 1 > SPAN_SCAN:
+    b0, b1, c0, c1 = _span(tab, r, nd)
+    if (b1 - b0 + 1) * (c1 - c0 + 1) > SPAN_SCAN:
         out = np.empty(n, np.int64)
         k = 0
         for s in range(n):
@@ -413,13 +452,14 @@ def _overlapping(tab, rects, info, n, r, nd):
                 out[k] = s
                 k += 1
         return out[:k]
-    heads, nodes, big = _heads_at(tab), _nodes_at(tab), _big_at(tab)
+    heads, nodes, big, n2 = _heads_at(tab), _nodes_at(tab), _big_at(tab), tab[_BUCKETS2]
     count = tab[_BIG]
     for b in range(b0, b1 + 1):
-        x = tab[heads + b]
-        while x >= 0:
-            count += 1
-            x = tab[nodes + 2 * x + 1]
+        for c in range(c0, c1 + 1):
+            x = tab[heads + b * n2 + c]
+            while x >= 0:
+                count += 1
+                x = tab[nodes + 2 * x + 1]
     found = np.empty(count, np.int64)
     k = 0
     for q in range(tab[_BIG]):
@@ -428,13 +468,14 @@ def _overlapping(tab, rects, info, n, r, nd):
             found[k] = s
             k += 1
     for b in range(b0, b1 + 1):
-        x = tab[heads + b]
-        while x >= 0:
-            s = tab[nodes + 2 * x]
-            if info[s, 0] and _overlaps(rects[s], r, nd):
-                found[k] = s
-                k += 1
-            x = tab[nodes + 2 * x + 1]
+        for c in range(c0, c1 + 1):
+            x = tab[heads + b * n2 + c]
+            while x >= 0:
+                s = tab[nodes + 2 * x]
+                if info[s, 0] and _overlaps(rects[s], r, nd):
+                    found[k] = s
+                    k += 1
+                x = tab[nodes + 2 * x + 1]
     return _unique(found[:k])
 
 
@@ -486,19 +527,19 @@ LABEL_GAP = 1 << 20
 @numba.njit(cache=True, nogil=True)
 def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     cap = 16
-    split_dim, bounds = _split_bounds(req_rect, nd)
+    dim, bounds, dim2, bounds2 = _split_bounds(req_rect, nd)
     w = 2 * nd
     u_rect = np.empty((cap, w), np.int64)
     u_info = np.zeros((cap, 5), np.int64)
     n_u = 0
-    u_tab = _new_index(split_dim, bounds, 64, 64, 16)
+    u_tab = _new_index(dim, bounds, dim2, bounds2, 64, 64, 16)
     links = np.empty((cap, 3), np.int64)      # a user list's entries: (node, privilege, next)
     n_l = 0
     disjoint = True
     p_rect = np.empty((cap, w), np.int64)
     p_info = np.zeros((cap, 3), np.int64)
     n_p = 0
-    p_tab = _new_index(split_dim, bounds, 64, 64, 16)
+    p_tab = _new_index(dim, bounds, dim2, bounds2, 64, 64, 16)
     vals = np.empty((cap, 2), np.int64)       # (memory, producer) blocks of the pieces
     n_v = 0
     e_rect = np.empty((cap, w), np.int64)
@@ -509,7 +550,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     # the pending entries' index (alive: in the list) and their order labels (_relabel)
     e_live = np.zeros((cap, 1), np.int64)
     e_label = np.empty(cap, np.int64)
-    e_tab = _new_index(split_dim, bounds, 64, 64, 16)
+    e_tab = _new_index(dim, bounds, dim2, bounds2, 64, 64, 16)
     e_dead_listed = 0
     copies = np.empty((cap, 7), np.int64)
     copy_rects = np.empty((cap, w), np.int64)
