@@ -192,8 +192,8 @@ _E_REDOP, _E_BUFNODE, _E_BUFREQ, _E_MEM, _E_NODE, _E_PREV, _E_NEXT = range(7)
 # - a hash of rect -> the last slot given that rect (open addressing, a power of two of
 #   buckets, -1 empty). Live rects are distinct within a table (pieces are disjoint, a user's
 #   rect has one slot), so that slot is the live one with that rect if any is;
-# - a grid of cells over the two dims the accesses split most (between their distinct
-#   boundaries along each, at most MAX_CELLS cells): each cell a list of the live slots whose
+# - a grid of cells over the two dims that best tell the accesses' rects apart (see
+#   _split_bounds; at most MAX_CELLS cells): each cell a list of the live slots whose
 #   rect reaches into it; a rect that spans more than SPAN_BIG cells is on a list of its own
 #   that every query reads. A query spanning more than SPAN_SCAN cells scans the slots
 #   instead. (Buckets along one dim alone left a query of a region tiled along two dims
@@ -239,25 +239,40 @@ def _boundaries(req_rect, nd, d):
 
 @numba.njit(cache=True, nogil=True)
 def _split_bounds(req_rect, nd):
-    """(dim, its boundaries, second dim, its boundaries): the two dims whose rects have the most
-    distinct boundaries, those sorted and thinned to at most MAX_CELLS cells in all (the
-    second dim gets what the first leaves; a region of one dim has one bucket along it)."""
-    counts = np.zeros(nd, np.int64)
-    for d in range(nd):
-        counts[d] = _boundaries(req_rect, nd, d).shape[0]
-    first = 0
-    for d in range(nd):
-        if counts[d] > counts[first]:
-            first = d
-    second = -1
-    for d in range(nd):
-        if d != first and (second < 0 or counts[d] > counts[second]):
-            second = d
-    b1 = _thin(_boundaries(req_rect, nd, first), MAX_CELLS)
-    if second < 0:
-        return first, b1, first, np.zeros(2, np.int64)
-    b2 = _thin(_boundaries(req_rect, nd, second), max(1, MAX_CELLS // (b1.shape[0] - 1)))
-    return first, b1, second, b2
+    """(dim, its boundaries, second dim, its boundaries) of the grid: the pair of dims whose
+    cells a query would share with the fewest rects. Along a dim with B buckets, where the
+    rects cover a mean share m of the span of all of them, a rect and a query meet with odds
+    of about 2m + 1/B; the pair with the least product wins. The boundaries are the rects'
+    distinct ones, sorted and thinned to at most MAX_CELLS cells in all (the second dim gets
+    what the first leaves; a region of one dim has one bucket along the second)."""
+    lo = np.full(nd, np.iinfo(np.int64).max, np.int64)
+    hi = np.full(nd, np.iinfo(np.int64).min, np.int64)
+    count = 0
+    for row in range(req_rect.shape[0]):
+        if not _empty(req_rect[row], nd):
+            count += 1
+            for d in range(nd):
+                lo[d] = min(lo[d], req_rect[row, d])
+                hi[d] = max(hi[d], req_rect[row, nd + d])
+    share = np.zeros(nd)
+    for row in range(req_rect.shape[0]):
+        if not _empty(req_rect[row], nd):
+            for d in range(nd):
+                share[d] += (req_rect[row, nd + d] - req_rect[row, d]) / max(1, hi[d] - lo[d])
+    bounds = [_boundaries(req_rect, nd, d) for d in range(nd)]
+    if nd == 1:
+        return 0, _thin(bounds[0], MAX_CELLS), 0, np.zeros(2, np.int64)
+    best, first, second = np.inf, 0, 1
+    for d1 in range(nd):
+        n1 = min(max(1, bounds[d1].shape[0] - 1), MAX_CELLS)
+        for d2 in range(nd):
+            if d2 != d1:
+                n2 = min(max(1, bounds[d2].shape[0] - 1), max(1, MAX_CELLS // n1))
+                odds = (2 * share[d1] / max(1, count) + 1 / n1) * (2 * share[d2] / max(1, count) + 1 / n2)
+                if odds < best:
+                    best, first, second = odds, d1, d2
+    b1 = _thin(bounds[first], MAX_CELLS)
+    return first, b1, second, _thin(bounds[second], max(1, MAX_CELLS // (b1.shape[0] - 1)))
 
 
 @numba.njit(cache=True, nogil=True)
