@@ -322,58 +322,59 @@ class _Buffers:
         return self.flat[name][:samples * self.per_sample[name]].reshape(shape)
 
 
+def _transformed_input(x, top_left, n_blocks, scratch: dict):
+    """Per chunk of samples [a, b) of x: (a, b, xs, v, buf), the padded image split by columns
+    (xs [b-a, HP, 6, TW, C]), its blocks transformed (v [36, (b-a)*TH*TW, C]), and buffers for
+    `scratch` (name -> shape per sample) that the chunk's other steps take from buf."""
+    c = x.shape[1]
+    th, tw = n_blocks
+    sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), **scratch}
+    chunks = _sample_chunks(x.shape[0], sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
+    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    k = _consts(x.dtype)
+    for a, b in chunks:
+        xs = buf.get("x", b - a, (b - a, *sizes["x"]))
+        _split_columns(x[a:b], top_left[0], top_left[1], xs)
+        v = buf.get("v", b - a, (ALPHA * ALPHA, (b - a) * th * tw, c))
+        _input_transform(xs, k, v)
+        yield a, b, xs, v, buf
+
+
 def forward(x, w, top_left, y, bias=None) -> None:
     """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
     top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given."""
-    n, c = x.shape[:2]
     oc = w.shape[0]
     th, tw = blocks(y.shape[2:])
     k = _consts(x.dtype)
     ut = filter_transform(w, channels_last=True)
-    sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), "m": (ALPHA * ALPHA, th * tw, oc),
-             "y": (4 * th, 4, tw, oc)}
-    chunks = _sample_chunks(n, sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
-    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
-    for a, b in chunks:
-        s = b - a
-        xs = buf.get("x", s, (s, *sizes["x"]))
-        _split_columns(x[a:b], top_left[0], top_left[1], xs)
-        v = buf.get("v", s, (ALPHA * ALPHA, s * th * tw, c))
-        _input_transform(xs, k, v)
-        m = np.matmul(v, ut, out=buf.get("m", s, (ALPHA * ALPHA, s * th * tw, oc)))
-        ys = buf.get("y", s, (s, *sizes["y"]))
+    bias = np.empty(0, x.dtype) if bias is None else bias
+    scratch = {"m": (ALPHA * ALPHA, th * tw, oc), "y": (4 * th, 4, tw, oc)}
+    for a, b, _, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
+        m = np.matmul(v, ut, out=buf.get("m", b - a, (ALPHA * ALPHA, (b - a) * th * tw, oc)))
+        ys = buf.get("y", b - a, (b - a, *scratch["y"]))
         _output_transform(m, k, ys)
-        _merge_columns(ys, 0, 0, np.empty(0, x.dtype) if bias is None else bias, y[a:b])
+        _merge_columns(ys, 0, 0, bias, y[a:b])
 
 
 def backward(x, w, dy, top_left, dx):
     """dw [OC, C, 3, 3] of `forward` for output gradient dy [N, OC, OH, OW], and dx [N, C, H, W]
     written (unless dx is None)."""
-    n, c = x.shape[:2]
-    oc = w.shape[0]
+    c, oc = x.shape[1], w.shape[0]
     th, tw = blocks(dy.shape[2:])
     k = _consts(x.dtype)
     u = filter_transform(w)
     du = np.empty((ALPHA * ALPHA, c, oc), x.dtype)
-    sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), "g": (4 * th, 4, tw, oc),
-             "m": (ALPHA * ALPHA, th * tw, oc)}
-    chunks = _sample_chunks(n, sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
-    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
-    for a, b in chunks:
-        s = b - a
-        xs = buf.get("x", s, (s, *sizes["x"]))
-        _split_columns(x[a:b], top_left[0], top_left[1], xs)
-        v = buf.get("v", s, (ALPHA * ALPHA, s * th * tw, c))
-        _input_transform(xs, k, v)
-        gs = buf.get("g", s, (s, *sizes["g"]))
+    scratch = {"g": (4 * th, 4, tw, oc), "m": (ALPHA * ALPHA, th * tw, oc)}
+    for a, b, xs, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
+        gs = buf.get("g", b - a, (b - a, *scratch["g"]))
         _split_columns(dy[a:b], 0, 0, gs)
-        dm = buf.get("m", s, (ALPHA * ALPHA, s * th * tw, oc))
+        dm = buf.get("m", b - a, (ALPHA * ALPHA, (b - a) * th * tw, oc))
         _grad_transform(gs, k, dm)
         if a == 0:
             np.matmul(v.swapaxes(1, 2), dm, out=du)
         else:
             du += np.matmul(v.swapaxes(1, 2), dm)
-        if dx is not None:
+        if dx is not None:  # v and xs are free now: the input's gradient goes through them
             np.matmul(dm, u, out=v)
             _input_grad_transform(v, k, xs)
             _merge_columns(xs, top_left[0], top_left[1], np.empty(0, x.dtype), dx[a:b])
