@@ -59,6 +59,13 @@ from taskrt.taskgraph import CopyNode, PhysicalReq, TaskNode
 
 #: the program of build_iteration: initial fills, then two training steps; the second is the graph
 STEPS = (1, 2)
+#: about how many bytes the caches of recorded segments and region analyses may hold before
+#: they are dropped (SegmentBuilder._bound_caches): a 10,000-proposal search at 1,024 devices
+#: grew to 16.9 GB resident without a bound
+CACHE_BYTES = 4 << 30
+#: the bytes a recorded point task takes, about (a TaskNode, its requirements and cost, measured
+#: at 1,024 devices: 1.1 GB of resident memory over 2,566 segments of 1,024 tasks)
+TASK_BYTES = 400
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class RecordedSegment:
     and privileges) and the memory of each (`memories`)."""
 
     key: tuple
-    key_id: int                   # a small int per key, so region keys hash fast
+    key_id: int                   # a small int per recording (never reused), so region keys hash fast
     op: str | None
     phase: str
     tasks: tuple[TaskNode, ...]
@@ -127,6 +134,12 @@ class RegionResult:
     edges: np.ndarray
     columns: np.ndarray = field(init=False, repr=False, compare=False)
     _nodes: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its arrays (the five per-copy columns counted once)."""
+        return sum(a.nbytes for a in (self.copy_rects, self.copy_ends, self.copy_redop, self.copy_buffer_req,
+                                      self.columns, self.edges))
 
     def __post_init__(self):
         names = ("copy_j", "copy_t", "copy_req", "buffer_j", "buffer_t")
@@ -251,7 +264,9 @@ class SegmentBuilder:
         self._shape_ids: dict[tuple, int] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._region_of: dict = {}   # uid -> Region, of every region a recorded segment touches
-        self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0}
+        self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0, "cache_flushes": 0}
+        self.cache_bytes = CACHE_BYTES
+        self._cached_bytes = 0
         self._op_parts: dict[tuple, _OpSegments] = {}
         # the program's own fills: of unsharded weight gradients, of every weight and state at
         # the start, and of the inputs before each step
@@ -345,6 +360,7 @@ class SegmentBuilder:
         if rec is None:
             segment, plan = make()
             rec = self._segments[key] = self._record(key, segment, plan)
+            self._cached_bytes += TASK_BYTES * len(rec.tasks)
         return rec
 
     def _record(self, key: tuple, segment: Segment, plan: OpPlan | None) -> RecordedSegment:
@@ -371,13 +387,13 @@ class SegmentBuilder:
                         entry[-1][1].append(j)
                     else:
                         entry.append((index, [j]))
-        self.stats["segments_recorded"] += 1
         touches = {uid: tuple((t, tuple(js)) for t, js in v) for uid, v in touches.items()}
         shapes = {uid: self._shape_id(tuple((js, _asks(tasks[t], js)) for t, js in v))
                   for uid, v in touches.items()}
         memories = {uid: tuple(tasks[t].proc.memory for t, _ in v) for uid, v in touches.items()}
-        return RecordedSegment(key, len(self._segments), segment.op, segment.phase, tuple(tasks), tuple(costs),
-                               touches, shapes, memories, segment.fills)
+        self.stats["segments_recorded"] += 1
+        return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(tasks),
+                               tuple(costs), touches, shapes, memories, segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
         """A small int per distinct shape (what a segment's tasks ask of one region), so that
@@ -404,8 +420,10 @@ class SegmentBuilder:
             result = self._regions.get(key)
             if result is None:
                 result = self._regions[key] = self._region(uid, program, positions, second)
+                self._cached_bytes += result.nbytes
             by_uid[uid] = result
         self._last = (program, where, by_uid)
+        self._bound_caches()
         results = [by_uid[uid] for uid in where]
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
         sizes = np.fromiter((len(rec.tasks) for rec in program), np.int64, len(program))
@@ -419,6 +437,22 @@ class SegmentBuilder:
         return AssembledIteration(ptr, idx, segment_of, buffer_index, order,
                                   program[second:] + [r for r, c in zip(results, copy_counts.tolist()) if c], program,
                                   self._view(configs), self.machine)
+
+    def _bound_caches(self) -> None:
+        """Drop the caches of recorded segments and region analyses when they hold more than
+        cache_bytes (about): the next builds record and analyze again what they need, from the
+        plans (kept) and the last build (kept: it is what the next one is compared with). A
+        segment's key_id is never reused, so no region key made before can match one made
+        after; the simulator drops its costs of the old parts when it sees the count of flushes
+        change."""
+        if self._cached_bytes <= self.cache_bytes:
+            return
+        self._segments.clear()
+        self._op_parts.clear()
+        self._regions.clear()
+        self._canonical.clear()
+        self._cached_bytes = 0
+        self.stats["cache_flushes"] += 1
 
     def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, list[int]]:
         """(region uid -> the positions of the segments that touch it, in program order; uid -> the

@@ -105,6 +105,7 @@ class Simulator:
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}   # id(part) -> (part, its costs)
+        self._flushes_seen = 0   # the builder's cache flushes when _part_cost_cache was last emptied
         self._costs_joined = Joiner(3, np.float64)     # the parts' costs, joined from the last graph's
         self._copy_costs: dict[tuple, tuple[int, float, float]] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
@@ -215,6 +216,10 @@ class Simulator:
         what was computed when the part was first seen, so a delta simulation costs only its
         new parts."""
         if cache and isinstance(graph, AssembledIteration):
+            flushes = self.builder.stats["cache_flushes"]
+            if flushes != self._flushes_seen:   # the builder dropped its parts: so do their costs
+                self._part_cost_cache.clear()
+                self._flushes_seen = flushes
             joined, _ = self._costs_joined.join(graph.parts, self._part_costs)
             costs = joined[:, graph.order]
             return costs[0].astype(np.int64), costs[1], costs[2], self._resources

@@ -93,6 +93,26 @@ def test_a_sequence_of_changes_answered_from_the_caches_stays_exact(seed, ranks)
         assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
 
 
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 4))
+def test_caches_dropped_after_every_build_still_give_the_runtimes_graph(seed, ranks):
+    """A cache budget of one byte drops the recorded segments and region analyses after every
+    build; the next one records and analyzes again (no region key from before a flush may
+    match one after) and is still the runtime's graph."""
+    kind = ("cnn", "rnn", "transformer", "mixer")[seed % 4]
+    ops, inputs, loss = _graph_of(kind)
+    machine = _machine(ranks, 2)
+    rng = np.random.default_rng(seed)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    builder.cache_bytes = 1
+    configs = {op.name: default_config(op, machine) for op in ops}
+    for _ in range(4):
+        op = ops[int(rng.integers(len(ops)))]
+        configs[op.name] = random_config(op, machine, rng)
+        assert_same(runtime_graph(ops, inputs, loss, configs, machine), assembled_graph(builder, configs))
+    assert builder.stats["cache_flushes"] == 4
+
+
 def test_a_change_reanalyzes_only_the_regions_of_the_op_it_changes():
     ops, inputs, loss = _graph_of("cnn")
     machine = _machine(2, 2)

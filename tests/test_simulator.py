@@ -184,3 +184,20 @@ def test_delta_simulation_equals_full_simulation_exactly(seed, machine, nodes):
         assert delta.busy == full.busy
         assert delta.peak_memory == full.peak_memory and delta.fits == full.fits
         assert len(delta.graph.nodes) == len(full.graph.nodes)
+
+
+def test_delta_simulation_with_its_caches_dropped_between_proposals_is_unchanged():
+    """Dropping the segment caches (a one-byte budget: after every build) changes no result:
+    the simulator drops its costs of the old parts with them."""
+    model = MODELS["cnn"](Runtime(execute=False))
+    mm = load_machine("k80", nodes=2)
+    sims = [Simulator.for_model(model, mm, CostModel(mm, measured=False), loss=data("cnn")[2]) for _ in range(2)]
+    sims[1].builder.cache_bytes = 1
+    rng = np.random.default_rng(5)
+    configs = {}
+    for _ in range(6):
+        op = sims[0].ops[int(rng.integers(len(sims[0].ops)))]
+        configs[op.name] = random_config(op, sims[0].machine, rng)
+        kept, dropped = (sim.simulate(dict(configs)) for sim in sims)
+        assert (kept.time, kept.busy, kept.peak_memory) == (dropped.time, dropped.busy, dropped.peak_memory)
+    assert sims[1].builder.stats["cache_flushes"] == 6 and sims[0].builder.stats["cache_flushes"] == 0
