@@ -72,7 +72,17 @@ def transfer_time(nbytes: int, link: LinkSpec) -> float:
     """Seconds the bytes of one copy occupy `link` (its bandwidth term, without the latency)."""
     if math.isinf(link.bandwidth):
         return 0.0
-    return np.maximum(nbytes, 0) / link.bandwidth   # (the simulator passes arrays of copies' bytes too)
+    return _transfer_seconds(nbytes, link.bandwidth)
+
+
+# The arithmetic of a copy's and a fold's seconds, on numbers or on arrays of many copies
+# (CostModel.copy_times): one formula, so that the simulator's vectorized costs equal these.
+def _transfer_seconds(nbytes, bandwidth):
+    return np.maximum(nbytes, 0) / bandwidth
+
+
+def _fold_seconds(nbytes, mem_bandwidth, launch_overhead):
+    return 3 * nbytes / mem_bandwidth + launch_overhead
 
 
 def roofline(flops: float, nbytes: float, device: DeviceSpec, efficiency: float) -> float:
@@ -430,15 +440,16 @@ class CostModel:
     def fold_time(self, nbytes: int, device) -> float:
         """Folding a reduction buffer of `nbytes` into its target on `device` (read both, write one);
         a fold from another memory also pays its copy on the link."""
-        return 3 * nbytes / self.device(device).mem_bandwidth + self.machine_model.launch_overhead
+        return _fold_seconds(nbytes, self.device(device).mem_bandwidth, self.machine_model.launch_overhead)
 
     def copy_times(self, nbytes: np.ndarray, link_bandwidth: np.ndarray, dst_bandwidth: np.ndarray,
                    fold: np.ndarray) -> np.ndarray:
         """Seconds each of many copies occupies its link: transfer_time (bytes over `link_bandwidth`,
         inf within one memory) and, where `fold`, fold_time on a device of `dst_bandwidth`. The
         same arithmetic as those two, element by element, so the same seconds."""
-        transfer = np.maximum(nbytes, 0) / link_bandwidth
-        return np.where(fold, transfer + (3 * nbytes / dst_bandwidth + self.machine_model.launch_overhead), transfer)
+        transfer = _transfer_seconds(nbytes, link_bandwidth)
+        return np.where(fold, transfer + _fold_seconds(nbytes, dst_bandwidth, self.machine_model.launch_overhead),
+                        transfer)
 
 
 # ---- fitting efficiencies ------------------------------------------------------------------------------

@@ -247,10 +247,15 @@ class Simulator:
         numbers = np.array([self._memory_number[m] for m in part.memories], np.int64)
         src, dst = numbers[part.copy_ends[:, 0]], numbers[part.copy_ends[:, 1]]
         fold = (part.copy_redop >= 0) | (src == dst)
-        codes, which = np.unique((src * len(self._memory_number) + dst) * 2 + fold, return_inverse=True)
+        codes, which = np.unique(self._pair_code(src, dst, fold), return_inverse=True)
         pairs = [self._copy_pair(int(c)) for c in codes.tolist()]
         res, bandwidth, latency, dst_bandwidth = (np.array(column)[which.reshape(-1)] for column in zip(*pairs))
         return res, self.cost.copy_times(part.copy_nbytes(), bandwidth, dst_bandwidth, fold), latency
+
+    def _pair_code(self, src, dst, fold):
+        """The key of _copy_pair's table: (src * memories + dst) * 2 + fold, of memory numbers
+        (numbers or arrays)."""
+        return (src * len(self._memory_number) + dst) * 2 + fold
 
     def _copy_pair(self, code: int) -> tuple[int, float, float, float]:
         """(resource index, the link's bandwidth (inf within one memory), its latency, the destination
@@ -305,7 +310,7 @@ class Simulator:
         if known is None:
             fold = redop is not None or src == dst
             res, bandwidth, latency, dst_bandwidth = self._copy_pair(
-                (self._memory_number[src] * len(self._memory_number) + self._memory_number[dst]) * 2 + fold)
+                self._pair_code(self._memory_number[src], self._memory_number[dst], fold))
             seconds = self.cost.copy_times(np.array([nbytes]), np.array([bandwidth]), np.array([dst_bandwidth]),
                                            np.array([fold]))
             known = self._copy_costs[what] = (res, float(seconds[0]), latency)

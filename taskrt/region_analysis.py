@@ -7,9 +7,9 @@ edges. `analyze_region` does that with the algorithm of taskrt/analysis.py, step
 insertion order, pending reductions folded per sub-rect in program order, a whole piece's
 copy moving it last), on arrays in one numba loop. The Python Analyzer stays what the
 runtime runs, and the reference tests/test_region_analysis.py compares this with. Pieces
-and users are found through an index (a hash by rect, buckets along the dim the accesses
-split most; see "an index of a table's slots"), so that an access costs about the slots it
-meets rather than all of them.
+and users are found through an index (a hash by rect, a grid of cells over the two dims
+that best tell the accesses' rects apart; see "an index of a table's slots"), so that an
+access costs about the slots it meets rather than all of them.
 
 Inputs: the region's rank (dims); per task (access, in program order) its memory number and
 its first row in the requirement arrays (access_first has one more entry, the end); per
@@ -634,10 +634,8 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     # the rest of the entry stays pending, in its place in program order
                     rests = _subtract(e_rect[e], part, nd)
                     before, after = e_info[e, _E_PREV], e_info[e, _E_NEXT]
-                    e_rect = _room(e_rect, n_e + rests.shape[0])
-                    e_info = _room(e_info, n_e + rests.shape[0])
-                    e_live = _room(e_live, n_e + rests.shape[0])
-                    e_label = _room(e_label, n_e + rests.shape[0])
+                    e_rect, e_info, e_live, e_label = _pending_room(e_rect, e_info, e_live, e_label,
+                                                                    n_e + rests.shape[0])
                     # labels for the rests, in e's place: from e's own up to the next entry's
                     k = rests.shape[0]
                     upper = e_label[after] if after >= 0 else e_label[e] + LABEL_GAP
@@ -704,10 +702,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 p_tab, p_rect, p_info, n_p, vals, n_v = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem,
                                                                     tid, nd)
             elif priv >= REDUCE_BASE:
-                e_rect = _room(e_rect, n_e + 1)
-                e_info = _room(e_info, n_e + 1)
-                e_live = _room(e_live, n_e + 1)
-                e_label = _room(e_label, n_e + 1)
+                e_rect, e_info, e_live, e_label = _pending_room(e_rect, e_info, e_live, e_label, n_e + 1)
                 x = n_e
                 n_e += 1
                 e_rect[x] = rect
@@ -725,6 +720,12 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 n_pending += 1
                 pending_by_op[priv - REDUCE_BASE] += 1
     return copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def _pending_room(e_rect, e_info, e_live, e_label, n):
+    """The pending entries' four arrays, each with room for n rows (_room)."""
+    return _room(e_rect, n), _room(e_info, n), _room(e_live, n), _room(e_label, n)
 
 
 @numba.njit(cache=True, nogil=True)
