@@ -1,20 +1,28 @@
 """How close the simulator's predictions come to real runs: strategies of two tiny apps on 2 ranks.
 
-    python bench/sim_accuracy.py [--apps mlp alexnet] [--iterations 12] [--budget 40] [--rounds 3]
+    python bench/sim_accuracy.py [--apps mlp alexnet] [--iterations 20] [--budget 40] [--rounds 3]
+                                 [--random-seeds 1 2 3 4] [--fit]
 
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
-device a node, as apps/demo.py sets up): the four baselines, a searched strategy and two random
-ones are trained for real (`mpiexec -n 2 python -m apps.NAME --strategy FILE`) `--rounds` times
-each, taking turns, and simulated with the cost model as it is (measured kernels on this
-machine, the local model's link and launch figures). A strategy's measured time is the median
-over its runs of each run's median iteration after the warm-up: this machine's speed drifts
-by a third within minutes. Printed per strategy: measured (and each run) and predicted
-iteration time and the relative error; per app the mean error and Kendall's tau of the two
-orderings. Targets: mean error at most 10%, tau at least 0.8. Last line: one JSON object.
+device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
+random one for each of `--random-seeds` are trained for real (`mpiexec -n 2 python -m apps.NAME --strategy
+FILE`) `--rounds` times each, taking turns, and simulated with the cost model as it is
+(measured kernels on this machine, the local model's runtime figures). A strategy's measured
+time is the median over its runs of each run's median iteration after the warm-up: this
+machine's speed drifts by a third within minutes. Printed per strategy: measured (and each
+run) and predicted iteration time and the relative error; per app the mean error and
+Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
+
+`--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
+receive_overhead, kernel_slowdown: see strategies/machines/README.md) to these runs, on a
+grid, minimizing the mean error over both apps; it prints the best figures with their error
+in sample and, so that the fit's own error shows, fitted on half the strategies of each app
+and scored on the other half (two folds). Last line: one JSON object.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -33,6 +41,14 @@ from strategies.random import random_strategy  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 
+#: the grid of --fit: each runtime figure of the machine model and the values tried
+FIT_GRID = {
+    "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6),
+    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6),
+    "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6),
+    "kernel_slowdown": (1.0, 1.4, 1.8, 2.2),
+}
+
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
     """Kendall's tau-a of two equally long lists: (concordant - discordant pairs) / pairs."""
@@ -44,24 +60,20 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / len(pairs)
 
 
-def strategies_for(app: str, batch: int, setup, budget: int) -> dict[str, Strategy]:
+def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> dict[str, Strategy]:
     model, _ = app_graph(app, batch, tiny=True)
     machine = setup.machine_model.to_machine()
     out = {name: Strategy(app, dict(fn(model, machine).ops)) for name, fn in BASELINES.items()}
     out["searched"], _ = search_strategy(app, batch, setup, budget)
-    for seed in (1, 2):
+    for seed in seeds:
         out[f"random{seed}"] = Strategy(app, dict(random_strategy(model, machine, seed).ops))
     return out
 
 
-def measure_app(app: str, batch: int, iterations: int, budget: int, rounds: int, out_dir: str) -> dict:
+def measure_app(app: str, batch: int, iterations: int, strategies: dict[str, Strategy], setup, rounds: int,
+                out_dir: str) -> dict[str, list[float]]:
     """Each strategy trained `rounds` times, the strategies taking turns (forward, then backward, ...)
-    so that the machine's drift falls on all of them alike; a strategy's measured time is the
-    median over its runs of each run's median iteration."""
-    setup = machine_setup(2, gpus=0)
-    model, output = app_graph(app, batch, tiny=True)
-    sim = Simulator.for_model(model, setup.machine_model, output=output)
-    strategies = strategies_for(app, batch, setup, budget)
+    so that the machine's drift falls on all of them alike: name -> each run's median iteration (s)."""
     paths = {}
     for name, strategy in strategies.items():
         paths[name] = os.path.join(out_dir, f"{app}.{name}.json")
@@ -72,37 +84,94 @@ def measure_app(app: str, batch: int, iterations: int, budget: int, rounds: int,
             report = train_mpi(app, setup, batch, iterations, ["--strategy", paths[name]],
                                os.path.join(out_dir, f"{app}.{name}.jsonl"))
             runs[name].append(report["median_iteration_s"])
-    rows = {}
-    for name, strategy in strategies.items():
-        measured = float(np.median(runs[name]))
-        predicted = sim.simulate(strategy).time
-        rows[name] = {"measured_ms": round(measured * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
-                      "predicted_ms": round(predicted * 1e3, 3),
-                      "error": round(abs(predicted - measured) / measured, 4)}
-        print(f"{app:8s} {name:9s} measured {measured * 1e3:8.2f} ms (runs {', '.join(f'{t * 1e3:.1f}' for t in runs[name])})"
-              f"  predicted {predicted * 1e3:8.2f} ms  error {rows[name]['error']:6.1%}", flush=True)
-    names = list(rows)
-    tau = kendall_tau([rows[n]["measured_ms"] for n in names], [rows[n]["predicted_ms"] for n in names])
-    mean_error = sum(r["error"] for r in rows.values()) / len(rows)
-    return {"strategies": rows, "mean_error": round(mean_error, 4), "kendall_tau": round(tau, 3)}
+    return runs
+
+
+def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model) -> dict[str, float]:
+    """The simulated iteration time of each strategy on `machine_model`."""
+    model, output = app_graph(app, batch, tiny=True)
+    sim = Simulator.for_model(model, machine_model, output=output)
+    return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
+
+
+def score(measured: dict[str, float], predicted: dict[str, float], names=None) -> tuple[float, float]:
+    """(mean relative error, Kendall's tau) of the predictions of `names` (default: all)."""
+    names = list(measured) if names is None else names
+    error = sum(abs(predicted[n] - measured[n]) / measured[n] for n in names) / len(names)
+    return error, kendall_tau([measured[n] for n in names], [predicted[n] for n in names])
+
+
+def fit(apps: dict, batch: int, base) -> dict:
+    """The FIT_GRID point with the least mean error over the apps, in sample and in two folds (fit
+    on the strategies at even places of each app, scored on the odd ones, and the other way)."""
+    points = [dict(zip(FIT_GRID, values)) for values in itertools.product(*FIT_GRID.values())]
+    predictions = []
+    for point in points:
+        mm = dataclasses.replace(base, **point)
+        predictions.append({app: predict(app, batch, a["strategies"], mm) for app, a in apps.items()})
+
+    def best(names_of) -> int:
+        return min(range(len(points)), key=lambda k: sum(
+            score(a["measured"], predictions[k][app], names_of(app))[0] for app, a in apps.items()))
+
+    everything = best(lambda app: None)
+    out = {"figures": points[everything], "in_sample": {
+        app: dict(zip(("mean_error", "kendall_tau"), score(a["measured"], predictions[everything][app])))
+        for app, a in apps.items()}, "folds": []}
+    for fold in (0, 1):
+        fitted = best(lambda app: list(apps[app]["measured"])[fold::2])
+        out["folds"].append({"figures": points[fitted], "held_out": {
+            app: dict(zip(("mean_error", "kendall_tau"),
+                          score(a["measured"], predictions[fitted][app], list(a["measured"])[1 - fold::2])))
+            for app, a in apps.items()}})
+    return out
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--apps", nargs="+", default=["mlp", "alexnet"])
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--budget", type=int, default=40, help="search proposals for the searched strategy")
     p.add_argument("--rounds", type=int, default=3, help="runs of each strategy, taking turns")
+    p.add_argument("--random-seeds", type=int, nargs="*", default=[1, 2, 3, 4],
+                   help="a random strategy of each app for each seed")
+    p.add_argument("--fit", action="store_true", help="fit the local model's runtime figures to the runs")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be at least 1")
+    setup = machine_setup(2, gpus=0)
     out = {"bench": "sim_accuracy", "ranks": 2, "targets": {"mean_error": 0.1, "kendall_tau": 0.8}, "apps": {}}
+    kept = {}
     with tempfile.TemporaryDirectory() as tmp:
         for app in args.apps:
-            out["apps"][app] = measure_app(app, args.batch_size, args.iterations, args.budget, args.rounds, tmp)
-            print(f"{app}: mean error {out['apps'][app]['mean_error']:.1%}, "
-                  f"Kendall tau {out['apps'][app]['kendall_tau']:.2f}", flush=True)
+            strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
+            runs = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, tmp)
+            measured = {name: float(np.median(r)) for name, r in runs.items()}
+            predicted = predict(app, args.batch_size, strategies, setup.machine_model)
+            kept[app] = {"strategies": strategies, "measured": measured}
+            rows = {}
+            for name in strategies:
+                m, q = measured[name], predicted[name]
+                rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
+                              "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
+                print(f"{app:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
+                      f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
+                      f"error {rows[name]['error']:6.1%}", flush=True)
+            error, tau = score(measured, predicted)
+            out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3)}
+            print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f}", flush=True)
+    if args.fit:
+        out["fit"] = fit(kept, args.batch_size, setup.machine_model)
+        f = out["fit"]
+        print("fit: " + ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}"
+                                  for k, v in f["figures"].items()), flush=True)
+        for app, s in f["in_sample"].items():
+            print(f"  in sample, {app}: mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
+        for i, fold in enumerate(f["folds"]):
+            for app, s in fold["held_out"].items():
+                print(f"  fold {i} (fitted on the other half: {fold['figures']}), held out, {app}: "
+                      f"mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
     print(json.dumps(out))
     return out
 

@@ -11,7 +11,9 @@
   `backward_flops(tile)` / `backward_bytes(tile)`. `fit_efficiency` fits the efficiencies
   to measurements (`python -m strategies.cost calibrate --machine local --write` refits a
   machine file where its device is here).
-- Every task adds the machine's `launch_overhead`. Copies take latency + bytes / bandwidth
+- A kernel's seconds, measured or analytic, are multiplied by the machine's `kernel_slowdown`
+  (how much slower kernels run inside a run than alone), and every task adds its
+  `launch_overhead`. Copies take latency + bytes / bandwidth
   of their link: the bytes occupy the link (the simulator queues copies on
   MachineModel.channel, one at a time), the latency is time in flight that the next copy
   overlaps; fills and folds are tasks on the device, bound by its memory bandwidth.
@@ -358,12 +360,12 @@ class CostModel:
         'backward_weights' (no input gradient: strategies.graph.BACKWARD_WEIGHTS), or in phase
         'update' the optimizer update of shard `rect` of weight `param` ('weight' or
         'op.weight'), on `device` (a DeviceSpec, a processor, or a kind): its kernel, measured
-        or analytic, plus the machine's launch overhead."""
+        or analytic, times the machine's kernel slowdown, plus its launch overhead."""
         spec = self.device(device)
-        overhead = self.machine_model.launch_overhead
+        mm = self.machine_model
         if not self.measures(spec):
             self.stats["analytic"] += 1
-            return self.analytic_time(op, phase, rect, spec, param, optimizer) + overhead
+            return self.analytic_time(op, phase, rect, spec, param, optimizer) * mm.kernel_slowdown + mm.launch_overhead
         key = self.key(op, phase, rect, spec, param, optimizer)
         entry = self.entries.get(key.text)
         if entry is None:
@@ -371,7 +373,7 @@ class CostModel:
             entry = self.entries[key.text]
         else:
             self.stats["cached"] += 1
-        return entry["seconds"] + overhead
+        return entry["seconds"] * mm.kernel_slowdown + mm.launch_overhead
 
     def measure_all(self, tasks: Iterable[Sequence]) -> int:
         """Measure every task (op, phase, rect, device[, param]) that this model measures and the

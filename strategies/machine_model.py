@@ -30,10 +30,13 @@ FLOP/s, bytes/s, bytes, seconds):
   GPU's NVSwitch port, a node's network card).
 - `launch_overhead`: seconds each task costs besides its kernel (a CUDA launch; the
   runtime's Python per task on CPUs).
-- `issue_overhead` (optional, default 0): seconds each graph node costs each rank's
-  program to issue (control replication: every rank analyzes or replays every node) and its
-  executor to hand on; on a cpu machine this work shares the rank's cores with its workers,
-  on a gpu machine it runs on the host beside the kernels. An iteration takes at least that.
+- `send_overhead`, `receive_overhead` (optional, cpu machines only, default 0): seconds of
+  the sending and of the receiving device's processor that a copy between two ranks takes.
+  The runtime's MPI handling (posting, completing, its progress thread's wake-ups) runs on
+  the cores the workers use, so the simulator charges it to them, before and after the wire.
+- `kernel_slowdown` (optional, default 1): a task's kernel inside a run over the same kernel
+  measured alone; on CPUs the rank's issuing and MPI threads and the other ranks share the
+  cores. Measured and roofline kernel seconds are multiplied by it.
 - `efficiency`: op kind -> the fraction of `peak_flops` its kernels reach ("default" for
   the others), the roofline's compute term (strategies/cost.py); `fitted` says what
   they were fitted on (null: estimates, not fitted).
@@ -60,8 +63,9 @@ MACHINES_DIR = Path(__file__).with_name("machines")
 DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
-           "host_link", "launch_overhead", "issue_overhead", "efficiency", "fitted")
+           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "kernel_slowdown", "efficiency", "fitted")
 _GPU_ONLY = ("host", "host_link")
+_CPU_ONLY = ("send_overhead", "receive_overhead")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
 _LINK_FIELDS = ("bandwidth", "latency", "shared_by")
 _MISSING = object()
@@ -136,7 +140,9 @@ class MachineModel:
     host: DeviceSpec | None = None
     host_link: LinkSpec | None = None
     launch_overhead: float = 0.0
-    issue_overhead: float = 0.0
+    send_overhead: float = 0.0
+    receive_overhead: float = 0.0
+    kernel_slowdown: float = 1.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     fitted: str | None = None
     source: str | None = field(default=None, compare=False)
@@ -312,6 +318,9 @@ def from_dict(data, where: str = "machine") -> MachineModel:
             raise MachineError(f"{where}: field {k!r} is only for gpu machines; a cpu machine's host is its devices")
         if not cpu and k not in data:
             raise MachineError(f"{where}: missing field {k!r} (a gpu machine needs its host and host link)")
+    for k in _CPU_ONLY:
+        if not cpu and k in data:
+            raise MachineError(f"{where}: field {k!r} is only for cpu machines, whose workers handle the messages")
     devices = data.get("devices_per_node", _MISSING)
     if devices is _MISSING:
         raise MachineError(f"{where}: missing field 'devices_per_node'")
@@ -338,7 +347,10 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         host=None if cpu else _device(_object(data, "host", "", where), "host.", where, discover=False),
         host_link=None if cpu else _link(data, "host_link", where),
         launch_overhead=_positive(data, "launch_overhead", "", where, zero=True),
-        issue_overhead=_positive(data, "issue_overhead", "", where, zero=True) if "issue_overhead" in data else 0.0,
+        send_overhead=_positive(data, "send_overhead", "", where, zero=True) if "send_overhead" in data else 0.0,
+        receive_overhead=(_positive(data, "receive_overhead", "", where, zero=True)
+                          if "receive_overhead" in data else 0.0),
+        kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
         notes=tuple(notes), fitted=fitted, source=where)
 
 

@@ -5,8 +5,10 @@ and dependence analysis on an execute=False runtime) against a cost model, as a 
 device would: every task takes its cost model time on its processor, every copy its link's
 latency plus bytes over bandwidth on its channel (copies on one channel take turns, so
 contention counts), a fold from another memory its copy plus the fold on the target, a fold
-within one memory its fold on that memory's copy worker. Each processor, channel and memory
-runs one node at a time in order of readiness (strategies/timing.py).
+within one memory its fold on that memory's copy worker. On a cpu machine with message
+overheads, a copy between ranks also holds the sending processor before the wire and the
+receiving one after it (the runtime's MPI handling on the workers' cores). Each processor,
+channel and memory runs one node at a time in order of readiness (strategies/timing.py).
 
     sim = Simulator.for_model(model, load_machine("p100"))
     result = sim.simulate(data_parallel(model, sim.machine))
@@ -33,16 +35,15 @@ from strategies.joined import Joiner
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
-from strategies.timing import Timing, schedule
+from strategies.timing import Handling, Timing, schedule
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
 
 
 @dataclass
 class SimResult:
-    """A simulated iteration: its time (seconds: the schedule's, or the machine's issue floor when
-    that is longer), the busy seconds of each processor (global index), the peak bytes of each
-    processor's memory, and the schedule behind them."""
+    """A simulated iteration: its time (seconds), the busy seconds of each processor (global
+    index), the peak bytes of each processor's memory, and the schedule behind them."""
 
     time: float
     busy: dict[int, float]
@@ -106,9 +107,15 @@ class Simulator:
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}   # id(part) -> (part, its costs)
         self._flushes_seen = 0   # the builder's cache flushes when _part_cost_cache was last emptied
-        self._costs_joined = Joiner(3, np.float64)     # the parts' costs, joined from the last graph's
-        self._copy_costs: dict[tuple, tuple[int, float, float]] = {}   # (src, dst, bytes, redop) -> _cost's answer
+        mm = machine_model
+        # a copy between ranks holds its processors too (before and after: 4 more cost rows)
+        self._handling = mm.device.kind == "cpu" and (mm.send_overhead > 0 or mm.receive_overhead > 0)
+        self._rows = 7 if self._handling else 3
+        self._costs_joined = Joiner(self._rows, np.float64)   # the parts' costs, joined from the last graph's
+        self._copy_costs: dict[tuple, tuple] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
+        self._memory_rank = np.array([m.rank for m in self.machine.memories], np.int64)
+        self._memory_proc_res: np.ndarray | None = None   # see _copy_handling
         self._pairs: dict[int, tuple] = {}   # see _copy_pair
         self._task_seconds: dict[tuple, float] = {}   # see _cost
         self._resolved: dict[tuple, TileConfig] = {}
@@ -182,36 +189,22 @@ class Simulator:
         simulation (`delta=False`) builds the runtime's graph from scratch. Both time the same
         graph the same way, so their results are equal (tests/test_simulator.py)."""
         graph = self.graph(strategy, delta)
-        res, dur, delay, resources = self.node_costs(graph, cache=delta)
+        res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
         ptr, idx = graph.pred_arrays()
-        timing = schedule(res, dur, ptr, idx, len(resources), delay)
+        timing = schedule(res, dur, ptr, idx, len(resources), delay, handling)
         used = np.bincount(res, minlength=len(resources))
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}
-        time = max(timing.time, self.issue_floor(len(res), busy))
         peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
         capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
         fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
-        return SimResult(time, busy, peak, fits, graph, timing, resources)
+        return SimResult(timing.time, busy, peak, fits, graph, timing, resources)
 
-    def issue_floor(self, nodes: int, busy: dict[int, float]) -> float:
-        """The least an iteration of `nodes` graph nodes takes for issuing them: every rank issues
-        every node (control replication), at the machine model's issue_overhead each; on a cpu
-        machine beside its workers' busy time on the rank's cores, on a gpu machine on the host."""
-        mm = self.machine_model
-        issue = nodes * mm.issue_overhead
-        if mm.device.kind != "cpu" or not issue:
-            return issue
-        per_rank: dict[int, float] = {}
-        for i, b in busy.items():
-            rank = self.machine.processors[i].rank
-            per_rank[rank] = per_rank.get(rank, 0.0) + b
-        return max((b + issue) / mm.devices_per_node for b in per_rank.values())
-
-    def node_costs(self, graph, cache: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+    def node_costs(self, graph, cache: bool = False) -> tuple:
         """(resource index of each node, its seconds there, its delay after: a copy's latency in
-        flight, the resources): processors ('proc', p), link channels ('link', channel) and
-        memories' copy workers ('memory', m), numbered once for this simulator. With `cache`,
+        flight, the resources, the Handling of copies between ranks or None where the machine
+        has none): processors ('proc', p), link channels ('link', channel) and memories' copy
+        workers ('memory', m), numbered once for this simulator. With `cache`,
         an assembled graph's costs come per part (a segment's tasks, a region's copies) from
         what was computed when the part was first seen, so a delta simulation costs only its
         new parts."""
@@ -222,24 +215,28 @@ class Simulator:
                 self._flushes_seen = flushes
             joined, _ = self._costs_joined.join(graph.parts, self._part_costs)
             costs = joined[:, graph.order]
-            return costs[0].astype(np.int64), costs[1], costs[2], self._resources
-        costs = [self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
-                 for i, node in enumerate(graph.nodes)]
-        return (np.array([c[0] for c in costs], np.int64), np.array([c[1] for c in costs], float),
-                np.array([c[2] for c in costs], float), self._resources)
+        else:
+            costs = np.array([self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
+                              for i, node in enumerate(graph.nodes)], float).reshape(-1, self._rows).T
+        handling = None
+        if self._handling:
+            handling = Handling(costs[3].astype(np.int64), costs[4], costs[5].astype(np.int64), costs[6])
+        return costs[0].astype(np.int64), costs[1], costs[2], self._resources, handling
 
     def _part_costs(self, part) -> np.ndarray:
-        """A part's costs as rows (resource index, seconds, delay), one column a node, made once."""
+        """A part's costs as rows (resource index, seconds, delay[, the Handling's four]), one column
+        a node, made once."""
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
             if isinstance(part, RecordedSegment):
-                costs = np.array([self._cost(t, c) for t, c in zip(part.tasks, part.costs)], float).reshape(-1, 3).T
+                costs = np.array([self._cost(t, c) for t, c in zip(part.tasks, part.costs)],
+                                 float).reshape(-1, self._rows).T
             else:
                 costs = np.stack(self._region_costs(part)).astype(float)
             known = self._part_cost_cache[id(part)] = (part, costs)
         return known[1]
 
-    def _region_costs(self, part) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _region_costs(self, part) -> tuple[np.ndarray, ...]:
         """_cost of a region result's copies, from its arrays: each distinct (source, destination,
         fold or not) looked up once (_copy_pair), the seconds of all copies in one go with
         CostModel.copy_times (the arithmetic of transfer_time and fold_time, element by element:
@@ -250,7 +247,22 @@ class Simulator:
         codes, which = np.unique(self._pair_code(src, dst, fold), return_inverse=True)
         pairs = [self._copy_pair(int(c)) for c in codes.tolist()]
         res, bandwidth, latency, dst_bandwidth = (np.array(column)[which.reshape(-1)] for column in zip(*pairs))
-        return res, self.cost.copy_times(part.copy_nbytes(), bandwidth, dst_bandwidth, fold), latency
+        costs = (res, self.cost.copy_times(part.copy_nbytes(), bandwidth, dst_bandwidth, fold), latency)
+        return costs + self._copy_handling(src, dst) if self._handling else costs
+
+    def _copy_handling(self, src, dst) -> tuple[np.ndarray, ...]:
+        """The Handling rows of copies from memory numbers `src` to `dst` (arrays): a copy between
+        ranks holds the processor of its source memory for send_overhead before the wire and that
+        of its destination for receive_overhead after; other copies hold neither (-1, 0)."""
+        mm = self.machine_model
+        if self._memory_proc_res is None:
+            self._memory_proc_res = np.array([self._resource(("proc", self._memory_proc[m])) if m in self._memory_proc
+                                              else -1 for m in self.machine.memories], np.int64)
+        proc_res = self._memory_proc_res
+        between = self._memory_rank[src] != self._memory_rank[dst]
+        none = np.full(src.shape, -1, np.int64)
+        return (np.where(between, proc_res[src], none), np.where(between, mm.send_overhead, 0.0),
+                np.where(between, proc_res[dst], none), np.where(between, mm.receive_overhead, 0.0))
 
     def _pair_code(self, src, dst, fold):
         """The key of _copy_pair's table: (src * memories + dst) * 2 + fold, of memory numbers
@@ -283,8 +295,9 @@ class Simulator:
             self._resources.append(key)
         return r
 
-    def _cost(self, node, tc) -> tuple[int, float, float]:
-        """(the resource index a node occupies, its seconds there, its delay after)."""
+    def _cost(self, node, tc) -> tuple:
+        """(the resource index a node occupies, its seconds there, its delay after[, its Handling's
+        pre resource and seconds, post resource and seconds])."""
         if isinstance(node, CopyNode):
             return self._copy_cost_of(node.src, node.dst, node.nbytes, node.redop)
         # what a task's seconds depend on, so that like tiles of other configs are timed once
@@ -300,9 +313,10 @@ class Simulator:
             else:
                 seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
             self._task_seconds[what] = seconds
-        return self._resource(("proc", node.proc)), seconds, 0.0
+        task = (self._resource(("proc", node.proc)), seconds, 0.0)
+        return task + (-1, 0.0, -1, 0.0) if self._handling else task
 
-    def _copy_cost_of(self, src, dst, nbytes: int, redop: str | None) -> tuple[int, float, float]:
+    def _copy_cost_of(self, src, dst, nbytes: int, redop: str | None) -> tuple:
         """_cost of a copy of `nbytes` from memory `src` to `dst` (a fold with `redop`), made once: the
         arithmetic of _region_costs for one copy."""
         what = (src, dst, nbytes, redop)
@@ -313,7 +327,11 @@ class Simulator:
                 self._pair_code(self._memory_number[src], self._memory_number[dst], fold))
             seconds = self.cost.copy_times(np.array([nbytes]), np.array([bandwidth]), np.array([dst_bandwidth]),
                                            np.array([fold]))
-            known = self._copy_costs[what] = (res, float(seconds[0]), latency)
+            known = (res, float(seconds[0]), latency)
+            if self._handling:
+                ends = np.array([self._memory_number[src]]), np.array([self._memory_number[dst]])
+                known += tuple(a[0].item() for a in self._copy_handling(*ends))
+            self._copy_costs[what] = known
         return known
 
     def tasks_to_measure(self, strategy) -> list[tuple]:

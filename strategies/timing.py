@@ -10,8 +10,14 @@ resource runs one node at a time, in the order in which its nodes became ready (
 index, so the result is deterministic). This is how the executor behaves too: one worker
 per processor and one per memory's copies, each taking ready nodes first come, first served.
 
-`schedule` returns the start and end of every node; `Timing` adds the iteration time and
-each resource's busy time. The loop is compiled with numba (nogil, cached), because the
+A node may also occupy a resource just before and one just after its own (`handling`: the
+sending and the receiving processor of a copy between ranks, where their runtime's Python
+handles the message on the cores that the workers use). Each part waits its turn like a
+node of its own: the part before when the node is ready, the node's own resource when that
+part is done, the part after when the node's delay has passed; the node ends with it.
+
+`schedule` returns the start (on its own resource) and end of every node; `Timing` adds the
+iteration time and each resource's busy time. The loop is compiled with numba (nogil, cached), because the
 search calls it tens of thousands of times.
 """
 from __future__ import annotations
@@ -60,8 +66,9 @@ def _heap_pop(keys, ids, size):
 
 
 @numba.njit(cache=True, nogil=True)
-def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources):
+def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources, pre_res, pre_dur, post_res, post_dur):
     n = res.shape[0]
+    phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
     indeg = np.zeros(n, np.int64)
     succ_count = np.zeros(n + 1, np.int64)
     for i in range(n):
@@ -88,6 +95,8 @@ def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources):
         if indeg[i] == 0:
             roots[n_roots] = i
             n_roots += 1
+    # a heap entry is a node's code: i when it became ready, n + i when its part before is done
+    # (its own resource next), 2n + i when its delay has passed (its part after next)
     keys = np.empty(n)
     ids = np.empty(n, np.int64)
     size = 0
@@ -95,19 +104,36 @@ def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources):
     done = 0
     while size > 0 or next_root < n_roots:
         if next_root < n_roots and (size == 0 or keys[0] > 0.0 or ids[0] > roots[next_root]):
-            t, i = 0.0, roots[next_root]
+            t, code = 0.0, roots[next_root]
             next_root += 1
         else:
-            t, i, size = _heap_pop(keys, ids, size)
-        r = res[i]
-        s = t
-        if r >= 0 and free[r] > s:
-            s = free[r]
-        e = s + dur[i]
-        if r >= 0:
+            t, code, size = _heap_pop(keys, ids, size)
+        i = code % n
+        step = code // n
+        if step == 0 and phases and pre_res[i] >= 0:
+            r = pre_res[i]
+            s = t if free[r] <= t else free[r]
+            free[r] = s + pre_dur[i]
+            size = _heap_push(keys, ids, size, free[r], n + i)
+            continue
+        if step < 2:
+            r = res[i]
+            s = t
+            if r >= 0 and free[r] > s:
+                s = free[r]
+            e = s + dur[i]
+            if r >= 0:
+                free[r] = e
+            e += delay[i]
+            start[i] = s
+            if phases and post_res[i] >= 0:
+                size = _heap_push(keys, ids, size, e, 2 * n + i)
+                continue
+        else:
+            r = post_res[i]
+            e = t if free[r] <= t else free[r]
+            e += post_dur[i]
             free[r] = e
-        e += delay[i]
-        start[i] = s
         end[i] = e
         done += 1
         for k in range(succ_ptr[i], succ_ptr[i + 1]):
@@ -118,6 +144,17 @@ def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources):
             if indeg[j] == 0:
                 size = _heap_push(keys, ids, size, ready[j], j)
     return start, end, done
+
+
+@dataclass(frozen=True)
+class Handling:
+    """The parts of nodes before and after their own resource (see the module docstring):
+    resource index (-1: none) and seconds, one entry a node."""
+
+    pre_res: np.ndarray
+    pre_dur: np.ndarray
+    post_res: np.ndarray
+    post_dur: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -138,7 +175,7 @@ class Timing:
 
 
 def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: np.ndarray,
-             num_resources: int, delay: np.ndarray | None = None) -> Timing:
+             num_resources: int, delay: np.ndarray | None = None, handling: Handling | None = None) -> Timing:
     """Simulate the graph (see the module docstring); raises ValueError on a cycle or bad index."""
     res = np.ascontiguousarray(res, np.int64)
     dur = np.ascontiguousarray(dur, np.float64)
@@ -158,8 +195,30 @@ def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: n
     if (dur < 0).any() or (delay < 0).any():
         bad = np.flatnonzero((dur < 0) | (delay < 0))[0]
         raise ValueError(f"schedule: negative duration or delay at node {int(bad)}")
-    start, end, done = _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources)
+    parts = _handling_arrays(handling, n, num_resources)
+    start, end, done = _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources, *parts)
     if done != n:
         raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
-    busy = np.bincount(res[res >= 0], weights=dur[res >= 0], minlength=num_resources)
+    busy = np.zeros(num_resources)
+    for r, d in ((res, dur), *zip(parts[::2], parts[1::2])):
+        busy += np.bincount(r[r >= 0], weights=d[r >= 0], minlength=num_resources)
     return Timing(start, end, busy)
+
+
+def _handling_arrays(handling: Handling | None, n: int, num_resources: int) -> tuple:
+    """(pre_res, pre_dur, post_res, post_dur) as the core takes them, checked; empty without handling."""
+    if handling is None:
+        none_i, none_f = np.empty(0, np.int64), np.empty(0)
+        return none_i, none_f, none_i, none_f
+    out = []
+    for name in ("pre_res", "pre_dur", "post_res", "post_dur"):
+        a = np.ascontiguousarray(getattr(handling, name), np.int64 if name.endswith("res") else np.float64)
+        if a.shape != (n,):
+            raise ValueError(f"schedule: handling.{name} has shape {a.shape}, need ({n},)")
+        out.append(a)
+    for name, r in (("pre_res", out[0]), ("post_res", out[2])):
+        if n and (r.max() >= num_resources or r.min() < -1):
+            raise ValueError(f"schedule: handling.{name} must be in -1..{num_resources - 1}, got {r.min()}..{r.max()}")
+    if (out[1] < 0).any() or (out[3] < 0).any():
+        raise ValueError("schedule: negative handling seconds")
+    return tuple(out)

@@ -66,6 +66,14 @@ def test_roofline_of_a_memory_bound_relu_by_hand():
     assert cost.task_time(op, "forward", half, GPU) == pytest.approx(nbytes / 2 / 1e11 + 1e-5)
 
 
+def test_the_kernel_slowdown_stretches_the_kernel_and_not_the_launch():
+    op = Dense("fc", [spec(64, 512)], 256, use_bias=False)
+    tile = Rect.from_shape(op.tile_shape)
+    kernel = CostModel(gpu_model(), measured=False).analytic_time(op, "forward", tile, GPU)
+    slow = CostModel(gpu_model(kernel_slowdown=1.5), measured=False)
+    assert slow.task_time(op, "forward", tile, GPU) == pytest.approx(1.5 * kernel + 1e-5)
+
+
 def test_update_time_counts_the_optimizers_state():
     op = Dense("fc", [spec(8, 100)], 100)
     shard = Rect((0, 0), (50, 100))
@@ -160,7 +168,8 @@ def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
     assert cost.stats == {"measured": 1, "cached": 1, "analytic": 0}
     entries = json.loads(path.read_text())["entries"]
     key = cost.key(op, "forward", tile, mm.device)
-    assert entries[key.text]["seconds"] == pytest.approx(fwd - mm.launch_overhead)
+    # the cache keeps the kernel alone; a task adds the run's slowdown and its launch
+    assert entries[key.text]["seconds"] * mm.kernel_slowdown == pytest.approx(fwd - mm.launch_overhead)
     again = CostModel(mm, cache_path=path)
     assert again.task_time(op, "forward", tile, mm.device) == fwd
     assert again.task_time(op, "backward", tile, mm.device) == bwd

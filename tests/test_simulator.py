@@ -38,7 +38,7 @@ def test_one_device_runs_every_task_in_turn():
     gpu = next(i for i, p in enumerate(sim.machine.processors) if p.kind == "gpu")
     on_gpu = [i for i, n in enumerate(graph.nodes) if isinstance(n, TaskNode)
               and sim.machine.processors.index(n.proc) == gpu]
-    res, dur, _, _ = sim.node_costs(graph)
+    res, dur, _, _, _ = sim.node_costs(graph)
     assert result.busy[gpu] == pytest.approx(sum(dur[i] for i in on_gpu))
     assert result.time >= result.busy[gpu]
     # tasks on one processor never overlap
@@ -111,21 +111,31 @@ def test_the_trace_is_in_the_runtimes_format(tmp_path):
         map(len, result.graph.preds))
 
 
-def test_issuing_every_node_on_every_rank_bounds_the_iteration():
+def test_a_copy_between_ranks_holds_its_sending_and_receiving_processors():
+    """On a cpu machine with message overheads each copy between ranks adds send_overhead to its
+    source's processor and receive_overhead to its destination's, and ends no sooner than its
+    receive; copies within a rank and every task are costed as without them."""
     model = mlp(batch=16, width=32)
-    gpu = dataclasses.replace(load_machine("p100", nodes=2), issue_overhead=1e-3)
-    result = Simulator.for_model(model, gpu, CostModel(gpu, measured=False)).simulate(
-        data_parallel(model, gpu.to_machine()))
-    assert result.time == pytest.approx(len(result.graph.nodes) * 1e-3) and result.time > result.timing.time
-    cpu = dataclasses.replace(load_machine("local", nodes=2), devices_per_node=1, issue_overhead=1e-4)
-    sim = Simulator.for_model(model, cpu, CostModel(cpu, measured=False))
-    result = sim.simulate(data_parallel(model, sim.machine))
-    per_rank = [sum(b for i, b in result.busy.items() if sim.machine.processors[i].rank == r) for r in (0, 1)]
-    floor = max(per_rank) + len(result.graph.nodes) * 1e-4  # the issuing shares the rank's one core
-    assert result.time == pytest.approx(max(result.timing.time, floor))
-    plain = dataclasses.replace(cpu, issue_overhead=0.0)
-    assert Simulator.for_model(model, plain, CostModel(plain, measured=False)).simulate(
-        data_parallel(model, sim.machine)).time == pytest.approx(result.timing.time)
+    plain = dataclasses.replace(load_machine("local", nodes=2), devices_per_node=1, send_overhead=0.0,
+                                receive_overhead=0.0)
+    handled = dataclasses.replace(plain, send_overhead=3e-4, receive_overhead=7e-4)
+    results = []
+    for mm in (plain, handled):
+        sim = Simulator.for_model(model, mm, CostModel(mm, measured=False))
+        results.append(sim.simulate(data_parallel(model, sim.machine)))
+    base, result = results
+    procs = sim.machine.processors
+    sends, receives = {i: 0 for i in result.busy}, {i: 0 for i in result.busy}
+    between = [i for i, n in enumerate(result.graph.nodes) if isinstance(n, CopyNode) and n.src.rank != n.dst.rank]
+    assert between
+    for i in between:
+        node = result.graph.nodes[i]
+        sends[next(k for k, p in enumerate(procs) if p.memory == node.src)] += 1
+        receives[next(k for k, p in enumerate(procs) if p.memory == node.dst)] += 1
+        assert result.timing.end[i] - result.timing.start[i] >= 7e-4
+    for k in result.busy:
+        assert result.busy[k] == pytest.approx(base.busy[k] + 3e-4 * sends[k] + 7e-4 * receives[k])
+    assert result.time > base.time
 
 
 def test_the_chunks_of_a_split_sequence_are_costed_by_their_phase():
@@ -166,7 +176,7 @@ def test_a_backward_whose_input_gradient_nobody_reads_is_costed_as_the_weight_gr
 
 
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), machine=st.sampled_from(["p100", "k80"]), nodes=st.integers(1, 3))
+@given(seed=st.integers(0, 2**32 - 1), machine=st.sampled_from(["p100", "k80", "local"]), nodes=st.integers(1, 3))
 def test_delta_simulation_equals_full_simulation_exactly(seed, machine, nodes):
     """Random sequences of one-op config changes: the delta simulation (segment caches) gives the
     same iteration time, busy times and peak memory as a full one, to the last bit."""

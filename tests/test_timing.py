@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from strategies.timing import schedule
+from strategies.timing import Handling, schedule
 
 
 def _csr(preds):
@@ -96,3 +96,91 @@ def test_schedule_equals_the_reference(g):
     want_start, want_end = _reference(res, dur, preds, delay)
     np.testing.assert_array_equal(t.start, want_start)
     np.testing.assert_array_equal(t.end, want_end)
+
+
+def _reference_with_handling(res, dur, preds, delay, pre, post):
+    """_reference where node i may first hold pre[i] = (resource, seconds) and last post[i]: every
+    part is an item of its own, picked by (time it became ready, code), code i for a node's
+    first part, n + i for its own resource after a part before, 2n + i for its part after."""
+    n = len(res)
+    start, end, free = [None] * n, [None] * n, {}
+    items = {}   # code -> ready time, for items whose turn can come
+
+    def take(r, t, seconds):
+        s = max(t, free.get(r, 0.0)) if r >= 0 else t
+        if r >= 0:
+            free[r] = s + seconds
+        return s
+
+    left = set(range(n))
+    while left or items:
+        for i in list(left):
+            if all(end[p] is not None for p in preds[i]):
+                items[i] = max((end[p] for p in preds[i]), default=0.0)
+                left.remove(i)
+        code = min(items, key=lambda c: (items[c], c))
+        t = items.pop(code)
+        i, step = code % n, code // n
+        if step == 0 and pre[i][0] >= 0:
+            items[n + i] = take(pre[i][0], t, pre[i][1]) + pre[i][1]
+        elif step < 2:
+            start[i] = take(res[i], t, dur[i])
+            e = start[i] + dur[i] + delay[i]
+            if post[i][0] >= 0:
+                items[2 * n + i] = e
+            else:
+                end[i] = e
+        else:
+            end[i] = take(post[i][0], t, post[i][1]) + post[i][1]
+    return np.array(start), np.array(end)
+
+
+@st.composite
+def handled_graphs(draw):
+    res, dur, preds, resources, delay = draw(graphs())
+    part = st.tuples(st.integers(-1, resources - 1), st.sampled_from([0.0, 0.25, 0.75, 2.0]))
+    pre = [draw(part) for _ in res]
+    post = [draw(part) for _ in res]
+    return res, dur, preds, resources, delay, pre, post
+
+
+@settings(max_examples=200, deadline=None)
+@given(handled_graphs())
+def test_handling_parts_take_their_turns_as_the_reference_says(g):
+    res, dur, preds, resources, delay, pre, post = g
+    ptr, idx = _csr(preds)
+    handling = Handling(np.array([r for r, _ in pre]), np.array([d for _, d in pre]),
+                        np.array([r for r, _ in post]), np.array([d for _, d in post]))
+    t = schedule(np.array(res), np.array(dur), ptr, idx, resources, np.array(delay), handling)
+    want_start, want_end = _reference_with_handling(res, dur, preds, delay, pre, post)
+    np.testing.assert_array_equal(t.start, want_start)
+    np.testing.assert_array_equal(t.end, want_end)
+    busy = np.zeros(resources)
+    for r, d in [*zip(res, dur), *pre, *post]:
+        if r >= 0:
+            busy[r] += d
+    np.testing.assert_allclose(t.busy, busy)
+
+
+def test_a_copy_between_ranks_holds_both_processors():
+    # node 0 a task on processor 0; node 1 a copy on link 2 that processor 0 sends (1 s) and
+    # processor 1 receives (2 s); node 2 a task on processor 1 after it; node 3 a task on
+    # processor 1 ready at 0 that the receive waits for
+    ptr, idx = _csr([[], [0], [1], []])
+    handling = Handling(np.array([-1, 0, -1, -1]), np.array([0.0, 1.0, 0.0, 0.0]),
+                        np.array([-1, 1, -1, -1]), np.array([0.0, 2.0, 0.0, 0.0]))
+    t = schedule(np.array([0, 2, 1, 1]), np.array([1.0, 0.5, 1.0, 3.0]), ptr, idx, 3,
+                 np.array([0.0, 0.25, 0.0, 0.0]), handling)
+    # send 1-2, wire 2-2.5, latency to 2.75, receive waits for node 3 (0-3) then 3-5, node 2 5-6
+    assert list(t.start) == [0.0, 2.0, 5.0, 0.0] and list(t.end) == [1.0, 5.0, 6.0, 3.0]
+    assert list(t.busy) == [2.0, 6.0, 0.5]
+
+
+def test_bad_handling_is_refused():
+    ptr, idx = _csr([[], []])
+    with pytest.raises(ValueError, match="handling.post_res"):
+        schedule(np.array([0, 0]), np.array([1.0, 1.0]), ptr, idx, 1, None,
+                 Handling(np.array([-1, -1]), np.zeros(2), np.array([-1, 5]), np.zeros(2)))
+    with pytest.raises(ValueError, match="handling.pre_dur has shape"):
+        schedule(np.array([0, 0]), np.array([1.0, 1.0]), ptr, idx, 1, None,
+                 Handling(np.array([-1, -1]), np.zeros(3), np.array([-1, -1]), np.zeros(2)))
