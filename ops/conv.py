@@ -14,7 +14,7 @@ import importlib
 import numba
 import numpy as np
 
-from ops import cpu_pool, winograd
+from ops import cpu_pool, direct_conv, winograd
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, given_out, int_attr, register_op
 from ops.linear import torch_linear_init
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
@@ -30,6 +30,10 @@ _CHUNK_BYTES = 2 << 20
 #: with few blocks, transforming the filters ([36, C, OC]) is much of the work. So: at least
 #: this many input channels,
 _WINOGRAD_MIN_CHANNELS = 8
+#: the most input channels of a 3x3 stride-1 convolution that runs as direct convolution:
+#: one core, forward + backward, direct over the batched im2col path: 3 channels (16 samples,
+#: 32x32 -> 16) 0.65, 4 channels 0.67, 8 channels 0.94 of Winograd, 16 channels 2.95
+_DIRECT_MAX_CHANNELS = 4
 #: this many (input channels x the tile's output channels),
 _WINOGRAD_MIN_CHANNEL_PAIRS = 128
 #: and this many 4x4 output blocks in the tile
@@ -321,11 +325,21 @@ class Conv2d(Op):
         return full.reshape(*lead, ng, ocpg, k)
 
     def _path(self, xp, tile: Rect) -> str:
-        """How a tile runs: "winograd" (see _winograd), "batched" (see _batched), or "columns":
-        im2col per sample and one batched matmul per chunk (_forward_columns)."""
+        """How a tile runs: "direct" (see _direct), "winograd" (see _winograd), "batched" (see
+        _batched), or "columns": im2col per sample and one batched matmul per chunk
+        (_forward_columns)."""
+        if self._direct(xp):
+            return "direct"
         if self._winograd(xp, tile):
             return "winograd"
         return "batched" if self._batched(xp, tile) else "columns"
+
+    def _direct(self, xp) -> bool:
+        """Whether tiles run as direct convolution (ops/direct_conv.py): 3x3 stride-1 convolutions
+        of one group on the CPU with at most _DIRECT_MAX_CHANNELS input channels (a first layer),
+        whose im2col columns would be mostly copies."""
+        return (xp is np and self.kernel == (3, 3) and self.stride == (1, 1) and self.groups == 1
+                and self.inputs[0].shape[1] <= _DIRECT_MAX_CHANNELS)
 
     def _winograd(self, xp, tile: Rect) -> bool:
         """Whether a tile runs as Winograd F(4x4, 3x3) (ops/winograd.py): 3x3 stride-1 convolutions
@@ -435,7 +449,10 @@ class Conv2d(Op):
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
 
         def samples(a, b):
-            if path == "winograd":
+            if path == "direct":
+                direct_conv.forward(x[a:b], w, np.zeros(oct_, x.dtype) if bias is None else bias, pads[0][0],
+                                    pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
+            elif path == "winograd":
                 winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias)
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
@@ -466,6 +483,9 @@ class Conv2d(Op):
 
         def samples(a, b):
             dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
+            if path == "direct":
+                return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
+                                            x[a:b] if dx_ab is None else dx_ab, dx_ab is not None)
             if path == "winograd":
                 return winograd.backward(x[a:b], w, dy[a:b], (pads[0][0], pads[1][0]), dx_ab)
             if path == "batched":

@@ -141,6 +141,7 @@ def test_conv_batched_and_per_sample_columns_match_a_direct_reference(n, groups,
             patch.setattr(conv_module, "_BATCHED_MAX_PIXELS", max_pixels)
             patch.setattr(conv_module, "_CHUNK_BYTES", chunk)
             patch.setattr(conv_module, "_WINOGRAD_MIN_BLOCKS", 10**9)  # the column paths, not Winograd's
+            patch.setattr(conv_module, "_DIRECT_MAX_CHANNELS", 0)        # nor the direct one
             batched = max_pixels > 0 and sw == 1 and (kh, kw) != (1, 1)
             assert op._path(np, Rect.from_shape(op.tile_shape)) == ("batched" if batched else "columns")
             for o, xs, ws, gs, tol in ((op, x, weights, g, 1e-4), (op64, x64, w64, g64, 1e-11)):
@@ -156,10 +157,12 @@ def test_conv_batched_and_per_sample_columns_match_a_direct_reference(n, groups,
 def test_conv_batched_path_takes_small_images_and_tiles_of_views(monkeypatch):
     """The samples-side-by-side path on the small CNN's shapes, whole and on tiles that are views
     of the batch and the channels (as the runtime hands them over), against the per-sample path
-    (Winograd's, which would take the 16-channel one, kept out)."""
+    (Winograd's, which would take the 16-channel one, and the direct path, which would take the
+    3-channel one, kept out)."""
     for shape, cout in (((8, 3, 32, 32), 16), ((8, 16, 16, 16), 32), ((4, 6, 40, 8), 4)):
         op = make_conv(shape, out_channels=cout, kernel=3, padding=1)
         monkeypatch.setattr(conv_module, "_WINOGRAD_MIN_BLOCKS", 10**9)
+        monkeypatch.setattr(conv_module, "_DIRECT_MAX_CHANNELS", 0)
         assert op._path(np, Rect.from_shape(op.tile_shape)) == "batched"
         x, weights, g = conv_data(op)
         n = shape[0]

@@ -1,0 +1,206 @@
+"""Direct convolution on the CPU for few input taps: a network's first layer (3 channels, 3x3).
+
+With C * KH * KW small, im2col's columns are larger than the input by that factor and the
+GEMMs over them are skinny (16 x 27 by pixels): most of the time goes to writing and
+reading the columns, and two threads sharing the memory bus gain little. Here a sample's
+input is padded once, and its output planes are kept as wide as the padded input (the
+last KW - 1 columns of each row are scratch). Then every tap (c, i, j) of the window is one
+scaled add of the whole padded plane, shifted by i rows and j columns, into the output
+plane: one long vectorized loop, with both planes in L1. The backward pass is the same runs
+read the other way: the input gradient adds the output gradient's wide plane (scratch
+columns zeroed) into the padded input gradient, and the weight gradient is a dot product of
+the two planes per tap.
+
+A sample's forward, and its backward, are each one compiled call that holds no GIL, so the
+parts of cpu_pool.in_parts run side by side without handing the interpreter back and forth
+between small calls. Stride 1 and one group only; `top` and `left` are the tile's virtual
+padding, the bottom and right follow from the shapes.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(nogil=True, inline="never", fastmath=True)
+def _axpy(dst, src, a, n):
+    """dst[:n] += a * src[:n]."""
+    for k in range(n):
+        dst[k] += a * src[k]
+
+
+@numba.njit(nogil=True, inline="never", fastmath=True)
+def _axpy3x3(dst, src, wp, a, n):
+    """dst[:n] += the 3x3 taps a [3, 3] of src, row i shifted by i * wp and column j by j: nine
+    multiply-adds for each load and store of dst."""
+    a00, a01, a02 = a[0, 0], a[0, 1], a[0, 2]
+    a10, a11, a12 = a[1, 0], a[1, 1], a[1, 2]
+    a20, a21, a22 = a[2, 0], a[2, 1], a[2, 2]
+    r1 = src[wp:]
+    r2 = src[2 * wp:]
+    for k in range(n):
+        dst[k] += (a00 * src[k] + a01 * src[k + 1] + a02 * src[k + 2]
+                   + a10 * r1[k] + a11 * r1[k + 1] + a12 * r1[k + 2]
+                   + a20 * r2[k] + a21 * r2[k + 1] + a22 * r2[k + 2])
+
+
+@numba.njit(nogil=True, inline="never", fastmath=True)
+def _axpy3x3_pair(dst, dst2, src, wp, a, b, n):
+    """_axpy3x3 into two planes at once (taps a into dst, b into dst2): each load of src serves both."""
+    a00, a01, a02 = a[0, 0], a[0, 1], a[0, 2]
+    a10, a11, a12 = a[1, 0], a[1, 1], a[1, 2]
+    a20, a21, a22 = a[2, 0], a[2, 1], a[2, 2]
+    b00, b01, b02 = b[0, 0], b[0, 1], b[0, 2]
+    b10, b11, b12 = b[1, 0], b[1, 1], b[1, 2]
+    b20, b21, b22 = b[2, 0], b[2, 1], b[2, 2]
+    r1 = src[wp:]
+    r2 = src[2 * wp:]
+    for k in range(n):
+        x00, x01, x02 = src[k], src[k + 1], src[k + 2]
+        x10, x11, x12 = r1[k], r1[k + 1], r1[k + 2]
+        x20, x21, x22 = r2[k], r2[k + 1], r2[k + 2]
+        dst[k] += (a00 * x00 + a01 * x01 + a02 * x02 + a10 * x10 + a11 * x11 + a12 * x12
+                   + a20 * x20 + a21 * x21 + a22 * x22)
+        dst2[k] += (b00 * x00 + b01 * x01 + b02 * x02 + b10 * x10 + b11 * x11 + b12 * x12
+                    + b20 * x20 + b21 * x21 + b22 * x22)
+
+
+@numba.njit(nogil=True, inline="never", fastmath=True)
+def _dots3x3(g, src, wp, n, out):
+    """out[i, j] += the dot product of g[:n] with src shifted by i rows and j columns (the
+    3x3 taps' weight gradients in one pass over g)."""
+    r1 = src[wp:]
+    r2 = src[2 * wp:]
+    s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = g.dtype.type(0)
+    for k in range(n):
+        v = g[k]
+        s00 += v * src[k]
+        s01 += v * src[k + 1]
+        s02 += v * src[k + 2]
+        s10 += v * r1[k]
+        s11 += v * r1[k + 1]
+        s12 += v * r1[k + 2]
+        s20 += v * r2[k]
+        s21 += v * r2[k + 1]
+        s22 += v * r2[k + 2]
+    out[0, 0] += s00
+    out[0, 1] += s01
+    out[0, 2] += s02
+    out[1, 0] += s10
+    out[1, 1] += s11
+    out[1, 2] += s12
+    out[2, 0] += s20
+    out[2, 1] += s21
+    out[2, 2] += s22
+
+
+@numba.njit(nogil=True, inline="never", fastmath=True)
+def _dot(a, b, n):
+    acc = a.dtype.type(0)
+    for k in range(n):
+        acc += a[k] * b[k]
+    return acc
+
+
+@numba.njit(nogil=True, inline="always")
+def _pad_sample(x, s, top, left, xp):
+    """xp [C, Hp, Wp] = sample s of x with zeros around it, `top` rows and `left` columns before."""
+    c_, h_, w_ = x.shape[1], x.shape[2], x.shape[3]
+    xp[:] = 0
+    for c in range(c_):
+        for ih in range(h_):
+            for iw in range(w_):
+                xp[c, top + ih, left + iw] = x[s, c, ih, iw]
+
+
+@numba.njit(nogil=True, cache=True)
+def forward(x, w, bias, top, left, y):
+    """y[s, o] = bias[o] + the correlation of x[s] with w[o] (y [N, OC, OH, OW], written);
+    x [N, C, H, W], w [OC, C, KH, KW], bias [OC] (zeros for none)."""
+    n_, c_ = x.shape[0], x.shape[1]
+    oc_, _, kh, kw = w.shape
+    oh_, ow_ = y.shape[2], y.shape[3]
+    hp, wp = oh_ + kh - 1, ow_ + kw - 1
+    run = (oh_ - 1) * wp + ow_
+    xp = np.empty((c_, hp, wp), x.dtype)
+    wide = np.empty(oh_ * wp, y.dtype)
+    wide2 = np.empty(oh_ * wp, y.dtype)
+    for s in range(n_):
+        _pad_sample(x, s, top, left, xp)
+        flat = xp.reshape(c_, hp * wp)
+        o = 0
+        if kh == 3 and kw == 3:
+            for o in range(0, oc_ - 1, 2):
+                wide[:] = bias[o]
+                wide2[:] = bias[o + 1]
+                for c in range(c_):
+                    _axpy3x3_pair(wide, wide2, flat[c], wp, w[o, c], w[o + 1, c], run)
+                for oh in range(oh_):
+                    for ow in range(ow_):
+                        y[s, o, oh, ow] = wide[oh * wp + ow]
+                        y[s, o + 1, oh, ow] = wide2[oh * wp + ow]
+            o = oc_ - oc_ % 2
+        for o in range(o, oc_):
+            wide[:] = bias[o]
+            for c in range(c_):
+                if kh == 3 and kw == 3:
+                    _axpy3x3(wide, flat[c], wp, w[o, c], run)
+                    continue
+                for i in range(kh):
+                    for j in range(kw):
+                        _axpy(wide, flat[c, i * wp + j:], w[o, c, i, j], run)
+            for oh in range(oh_):
+                for ow in range(ow_):
+                    y[s, o, oh, ow] = wide[oh * wp + ow]
+
+
+@numba.njit(nogil=True, cache=True)
+def backward(x, w, dy, top, left, dx, want_dx):
+    """The weight gradient [OC, C, KH, KW] of `forward` for output gradient dy, and (where
+    want_dx) the input gradient written into dx [N, C, H, W]. The input gradient is the
+    correlation of dy, zero-padded by KH - 1 rows and KW - 1 columns before, with the
+    flipped window: the forward's runs again."""
+    n_, c_, h_, w_ = x.shape
+    oc_, _, kh, kw = w.shape
+    oh_, ow_ = dy.shape[2], dy.shape[3]
+    hp, wp = oh_ + kh - 1, ow_ + kw - 1
+    run = (oh_ - 1) * wp + ow_
+    margin = (kh - 1) * wp + kw - 1
+    xp = np.empty((c_, hp, wp), x.dtype)
+    dxp = np.empty((c_, hp * wp), x.dtype)
+    # dy's planes, wide, after `margin` zeros; the scratch columns and the margins stay zero
+    wide = np.zeros((oc_, margin + hp * wp + margin), dy.dtype)
+    flipped = w[:, :, ::-1, ::-1].copy()
+    dw = np.zeros(w.shape, w.dtype)
+    for s in range(n_):
+        _pad_sample(x, s, top, left, xp)
+        flat = xp.reshape(c_, hp * wp)
+        for o in range(oc_):
+            for oh in range(oh_):
+                for ow in range(ow_):
+                    wide[o, margin + oh * wp + ow] = dy[s, o, oh, ow]
+        for o in range(oc_):
+            g = wide[o, margin:]
+            for c in range(c_):
+                if kh == 3 and kw == 3:
+                    _dots3x3(g, flat[c], wp, run, dw[o, c])
+                    continue
+                for i in range(kh):
+                    for j in range(kw):
+                        dw[o, c, i, j] += _dot(g, flat[c, i * wp + j:], run)
+        if not want_dx:
+            continue
+        dxp[:] = 0
+        for c in range(c_):
+            for o in range(oc_):
+                if kh == 3 and kw == 3:
+                    _axpy3x3(dxp[c], wide[o], wp, flipped[o, c], hp * wp)
+                    continue
+                for i in range(kh):
+                    for j in range(kw):
+                        _axpy(dxp[c], wide[o, i * wp + j:], flipped[o, c, i, j], hp * wp)
+        for c in range(c_):
+            for ih in range(h_):
+                for iw in range(w_):
+                    dx[s, c, ih, iw] = dxp[c, (top + ih) * wp + left + iw]
+    return dw

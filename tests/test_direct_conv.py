@@ -1,0 +1,166 @@
+"""Direct convolution (ops/direct_conv.py) against PyTorch in float64 and the im2col path,
+forward and backward, whole and on tiles; where Conv2d chooses it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ops.conv as conv_module
+from ops import direct_conv
+from ops.conv import Conv2d
+from taskrt.geometry import Rect
+from tests.opcheck import check_tiled, run_whole, spec
+from tests.test_winograd import torch_reference
+
+
+def run_direct(x, w, dy, top_left, bias=None, want_dx=True):
+    """y, dx (None unless want_dx), dw from ops.direct_conv for the output shape of dy."""
+    y = np.full((x.shape[0], w.shape[0], *dy.shape[2:]), np.nan, x.dtype)   # forward must write all of it
+    direct_conv.forward(x, w, np.zeros(w.shape[0], x.dtype) if bias is None else bias, *top_left, y)
+    dx = np.full(x.shape, np.nan, x.dtype)
+    dw = direct_conv.backward(x, w, dy, *top_left, dx, want_dx)
+    return y, dx if want_dx else None, dw
+
+
+def general_reference(x, w, dy, top_left, out_hw):
+    """torch_reference for any window size: the stride-1 correlation of x padded by top_left (and
+    zeros past its end as far as out_hw reaches), y, dx and dw in float64."""
+    (top, left), (oh, ow) = top_left, out_hw
+    kh, kw = w.shape[2:]
+    bottom = max(0, oh + kh - 1 - top - x.shape[2])
+    right = max(0, ow + kw - 1 - left - x.shape[3])
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    yt = F.conv2d(F.pad(xt, (left, right, top, bottom)), wt)[:, :, :oh, :ow]
+    yt.backward(torch.tensor(dy, dtype=torch.float64))
+    return yt.detach().numpy(), xt.grad.numpy(), wt.grad.numpy()
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 4), oc=st.integers(1, 5), h=st.integers(1, 11),
+       w=st.integers(1, 11), k=st.sampled_from([(3, 3), (3, 3), (1, 3), (2, 2), (5, 3)]),
+       top=st.integers(0, 2), left=st.integers(0, 2), bottom=st.integers(0, 2), right=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+def test_forward_and_backward_match_torch(n, c, oc, h, w, k, top, left, bottom, right, seed):
+    """Any padding on each side (a tile's halo pads only some), odd sizes, odd and even output
+    channel counts (pairs and one left over), 3x3 and other windows (the generic runs)."""
+    kh, kw = k
+    oh, ow = h + top + bottom - kh + 1, w + left + right - kw + 1
+    if oh < 1 or ow < 1 or top >= kh or left >= kw:
+        return
+    rng = np.random.default_rng(seed)
+    x, wt = rng.standard_normal((n, c, h, w)), rng.standard_normal((oc, c, kh, kw))
+    dy, bias = rng.standard_normal((n, oc, oh, ow)), rng.standard_normal(oc)
+    y_ref, dx_ref, dw_ref = general_reference(x, wt, dy, (top, left), (oh, ow))
+    y, dx, dw = run_direct(x, wt, dy, (top, left), bias)
+    np.testing.assert_allclose(y, y_ref + bias[:, None, None], rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+    _, no_dx, dw_alone = run_direct(x, wt, dy, (top, left), bias, want_dx=False)
+    assert no_dx is None
+    np.testing.assert_allclose(dw_alone, dw_ref, rtol=1e-11, atol=1e-11)
+
+
+def test_views_in():
+    """Strided views of inputs, weights and output gradients (as a tile's are)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 6, 13, 12))[1:4, 1:4, 2:, 1:-1]
+    wt = rng.standard_normal((6, 5, 3, 3))[1:5, 1:4]
+    dy = rng.standard_normal((3, 7, 11, 10))[:, 2:6]
+    y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (0, 1), (11, 10))
+    y, dx, dw = run_direct(x, wt, dy, (0, 1))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+
+
+def test_float32_error_against_float64():
+    """A first layer in float32 stays within 1e-6 of float64 relative to the largest value."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, 32, 32))
+    wt = rng.uniform(-1, 1, (16, 3, 3, 3)) / np.sqrt(27)
+    dy = rng.standard_normal((4, 16, 32, 32))
+    ref = torch_reference(x, wt, dy, (1, 1), (32, 32))
+    got = run_direct(*(a.astype(np.float32) for a in (x, wt, dy)), (1, 1))
+    for name, a, want in zip(("y", "dx", "dw"), got, ref):
+        assert a.dtype == np.float32
+        err = np.abs(a - want).max() / np.abs(want).max()
+        assert err < 1e-6, f"{name}: float32 error {err:.2e} of the largest value"
+
+
+def direct_op(shape, dtype="float32", **attrs):
+    op = Conv2d("conv", [spec(shape, dtype)], kernel=attrs.pop("kernel", 3), **attrs)
+    assert op._path(np, Rect.from_shape(op.tile_shape)) == "direct", f"{op} should run as direct convolution"
+    return op
+
+
+@pytest.mark.parametrize("padding, use_bias", [(1, True), (0, False), ((2, 1), True)])
+def test_conv2d_direct_matches_torch_and_every_tiling(padding, use_bias):
+    op = direct_op((3, 3, 9, 10), out_channels=5, padding=padding, use_bias=use_bias)
+    rng = np.random.default_rng(0)
+    weights = op.init_weights(rng)
+    x = rng.standard_normal(op.inputs[0].shape).astype(np.float32)
+    g = rng.standard_normal(op.outputs[0].shape).astype(np.float32)
+    (y,), (gx,), gw, _ = run_whole(op, [x], weights, grad_outputs=[g])
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(weights["weight"], requires_grad=True)
+    bt = torch.tensor(weights["bias"], requires_grad=True) if use_bias else None
+    yt = F.conv2d(xt, wt, bt, padding=op.padding)
+    yt.backward(torch.tensor(g))
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw["weight"], wt.grad.numpy(), rtol=1e-5, atol=1e-4)
+    if use_bias:
+        np.testing.assert_allclose(gw["bias"], bt.grad.numpy(), rtol=1e-5, atol=1e-4)
+    op64 = direct_op((3, 3, 9, 10), "float64", out_channels=5, padding=padding, use_bias=use_bias)
+    rng = np.random.default_rng(1)
+    w64 = op64.init_weights(rng)
+    x64 = rng.standard_normal(op64.inputs[0].shape)
+    check_tiled(op64, [x64], w64, [rng.standard_normal(op64.outputs[0].shape)], rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 2), c=st.integers(1, 4), oc=st.integers(1, 4), h=st.integers(3, 9),
+       w=st.integers(3, 9), ph=st.integers(0, 2), pw=st.integers(0, 2), lo=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_conv2d_direct_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo, seed):
+    """A tile (a corner of rows and columns, some of the out channels) as direct and as im2col."""
+    op = direct_op((n, c, h, w), "float64", out_channels=oc + 1, padding=(ph, pw))
+    rng = np.random.default_rng(seed)
+    weights = op.init_weights(rng)
+    x = rng.standard_normal(op.inputs[0].shape)
+    g = rng.standard_normal(op.outputs[0].shape)
+    oh, ow = op.tile_shape[2:]
+    tile = Rect((0, min(lo, oc), min(lo, oh - 1), 0), (n, oc + 1, oh, max(1, ow - lo)))
+    (rect,) = op.input_rects(tile)
+    xs = x[rect.slices()]
+    ws = {k: v[op.weight_rects(tile)[k].slices()] for k, v in weights.items()}
+    gs = g[tile.slices()]
+    pads = op._pads(tile, rect)
+    y_d, _ = op.forward(np, tile, [xs], [rect], ws)
+    (dx_d,), gw_d = op.backward(np, tile, [xs], [rect], ws, y_d, [gs], None)
+    y_c = np.empty((n, tile.shape[1], tile.shape[2] * tile.shape[3]))
+    op._forward_columns(np, tile, np.pad(xs, ((0, 0), (0, 0), *pads)), ws["weight"], y_c)
+    y_c += ws["bias"][:, None]
+    dx_c = np.empty(xs.shape)
+    dw_c = op._backward_columns(np, tile, xs, pads, ws["weight"], gs, dx_c)
+    np.testing.assert_allclose(y_d[0], y_c.reshape(tile.shape), rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx_d, dx_c, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(gw_d["weight"], dw_c, rtol=1e-11, atol=1e-11)
+
+
+def test_conv2d_runs_direct_only_for_a_first_layer():
+    def path(c, **attrs):
+        op = Conv2d("c", [spec((2, c, 8, 8))], out_channels=16, kernel=attrs.pop("kernel", 3), **attrs)
+        return op._path(np, Rect.from_shape(op.tile_shape))
+    most = conv_module._DIRECT_MAX_CHANNELS
+    assert path(most, padding=1) == "direct" and path(1, padding=1) == "direct"
+    assert path(most + 1, padding=1) != "direct"
+    assert path(3, kernel=5, padding=2) != "direct"      # the 3x3 runs are what make it pay
+    assert path(3, padding=1, stride=2) != "direct"
+    op = Conv2d("g", [spec((2, 4, 8, 8))], out_channels=4, kernel=3, padding=1, groups=2)
+    assert op._path(np, Rect.from_shape(op.tile_shape)) != "direct"
