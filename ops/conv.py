@@ -435,6 +435,13 @@ class Conv2d(Op):
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     @staticmethod
+    def _winograd_filters(w, channels_last: bool):
+        """winograd.filter_transform of w, for the parts to share: a small GEMM, on one BLAS thread
+        (BLAS's own threads would spin on in the cores the parts are about to take)."""
+        with cpu_pool.blas_on_one_thread():
+            return winograd.filter_transform(w, channels_last=channels_last)
+
+    @staticmethod
     def _in_parts(xp, work, n: int) -> list:
         """work(a, b) over the samples: on the CPU in parts, one per core of the task
         (ops/cpu_pool.py); on a GPU all at once."""
@@ -447,13 +454,14 @@ class Conv2d(Op):
         given = given_out(out, 0)[0]
         y = xp.empty((n, oct_, oh * ow), x.dtype) if given is None else given.reshape(n, oct_, oh * ow)
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
+        ut = self._winograd_filters(w, True) if path == "winograd" else None
 
         def samples(a, b):
             if path == "direct":
                 direct_conv.forward(x[a:b], w, np.zeros(oct_, x.dtype) if bias is None else bias, pads[0][0],
                                     pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
             elif path == "winograd":
-                winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias)
+                winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias, ut)
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
@@ -480,6 +488,8 @@ class Conv2d(Op):
         given, wanted = given_out(out, 0)
         dx = None if not wanted else xp.empty(x.shape, x.dtype) if given is None else given
         path = self._path(xp, tile)
+        # Winograd's parts share the transformed filters and add their gradients, turned into dw once
+        u = self._winograd_filters(w, False) if path == "winograd" else None
 
         def samples(a, b):
             dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
@@ -487,11 +497,14 @@ class Conv2d(Op):
                 return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
                                             x[a:b] if dx_ab is None else dx_ab, dx_ab is not None)
             if path == "winograd":
-                return winograd.backward(x[a:b], w, dy[a:b], (pads[0][0], pads[1][0]), dx_ab)
+                return winograd.transformed_backward(x[a:b], u, dy[a:b], (pads[0][0], pads[1][0]), dx_ab)
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab)
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab)
         gw = sum(self._in_parts(xp, samples, x.shape[0]))
+        if path == "winograd":
+            with cpu_pool.blas_on_one_thread():
+                gw = winograd.filter_gradient(gw)
         grads = {"weight": gw}
         if self.use_bias:
             grads["bias"] = _bias_grad(xp, dy)

@@ -303,7 +303,7 @@ def filter_transform(w, channels_last: bool = False):
     return (_kron(w.dtype) @ w.reshape(oc * c, 9).T).reshape(ALPHA * ALPHA, oc, c)
 
 
-def _filter_gradient(du):
+def filter_gradient(du):
     """dw [OC, C, 3, 3] from du [36, C, OC], the gradient of U = filter_transform(w, channels_last=True):
     G^T dU G for each filter, one GEMM with kron(G, G)^T."""
     c, oc = du.shape[1:]
@@ -341,13 +341,15 @@ def _transformed_input(x, top_left, n_blocks, scratch: dict):
         yield a, b, xs, v, buf
 
 
-def forward(x, w, top_left, y, bias=None) -> None:
+def forward(x, w, top_left, y, bias=None, ut=None) -> None:
     """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
-    top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given."""
+    top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given;
+    `ut` is filter_transform(w, channels_last=True) where the caller has it (parts of a batch
+    share it)."""
     oc = w.shape[0]
     th, tw = blocks(y.shape[2:])
     k = _consts(x.dtype)
-    ut = filter_transform(w, channels_last=True)
+    ut = filter_transform(w, channels_last=True) if ut is None else ut
     bias = np.empty(0, x.dtype) if bias is None else bias
     scratch = {"m": (ALPHA * ALPHA, th * tw, oc), "y": (4 * th, 4, tw, oc)}
     for a, b, _, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
@@ -360,10 +362,16 @@ def forward(x, w, top_left, y, bias=None) -> None:
 def backward(x, w, dy, top_left, dx):
     """dw [OC, C, 3, 3] of `forward` for output gradient dy [N, OC, OH, OW], and dx [N, C, H, W]
     written (unless dx is None)."""
-    c, oc = x.shape[1], w.shape[0]
+    return filter_gradient(transformed_backward(x, filter_transform(w), dy, top_left, dx))
+
+
+def transformed_backward(x, u, dy, top_left, dx):
+    """`backward` up to the filter gradient: dU [36, C, OC], the gradient of the transformed filters
+    u = filter_transform(w) [36, OC, C] (parts of a batch add theirs, and filter_gradient turns
+    the sum into dw once), with dx written (unless dx is None)."""
+    c, oc = x.shape[1], u.shape[1]
     th, tw = blocks(dy.shape[2:])
     k = _consts(x.dtype)
-    u = filter_transform(w)
     du = np.empty((ALPHA * ALPHA, c, oc), x.dtype)
     scratch = {"g": (4 * th, 4, tw, oc), "m": (ALPHA * ALPHA, th * tw, oc)}
     for a, b, xs, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
@@ -379,4 +387,4 @@ def backward(x, w, dy, top_left, dx):
             np.matmul(dm, u, out=v)
             _input_grad_transform(v, k, xs)
             _merge_columns(xs, top_left[0], top_left[1], np.empty(0, x.dtype), dx[a:b])
-    return _filter_gradient(du)
+    return du
