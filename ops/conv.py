@@ -6,7 +6,8 @@ plain array code on the GPU. Small images on the CPU (Conv2d._batched) lay the c
 a chunk's samples side by side instead, [K, samples*OH*OW], built and summed back by numba
 kernels from the unpadded tile: forward, the weight gradient and the columns' gradient are
 then one GEMM each per chunk where per-sample ones would be thin. 3x3 stride-1 convolutions
-with enough channels and 4x4 output blocks are Winograd's (ops/winograd.py). Pooling is ops/pool.py.
+with enough channels and 4x4 output blocks are Winograd's (ops/winograd.py), those of a few
+input channels (a first layer) direct convolution (ops/direct_conv.py). Pooling is ops/pool.py.
 """
 from __future__ import annotations
 
