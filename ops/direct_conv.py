@@ -29,13 +29,17 @@ def _axpy(dst, src, a, n):
         dst[k] += a * src[k]
 
 
+@numba.njit(nogil=True, inline="always")
+def _taps(a):
+    """The nine taps of a 3x3 window, row by row, as scalars (kept in registers)."""
+    return a[0, 0], a[0, 1], a[0, 2], a[1, 0], a[1, 1], a[1, 2], a[2, 0], a[2, 1], a[2, 2]
+
+
 @numba.njit(nogil=True, inline="never", fastmath=True)
 def _axpy3x3(dst, src, wp, a, n):
     """dst[:n] += the 3x3 taps a [3, 3] of src, row i shifted by i * wp and column j by j: nine
     multiply-adds for each load and store of dst."""
-    a00, a01, a02 = a[0, 0], a[0, 1], a[0, 2]
-    a10, a11, a12 = a[1, 0], a[1, 1], a[1, 2]
-    a20, a21, a22 = a[2, 0], a[2, 1], a[2, 2]
+    a00, a01, a02, a10, a11, a12, a20, a21, a22 = _taps(a)
     r1 = src[wp:]
     r2 = src[2 * wp:]
     for k in range(n):
@@ -47,12 +51,8 @@ def _axpy3x3(dst, src, wp, a, n):
 @numba.njit(nogil=True, inline="never", fastmath=True)
 def _axpy3x3_pair(dst, dst2, src, wp, a, b, n):
     """_axpy3x3 into two planes at once (taps a into dst, b into dst2): each load of src serves both."""
-    a00, a01, a02 = a[0, 0], a[0, 1], a[0, 2]
-    a10, a11, a12 = a[1, 0], a[1, 1], a[1, 2]
-    a20, a21, a22 = a[2, 0], a[2, 1], a[2, 2]
-    b00, b01, b02 = b[0, 0], b[0, 1], b[0, 2]
-    b10, b11, b12 = b[1, 0], b[1, 1], b[1, 2]
-    b20, b21, b22 = b[2, 0], b[2, 1], b[2, 2]
+    a00, a01, a02, a10, a11, a12, a20, a21, a22 = _taps(a)
+    b00, b01, b02, b10, b11, b12, b20, b21, b22 = _taps(b)
     r1 = src[wp:]
     r2 = src[2 * wp:]
     for k in range(n):

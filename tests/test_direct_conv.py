@@ -14,7 +14,7 @@ from ops import direct_conv
 from ops.conv import Conv2d
 from taskrt.geometry import Rect
 from tests.opcheck import check_tiled, run_whole, spec
-from tests.test_winograd import torch_reference
+from tests.test_winograd import check_tile_against_columns, torch_reference
 
 
 def run_direct(x, w, dy, top_left, bias=None, want_dx=True):
@@ -132,25 +132,8 @@ def test_conv2d_direct_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo, 
     op = direct_op((n, c, h, w), "float64", out_channels=oc + 1, padding=(ph, pw))
     rng = np.random.default_rng(seed)
     weights = op.init_weights(rng)
-    x = rng.standard_normal(op.inputs[0].shape)
-    g = rng.standard_normal(op.outputs[0].shape)
-    oh, ow = op.tile_shape[2:]
-    tile = Rect((0, min(lo, oc), min(lo, oh - 1), 0), (n, oc + 1, oh, max(1, ow - lo)))
-    (rect,) = op.input_rects(tile)
-    xs = x[rect.slices()]
-    ws = {k: v[op.weight_rects(tile)[k].slices()] for k, v in weights.items()}
-    gs = g[tile.slices()]
-    pads = op._pads(tile, rect)
-    y_d, _ = op.forward(np, tile, [xs], [rect], ws)
-    (dx_d,), gw_d = op.backward(np, tile, [xs], [rect], ws, y_d, [gs], None)
-    y_c = np.empty((n, tile.shape[1], tile.shape[2] * tile.shape[3]))
-    op._forward_columns(np, tile, np.pad(xs, ((0, 0), (0, 0), *pads)), ws["weight"], y_c)
-    y_c += ws["bias"][:, None]
-    dx_c = np.empty(xs.shape)
-    dw_c = op._backward_columns(np, tile, xs, pads, ws["weight"], gs, dx_c)
-    np.testing.assert_allclose(y_d[0], y_c.reshape(tile.shape), rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(dx_d, dx_c, rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(gw_d["weight"], dw_c, rtol=1e-11, atol=1e-11)
+    check_tile_against_columns(op, rng.standard_normal(op.inputs[0].shape), weights,
+                               rng.standard_normal(op.outputs[0].shape), lo)
 
 
 def test_conv2d_runs_direct_only_for_a_first_layer():

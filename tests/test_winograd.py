@@ -162,23 +162,29 @@ def test_conv2d_winograd_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo
     """A tile (a corner of rows and columns, some of the out channels) as Winograd and as im2col."""
     op = winograd_conv((n, c, h, w), "float64", out_channels=oc + 1, padding=(ph, pw))
     x, weights, g = conv_arrays(op, seed, np.float64)
-    oh, ow = op.tile_shape[2:]
-    tile = Rect((0, min(lo, oc), min(lo, oh - 1), 0), (n, oc + 1, oh, max(1, ow - lo)))
+    check_tile_against_columns(op, x, weights, g, lo)
+
+
+def check_tile_against_columns(op, x, weights, g, lo: int):
+    """A corner tile of `op` (rows and columns cut by `lo`, out channels from `lo` on) through its
+    own path and through the im2col columns path (_forward_columns, _backward_columns) agree."""
+    n, oc, oh, ow = op.tile_shape
+    tile = Rect((0, min(lo, oc - 1), min(lo, oh - 1), 0), (n, oc, oh, max(1, ow - lo)))
     (rect,) = op.input_rects(tile)
     xs = x[rect.slices()]
     ws = {k: v[op.weight_rects(tile)[k].slices()] for k, v in weights.items()}
     gs = g[tile.slices()]
     pads = op._pads(tile, rect)
-    y_w, _ = op.forward(np, tile, [xs], [rect], ws)
-    (dx_w,), gw_w = op.backward(np, tile, [xs], [rect], ws, y_w, [gs], None)
+    y, _ = op.forward(np, tile, [xs], [rect], ws)
+    (dx,), gw = op.backward(np, tile, [xs], [rect], ws, y, [gs], None)
     y_c = np.empty((n, tile.shape[1], tile.shape[2] * tile.shape[3]))
     op._forward_columns(np, tile, np.pad(xs, ((0, 0), (0, 0), *pads)), ws["weight"], y_c)
     y_c += ws["bias"][:, None]
     dx_c = np.empty(xs.shape)
     dw_c = op._backward_columns(np, tile, xs, pads, ws["weight"], gs, dx_c)
-    np.testing.assert_allclose(y_w[0], y_c.reshape(tile.shape), rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(dx_w, dx_c, rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(gw_w["weight"], dw_c, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(y[0], y_c.reshape(tile.shape), rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx, dx_c, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(gw["weight"], dw_c, rtol=1e-11, atol=1e-11)
 
 
 @pytest.mark.real_threshold
