@@ -31,14 +31,14 @@ _CHUNK_BYTES = 2 << 20
 #: with few blocks, transforming the filters ([36, C, OC]) is much of the work. So: at least
 #: this many input channels,
 _WINOGRAD_MIN_CHANNELS = 8
-#: the most input channels of a 3x3 stride-1 convolution that runs as direct convolution:
-#: one core, forward + backward, direct over the batched im2col path: 3 channels (16 samples,
-#: 32x32 -> 16) 0.65, 4 channels 0.67, 8 channels 0.94 of Winograd, 16 channels 2.95
-_DIRECT_MAX_CHANNELS = 4
 #: this many (input channels x the tile's output channels),
 _WINOGRAD_MIN_CHANNEL_PAIRS = 128
 #: and this many 4x4 output blocks in the tile
 _WINOGRAD_MIN_BLOCKS = 64
+#: the most input channels of a 3x3 stride-1 convolution that runs as direct convolution:
+#: one core, forward + backward, direct over the batched im2col path: 3 channels (16 samples,
+#: 32x32 -> 16) 0.65, 4 channels 0.67, 8 channels 0.94 of Winograd, 16 channels 2.95
+_DIRECT_MAX_CHANNELS = 4
 #: output tiles of at most this many pixels (and a kernel other than 1x1, stride 1 along the
 #: width) run with all their samples' columns side by side (Conv2d._batched): one GEMM a chunk
 #: where the per-sample ones are thin. Measured on one core, forward + backward, batch 8-32,
@@ -495,8 +495,9 @@ class Conv2d(Op):
         def samples(a, b):
             dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
             if path == "direct":
+                unused = np.empty((0, 0, 0, 0), x.dtype)   # (the inputs may be read-only)
                 return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
-                                            x[a:b] if dx_ab is None else dx_ab, dx_ab is not None)
+                                            unused if dx_ab is None else dx_ab, dx_ab is not None)
             if path == "winograd":
                 return winograd.transformed_backward(x[a:b], u, dy[a:b], (pads[0][0], pads[1][0]), dx_ab)
             if path == "batched":

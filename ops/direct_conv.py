@@ -1,20 +1,21 @@
 """Direct convolution on the CPU for few input taps: a network's first layer (3 channels, 3x3).
 
-With C * KH * KW small, im2col's columns are larger than the input by that factor and the
-GEMMs over them are skinny (16 x 27 by pixels): most of the time goes to writing and
-reading the columns, and two threads sharing the memory bus gain little. Here a sample's
-input is padded once, and its output planes are kept as wide as the padded input (the
-last KW - 1 columns of each row are scratch). Then every tap (c, i, j) of the window is one
-scaled add of the whole padded plane, shifted by i rows and j columns, into the output
-plane: one long vectorized loop, with both planes in L1. The backward pass is the same runs
-read the other way: the input gradient adds the output gradient's wide plane (scratch
-columns zeroed) into the padded input gradient, and the weight gradient is a dot product of
-the two planes per tap.
+With C * KH * KW small, im2col's columns are larger than the input by that factor, the GEMMs
+over them are skinny (16 x 27 by pixels), and a part of the batch makes many short calls
+(im2col, GEMMs, transposes, col2im), between which two parts on two threads hand the
+interpreter back and forth: on the 2-core VM the two parts together took as long as one
+after the other. Here a sample's input is padded once, and its output planes are kept as
+wide as the padded input (the last KW - 1 columns of each row are scratch). Every tap
+(c, i, j) of the window is then one scaled add of the whole padded plane, shifted by i rows
+and j columns, into the output plane: one long vectorized loop, with both planes in L1;
+3x3 windows take their nine taps in one pass, and the forward two output channels a pass.
+The backward pass reads the same runs the other way: the weight gradient is a dot product
+of the two planes per tap, and the input gradient the correlation of the output gradient's
+wide plane (zero margins, zero scratch columns) with the flipped window.
 
-A sample's forward, and its backward, are each one compiled call that holds no GIL, so the
-parts of cpu_pool.in_parts run side by side without handing the interpreter back and forth
-between small calls. Stride 1 and one group only; `top` and `left` are the tile's virtual
-padding, the bottom and right follow from the shapes.
+A part's forward, and its backward, are each one compiled call that holds no GIL. Stride 1
+and one group only; `top` and `left` are the tile's virtual padding, the bottom and right
+follow from the shapes.
 """
 from __future__ import annotations
 

@@ -366,7 +366,8 @@ class CostModel:
         mm = self.machine_model
         if not self.measures(spec):
             self.stats["analytic"] += 1
-            return self.analytic_time(op, phase, rect, spec, param, optimizer) * mm.kernel_slowdown + mm.launch_overhead
+            kernel = self.analytic_time(op, phase, rect, spec, param, optimizer)
+            return kernel * mm.kernel_slowdown + mm.launch_overhead
         key = self.key(op, phase, rect, spec, param, optimizer)
         entry = self.entries.get(key.text)
         if entry is None:

@@ -63,7 +63,8 @@ MACHINES_DIR = Path(__file__).with_name("machines")
 DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
-           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "kernel_slowdown", "efficiency", "fitted")
+           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "kernel_slowdown", "efficiency",
+           "fitted")
 _GPU_ONLY = ("host", "host_link")
 _CPU_ONLY = ("send_overhead", "receive_overhead")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")

@@ -17,8 +17,8 @@ node of its own: the part before when the node is ready, the node's own resource
 part is done, the part after when the node's delay has passed; the node ends with it.
 
 `schedule` returns the start (on its own resource) and end of every node; `Timing` adds the
-iteration time and each resource's busy time. The loop is compiled with numba (nogil, cached), because the
-search calls it tens of thousands of times.
+iteration time and each resource's busy time. The loop is compiled with numba (nogil,
+cached), because the search calls it tens of thousands of times.
 """
 from __future__ import annotations
 

@@ -147,3 +147,22 @@ def test_conv2d_runs_direct_only_for_a_first_layer():
     assert path(3, padding=1, stride=2) != "direct"
     op = Conv2d("g", [spec((2, 4, 8, 8))], out_channels=4, kernel=3, padding=1, groups=2)
     assert op._path(np, Rect.from_shape(op.tile_shape)) != "direct"
+
+
+def test_conv2d_direct_takes_read_only_inputs_and_may_skip_the_input_gradient():
+    """As the runtime calls it on a model's first layer: read-only input views, no input gradient."""
+    op = direct_op((2, 3, 8, 8), out_channels=4, padding=1)
+    rng = np.random.default_rng(2)
+    weights = op.init_weights(rng)
+    x = rng.standard_normal(op.inputs[0].shape).astype(np.float32)
+    g = rng.standard_normal(op.outputs[0].shape).astype(np.float32)
+    x.setflags(write=False)
+    tile = Rect.from_shape(op.tile_shape)
+    rects = op.input_rects(tile)
+    (y,), saved = op.forward(np, tile, [x], rects, weights)
+    (dx,), grads = op.backward(np, tile, [x], rects, weights, [y], [g], saved, out=[False])
+    assert dx is None
+    xt = torch.tensor(x.copy())
+    wt = torch.tensor(weights["weight"], requires_grad=True)
+    F.conv2d(xt, wt, torch.tensor(weights["bias"]), padding=1).backward(torch.tensor(g))
+    np.testing.assert_allclose(grads["weight"], wt.grad.numpy(), rtol=1e-5, atol=1e-4)
