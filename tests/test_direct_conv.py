@@ -13,8 +13,8 @@ import ops.conv as conv_module
 from ops import direct_conv
 from ops.conv import Conv2d
 from taskrt.geometry import Rect
-from tests.opcheck import check_tiled, run_whole, spec
-from tests.test_winograd import check_tile_against_columns, torch_reference
+from tests.opcheck import spec
+from tests.test_winograd import check_conv_path, check_strided_views, check_tile_against_columns, torch_reference
 
 
 def run_direct(x, w, dy, top_left, bias=None, want_dx=True):
@@ -24,20 +24,6 @@ def run_direct(x, w, dy, top_left, bias=None, want_dx=True):
     dx = np.full(x.shape, np.nan, x.dtype)
     dw = direct_conv.backward(x, w, dy, *top_left, dx, want_dx)
     return y, dx if want_dx else None, dw
-
-
-def general_reference(x, w, dy, top_left, out_hw):
-    """torch_reference for any window size: the stride-1 correlation of x padded by top_left (and
-    zeros past its end as far as out_hw reaches), y, dx and dw in float64."""
-    (top, left), (oh, ow) = top_left, out_hw
-    kh, kw = w.shape[2:]
-    bottom = max(0, oh + kh - 1 - top - x.shape[2])
-    right = max(0, ow + kw - 1 - left - x.shape[3])
-    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
-    yt = F.conv2d(F.pad(xt, (left, right, top, bottom)), wt)[:, :, :oh, :ow]
-    yt.backward(torch.tensor(dy, dtype=torch.float64))
-    return yt.detach().numpy(), xt.grad.numpy(), wt.grad.numpy()
 
 
 @settings(max_examples=40, deadline=None)
@@ -55,7 +41,7 @@ def test_forward_and_backward_match_torch(n, c, oc, h, w, k, top, left, bottom, 
     rng = np.random.default_rng(seed)
     x, wt = rng.standard_normal((n, c, h, w)), rng.standard_normal((oc, c, kh, kw))
     dy, bias = rng.standard_normal((n, oc, oh, ow)), rng.standard_normal(oc)
-    y_ref, dx_ref, dw_ref = general_reference(x, wt, dy, (top, left), (oh, ow))
+    y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (top, left), (oh, ow))
     y, dx, dw = run_direct(x, wt, dy, (top, left), bias)
     np.testing.assert_allclose(y, y_ref + bias[:, None, None], rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
@@ -67,15 +53,7 @@ def test_forward_and_backward_match_torch(n, c, oc, h, w, k, top, left, bottom, 
 
 def test_views_in():
     """Strided views of inputs, weights and output gradients (as a tile's are)."""
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((5, 6, 13, 12))[1:4, 1:4, 2:, 1:-1]
-    wt = rng.standard_normal((6, 5, 3, 3))[1:5, 1:4]
-    dy = rng.standard_normal((3, 7, 11, 10))[:, 2:6]
-    y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (0, 1), (11, 10))
-    y, dx, dw = run_direct(x, wt, dy, (0, 1))
-    np.testing.assert_allclose(y, y_ref, rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
-    np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+    check_strided_views(run_direct)
 
 
 def test_float32_error_against_float64():
@@ -100,27 +78,7 @@ def direct_op(shape, dtype="float32", **attrs):
 
 @pytest.mark.parametrize("padding, use_bias", [(1, True), (0, False), ((2, 1), True)])
 def test_conv2d_direct_matches_torch_and_every_tiling(padding, use_bias):
-    op = direct_op((3, 3, 9, 10), out_channels=5, padding=padding, use_bias=use_bias)
-    rng = np.random.default_rng(0)
-    weights = op.init_weights(rng)
-    x = rng.standard_normal(op.inputs[0].shape).astype(np.float32)
-    g = rng.standard_normal(op.outputs[0].shape).astype(np.float32)
-    (y,), (gx,), gw, _ = run_whole(op, [x], weights, grad_outputs=[g])
-    xt = torch.tensor(x, requires_grad=True)
-    wt = torch.tensor(weights["weight"], requires_grad=True)
-    bt = torch.tensor(weights["bias"], requires_grad=True) if use_bias else None
-    yt = F.conv2d(xt, wt, bt, padding=op.padding)
-    yt.backward(torch.tensor(g))
-    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gw["weight"], wt.grad.numpy(), rtol=1e-5, atol=1e-4)
-    if use_bias:
-        np.testing.assert_allclose(gw["bias"], bt.grad.numpy(), rtol=1e-5, atol=1e-4)
-    op64 = direct_op((3, 3, 9, 10), "float64", out_channels=5, padding=padding, use_bias=use_bias)
-    rng = np.random.default_rng(1)
-    w64 = op64.init_weights(rng)
-    x64 = rng.standard_normal(op64.inputs[0].shape)
-    check_tiled(op64, [x64], w64, [rng.standard_normal(op64.outputs[0].shape)], rtol=1e-10, atol=1e-12)
+    check_conv_path(direct_op, (3, 3, 9, 10), 5, padding, use_bias, tol=1e-5)
 
 
 @settings(max_examples=15, deadline=None)

@@ -46,11 +46,12 @@ def run_winograd(x, w, dy, top_left):
 
 
 def torch_reference(x, w, dy, top_left, out_hw):
-    """y, dx, dw of the 3x3 stride-1 correlation of x padded by top_left (and with zeros past its
-    end, as far as the outputs out_hw reach), from PyTorch in float64."""
+    """y, dx, dw of the stride-1 correlation of x padded by top_left (and with zeros past its end,
+    as far as the outputs out_hw reach) with the windows w, from PyTorch in float64."""
     (top, left), (oh, ow) = top_left, out_hw
-    bottom = max(0, oh + 2 - top - x.shape[2])
-    right = max(0, ow + 2 - left - x.shape[3])
+    kh, kw = w.shape[2:]
+    bottom = max(0, oh + kh - 1 - top - x.shape[2])
+    right = max(0, ow + kw - 1 - left - x.shape[3])
     xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
     yt = F.conv2d(F.pad(xt, (left, right, top, bottom)), wt)[:, :, :oh, :ow]
@@ -82,14 +83,18 @@ def test_views_and_several_chunks(monkeypatch):
     """Strided views in (as a tile's are), and sample chunks smaller than the batch."""
     monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
     monkeypatch.setattr(winograd, "_MIN_CHUNK_BLOCKS", 1)
+    check_strided_views(run_winograd)
+
+
+def check_strided_views(run):
+    """run(x, w, dy, top_left) -> (y, dx, dw) on strided views of inputs, weights and output
+    gradients (as a tile's are) against torch_reference."""
     rng = np.random.default_rng(3)
-    big = rng.standard_normal((5, 6, 13, 12))
-    x = big[1:4, 1:5, 2:, 1:-1]
-    wt = rng.standard_normal((3, 4, 3, 3))
-    dy_big = rng.standard_normal((3, 5, 11, 10))
-    dy = dy_big[:, 1:4]
+    x = rng.standard_normal((5, 6, 13, 12))[1:4, 1:5, 2:, 1:-1]
+    wt = rng.standard_normal((6, 5, 3, 3))[1:4, 1:]
+    dy = rng.standard_normal((3, 5, 11, 10))[:, 1:4]
     y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (0, 1), (11, 10))
-    y, dx, dw = run_winograd(x, wt, dy, (0, 1))
+    y, dx, dw = run(x, wt, dy, (0, 1))
     np.testing.assert_allclose(y, y_ref, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
@@ -136,7 +141,14 @@ def conv_arrays(op, seed, dtype):
 
 @pytest.mark.parametrize("padding, use_bias", [(1, True), (0, False), ((2, 1), True)])
 def test_conv2d_winograd_matches_torch_and_every_tiling(padding, use_bias):
-    op = winograd_conv((2, 8, 9, 10), out_channels=6, padding=padding, use_bias=use_bias)
+    check_conv_path(winograd_conv, (2, 8, 9, 10), 6, padding, use_bias, tol=1e-4)
+
+
+def check_conv_path(make, shape, out_channels, padding, use_bias, tol):
+    """The conv `make(shape, dtype, ...)` builds (asserting the path it takes) against PyTorch in
+    float32 (to `tol`; the weight gradients sum more, to 10 * tol absolute), and every tiling of
+    it against the whole op in float64."""
+    op = make(shape, out_channels=out_channels, padding=padding, use_bias=use_bias)
     x, weights, g = conv_arrays(op, 0, np.float32)
     (y,), (gx,), gw, _ = run_whole(op, [x], weights, grad_outputs=[g])
     xt = torch.tensor(x, requires_grad=True)
@@ -144,12 +156,12 @@ def test_conv2d_winograd_matches_torch_and_every_tiling(padding, use_bias):
     bt = torch.tensor(weights["bias"], requires_grad=True) if use_bias else None
     yt = F.conv2d(xt, wt, bt, padding=op.padding)
     yt.backward(torch.tensor(g))
-    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(gw["weight"], wt.grad.numpy(), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(gw["weight"], wt.grad.numpy(), rtol=tol, atol=10 * tol)
     if use_bias:
-        np.testing.assert_allclose(gw["bias"], bt.grad.numpy(), rtol=1e-4, atol=1e-3)
-    op64 = winograd_conv((2, 8, 9, 10), "float64", out_channels=6, padding=padding, use_bias=use_bias)
+        np.testing.assert_allclose(gw["bias"], bt.grad.numpy(), rtol=tol, atol=10 * tol)
+    op64 = make(shape, "float64", out_channels=out_channels, padding=padding, use_bias=use_bias)
     x64, w64, g64 = conv_arrays(op64, 1, np.float64)
     check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
 
