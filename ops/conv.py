@@ -436,11 +436,12 @@ class Conv2d(Op):
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     @staticmethod
-    def _winograd_filters(w, channels_last: bool):
-        """winograd.filter_transform of w, for the parts to share: a small GEMM, on one BLAS thread
-        (BLAS's own threads would spin on in the cores the parts are about to take)."""
+    def _on_one_blas_thread(fn, *args, **kwargs):
+        """fn(*args, **kwargs) with BLAS on one thread: for the small GEMMs of Winograd's filter
+        transforms, done once for all the parts (BLAS's own threads would spin on in the cores
+        the parts take)."""
         with cpu_pool.blas_on_one_thread():
-            return winograd.filter_transform(w, channels_last=channels_last)
+            return fn(*args, **kwargs)
 
     @staticmethod
     def _in_parts(xp, work, n: int) -> list:
@@ -455,12 +456,12 @@ class Conv2d(Op):
         given = given_out(out, 0)[0]
         y = xp.empty((n, oct_, oh * ow), x.dtype) if given is None else given.reshape(n, oct_, oh * ow)
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
-        ut = self._winograd_filters(w, True) if path == "winograd" else None
+        ut = self._on_one_blas_thread(winograd.filter_transform, w, channels_last=True) if path == "winograd" else None
+        direct_bias = (np.zeros(oct_, x.dtype) if bias is None else bias) if path == "direct" else None
 
         def samples(a, b):
             if path == "direct":
-                direct_conv.forward(x[a:b], w, np.zeros(oct_, x.dtype) if bias is None else bias, pads[0][0],
-                                    pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
+                direct_conv.forward(x[a:b], w, direct_bias, pads[0][0], pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
             elif path == "winograd":
                 winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias, ut)
             elif path == "batched":
@@ -490,12 +491,12 @@ class Conv2d(Op):
         dx = None if not wanted else xp.empty(x.shape, x.dtype) if given is None else given
         path = self._path(xp, tile)
         # Winograd's parts share the transformed filters and add their gradients, turned into dw once
-        u = self._winograd_filters(w, False) if path == "winograd" else None
+        u = self._on_one_blas_thread(winograd.filter_transform, w) if path == "winograd" else None
+        unused = np.empty((0, 0, 0, 0), x.dtype)   # the direct path's dx where none is wanted (x may be read-only)
 
         def samples(a, b):
             dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
             if path == "direct":
-                unused = np.empty((0, 0, 0, 0), x.dtype)   # (the inputs may be read-only)
                 return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
                                             unused if dx_ab is None else dx_ab, dx_ab is not None)
             if path == "winograd":
@@ -505,8 +506,7 @@ class Conv2d(Op):
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab)
         gw = sum(self._in_parts(xp, samples, x.shape[0]))
         if path == "winograd":
-            with cpu_pool.blas_on_one_thread():
-                gw = winograd.filter_gradient(gw)
+            gw = self._on_one_blas_thread(winograd.filter_gradient, gw)
         grads = {"weight": gw}
         if self.use_bias:
             grads["bias"] = _bias_grad(xp, dy)

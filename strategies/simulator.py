@@ -114,8 +114,6 @@ class Simulator:
         self._costs_joined = Joiner(self._rows, np.float64)   # the parts' costs, joined from the last graph's
         self._copy_costs: dict[tuple, tuple] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
-        self._memory_rank = np.array([m.rank for m in self.machine.memories], np.int64)
-        self._memory_proc_res: np.ndarray | None = None   # see _copy_handling
         self._pairs: dict[int, tuple] = {}   # see _copy_pair
         self._task_seconds: dict[tuple, float] = {}   # see _cost
         self._resolved: dict[tuple, TileConfig] = {}
@@ -123,6 +121,10 @@ class Simulator:
         self._peaks = PeakCache(self.ops, self.machine)
         self._resources: list[tuple] = []
         self._resource_index: dict[tuple, int] = {}
+        if self._handling:   # by memory number: its rank, and its processor's resource (-1: none)
+            self._memory_rank = np.array([m.rank for m in self.machine.memories], np.int64)
+            self._memory_proc_res = np.array([self._resource(("proc", self._memory_proc[m])) if m in self._memory_proc
+                                              else -1 for m in self.machine.memories], np.int64)
 
     @classmethod
     def for_model(cls, model, machine_model: MachineModel, cost: CostModel | None = None, loss: str | None = None,
@@ -254,11 +256,7 @@ class Simulator:
         """The Handling rows of copies from memory numbers `src` to `dst` (arrays): a copy between
         ranks holds the processor of its source memory for send_overhead before the wire and that
         of its destination for receive_overhead after; other copies hold neither (-1, 0)."""
-        mm = self.machine_model
-        if self._memory_proc_res is None:
-            self._memory_proc_res = np.array([self._resource(("proc", self._memory_proc[m])) if m in self._memory_proc
-                                              else -1 for m in self.machine.memories], np.int64)
-        proc_res = self._memory_proc_res
+        mm, proc_res = self.machine_model, self._memory_proc_res
         between = self._memory_rank[src] != self._memory_rank[dst]
         none = np.full(src.shape, -1, np.int64)
         return (np.where(between, proc_res[src], none), np.where(between, mm.send_overhead, 0.0),
