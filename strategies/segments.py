@@ -268,6 +268,17 @@ class SegmentBuilder:
         self.cache_bytes = CACHE_BYTES
         self._cached_bytes = 0
         self._op_parts: dict[tuple, _OpSegments] = {}
+        #: per op index, the op indices whose gradient fills depend on its config: its own and
+        #: those of the ops whose outputs it alone reads (Lowering.written_grads)
+        index = {op.name: i for i, op in enumerate(self.ops)}
+        self._fill_dependents: list[set[int]] = [{i} for i in range(len(self.ops))]
+        for i, op in enumerate(self.ops):
+            for t in op.outputs:
+                use = self.low.sole_consumers.get(t.name)
+                if use is not None:
+                    self._fill_dependents[index[use[0]]].add(i)
+        #: the last program's per-op parts and fills (_program)
+        self._last_ops: tuple[list, list] | None = None
         # the program's own fills: of unsharded weight gradients, of every weight and state at
         # the start, and of the inputs before each step
         zero = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
@@ -314,27 +325,44 @@ class SegmentBuilder:
     def _program(self, configs: dict[str, TileConfig]) -> tuple[list[RecordedSegment], int]:
         """The program of build_iteration as its segments in order; and where the iteration graph
         starts: the second step's first forward segment (its input fills stay outside, as there).
-        An op's own segments come from _op_segments (made once per op and config); the gradient
-        fills depend on the consumers' configs too, and are looked up per step."""
+        An op's own segments come from _op_segments (made once per op and config); its gradient
+        fills depend on the configs of its outputs' sole consumers too (_fill_of). Both are
+        taken from the last program where the configs they depend on are the same objects (a
+        proposal changes one op's)."""
         low = self.low
-        parts = [self._op_segments(op, configs[op.name]) for op in self.ops]
-        plans = {op.name: part.plan for op, part in zip(self.ops, parts)}
-        fills, filled = [], set()
-        for op, part in zip(self.ops, parts):
-            # which outputs' gradients the consumers write whole depends on their configs
-            written = low.written_grads(plans, op)
-            rec = self._get((op.name, GRAD_FILL_PHASE, part.config, tuple(sorted(written))),
-                            lambda plan=part.plan, w=written: (low.grad_fill_segment(plan, w), plan))
-            fills.append(rec)
+        last = self._last_ops
+        if last is None:
+            parts = [self._op_segments(op, configs[op.name]) for op in self.ops]
+            plans = {op.name: part.plan for op, part in zip(self.ops, parts)}
+            fills = [self._fill_of(op, part, plans) for op, part in zip(self.ops, parts)]
+        else:
+            parts, fills = list(last[0]), list(last[1])
+            changed = [i for i, (op, part) in enumerate(zip(self.ops, parts)) if configs[op.name] is not part.config]
+            for i in changed:
+                parts[i] = self._op_segments(self.ops[i], configs[self.ops[i].name])
+            plans = {op.name: part.plan for op, part in zip(self.ops, parts)}
+            for i in {k for i in changed for k in self._fill_dependents[i]}:
+                fills[i] = self._fill_of(self.ops[i], parts[i], plans)
+        self._last_ops = (parts, fills)
+        filled = set()
+        for written, rec in fills:
             filled.update(written, rec.fills)
         unfilled = tuple(name for name in low.grads if name not in filled)
         host = self._get(("graph", GRAD_FILL_PHASE, tuple(low.grads[name].uid for name in unfilled)),
                          lambda: (low.host_fill_segment(GRAD_FILL_PHASE, [
                              (low.grads[name], 1.0 if name == low.loss_output else 0.0) for name in unfilled]), None))
-        step = ([part.forward for part in parts] + fills + [host]
+        step = ([part.forward for part in parts] + [rec for _, rec in fills] + [host]
                 + [rec for part in parts for rec in part.zero_grads] + [self._zero]
                 + [part.backward for part in reversed(parts)] + [rec for part in parts for rec in part.updates])
         return [self._init, self._input, *step, self._input, *step], 3 + len(step)
+
+    def _fill_of(self, op: Op, part: "_OpSegments", plans: dict[str, OpPlan]) -> tuple[frozenset, RecordedSegment]:
+        """(the outputs of `op` whose gradients their consumers write whole under `plans`, so none
+        is filled; the recorded fills of the rest)."""
+        low = self.low
+        written = low.written_grads(plans, op)
+        return written, self._get((op.name, GRAD_FILL_PHASE, part.config, tuple(sorted(written))),
+                                  lambda: (low.grad_fill_segment(part.plan, written), part.plan))
 
     def _op_segments(self, op: Op, config: TileConfig) -> "_OpSegments":
         """op's own recorded segments under `config` (forward, backward, weight-gradient zeroing and
@@ -367,30 +395,45 @@ class SegmentBuilder:
         """The segment's point tasks as Runtime.index_launch would map them, and what each computes."""
         rt = self.rt
         op = self._by_name.get(segment.op)
-        tasks, costs, touches = [], [], {}
+        tasks, costs, touches = [], [], {}   # touches: uid -> [(task index, [req index])]
+        asked = {}   # uid -> what the tasks ask of it, flat: per task its req count, indices, rects, privileges
         for launch in segment.launches:
             spec = rt._make_spec(launch.fn, list(launch.colors), launch.reqs, launch.args, None, launch.name,
                                  launch.placement, segment.op or "")
+            regions = [r.region for r in spec.reqs]
+            privileges = [r.privilege for r in spec.reqs]
+            codes = [_privilege_code(p) for p in privileges]
+            uids = [region.uid for region in regions]
+            self._region_of.update(zip(uids, regions))
             for i, point in enumerate(spec.points):
-                proc = spec.procs[i]
-                reqs = tuple(PhysicalReq(r.region, rect, r.privilege, proc.memory)
-                             for r, rect in zip(spec.reqs, spec.rects[i]))
+                proc, rects = spec.procs[i], spec.rects[i]
+                memory = proc.memory
+                reqs = tuple([PhysicalReq(region, rect, privilege, memory)
+                              for region, rect, privilege in zip(regions, rects, privileges)])
                 index = len(tasks)
                 tasks.append(TaskNode(-1, spec.name, proc, spec.fn, reqs, spec.args[i], point, -1, spec.op))
                 costs.append(task_cost_of(op, plan, spec.name, reqs, point))
-                for j, r in enumerate(reqs):
-                    if r.rect.empty:
+                for j, rect in enumerate(rects):
+                    if rect.empty:
                         continue
-                    self._region_of[r.region.uid] = r.region
-                    entry = touches.setdefault(r.region.uid, [])
-                    if entry and entry[-1][0] == index:
-                        entry[-1][1].append(j)
+                    uid = uids[j]
+                    entry = touches.get(uid)
+                    if entry is None:
+                        touches[uid] = [(index, [j])]
+                        asked[uid] = flat = [-1]
                     else:
-                        entry.append((index, [j]))
-        touches = {uid: tuple((t, tuple(js)) for t, js in v) for uid, v in touches.items()}
-        shapes = {uid: self._shape_id(tuple((js, _asks(tasks[t], js)) for t, js in v))
-                  for uid, v in touches.items()}
-        memories = {uid: tuple(tasks[t].proc.memory for t, _ in v) for uid, v in touches.items()}
+                        flat = asked[uid]
+                        if entry[-1][0] == index:
+                            entry[-1][1].append(j)
+                        else:
+                            entry.append((index, [j]))
+                            flat.append(-1)
+                    flat += (j, *rect.lo, *rect.hi, codes[j])
+        # a shape: per task -1, then per requirement on the region its index, rect and privilege
+        # code (records of one length): all ints, so that it hashes and compares fast
+        shapes = {uid: self._shape_id(tuple(flat)) for uid, flat in asked.items()}
+        memories = {uid: tuple([tasks[t].proc.memory for t, _ in v]) for uid, v in touches.items()}
+        touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
         self.stats["segments_recorded"] += 1
         return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(tasks),
                                tuple(costs), touches, shapes, memories, segment.fills)
@@ -449,6 +492,7 @@ class SegmentBuilder:
             return
         self._segments.clear()
         self._op_parts.clear()
+        self._last_ops = None
         self._regions.clear()
         self._canonical.clear()
         self._cached_bytes = 0
@@ -661,11 +705,6 @@ def _pred_lists(dst: np.ndarray, src: np.ndarray, n: int) -> tuple[np.ndarray, n
                 out += 1
         ptr[v + 1] = out
     return ptr, idx[:out].copy()
-
-
-def _asks(task: TaskNode, reqs: tuple[int, ...]) -> tuple:
-    """(rect, privilege) of each of a task's requirements `reqs`: what it asks of their region."""
-    return tuple((task.reqs[j].rect, task.reqs[j].privilege) for j in reqs)
 
 
 #: what the builder's joiners join of each region result

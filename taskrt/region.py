@@ -62,9 +62,12 @@ class Partition:
     def __init__(self, region: Region, rects: Mapping[Color, Rect], name: str | None = None):
         self.region = region
         self.rects: dict[Color, Rect] = {}
+        bounds, ndim = region.rect, region.ndim
         for color, rect in rects.items():
-            color = tuple(int(c) for c in (color if isinstance(color, tuple) else (color,)))
-            region.check_rect(rect, f"sub-rect of color {color}")
+            color = tuple(map(int, color)) if isinstance(color, tuple) else (int(color),)
+            # the plans make thousands of partitions a graph: the check is inline, its message not
+            if type(rect) is not Rect or rect.ndim != ndim or not bounds.contains(rect):
+                region.check_rect(rect, f"sub-rect of color {color}")
             self.rects[color] = rect
         self.name = name or f"{region.name}.part"
         self.key = (region.uid, tuple(sorted(self.rects.items())))

@@ -36,6 +36,16 @@ def test_contains_matches_point_sets(pair):
     assert a.contains(b) == (points(b) <= points(a))
 
 
+@given(st.one_of(rect_pairs(), st.tuples(rects(), rects())))
+def test_equality_and_order_are_those_of_the_bounds(pair):
+    a, b = pair
+    same = Rect.make(a.lo, a.hi)
+    assert a == same and hash(a) == hash(same) and not a != same
+    assert (a == b) == ((a.lo, a.hi) == (b.lo, b.hi)) and (a != b) == ((a.lo, a.hi) != (b.lo, b.hi))
+    assert (a < b) == ((a.lo, a.hi) < (b.lo, b.hi))
+    assert a != (a.lo, a.hi) and not a == None  # noqa: E711 (a Rect equals only Rects)
+
+
 @given(rects())
 def test_volume_counts_points(r):
     assert r.volume == len(points(r))
