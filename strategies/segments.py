@@ -74,7 +74,10 @@ class RecordedSegment:
     per region uid the tasks that touch it, (task index, requirement indices), and, for the
     canonical region cache, what those tasks ask of it apart from where they run and which
     tasks they are (`shapes`: an interned id of, task by task, their requirement indices, rects
-    and privileges) and the memory of each (`memories`)."""
+    and privileges) and the memory of each (`memories`). The same per uid in arrays, for the
+    region analysis: `access_tasks`, the task index of each access (a task's requirements on
+    the region), and `requirements`, one row a requirement: task index, requirement index,
+    rect (lo..., hi...), privilege code (taskrt.region_analysis)."""
 
     key: tuple
     key_id: int                   # a small int per recording (never reused), so region keys hash fast
@@ -85,6 +88,8 @@ class RecordedSegment:
     touches: dict
     shapes: dict
     memories: dict
+    access_tasks: dict
+    requirements: dict
     fills: tuple[str, ...] = ()
 
 
@@ -396,7 +401,8 @@ class SegmentBuilder:
         rt = self.rt
         op = self._by_name.get(segment.op)
         tasks, costs, touches = [], [], {}   # touches: uid -> [(task index, [req index])]
-        asked = {}   # uid -> what the tasks ask of it, flat: per task its req count, indices, rects, privileges
+        asked = {}   # uid -> what the tasks ask of it, flat (see shapes below)
+        rows = {}    # uid -> the rows of `requirements`, flat
         for launch in segment.launches:
             spec = rt._make_spec(launch.fn, list(launch.colors), launch.reqs, launch.args, None, launch.name,
                                  launch.placement, segment.op or "")
@@ -421,22 +427,27 @@ class SegmentBuilder:
                     if entry is None:
                         touches[uid] = [(index, [j])]
                         asked[uid] = flat = [-1]
+                        rows[uid] = row = []
                     else:
-                        flat = asked[uid]
+                        flat, row = asked[uid], rows[uid]
                         if entry[-1][0] == index:
                             entry[-1][1].append(j)
                         else:
                             entry.append((index, [j]))
                             flat.append(-1)
                     flat += (j, *rect.lo, *rect.hi, codes[j])
+                    row += (index, j, *rect.lo, *rect.hi, codes[j])
         # a shape: per task -1, then per requirement on the region its index, rect and privilege
         # code (records of one length): all ints, so that it hashes and compares fast
         shapes = {uid: self._shape_id(tuple(flat)) for uid, flat in asked.items()}
         memories = {uid: tuple([tasks[t].proc.memory for t, _ in v]) for uid, v in touches.items()}
+        requirements = {uid: np.array(row, np.int64).reshape(-1, 3 + 2 * self._region_of[uid].ndim)
+                        for uid, row in rows.items()}
+        access_tasks = {uid: np.array([t for t, _ in v], np.int64) for uid, v in touches.items()}
         touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
         self.stats["segments_recorded"] += 1
         return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(tasks),
-                               tuple(costs), touches, shapes, memories, segment.fills)
+                               tuple(costs), touches, shapes, memories, access_tasks, requirements, segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
         """A small int per distinct shape (what a segment's tasks ask of one region), so that
@@ -575,26 +586,18 @@ class SegmentBuilder:
         keeping what it adds to the second step (from `second` on)."""
         uid = region.uid
         segments = [program[j] for j in positions]
-        access_k, access_t, first_req = [], [], []      # per access: its segment, task and first req
         numbers: dict = {}                                # memory -> its number, by first appearance
-        access_mem, access_first, rects, privileges = [], [0], [], []
-        for k, rec in enumerate(segments):
-            for t, reqs in rec.touches[uid]:
-                task = rec.tasks[t]
-                access_k.append(k)
-                access_t.append(t)
-                first_req.append(reqs[0])
-                access_mem.append(numbers.setdefault(task.proc.memory, len(numbers)))
-                for j in reqs:
-                    r = task.reqs[j]
-                    rects.append(r.rect.lo + r.rect.hi)
-                    privileges.append(_privilege_code(r.privilege))
-                access_first.append(len(privileges))
-        out = analyze_region(region.ndim, access_mem, access_first,
-                             np.array(rects, np.int64).reshape(len(rects), 2 * region.ndim), privileges)
+        access_mem = [numbers.setdefault(m, len(numbers)) for rec in segments for m in rec.memories[uid]]
+        rows = np.concatenate([rec.requirements[uid] for rec in segments])
+        row_k = np.repeat(np.arange(len(segments)), [len(rec.requirements[uid]) for rec in segments])
+        # an access is a run of rows of one task of one segment
+        first = np.ones(len(rows), bool)
+        first[1:] = (rows[1:, 0] != rows[:-1, 0]) | (row_k[1:] != row_k[:-1])
+        starts = np.flatnonzero(first)
+        access_k, access_t, first_req = row_k[starts], rows[starts, 0], rows[starts, 1]
+        out = analyze_region(region.ndim, access_mem, np.append(starts, len(rows)), rows[:, 2:-1], rows[:, -1])
         memories = list(numbers)
         in_graph = np.array([j >= second for j in positions], bool)
-        access_k, access_t = np.array(access_k, np.int64), np.array(access_t, np.int64)
         place = np.array(positions, np.int64)
         copies = out.copies
         # node number -> its access (tasks) and its kept copy's index (copies of the second step)
@@ -627,7 +630,7 @@ class SegmentBuilder:
         buffer_access = task_access[np.where(has_buffer, kept_copies[:, BUFFER_NODE], 0)]
         result = RegionResult(region, tuple(memories), out.copy_rects[kept], kept_copies[:, [SRC, DST]],
                               kept_copies[:, REDOP], np.where(has_buffer, kept_copies[:, BUFFER_REQ], -1),
-                              place[access_k[causes]], access_t[causes], np.array(first_req, np.int64)[causes],
+                              place[access_k[causes]], access_t[causes], first_req[causes],
                               np.where(has_buffer, place[access_k[buffer_access]], -1),
                               np.where(has_buffer, access_t[buffer_access], -1), edges)
         self.stats["regions_analyzed"] += 1
@@ -641,7 +644,7 @@ TASK_KEY = 1 << 32
 def _task_keys(program: list[RecordedSegment], positions: list[int], uid: int) -> np.ndarray:
     """The tasks that touch region `uid`, in program order, each as position * TASK_KEY + its index
     in its segment."""
-    return np.array([j * TASK_KEY + t for j in positions for t, _ in program[j].touches[uid]], np.int64)
+    return np.concatenate([j * TASK_KEY + program[j].access_tasks[uid] for j in positions])
 
 
 def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_tasks: np.ndarray, region,
