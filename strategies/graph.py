@@ -23,6 +23,7 @@ import numpy as np
 from ops.base import Op, TensorSpec
 from ops.lower import Lowering, TileConfig
 from ops.optimizers import SGD
+from strategies.timing import Successors
 from taskrt import Runtime
 from taskrt.geometry import Rect
 from taskrt.machine import Machine
@@ -73,6 +74,11 @@ class IterationGraph:
         ptr[1:] = np.cumsum([len(p) for p in self.preds])
         idx = np.fromiter((q for p in self.preds for q in p), np.int64, count=int(ptr[-1]))
         return ptr, idx
+
+    @property
+    def successors(self) -> Successors:
+        """The edges as the timing core walks them (strategies/timing.py)."""
+        return Successors.of_preds(*self.pred_arrays())
 
     def task_cost(self, node: TaskNode) -> TaskCost:
         """The op, phase and rect of a task of this graph."""

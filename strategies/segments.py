@@ -31,7 +31,7 @@ build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 
     builder = SegmentBuilder(ops, inputs, loss, machine, optimizer)
     graph = builder.build(configs)      # an AssembledIteration
-    graph.nodes, graph.pred_ptr, graph.pred_idx, graph.segment_of, graph.task_cost_at(i)
+    graph.nodes, graph.successors, graph.pred_ptr, graph.pred_idx, graph.segment_of, graph.task_cost_at(i)
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PH
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, task_cost_of
 from strategies.joined import Joiner
+from strategies.timing import Successors
 from taskrt import Runtime
 from taskrt.geometry import Rect
 from taskrt.machine import Machine
@@ -177,15 +178,14 @@ class RegionResult:
 @dataclass
 class AssembledIteration:
     """One steady-state iteration in the runtime's program order: node i is `nodes[i]` (a shared
-    template: its `id` means nothing here, positions are the ids), its preds are
-    pred_idx[pred_ptr[i]:pred_ptr[i + 1]], it was caused by the segment at program position
+    template: its `id` means nothing here, positions are the ids), its edges are `successors`
+    (and its preds pred_idx[pred_ptr[i]:pred_ptr[i + 1]]), it was caused by the segment at program position
     segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
     parts (the segments' tasks, then the region results' copies, as in `parts`) in that order,
     so per-part arrays (costs) index into it. `nodes` is made on first use: timing a graph
     needs only the arrays and the parts."""
 
-    pred_ptr: np.ndarray
-    pred_idx: np.ndarray
+    successors: Successors
     segment_of: np.ndarray
     buffer_index: np.ndarray
     order: np.ndarray
@@ -195,6 +195,7 @@ class AssembledIteration:
     machine: Machine
     _costs: list | None = None
     _nodes: list | None = None
+    _preds: tuple | None = None
 
     @property
     def nodes(self) -> list:
@@ -218,7 +219,21 @@ class AssembledIteration:
         return [None if b < 0 else int(b) for b in self.buffer_index]
 
     def pred_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.pred_ptr, self.pred_idx
+        """(pred_ptr, pred_idx): each node's distinct preds, ascending, made from the successors
+        on first use (timing needs only those)."""
+        if self._preds is None:
+            succ = self.successors
+            n = succ.indegree.shape[0]
+            self._preds = _pred_lists(succ.idx, np.repeat(np.arange(n, dtype=np.int64), np.diff(succ.ptr)), n)
+        return self._preds
+
+    @property
+    def pred_ptr(self) -> np.ndarray:
+        return self.pred_arrays()[0]
+
+    @property
+    def pred_idx(self) -> np.ndarray:
+        return self.pred_arrays()[1]
 
     def task_cost_at(self, index: int) -> TaskCost | None:
         """What task `index` computes (None for a copy)."""
@@ -486,9 +501,9 @@ class SegmentBuilder:
         offset[:second] = -(1 << 40)
         columns, copy_counts = self._columns.join(results, _columns_of)
         edges, edge_counts = self._edges.join(results, _edges_of)
-        order, ptr, idx, segment_of, buffer_index = _lay_out(columns, copy_counts, edges, edge_counts, offset,
-                                                             sizes, second)
-        return AssembledIteration(ptr, idx, segment_of, buffer_index, order,
+        order, indeg, ptr, idx, segment_of, buffer_index = _lay_out(columns, copy_counts, edges, edge_counts,
+                                                                    offset, sizes, second)
+        return AssembledIteration(Successors(indeg, ptr, idx), segment_of, buffer_index, order,
                                   program[second:] + [r for r, c in zip(results, copy_counts.tolist()) if c], program,
                                   self._view(configs), self.machine)
 
@@ -730,7 +745,9 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
     Tasks are numbered in program order, copies after them by result. The layout puts each task
     after the copies it causes, those by requirement and then in the order analyzed (a counting
     sort by causing task, linear in the nodes). Returns (order: layout position -> number,
-    pred_ptr, pred_idx in layout positions, segment_of and buffer_index per position)."""
+    and the edges in layout positions as successor lists: indegree, succ_ptr, succ_idx (an edge
+    two region results both make is there twice: the timing needs no more, and pred_lists makes
+    the distinct preds where they are asked for), segment_of and buffer_index per position)."""
     n_tasks = 0
     for j in range(second, sizes.shape[0]):
         n_tasks += sizes[j]
@@ -782,7 +799,17 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
             src[e] = position[_end_node(edges[3, e], edges[4, e], edges[5, e], offset, base)]
             e += 1
         base += copy_counts[r]
-    ptr, idx = _pred_lists(dst, src, n)
+    indeg = np.zeros(n, np.int64)
+    count = np.zeros(n + 1, np.int64)
+    for k in range(m):
+        indeg[dst[k]] += 1
+        count[src[k] + 1] += 1
+    ptr = np.cumsum(count)
+    idx = np.empty(m, np.int64)
+    fill = ptr[:n].copy()
+    for k in range(m):
+        idx[fill[src[k]]] = dst[k]
+        fill[src[k]] += 1
     # which segment caused each node, and a fold's buffer task (-1: none, or made in the first step)
     segment_of = np.empty(n, np.int64)
     buffer_index = np.full(n, -1, np.int64)
@@ -798,4 +825,4 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
             buf = offset[columns[3, c]] + columns[4, c]
             if buf >= 0:
                 buffer_index[p] = position[buf]
-    return order, ptr, idx, segment_of, buffer_index
+    return order, indeg, ptr, idx, segment_of, buffer_index

@@ -35,7 +35,7 @@ from strategies.joined import Joiner
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
-from strategies.timing import Handling, Timing, schedule
+from strategies.timing import Handling, Timing, schedule_successors
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
 
@@ -192,8 +192,7 @@ class Simulator:
         graph the same way, so their results are equal (tests/test_simulator.py)."""
         graph = self.graph(strategy, delta)
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
-        ptr, idx = graph.pred_arrays()
-        timing = schedule(res, dur, ptr, idx, len(resources), delay, handling)
+        timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling)
         used = np.bincount(res, minlength=len(resources))
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}

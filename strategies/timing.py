@@ -17,8 +17,10 @@ node of its own: the part before when the node is ready, the node's own resource
 part is done, the part after when the node's delay has passed; the node ends with it.
 
 `schedule` returns the start (on its own resource) and end of every node; `Timing` adds the
-iteration time and each resource's busy time. The loop is compiled with numba (nogil,
-cached), because the search calls it tens of thousands of times.
+iteration time and each resource's busy time. `schedule_successors` does the same for a
+graph given by its successor lists and indegrees (`Successors`), which is how the core walks
+it and how an assembled graph comes (strategies/segments.py). The loop is compiled with
+numba (nogil, cached), because the search calls it tens of thousands of times.
 """
 from __future__ import annotations
 
@@ -66,14 +68,14 @@ def _heap_pop(keys, ids, size):
 
 
 @numba.njit(cache=True, nogil=True)
-def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources, pre_res, pre_dur, post_res, post_dur):
-    n = res.shape[0]
-    phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
+def _successors(pred_ptr, pred_idx):
+    """(indegree, succ_ptr, succ_idx) of a graph given by its pred lists."""
+    n = pred_ptr.shape[0] - 1
     indeg = np.zeros(n, np.int64)
     succ_count = np.zeros(n + 1, np.int64)
     for i in range(n):
+        indeg[i] = pred_ptr[i + 1] - pred_ptr[i]
         for k in range(pred_ptr[i], pred_ptr[i + 1]):
-            indeg[i] += 1
             succ_count[pred_idx[k] + 1] += 1
     succ_ptr = np.cumsum(succ_count)
     succ_idx = np.empty(succ_ptr[n], np.int64)
@@ -83,6 +85,14 @@ def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources, pre_res, pre_d
             p = pred_idx[k]
             succ_idx[fill[p]] = i
             fill[p] += 1
+    return indeg, succ_ptr, succ_idx
+
+
+@numba.njit(cache=True, nogil=True)
+def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_res, pre_dur, post_res, post_dur):
+    n = res.shape[0]
+    phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
+    indeg = indegree.copy()
     ready = np.zeros(n)
     start = np.zeros(n)
     end = np.zeros(n)
@@ -147,6 +157,25 @@ def _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources, pre_res, pre_d
 
 
 @dataclass(frozen=True)
+class Successors:
+    """A graph as the timing core walks it: each node's predecessor count (`indegree`, an edge
+    given twice counts twice) and its successors idx[ptr[i]:ptr[i + 1]] (any order; a
+    repeated edge changes no time)."""
+
+    indegree: np.ndarray
+    ptr: np.ndarray
+    idx: np.ndarray
+
+    @staticmethod
+    def of_preds(pred_ptr: np.ndarray, pred_idx: np.ndarray) -> "Successors":
+        return Successors(*_successors(np.ascontiguousarray(pred_ptr, np.int64),
+                                       np.ascontiguousarray(pred_idx, np.int64)))
+
+    def __repr__(self) -> str:
+        return f"Successors({self.indegree.shape[0]} nodes, {self.idx.shape[0]} edges)"
+
+
+@dataclass(frozen=True)
 class Handling:
     """The parts of nodes before and after their own resource (see the module docstring):
     resource index (-1: none) and seconds, one entry a node."""
@@ -177,26 +206,40 @@ class Timing:
 def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: np.ndarray,
              num_resources: int, delay: np.ndarray | None = None, handling: Handling | None = None) -> Timing:
     """Simulate the graph (see the module docstring); raises ValueError on a cycle or bad index."""
+    pred_ptr = np.ascontiguousarray(pred_ptr, np.int64)
+    pred_idx = np.ascontiguousarray(pred_idx, np.int64)
+    n = np.shape(res)[0]
+    if pred_ptr.shape != (n + 1,):
+        raise ValueError(f"schedule: {n} resources and {pred_ptr.shape[0]} pred offsets (need n + 1)")
+    if pred_idx.size and (pred_idx.min() < 0 or pred_idx.max() >= n):
+        raise ValueError(f"schedule: predecessor indices must be in 0..{n - 1}")
+    return schedule_successors(res, dur, Successors.of_preds(pred_ptr, pred_idx), num_resources, delay, handling)
+
+
+def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors, num_resources: int,
+                        delay: np.ndarray | None = None, handling: Handling | None = None) -> Timing:
+    """`schedule` of a graph given by its Successors (what an assembled graph keeps: the search
+    times one a proposal, and making them from pred lists was a third of the schedule)."""
     res = np.ascontiguousarray(res, np.int64)
     dur = np.ascontiguousarray(dur, np.float64)
     delay = np.zeros(dur.shape) if delay is None else np.ascontiguousarray(delay, np.float64)
-    pred_ptr = np.ascontiguousarray(pred_ptr, np.int64)
-    pred_idx = np.ascontiguousarray(pred_idx, np.int64)
+    indeg, ptr, idx = (np.ascontiguousarray(a, np.int64) for a in
+                       (successors.indegree, successors.ptr, successors.idx))
     n = res.shape[0]
-    if dur.shape != (n,) or pred_ptr.shape != (n + 1,):
-        raise ValueError(f"schedule: {n} resources, {dur.shape[0]} durations and {pred_ptr.shape[0]} pred "
-                         f"offsets (need n, n and n + 1)")
+    if dur.shape != (n,) or indeg.shape != (n,) or ptr.shape != (n + 1,) or ptr[-1] != idx.shape[0]:
+        raise ValueError(f"schedule: {n} resources, {dur.shape[0]} durations, {indeg.shape[0]} indegrees and "
+                         f"{ptr.shape[0]} successor offsets (need n, n, n and n + 1, the last the edge count)")
     if n and (res.max() >= num_resources or res.min() < -1):
         raise ValueError(f"schedule: resource ids must be in -1..{num_resources - 1}, got {res.min()}..{res.max()}")
-    if pred_idx.size and (pred_idx.min() < 0 or pred_idx.max() >= n):
-        raise ValueError(f"schedule: predecessor indices must be in 0..{n - 1}")
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise ValueError(f"schedule: successor indices must be in 0..{n - 1}")
     if delay.shape != dur.shape:
         raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
     if (dur < 0).any() or (delay < 0).any():
         bad = np.flatnonzero((dur < 0) | (delay < 0))[0]
         raise ValueError(f"schedule: negative duration or delay at node {int(bad)}")
     parts = _handling_arrays(handling, n, num_resources)
-    start, end, done = _schedule(res, dur, delay, pred_ptr, pred_idx, num_resources, *parts)
+    start, end, done = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts)
     if done != n:
         raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
     busy = np.zeros(num_resources)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from strategies.timing import Handling, schedule
+from strategies.timing import Handling, Successors, schedule, schedule_successors
 
 
 def _csr(preds):
@@ -96,6 +96,37 @@ def test_schedule_equals_the_reference(g):
     want_start, want_end = _reference(res, dur, preds, delay)
     np.testing.assert_array_equal(t.start, want_start)
     np.testing.assert_array_equal(t.end, want_end)
+
+
+@settings(max_examples=100, deadline=None)
+@given(graphs(), st.randoms(use_true_random=False))
+def test_successor_lists_in_any_order_and_with_repeated_edges_time_alike(g, rnd):
+    res, dur, preds, resources, delay = g
+    edges = [(p, i) for i, ps in enumerate(preds) for p in ps]
+    edges += [rnd.choice(edges) for _ in range(len(edges) // 2)] if edges else []
+    rnd.shuffle(edges)
+    n = len(res)
+    succs = [[d for s, d in edges if s == i] for i in range(n)]
+    ptr, idx = _csr(succs)
+    indegree = np.bincount([d for _, d in edges], minlength=n).astype(np.int64)
+    t = schedule_successors(np.array(res), np.array(dur), Successors(indegree, ptr, idx), resources, np.array(delay))
+    want_start, want_end = _reference(res, dur, preds, delay)
+    np.testing.assert_array_equal(t.start, want_start)
+    np.testing.assert_array_equal(t.end, want_end)
+    made = Successors.of_preds(*_csr(preds))
+    np.testing.assert_array_equal(made.indegree, [len(p) for p in preds])
+    assert sorted(zip(np.repeat(np.arange(n), np.diff(made.ptr)).tolist(), made.idx.tolist())) == sorted(set(edges))
+
+
+def test_bad_successor_arrays_are_refused_by_name():
+    ok = Successors(np.array([0, 1]), np.array([0, 1, 1]), np.array([1]))
+    schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]), ok, 1)
+    with pytest.raises(ValueError, match="successor indices must be in 0..1"):
+        schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]),
+                            Successors(np.array([0, 1]), np.array([0, 1, 1]), np.array([2])), 1)
+    with pytest.raises(ValueError, match="2 indegrees and 2 successor offsets"):
+        schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]),
+                            Successors(np.array([0, 1]), np.array([0, 1]), np.array([1])), 1)
 
 
 def _reference_with_handling(res, dur, preds, delay, pre, post):
