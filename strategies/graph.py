@@ -83,16 +83,18 @@ class IterationGraph:
     def task_cost(self, node: TaskNode) -> TaskCost:
         """The op, phase and rect of a task of this graph."""
         plan = self.lowering.plans.get(node.op)
-        return task_cost_of(None if plan is None else plan.op, plan, node.name, node.reqs, node.point)
+        return task_cost_of(None if plan is None else plan.op, plan, node.name, [r.rect for r in node.reqs],
+                            node.point)
 
 
-def task_cost_of(op: Op | None, plan, name: str, reqs, point) -> TaskCost:
+def task_cost_of(op: Op | None, plan, name: str, rects, point) -> TaskCost:
     """What a task computes, from its launch's name: a fill its rect; an update ('W.update') its
-    shard of weight W (its first requirement); a kernel task its plan's tile at its point."""
+    shard of weight W (its first requirement's rect, of `rects`); a kernel task its plan's tile
+    at its point."""
     if name.startswith("fill:"):
-        return TaskCost(None, FILL, reqs[0].rect if reqs else Rect((), ()))
+        return TaskCost(None, FILL, rects[0] if rects else Rect((), ()))
     if name.endswith(".update"):
-        return TaskCost(op, UPDATE, reqs[0].rect, name[:-len(".update")])
+        return TaskCost(op, UPDATE, rects[0], name[:-len(".update")])
     phase = launch_phase(name)
     if phase == BACKWARD and plan.skips_input_grads:
         phase = BACKWARD_WEIGHTS

@@ -78,13 +78,17 @@ class RecordedSegment:
     and privileges) and the memory of each (`memories`). The same per uid in arrays, for the
     region analysis: `access_tasks`, the task index of each access (a task's requirements on
     the region), and `requirements`, one row a requirement: task index, requirement index,
-    rect (lo..., hi...), privilege code (taskrt.region_analysis)."""
+    rect (lo..., hi...), privilege code (taskrt.region_analysis).
+
+    Timing needs of a task only its processor (`procs`) and what it computes (`costs`): the
+    TaskNodes are made from the mapped launches (`launches`) on first use of `tasks`."""
 
     key: tuple
     key_id: int                   # a small int per recording (never reused), so region keys hash fast
     op: str | None
     phase: str
-    tasks: tuple[TaskNode, ...]
+    launches: tuple[_MappedLaunch, ...]
+    procs: tuple
     costs: tuple[TaskCost, ...]
     touches: dict
     shapes: dict
@@ -92,6 +96,48 @@ class RecordedSegment:
     access_tasks: dict
     requirements: dict
     fills: tuple[str, ...] = ()
+    _tasks: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def tasks(self) -> tuple[TaskNode, ...]:
+        """The point tasks as the runtime would make them (ids -1), made once."""
+        if not self._tasks:
+            self._tasks.append(tuple(task for launch in self.launches for task in launch.tasks()))
+        return self._tasks[0]
+
+    def task_nbytes(self, index: int) -> int:
+        """The bytes of task `index`'s requirements (what a fill's time depends on)."""
+        for launch in self.launches:
+            if index < len(launch.points):
+                return sum(rect.volume * region.dtype.itemsize
+                           for region, rect in zip(launch.regions, launch.rects[index]))
+            index -= len(launch.points)
+        raise IndexError(f"segment {self.key}: no task {index}")
+
+
+@dataclass(frozen=True)
+class _MappedLaunch:
+    """A launch as the runtime maps it: per point its processor, rects (one per requirement,
+    on `regions` with `privileges`) and args."""
+
+    name: str
+    fn: object
+    op: str
+    regions: tuple
+    privileges: tuple
+    points: list
+    procs: list
+    rects: list
+    args: list
+
+    def tasks(self) -> list[TaskNode]:
+        out = []
+        for point, proc, rects, args in zip(self.points, self.procs, self.rects, self.args):
+            memory = proc.memory
+            reqs = tuple([PhysicalReq(region, rect, privilege, memory)
+                          for region, rect, privilege in zip(self.regions, rects, self.privileges)])
+            out.append(TaskNode(-1, self.name, proc, self.fn, reqs, args, point, -1, self.op))
+        return out
 
 
 @dataclass(frozen=True)
@@ -159,7 +205,7 @@ class RegionResult:
         causes it (`program`: the segments by position), made once."""
         if not self._nodes:
             nd, region, memories = self.region.ndim, self.region, self.memories
-            ops = [program[j].tasks[t].op for j, t in zip(self.copy_j.tolist(), self.copy_t.tolist())]
+            ops = [program[j].launches[0].op for j in self.copy_j.tolist()]
             self._nodes.append(tuple(
                 CopyNode(-1, region, Rect(tuple(r[:nd]), tuple(r[nd:])), memories[src], memories[dst],
                          redop=_redop_name(redop), buffer=None if req < 0 else (-1, req), op=op)
@@ -179,8 +225,8 @@ class RegionResult:
 class AssembledIteration:
     """One steady-state iteration in the runtime's program order: node i is `nodes[i]` (a shared
     template: its `id` means nothing here, positions are the ids), its edges are `successors`
-    (and its preds pred_idx[pred_ptr[i]:pred_ptr[i + 1]]), it was caused by the segment at program position
-    segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
+    (its preds pred_idx[pred_ptr[i]:pred_ptr[i + 1]]), it was caused by the segment at program
+    position segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
     parts (the segments' tasks, then the region results' copies, as in `parts`) in that order,
     so per-part arrays (costs) index into it. `nodes` is made on first use: timing a graph
     needs only the arrays and the parts."""
@@ -408,32 +454,31 @@ class SegmentBuilder:
         if rec is None:
             segment, plan = make()
             rec = self._segments[key] = self._record(key, segment, plan)
-            self._cached_bytes += TASK_BYTES * len(rec.tasks)
+            self._cached_bytes += TASK_BYTES * len(rec.procs)
         return rec
 
     def _record(self, key: tuple, segment: Segment, plan: OpPlan | None) -> RecordedSegment:
         """The segment's point tasks as Runtime.index_launch would map them, and what each computes."""
         rt = self.rt
         op = self._by_name.get(segment.op)
-        tasks, costs, touches = [], [], {}   # touches: uid -> [(task index, [req index])]
+        launches, procs, costs, touches = [], [], [], {}   # touches: uid -> [(task index, [req index])]
         asked = {}   # uid -> what the tasks ask of it, flat (see shapes below)
         rows = {}    # uid -> the rows of `requirements`, flat
         for launch in segment.launches:
             spec = rt._make_spec(launch.fn, list(launch.colors), launch.reqs, launch.args, None, launch.name,
                                  launch.placement, segment.op or "")
-            regions = [r.region for r in spec.reqs]
-            privileges = [r.privilege for r in spec.reqs]
+            regions = tuple([r.region for r in spec.reqs])
+            privileges = tuple([r.privilege for r in spec.reqs])
+            launches.append(_MappedLaunch(spec.name, spec.fn, spec.op, regions, privileges, spec.points, spec.procs,
+                                          spec.rects, spec.args))
             codes = [_privilege_code(p) for p in privileges]
             uids = [region.uid for region in regions]
             self._region_of.update(zip(uids, regions))
             for i, point in enumerate(spec.points):
-                proc, rects = spec.procs[i], spec.rects[i]
-                memory = proc.memory
-                reqs = tuple([PhysicalReq(region, rect, privilege, memory)
-                              for region, rect, privilege in zip(regions, rects, privileges)])
-                index = len(tasks)
-                tasks.append(TaskNode(-1, spec.name, proc, spec.fn, reqs, spec.args[i], point, -1, spec.op))
-                costs.append(task_cost_of(op, plan, spec.name, reqs, point))
+                rects = spec.rects[i]
+                index = len(procs)
+                procs.append(spec.procs[i])
+                costs.append(task_cost_of(op, plan, spec.name, rects, point))
                 for j, rect in enumerate(rects):
                     if rect.empty:
                         continue
@@ -455,14 +500,15 @@ class SegmentBuilder:
         # a shape: per task -1, then per requirement on the region its index, rect and privilege
         # code (records of one length): all ints, so that it hashes and compares fast
         shapes = {uid: self._shape_id(tuple(flat)) for uid, flat in asked.items()}
-        memories = {uid: tuple([tasks[t].proc.memory for t, _ in v]) for uid, v in touches.items()}
+        memories = {uid: tuple([procs[t].memory for t, _ in v]) for uid, v in touches.items()}
         requirements = {uid: np.array(row, np.int64).reshape(-1, 3 + 2 * self._region_of[uid].ndim)
                         for uid, row in rows.items()}
         access_tasks = {uid: np.array([t for t, _ in v], np.int64) for uid, v in touches.items()}
         touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
         self.stats["segments_recorded"] += 1
-        return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(tasks),
-                               tuple(costs), touches, shapes, memories, access_tasks, requirements, segment.fills)
+        return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(launches),
+                               tuple(procs), tuple(costs), touches, shapes, memories, access_tasks, requirements,
+                               segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
         """A small int per distinct shape (what a segment's tasks ask of one region), so that
@@ -495,7 +541,7 @@ class SegmentBuilder:
         self._bound_caches()
         results = [by_uid[uid] for uid in where]
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
-        sizes = np.fromiter((len(rec.tasks) for rec in program), np.int64, len(program))
+        sizes = np.fromiter((len(rec.procs) for rec in program), np.int64, len(program))
         sizes[:second] = 0
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)

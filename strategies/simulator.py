@@ -230,7 +230,8 @@ class Simulator:
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
             if isinstance(part, RecordedSegment):
-                costs = np.array([self._cost(t, c) for t, c in zip(part.tasks, part.costs)],
+                costs = np.array([self._task_cost(proc, c, lambda i=i: part.task_nbytes(i))
+                                  for i, (proc, c) in enumerate(zip(part.procs, part.costs))],
                                  float).reshape(-1, self._rows).T
             else:
                 costs = np.stack(self._region_costs(part)).astype(float)
@@ -297,20 +298,26 @@ class Simulator:
         pre resource and seconds, post resource and seconds])."""
         if isinstance(node, CopyNode):
             return self._copy_cost_of(node.src, node.dst, node.nbytes, node.redop)
+        return self._task_cost(node.proc, tc, lambda: node.nbytes)
+
+    def _task_cost(self, proc, tc, nbytes) -> tuple:
+        """_cost of a task on `proc` that computes `tc`; `nbytes()` gives its requirements' bytes
+        (asked for fills only)."""
         # what a task's seconds depend on, so that like tiles of other configs are timed once
-        what = ((FILL, node.nbytes, node.proc.kind) if tc.phase == FILL
-                else (tc.op.name, tc.phase, tc.rect, tc.param, node.proc.kind))
+        fill_bytes = nbytes() if tc.phase == FILL else 0
+        what = ((FILL, fill_bytes, proc.kind) if tc.phase == FILL
+                else (tc.op.name, tc.phase, tc.rect, tc.param, proc.kind))
         seconds = self._task_seconds.get(what)
         if seconds is None:
             cost = self.cost
             if tc.phase == FILL:
-                seconds = cost.fill_time(node.nbytes, node.proc)
+                seconds = cost.fill_time(fill_bytes, proc)
             elif tc.phase == UPDATE:
-                seconds = cost.task_time(tc.op, UPDATE, tc.rect, node.proc, tc.param, self.optimizer)
+                seconds = cost.task_time(tc.op, UPDATE, tc.rect, proc, tc.param, self.optimizer)
             else:
-                seconds = cost.task_time(tc.op, tc.phase, tc.rect, node.proc)
+                seconds = cost.task_time(tc.op, tc.phase, tc.rect, proc)
             self._task_seconds[what] = seconds
-        task = (self._resource(("proc", node.proc)), seconds, 0.0)
+        task = (self._resource(("proc", proc)), seconds, 0.0)
         return task + (-1, 0.0, -1, 0.0) if self._handling else task
 
     def _copy_cost_of(self, src, dst, nbytes: int, redop: str | None) -> tuple:
