@@ -75,7 +75,8 @@ class RecordedSegment:
     per region uid the tasks that touch it, (task index, requirement indices), and, for the
     canonical region cache, what those tasks ask of it apart from where they run and which
     tasks they are (`shapes`: an interned id of, task by task, their requirement indices, rects
-    and privileges) and the memory of each (`memories`). The same per uid in arrays, for the
+    and privileges) and the memory of each (`memory_ids`: its number in the machine's
+    memories). The same per uid in arrays, for the
     region analysis: `access_tasks`, the task index of each access (a task's requirements on
     the region), and `requirements`, one row a requirement: task index, requirement index,
     rect (lo..., hi...), privilege code (taskrt.region_analysis).
@@ -92,7 +93,7 @@ class RecordedSegment:
     costs: tuple[TaskCost, ...]
     touches: dict
     shapes: dict
-    memories: dict
+    memory_ids: dict
     access_tasks: dict
     requirements: dict
     fills: tuple[str, ...] = ()
@@ -330,6 +331,7 @@ class SegmentBuilder:
         self._shape_ids: dict[tuple, int] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._region_of: dict = {}   # uid -> Region, of every region a recorded segment touches
+        self._memory_index = {m: i for i, m in enumerate(machine.memories)}   # memory -> its number
         self.stats = {"segments_recorded": 0, "regions_analyzed": 0, "regions_renamed": 0, "cache_flushes": 0}
         self.cache_bytes = CACHE_BYTES
         self._cached_bytes = 0
@@ -500,14 +502,15 @@ class SegmentBuilder:
         # a shape: per task -1, then per requirement on the region its index, rect and privilege
         # code (records of one length): all ints, so that it hashes and compares fast
         shapes = {uid: self._shape_id(tuple(flat)) for uid, flat in asked.items()}
-        memories = {uid: tuple([procs[t].memory for t, _ in v]) for uid, v in touches.items()}
+        memory_of = [self._memory_index[p.memory] for p in procs]
+        memory_ids = {uid: tuple([memory_of[t] for t, _ in v]) for uid, v in touches.items()}
         requirements = {uid: np.array(row, np.int64).reshape(-1, 3 + 2 * self._region_of[uid].ndim)
                         for uid, row in rows.items()}
         access_tasks = {uid: np.array([t for t, _ in v], np.int64) for uid, v in touches.items()}
         touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
         self.stats["segments_recorded"] += 1
         return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(launches),
-                               tuple(procs), tuple(costs), touches, shapes, memories, access_tasks, requirements,
+                               tuple(procs), tuple(costs), touches, shapes, memory_ids, access_tasks, requirements,
                                segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
@@ -627,28 +630,29 @@ class SegmentBuilder:
         by task, the requirement indices, rects and privileges on the region (its shape), and
         each task's memory numbered by first appearance."""
         region = self._region_of[uid]
-        numbering: dict = {}
-        numbers = tuple([numbering.setdefault(m, len(numbering)) for j in positions for m in program[j].memories[uid]])
+        numbering: dict = {}   # each access's memory numbered by first appearance (ints: hashed in C)
+        numbers = tuple([numbering.setdefault(i, len(numbering)) for j in positions
+                         for i in program[j].memory_ids[uid]])
         key = (region.rect, tuple([j >= second for j in positions]), tuple([program[j].shapes[uid] for j in positions]),
                numbers)
-        memories = tuple(numbering)
+        memories = tuple([self.machine.memories[i] for i in numbering])
         tasks = _task_keys(program, positions, uid)
         known = self._canonical.get(key)
         if known is None:
-            result = self._analyze(region, program, positions, second)
+            result = self._analyze(region, program, positions, second, numbers, memories)
             self._canonical[key] = (result, region, memories, tasks)
             return result
         self.stats["regions_renamed"] += 1
         return _moved(*known, region, memories, tasks)
 
-    def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
+    def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int,
+                 access_mem: np.ndarray, memories: tuple) -> RegionResult:
         """The analysis of `region`'s accesses alone (the tasks of the segments at `positions` that
         touch it, in program order: taskrt/region_analysis.py, the runtime's Analyzer compiled),
-        keeping what it adds to the second step (from `second` on)."""
+        keeping what it adds to the second step (from `second` on). `access_mem` numbers each
+        access's memory, `memories` by those numbers."""
         uid = region.uid
         segments = [program[j] for j in positions]
-        numbers: dict = {}                                # memory -> its number, by first appearance
-        access_mem = [numbers.setdefault(m, len(numbers)) for rec in segments for m in rec.memories[uid]]
         rows = np.concatenate([rec.requirements[uid] for rec in segments])
         row_k = np.repeat(np.arange(len(segments)), [len(rec.requirements[uid]) for rec in segments])
         # an access is a run of rows of one task of one segment
@@ -657,7 +661,6 @@ class SegmentBuilder:
         starts = np.flatnonzero(first)
         access_k, access_t, first_req = row_k[starts], rows[starts, 0], rows[starts, 1]
         out = analyze_region(region.ndim, access_mem, np.append(starts, len(rows)), rows[:, 2:-1], rows[:, -1])
-        memories = list(numbers)
         in_graph = np.array([j >= second for j in positions], bool)
         place = np.array(positions, np.int64)
         copies = out.copies
@@ -689,7 +692,7 @@ class SegmentBuilder:
         causes = kept_copies[:, ACCESS]
         has_buffer = kept_copies[:, BUFFER_NODE] >= 0
         buffer_access = task_access[np.where(has_buffer, kept_copies[:, BUFFER_NODE], 0)]
-        result = RegionResult(region, tuple(memories), out.copy_rects[kept], kept_copies[:, [SRC, DST]],
+        result = RegionResult(region, memories, out.copy_rects[kept], kept_copies[:, [SRC, DST]],
                               kept_copies[:, REDOP], np.where(has_buffer, kept_copies[:, BUFFER_REQ], -1),
                               place[access_k[causes]], access_t[causes], first_req[causes],
                               np.where(has_buffer, place[access_k[buffer_access]], -1),
