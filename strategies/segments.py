@@ -90,6 +90,7 @@ class RecordedSegment:
     phase: str
     launches: tuple[_MappedLaunch, ...]
     procs: tuple
+    n_tasks: int
     costs: tuple[TaskCost, ...]
     touches: dict
     shapes: dict
@@ -151,6 +152,7 @@ class _OpSegments:
     backward: RecordedSegment
     zero_grads: tuple
     updates: tuple
+    update_plans: tuple
 
 
 @dataclass(frozen=True)
@@ -345,8 +347,8 @@ class SegmentBuilder:
                 use = self.low.sole_consumers.get(t.name)
                 if use is not None:
                     self._fill_dependents[index[use[0]]].add(i)
-        #: the last program's per-op parts and fills (_program)
-        self._last_ops: tuple[list, list] | None = None
+        #: the last program's per-op parts, fills and plans (_program)
+        self._last_ops: tuple[list, list, dict] | None = None
         # the program's own fills: of unsharded weight gradients, of every weight and state at
         # the start, and of the inputs before each step
         zero = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
@@ -411,7 +413,7 @@ class SegmentBuilder:
             plans = {op.name: part.plan for op, part in zip(self.ops, parts)}
             for i in {k for i in changed for k in self._fill_dependents[i]}:
                 fills[i] = self._fill_of(self.ops[i], parts[i], plans)
-        self._last_ops = (parts, fills)
+        self._last_ops = (parts, fills, plans)
         filled = set()
         for written, rec in fills:
             filled.update(written, rec.fills)
@@ -448,7 +450,8 @@ class SegmentBuilder:
                 tuple(self._get((u.param.name, ZERO_GRAD_PHASE, config), lambda u=u: (low.zero_grad_segment(u), None))
                       for u in updates),
                 tuple(self._get((u.param.name, UPDATE_PHASE, config), lambda u=u: (low.update_segment(u, 1), None))
-                      for u in updates))
+                      for u in updates),
+                tuple(updates))
         return known
 
     def _get(self, key: tuple, make) -> RecordedSegment:
@@ -510,7 +513,7 @@ class SegmentBuilder:
         touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
         self.stats["segments_recorded"] += 1
         return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(launches),
-                               tuple(procs), tuple(costs), touches, shapes, memory_ids, access_tasks, requirements,
+                               tuple(procs), len(procs), tuple(costs), touches, shapes, memory_ids, access_tasks, requirements,
                                segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
@@ -525,13 +528,14 @@ class SegmentBuilder:
     def build(self, configs: dict[str, TileConfig]) -> AssembledIteration:
         """The iteration graph under `configs` (op name -> resolved TileConfig, every op)."""
         program, second = self._program(configs)
-        return self._assemble(program, second, configs)
+        return self._assemble(program, second)
 
-    def _assemble(self, program: list[RecordedSegment], second: int, configs) -> AssembledIteration:
+    def _assemble(self, program: list[RecordedSegment], second: int) -> AssembledIteration:
         """Lay the second step's tasks and the copies their regions' analyses cause out in program
         order (each task after its copies, those by requirement, then as analyzed), in arrays."""
+        view = self._view()   # (before _bound_caches may drop the last program's parts)
         where, by_uid, redo = self._regions_of(program)
-        ids = [rec.key_id for rec in program]
+        ids = list(map(_key_id, program))
         for uid in redo:
             positions = where[uid]
             key = (uid, tuple([ids[j] for j in positions]))
@@ -542,9 +546,9 @@ class SegmentBuilder:
             by_uid[uid] = result
         self._last = (program, where, by_uid)
         self._bound_caches()
-        results = [by_uid[uid] for uid in where]
+        results = list(map(by_uid.__getitem__, where))
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
-        sizes = np.fromiter((len(rec.procs) for rec in program), np.int64, len(program))
+        sizes = np.fromiter(map(_task_count, program), np.int64, len(program))
         sizes[:second] = 0
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)
@@ -554,7 +558,7 @@ class SegmentBuilder:
                                                                     offset, sizes, second)
         return AssembledIteration(Successors(indeg, ptr, idx), segment_of, buffer_index, order,
                                   program[second:] + [r for r, c in zip(results, copy_counts.tolist()) if c], program,
-                                  self._view(configs), self.machine)
+                                  view, self.machine)
 
     def _bound_caches(self) -> None:
         """Drop the caches of recorded segments and region analyses when they hold more than
@@ -605,10 +609,11 @@ class SegmentBuilder:
             redo.update(dict.fromkeys(old.touches))
         return where, by_uid, [uid for uid in redo if uid in where]
 
-    def _view(self, configs) -> _PlanView:
+    def _view(self) -> _PlanView:
+        """The plans and update plans of the last program (_program made it for these configs)."""
         low = self.low
-        plans = {op.name: self.plan(op, configs[op.name]) for op in self.ops}
-        updates = [u for op in self.ops for u in self.updates(op, configs[op.name])]
+        parts, _, plans = self._last_ops
+        updates = [u for part in parts for u in part.update_plans]
         return _PlanView(self.ops, plans, low.values, low.params, low.stats, updates)
 
     # ---- one region's analysis -------------------------------------------------------------------
@@ -776,6 +781,8 @@ def _pred_lists(dst: np.ndarray, src: np.ndarray, n: int) -> tuple[np.ndarray, n
 
 #: what the builder's joiners join of each region result
 _columns_of, _edges_of = operator.attrgetter("columns"), operator.attrgetter("edges")
+#: per program entry, read in C (a program has thousands)
+_key_id, _task_count = operator.attrgetter("key_id"), operator.attrgetter("n_tasks")
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
