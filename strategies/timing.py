@@ -233,6 +233,9 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
         raise ValueError(f"schedule: resource ids must be in -1..{num_resources - 1}, got {res.min()}..{res.max()}")
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise ValueError(f"schedule: successor indices must be in 0..{n - 1}")
+    if n and (indeg.min() < 0 or indeg.sum() != idx.shape[0]):
+        raise ValueError(f"schedule: the indegrees must be >= 0 and add up to the {idx.shape[0]} successor "
+                         f"entries, got {indeg.sum()}")
     if delay.shape != dur.shape:
         raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
     if (dur < 0).any() or (delay < 0).any():

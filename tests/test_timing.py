@@ -124,6 +124,9 @@ def test_bad_successor_arrays_are_refused_by_name():
     with pytest.raises(ValueError, match="successor indices must be in 0..1"):
         schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]),
                             Successors(np.array([0, 1]), np.array([0, 1, 1]), np.array([2])), 1)
+    with pytest.raises(ValueError, match="add up to the 1 successor entries, got 2"):
+        schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]),
+                            Successors(np.array([1, 1]), np.array([0, 1, 1]), np.array([1])), 1)
     with pytest.raises(ValueError, match="2 indegrees and 2 successor offsets"):
         schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]),
                             Successors(np.array([0, 1]), np.array([0, 1]), np.array([1])), 1)
