@@ -134,6 +134,25 @@ def test_a_change_reanalyzes_only_the_regions_of_the_op_it_changes():
     assert recorded == 3 + 2 * len(conv.weight_shapes())
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from(sorted(MODELS)), st.integers(0, 2**16), st.integers(1, 4))
+def test_what_timing_reads_of_a_segment_is_what_its_tasks_say(kind, seed, ranks):
+    """Timing reads a recorded segment's processors, task count and fill bytes without making its
+    TaskNodes; they must be the TaskNodes' own, and each region's access memories those of the
+    tasks that touch it."""
+    ops, inputs, loss = _graph_of(kind)
+    machine = _machine(ranks, 2)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    g = builder.build(_configs(ops, machine, np.random.default_rng(seed)))
+    for rec in g.segments:
+        assert rec.n_tasks == len(rec.tasks)
+        assert rec.procs == tuple(t.proc for t in rec.tasks)
+        assert [rec.task_nbytes(i) for i in range(rec.n_tasks)] == [t.nbytes for t in rec.tasks]
+        for uid, accesses in rec.touches.items():
+            assert [machine.memories[m] for m in rec.memory_ids[uid]] == [rec.tasks[t].proc.memory
+                                                                         for t, _ in accesses]
+
+
 def test_adam_state_and_a_16_rank_machine_match_too():
     ops, inputs, loss = _graph_of("transformer")
     machine = _machine(16, 1)
