@@ -500,8 +500,10 @@ class SegmentBuilder:
                         else:
                             entry.append((index, [j]))
                             flat.append(-1)
-                    flat += (j, *rect.lo, *rect.hi, codes[j])
-                    row += (index, j, *rect.lo, *rect.hi, codes[j])
+                    asks = (j, *rect.lo, *rect.hi, codes[j])
+                    flat += asks
+                    row.append(index)
+                    row += asks
         # a shape: per task -1, then per requirement on the region its index, rect and privilege
         # code (records of one length): all ints, so that it hashes and compares fast
         shapes = {uid: self._shape_id(tuple(flat)) for uid, flat in asked.items()}
