@@ -515,8 +515,8 @@ class SegmentBuilder:
         touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
         self.stats["segments_recorded"] += 1
         return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(launches),
-                               tuple(procs), len(procs), tuple(costs), touches, shapes, memory_ids, access_tasks, requirements,
-                               segment.fills)
+                               tuple(procs), len(procs), tuple(costs), touches, shapes, memory_ids, access_tasks,
+                               requirements, segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
         """A small int per distinct shape (what a segment's tasks ask of one region), so that
@@ -612,7 +612,7 @@ class SegmentBuilder:
         return where, by_uid, [uid for uid in redo if uid in where]
 
     def _view(self) -> _PlanView:
-        """The plans and update plans of the last program (_program made it for these configs)."""
+        """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
         low = self.low
         parts, _, plans = self._last_ops
         updates = [u for part in parts for u in part.update_plans]
