@@ -114,16 +114,16 @@ def fit(apps: dict, batch: int, base) -> dict:
         return min(range(len(points)), key=lambda k: sum(
             score(a["measured"], predictions[k][app], names_of(app))[0] for app, a in apps.items()))
 
+    def scored(k: int, names_of) -> dict:
+        return {app: dict(zip(("mean_error", "kendall_tau"), score(a["measured"], predictions[k][app], names_of(app))))
+                for app, a in apps.items()}
+
     everything = best(lambda app: None)
-    out = {"figures": points[everything], "in_sample": {
-        app: dict(zip(("mean_error", "kendall_tau"), score(a["measured"], predictions[everything][app])))
-        for app, a in apps.items()}, "folds": []}
+    out = {"figures": points[everything], "in_sample": scored(everything, lambda app: None), "folds": []}
     for fold in (0, 1):
         fitted = best(lambda app: list(apps[app]["measured"])[fold::2])
-        out["folds"].append({"figures": points[fitted], "held_out": {
-            app: dict(zip(("mean_error", "kendall_tau"),
-                          score(a["measured"], predictions[fitted][app], list(a["measured"])[1 - fold::2])))
-            for app, a in apps.items()}})
+        out["folds"].append({"figures": points[fitted],
+                             "held_out": scored(fitted, lambda app: list(apps[app]["measured"])[1 - fold::2])})
     return out
 
 

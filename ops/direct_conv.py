@@ -66,6 +66,19 @@ def _axpy3x3_pair(dst, dst2, src, wp, a, b, n):
                     + b20 * x20 + b21 * x21 + b22 * x22)
 
 
+@numba.njit(nogil=True, inline="always")
+def _correlate_add(dst, src, wp, taps, n):
+    """dst[:n] += the correlation of src (rows wp apart) with the window taps [KH, KW]: 3x3 in
+    one pass, any other window a scaled add per tap."""
+    kh, kw = taps.shape
+    if kh == 3 and kw == 3:
+        _axpy3x3(dst, src, wp, taps, n)
+        return
+    for i in range(kh):
+        for j in range(kw):
+            _axpy(dst, src[i * wp + j:], taps[i, j], n)
+
+
 @numba.njit(nogil=True, inline="never", fastmath=True)
 def _dots3x3(g, src, wp, n, out):
     """out[i, j] += the dot product of g[:n] with src shifted by i rows and j columns (the
@@ -144,12 +157,7 @@ def forward(x, w, bias, top, left, y):
         for o in range(o, oc_):
             wide[:] = bias[o]
             for c in range(c_):
-                if kh == 3 and kw == 3:
-                    _axpy3x3(wide, flat[c], wp, w[o, c], run)
-                    continue
-                for i in range(kh):
-                    for j in range(kw):
-                        _axpy(wide, flat[c, i * wp + j:], w[o, c, i, j], run)
+                _correlate_add(wide, flat[c], wp, w[o, c], run)
             for oh in range(oh_):
                 for ow in range(ow_):
                     y[s, o, oh, ow] = wide[oh * wp + ow]
@@ -194,12 +202,7 @@ def backward(x, w, dy, top, left, dx, want_dx):
         dxp[:] = 0
         for c in range(c_):
             for o in range(oc_):
-                if kh == 3 and kw == 3:
-                    _axpy3x3(dxp[c], wide[o], wp, flipped[o, c], hp * wp)
-                    continue
-                for i in range(kh):
-                    for j in range(kw):
-                        _axpy(dxp[c], wide[o, i * wp + j:], flipped[o, c, i, j], hp * wp)
+                _correlate_add(dxp[c], wide[o], wp, flipped[o, c], hp * wp)
         for c in range(c_):
             for ih in range(h_):
                 for iw in range(w_):

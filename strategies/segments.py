@@ -49,7 +49,7 @@ from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PH
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, task_cost_of
 from strategies.joined import Joiner
-from strategies.timing import Successors
+from strategies.timing import Successors, successor_lists
 from taskrt import Runtime
 from taskrt.geometry import Rect
 from taskrt.machine import Machine
@@ -72,14 +72,14 @@ TASK_BYTES = 400
 @dataclass(frozen=True)
 class RecordedSegment:
     """A segment's point tasks as the runtime would make them (ids -1), with what each computes;
-    per region uid the tasks that touch it, (task index, requirement indices), and, for the
-    canonical region cache, what those tasks ask of it apart from where they run and which
-    tasks they are (`shapes`: an interned id of, task by task, their requirement indices, rects
-    and privileges) and the memory of each (`memory_ids`: its number in the machine's
-    memories). The same per uid in arrays, for the
-    region analysis: `access_tasks`, the task index of each access (a task's requirements on
-    the region), and `requirements`, one row a requirement: task index, requirement index,
-    rect (lo..., hi...), privilege code (taskrt.region_analysis).
+    per region uid (the keys of each dict below: the regions the segment touches) the tasks
+    that touch it, in order (`access_tasks`: an access is a task's requirements on the
+    region), one row a requirement (`requirements`: task index, requirement index, rect
+    (lo..., hi...), privilege code, taskrt.region_analysis), and, for the canonical region
+    cache, what those tasks ask of it apart from where they run and which tasks they are
+    (`shapes`: an interned id of, task by task, their requirement indices, rects and
+    privileges) and the memory of each access (`memory_ids`: its number in the machine's
+    memories).
 
     Timing needs of a task only its processor (`procs`) and what it computes (`costs`): the
     TaskNodes are made from the mapped launches (`launches`) on first use of `tasks`."""
@@ -92,7 +92,6 @@ class RecordedSegment:
     procs: tuple
     n_tasks: int
     costs: tuple[TaskCost, ...]
-    touches: dict
     shapes: dict
     memory_ids: dict
     access_tasks: dict
@@ -466,7 +465,8 @@ class SegmentBuilder:
         """The segment's point tasks as Runtime.index_launch would map them, and what each computes."""
         rt = self.rt
         op = self._by_name.get(segment.op)
-        launches, procs, costs, touches = [], [], [], {}   # touches: uid -> [(task index, [req index])]
+        launches, procs, costs = [], [], []
+        accesses = {}   # uid -> the index of each task that touches it
         asked = {}   # uid -> what the tasks ask of it, flat (see shapes below)
         rows = {}    # uid -> the rows of `requirements`, flat
         for launch in segment.launches:
@@ -488,17 +488,15 @@ class SegmentBuilder:
                     if rect.empty:
                         continue
                     uid = uids[j]
-                    entry = touches.get(uid)
-                    if entry is None:
-                        touches[uid] = [(index, [j])]
+                    tasks = accesses.get(uid)
+                    if tasks is None:
+                        accesses[uid] = [index]
                         asked[uid] = flat = [-1]
                         rows[uid] = row = []
                     else:
                         flat, row = asked[uid], rows[uid]
-                        if entry[-1][0] == index:
-                            entry[-1][1].append(j)
-                        else:
-                            entry.append((index, [j]))
+                        if tasks[-1] != index:
+                            tasks.append(index)
                             flat.append(-1)
                     asks = (j, *rect.lo, *rect.hi, codes[j])
                     flat += asks
@@ -508,14 +506,13 @@ class SegmentBuilder:
         # code (records of one length): all ints, so that it hashes and compares fast
         shapes = {uid: self._shape_id(tuple(flat)) for uid, flat in asked.items()}
         memory_of = [self._memory_index[p.memory] for p in procs]
-        memory_ids = {uid: tuple([memory_of[t] for t, _ in v]) for uid, v in touches.items()}
+        memory_ids = {uid: tuple([memory_of[t] for t in tasks]) for uid, tasks in accesses.items()}
         requirements = {uid: np.array(row, np.int64).reshape(-1, 3 + 2 * self._region_of[uid].ndim)
                         for uid, row in rows.items()}
-        access_tasks = {uid: np.array([t for t, _ in v], np.int64) for uid, v in touches.items()}
-        touches = {uid: tuple([(t, tuple(js)) for t, js in v]) for uid, v in touches.items()}
+        access_tasks = {uid: np.array(tasks, np.int64) for uid, tasks in accesses.items()}
         self.stats["segments_recorded"] += 1
         return RecordedSegment(key, self.stats["segments_recorded"], segment.op, segment.phase, tuple(launches),
-                               tuple(procs), len(procs), tuple(costs), touches, shapes, memory_ids, access_tasks,
+                               tuple(procs), len(procs), tuple(costs), shapes, memory_ids, access_tasks,
                                requirements, segment.fills)
 
     def _shape_id(self, shape: tuple) -> int:
@@ -588,7 +585,7 @@ class SegmentBuilder:
         if last is None or len(last[0]) != len(program):
             where: dict[int, list[int]] = {}
             for j, rec in enumerate(program):
-                for uid in rec.touches:
+                for uid in rec.access_tasks:
                     where.setdefault(uid, []).append(j)
             return where, {}, list(where)
         before, where, by_uid = last[0], dict(last[1]), dict(last[2])
@@ -596,19 +593,19 @@ class SegmentBuilder:
         for j, (old, new) in enumerate(zip(before, program)):
             if old is new:
                 continue
-            for uid in old.touches.keys() - new.touches.keys():
+            for uid in old.access_tasks.keys() - new.access_tasks.keys():
                 positions = [k for k in where[uid] if k != j]
                 if positions:
                     where[uid] = positions
                 else:
                     del where[uid]
                     by_uid.pop(uid, None)
-            for uid in new.touches.keys() - old.touches.keys():
+            for uid in new.access_tasks.keys() - old.access_tasks.keys():
                 positions = list(where.get(uid, ()))
                 bisect.insort(positions, j)
                 where[uid] = positions
-            redo.update(dict.fromkeys(new.touches))
-            redo.update(dict.fromkeys(old.touches))
+            redo.update(dict.fromkeys(new.access_tasks))
+            redo.update(dict.fromkeys(old.access_tasks))
         return where, by_uid, [uid for uid in redo if uid in where]
 
     def _view(self) -> _PlanView:
@@ -857,17 +854,7 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
             src[e] = position[_end_node(edges[3, e], edges[4, e], edges[5, e], offset, base)]
             e += 1
         base += copy_counts[r]
-    indeg = np.zeros(n, np.int64)
-    count = np.zeros(n + 1, np.int64)
-    for k in range(m):
-        indeg[dst[k]] += 1
-        count[src[k] + 1] += 1
-    ptr = np.cumsum(count)
-    idx = np.empty(m, np.int64)
-    fill = ptr[:n].copy()
-    for k in range(m):
-        idx[fill[src[k]]] = dst[k]
-        fill[src[k]] += 1
+    indeg, ptr, idx = successor_lists(dst, src, n)
     # which segment caused each node, and a fold's buffer task (-1: none, or made in the first step)
     segment_of = np.empty(n, np.int64)
     buffer_index = np.full(n, -1, np.int64)

@@ -68,24 +68,32 @@ def _heap_pop(keys, ids, size):
 
 
 @numba.njit(cache=True, nogil=True)
-def _successors(pred_ptr, pred_idx):
-    """(indegree, succ_ptr, succ_idx) of a graph given by its pred lists."""
-    n = pred_ptr.shape[0] - 1
+def successor_lists(dst, src, n):
+    """(indegree, succ_ptr, succ_idx) of the n-node graph whose edge k runs from src[k] to
+    dst[k]: a counting sort by source (a repeated edge stays repeated)."""
     indeg = np.zeros(n, np.int64)
-    succ_count = np.zeros(n + 1, np.int64)
-    for i in range(n):
-        indeg[i] = pred_ptr[i + 1] - pred_ptr[i]
-        for k in range(pred_ptr[i], pred_ptr[i + 1]):
-            succ_count[pred_idx[k] + 1] += 1
-    succ_ptr = np.cumsum(succ_count)
-    succ_idx = np.empty(succ_ptr[n], np.int64)
-    fill = succ_ptr[:n].copy()
-    for i in range(n):
-        for k in range(pred_ptr[i], pred_ptr[i + 1]):
-            p = pred_idx[k]
-            succ_idx[fill[p]] = i
-            fill[p] += 1
-    return indeg, succ_ptr, succ_idx
+    count = np.zeros(n + 1, np.int64)
+    for k in range(dst.shape[0]):
+        indeg[dst[k]] += 1
+        count[src[k] + 1] += 1
+    ptr = np.cumsum(count)
+    idx = np.empty(dst.shape[0], np.int64)
+    fill = ptr[:n].copy()
+    for k in range(dst.shape[0]):
+        idx[fill[src[k]]] = dst[k]
+        fill[src[k]] += 1
+    return indeg, ptr, idx
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _occupy(free, r, t, seconds):
+    """The start of a part ready at t on resource r (-1: none), which it then holds for
+    `seconds`: when r is free, in turn."""
+    if r < 0:
+        return t
+    s = t if free[r] <= t else free[r]
+    free[r] = s + seconds
+    return s
 
 
 @numba.njit(cache=True, nogil=True)
@@ -121,29 +129,18 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
         i = code % n
         step = code // n
         if step == 0 and phases and pre_res[i] >= 0:
-            r = pre_res[i]
-            s = t if free[r] <= t else free[r]
-            free[r] = s + pre_dur[i]
-            size = _heap_push(keys, ids, size, free[r], n + i)
+            s = _occupy(free, pre_res[i], t, pre_dur[i])
+            size = _heap_push(keys, ids, size, s + pre_dur[i], n + i)
             continue
         if step < 2:
-            r = res[i]
-            s = t
-            if r >= 0 and free[r] > s:
-                s = free[r]
-            e = s + dur[i]
-            if r >= 0:
-                free[r] = e
-            e += delay[i]
+            s = _occupy(free, res[i], t, dur[i])
+            e = s + dur[i] + delay[i]
             start[i] = s
             if phases and post_res[i] >= 0:
                 size = _heap_push(keys, ids, size, e, 2 * n + i)
                 continue
         else:
-            r = post_res[i]
-            e = t if free[r] <= t else free[r]
-            e += post_dur[i]
-            free[r] = e
+            e = _occupy(free, post_res[i], t, post_dur[i]) + post_dur[i]
         end[i] = e
         done += 1
         for k in range(succ_ptr[i], succ_ptr[i + 1]):
@@ -168,8 +165,9 @@ class Successors:
 
     @staticmethod
     def of_preds(pred_ptr: np.ndarray, pred_idx: np.ndarray) -> "Successors":
-        return Successors(*_successors(np.ascontiguousarray(pred_ptr, np.int64),
-                                       np.ascontiguousarray(pred_idx, np.int64)))
+        ptr = np.ascontiguousarray(pred_ptr, np.int64)
+        dst = np.repeat(np.arange(ptr.shape[0] - 1, dtype=np.int64), np.diff(ptr))
+        return Successors(*successor_lists(dst, np.ascontiguousarray(pred_idx, np.int64), ptr.shape[0] - 1))
 
     def __repr__(self) -> str:
         return f"Successors({self.indegree.shape[0]} nodes, {self.idx.shape[0]} edges)"

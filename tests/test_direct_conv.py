@@ -14,7 +14,8 @@ from ops import direct_conv
 from ops.conv import Conv2d
 from taskrt.geometry import Rect
 from tests.opcheck import spec
-from tests.test_winograd import check_conv_path, check_strided_views, check_tile_against_columns, torch_reference
+from tests.test_winograd import (check_conv_path, check_strided_views, check_tile_against_columns, conv_arrays,
+                                 torch_reference)
 
 
 def run_direct(x, w, dy, top_left, bias=None, want_dx=True):
@@ -88,10 +89,8 @@ def test_conv2d_direct_matches_torch_and_every_tiling(padding, use_bias):
 def test_conv2d_direct_tile_matches_the_im2col_path(n, c, oc, h, w, ph, pw, lo, seed):
     """A tile (a corner of rows and columns, some of the out channels) as direct and as im2col."""
     op = direct_op((n, c, h, w), "float64", out_channels=oc + 1, padding=(ph, pw))
-    rng = np.random.default_rng(seed)
-    weights = op.init_weights(rng)
-    check_tile_against_columns(op, rng.standard_normal(op.inputs[0].shape), weights,
-                               rng.standard_normal(op.outputs[0].shape), lo)
+    x, weights, g = conv_arrays(op, seed, np.float64)
+    check_tile_against_columns(op, x, weights, g, lo)
 
 
 def test_conv2d_runs_direct_only_for_a_first_layer():

@@ -148,9 +148,9 @@ def test_what_timing_reads_of_a_segment_is_what_its_tasks_say(kind, seed, ranks)
         assert rec.n_tasks == len(rec.tasks)
         assert rec.procs == tuple(t.proc for t in rec.tasks)
         assert [rec.task_nbytes(i) for i in range(rec.n_tasks)] == [t.nbytes for t in rec.tasks]
-        for uid, accesses in rec.touches.items():
+        for uid, accesses in rec.access_tasks.items():
             assert [machine.memories[m] for m in rec.memory_ids[uid]] == [rec.tasks[t].proc.memory
-                                                                         for t, _ in accesses]
+                                                                         for t in accesses]
 
 
 def test_adam_state_and_a_16_rank_machine_match_too():
