@@ -747,15 +747,7 @@ def _pred_lists(dst: np.ndarray, src: np.ndarray, n: int) -> tuple[np.ndarray, n
     """Edges (dst[i] waits for src[i]) of an n-node graph as pred lists: (ptr, idx), node v's
     preds idx[ptr[v]:ptr[v + 1]], ascending and each once. A counting sort by node, then each
     node's few preds sorted in place: linear in the edges, where sorting them all was not."""
-    count = np.zeros(n + 1, np.int64)
-    for v in dst:
-        count[v + 1] += 1
-    start = np.cumsum(count)
-    idx = np.empty(dst.shape[0], np.int64)
-    fill = start[:n].copy()
-    for k in range(dst.shape[0]):
-        idx[fill[dst[k]]] = src[k]
-        fill[dst[k]] += 1
+    _, start, idx = successor_lists(src, dst, n)   # the reversed edges' successors: each node's preds
     ptr = np.zeros(n + 1, np.int64)
     out = 0
     for v in range(n):
