@@ -250,7 +250,8 @@ def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
             mm = _machine_model(args, plan.machine)
             graph, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, weights=False,
                                         runtime=Runtime(machine=plan.machine, execute=False))
-            sim = Simulator.for_model(graph, mm, loss=app.loss, output=output)
+            sim = Simulator.for_model(graph, mm, loss=app.loss, output=output,
+                                      source=batch_source(app.make_batch, graph, plan.sizes, args.seed))
             result = search(sim, args.search_budget, seed=args.seed, model=graph,
                             progress=sys.stderr if sys.stderr.isatty() else None)
             mine = {op.name for op in graph.ops}

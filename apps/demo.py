@@ -28,7 +28,7 @@ from pathlib import Path
 from apps.cli import APPS
 from ops.strategy import Strategy
 from strategies.machine_model import MachineModel, load_machine
-from strategies.search import SearchResult, app_graph, search
+from strategies.search import SearchResult, app_graph, app_source, search
 from strategies.simulator import Simulator
 from taskrt.machine import count_gpus
 from taskrt.tracing import rank_trace_path
@@ -69,7 +69,7 @@ def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int =
     """(the best strategy for the tiny `app` at `batch` on the setup's machine, named after the app;
     the search's result, whose baselines hold the data-parallel prediction)."""
     model, output = app_graph(app, batch, tiny=True)
-    sim = Simulator.for_model(model, setup.machine_model, output=output)
+    sim = Simulator.for_model(model, setup.machine_model, output=output, source=app_source(app, model, tiny=True))
     result = search(sim, budget, seed, model=model, progress=progress)
     return Strategy(app, {op.name: result.best.ops[op.name] for op in model.ops}), result
 

@@ -38,7 +38,8 @@ from apps.demo import machine_setup, search_strategy, train_mpi  # noqa: E402
 from ops.strategy import Strategy  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.random import random_strategy  # noqa: E402
-from strategies.search import app_graph  # noqa: E402
+from strategies.cost import CostModel  # noqa: E402
+from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 
 #: the grid of --fit: each runtime figure of the machine model and the values tried
@@ -87,10 +88,20 @@ def measure_app(app: str, batch: int, iterations: int, strategies: dict[str, Str
     return runs
 
 
-def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model) -> dict[str, float]:
-    """The simulated iteration time of each strategy on `machine_model`."""
+def source_per_sample(app: str, batch: int, machine_model) -> float:
+    """Seconds a sample of the tiny app's batch source takes here (CostModel.measure_source), at a
+    rank's share of the batch."""
+    model, _ = app_graph(app, batch, tiny=True)
+    return CostModel(machine_model).measure_source(app_source(app, model, tiny=True), -(-batch // 2))
+
+
+def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float) -> dict:
+    """The simulated iteration time of each strategy on `machine_model`, its source tasks taking
+    `per_sample` seconds a sample (measured once, so that a fit's grid points share it)."""
     model, output = app_graph(app, batch, tiny=True)
-    sim = Simulator.for_model(model, machine_model, output=output)
+    cost = CostModel(machine_model)
+    cost.source_per_sample = per_sample
+    sim = Simulator.for_model(model, machine_model, cost, output=output)
     return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
 
 
@@ -108,7 +119,7 @@ def fit(apps: dict, batch: int, base) -> dict:
     predictions = []
     for point in points:
         mm = dataclasses.replace(base, **point)
-        predictions.append({app: predict(app, batch, a["strategies"], mm) for app, a in apps.items()})
+        predictions.append({app: predict(app, batch, a["strategies"], mm, a["per_sample"]) for app, a in apps.items()})
 
     def best(names_of) -> int:
         return min(range(len(points)), key=lambda k: sum(
@@ -148,8 +159,9 @@ def main(argv=None) -> dict:
             strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
             runs = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, tmp)
             measured = {name: float(np.median(r)) for name, r in runs.items()}
-            predicted = predict(app, args.batch_size, strategies, setup.machine_model)
-            kept[app] = {"strategies": strategies, "measured": measured}
+            per_sample = source_per_sample(app, args.batch_size, setup.machine_model)
+            predicted = predict(app, args.batch_size, strategies, setup.machine_model, per_sample)
+            kept[app] = {"strategies": strategies, "measured": measured, "per_sample": per_sample}
             rows = {}
             for name in strategies:
                 m, q = measured[name], predicted[name]
@@ -159,8 +171,10 @@ def main(argv=None) -> dict:
                       f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
                       f"error {rows[name]['error']:6.1%}", flush=True)
             error, tau = score(measured, predicted)
-            out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3)}
-            print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f}", flush=True)
+            out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
+                                "source_us_per_sample": round(per_sample * 1e6, 2)}
+            print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
+                  f"{per_sample * 1e6:.1f} us a sample)", flush=True)
     if args.fit:
         out["fit"] = fit(kept, args.batch_size, setup.machine_model)
         f = out["fit"]

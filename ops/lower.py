@@ -232,8 +232,10 @@ class PlanLaunch:
     args: tuple = ()
 
 
-FORWARD_PHASE, GRAD_FILL_PHASE, ZERO_GRAD_PHASE, BACKWARD_PHASE, UPDATE_PHASE = (
-    "forward", "grad_fill", "zero_grad", "backward", "update")
+FORWARD_PHASE, GRAD_FILL_PHASE, ZERO_GRAD_PHASE, BACKWARD_PHASE, UPDATE_PHASE, SOURCE_PHASE = (
+    "forward", "grad_fill", "zero_grad", "backward", "update", "source")
+#: the name of the launch that makes a step's batch where it is used (Lowering.source_segment)
+SOURCE = "source"
 
 
 @dataclass(frozen=True)
@@ -713,6 +715,8 @@ class Lowering:
         self.stats: dict[str, Region] = {}
         for t in inputs:
             self.values[t.name] = Region(t.shape, t.dtype, t.name)
+        self.input_names = [t.name for t in inputs]
+        self._source_reqs: tuple | None = None
         by_name = {op.name: op for op in self.ops}
         if loss is not None and loss not in by_name:
             raise ValueError(f"loss op {loss!r} is not in the graph; ops are {sorted(by_name)}")
@@ -814,6 +818,38 @@ class Lowering:
         launch = PlanLaunch(f"{update.param.name}.update", update.fn, update.colors, update.reqs, update.placement,
                             (_step_arg(step),))
         return Segment(update.op_name, UPDATE_PHASE, (launch,))
+
+    def source_segment(self, fn: Callable | None, args: tuple = ()) -> Segment:
+        """Every rank writes its equal share of each graph input (rank r of R: samples
+        [r*B//R, (r+1)*B//R)) in one task on its host processor, `fn(ctx, *views, *args)` with a
+        view of each input in `inputs` order: how Model.train_on makes a step's batch where it
+        is used, so that with the batch split over the ranks no rank makes or receives another
+        rank's samples. The simulator times the same launch (fn None: nothing runs)."""
+        if self._source_reqs is None:
+            self._source_reqs = self._source_shares()
+        reqs, colors, placement = self._source_reqs
+        return Segment(None, SOURCE_PHASE, (PlanLaunch(SOURCE, fn, colors, reqs, placement, tuple(args)),))
+
+    def _source_shares(self) -> tuple[list, list, dict]:
+        """(WRITE requirements on each input's rank shares, the ranks' colors, their host processors)."""
+        if not self.input_names:
+            raise ValueError(f"{self!r}: a batch source needs graph inputs, and this graph has none")
+        regions = [self.values[name] for name in self.input_names]
+        batch = regions[0].shape[0] if regions[0].shape else 0
+        for r in regions:
+            if not r.shape or r.shape[0] != batch:
+                raise ValueError(f"batch source: input {r.name!r} has shape {r.shape}, but every input needs the "
+                                 f"batch ({batch}) as its first dim, as {regions[0].name!r} has")
+        ranks = self.rt.num_ranks
+        cuts = [r * batch // ranks for r in range(ranks + 1)]
+        shares = {(r,): (cuts[r], cuts[r + 1]) for r in range(ranks) if cuts[r] < cuts[r + 1]}
+        reqs = []
+        for region in regions:
+            rest = region.shape[1:]
+            rects = {c: Rect.make((lo,) + (0,) * len(rest), (hi,) + rest) for c, (lo, hi) in shares.items()}
+            reqs.append(req(Partition.from_rects(region, rects, name=f"{region.name}.ranks"), WRITE))
+        placement = {c: self.rt.machine.host_processor(c[0]) for c in shares}
+        return reqs, list(shares), placement
 
     def host_fill_segment(self, phase: str, fills: Sequence[tuple[Region, float]]) -> Segment:
         """Fills of whole regions on the runtime's home processor (what Runtime.fill issues)."""

@@ -41,8 +41,8 @@ from ops.optimizers import OPTIMIZERS
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
-from taskrt import WRITE, Partition, Runtime, TaskError, req
-from taskrt.geometry import Rect, as_int, as_int_tuple
+from taskrt import Runtime, TaskError
+from taskrt.geometry import as_int, as_int_tuple
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
@@ -529,23 +529,14 @@ class Model:
         """
         self._need_compiled("train_on")
         iterations = as_int("train_on: iterations", iterations, least=1)
-        ranks = self.rt.num_ranks
-        cuts = [r * self.batch_size // ranks for r in range(ranks + 1)]
-        shares = {(r,): (cuts[r], cuts[r + 1]) for r in range(ranks) if cuts[r] < cuts[r + 1]}
-        reqs = []
-        for region in [self._low.values[t.name] for t in self.inputs + [self._labels]]:
-            rest = region.shape[1:]
-            rects = {c: Rect.make((lo,) + (0,) * len(rest), (hi,) + rest) for c, (lo, hi) in shares.items()}
-            reqs.append(req(Partition.from_rects(region, rects, name=f"{region.name}.ranks"), WRITE))
-        placement = {c: self.rt.machine.host_processor(c[0]) for c in shares}
-        return self._train_steps(source, iterations, list(shares), reqs, placement)
+        self._low.source_segment(self._source_task)   # checks the inputs' shapes now, not at the first step
+        return self._train_steps(source, iterations)
 
-    def _train_steps(self, source, iterations: int, colors: list, reqs: list, placement: dict):
+    def _train_steps(self, source, iterations: int):
         pending = None
         for _ in range(iterations):
             self.step += 1
-            self.rt.index_launch(self._source_task, colors, *reqs, args=(source, self.step), placement=placement,
-                                 name="source")
+            self._low.issue(self._low.source_segment(self._source_task, (source, self.step)))
             futures = self._low.train_step(self.step, valid=self.batch_size)
             if pending is not None:
                 yield _mean_loss(pending)

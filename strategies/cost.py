@@ -17,6 +17,9 @@
   of their link: the bytes occupy the link (the simulator queues copies on
   MachineModel.channel, one at a time), the latency is time in flight that the next copy
   overlaps; fills and folds are tasks on the device, bound by its memory bandwidth.
+- A step's batch source (each rank's share, Model.train_on): the app's source measured here
+  per sample (`measure_source`) on a device this model measures; elsewhere the batch written
+  once at memory bandwidth, as a fill.
 
 Which devices are measured (`CostModel(measured=...)`): False none; True every device whose
 kind is here (a CPU always, a GPU where cupy sees one); None (default) the devices that are
@@ -42,8 +45,8 @@ import numpy as np
 from ops.base import Op, TensorSpec
 from ops.optimizers import SGD
 from strategies.machine_model import DeviceSpec, LinkSpec, MachineModel, cpu_name, load_machine, write_efficiency
-from strategies.measure import Backend, Progress, measure_tile, measure_update
-from taskrt.geometry import Rect
+from strategies.measure import Backend, Progress, measure_source, measure_tile, measure_update
+from taskrt.geometry import Rect, as_int
 from taskrt.machine import Processor, count_gpus, gpus_from_env
 
 PHASES = ("forward", "backward", "backward_weights", "update")
@@ -244,6 +247,8 @@ class CostModel:
         self._entries: dict | None = None
         self._backends: dict[str, Backend] = {}
         self._here: dict[str, str | None] = {}
+        #: seconds a sample of the app's batch source takes here (measure_source); None: not measured
+        self.source_per_sample: float | None = None
 
     def __repr__(self) -> str:
         mode = {True: "measured", False: "analytic", None: "measured where here"}[self.measured]
@@ -432,6 +437,24 @@ class CostModel:
     def _entry(key: CostKey, seconds: float, flops_bytes: tuple[float, float]) -> dict:
         return {"seconds": seconds, "kind": key.kind, "flops": flops_bytes[0], "bytes": flops_bytes[1],
                 "device": key.device}
+
+    # ---- batch sources ---------------------------------------------------------------------------
+    def measure_source(self, source, samples: int, runs: int = 5) -> float:
+        """Time `source(step, 0, samples)` (the batch source Model.train_on takes) here and keep its
+        seconds a sample for source_time on the devices this model measures; returns them."""
+        samples = as_int("measure_source: samples", samples, least=1)
+        self.source_per_sample = measure_source(source, samples, runs, self.warmup) / samples
+        return self.source_per_sample
+
+    def source_time(self, samples: int, nbytes: int, device) -> float:
+        """A source task making `samples` samples (`nbytes` of inputs and labels) on `device`: the
+        measured seconds a sample (measure_source) times the kernel slowdown where this model
+        measures the device, else the batch written once at the device's memory bandwidth (a
+        loader that has the data at hand); plus the launch overhead."""
+        mm = self.machine_model
+        if self.source_per_sample is not None and self.measures(device):
+            return samples * self.source_per_sample * mm.kernel_slowdown + mm.launch_overhead
+        return nbytes / self.device(device).mem_bandwidth + mm.launch_overhead
 
     # ---- copies, fills and folds ---------------------------------------------------------------------
     copy_time = staticmethod(copy_time)

@@ -3,13 +3,15 @@
 The simulator times exactly the graph that the runtime would run: the ops are lowered by
 ops.lower.Lowering onto a Runtime with execute=False (no threads, no data), and one training
 iteration is issued twice; the second is the steady state (the first starts from where the
-weights were attached). Weights, optimizer state and inputs are filled, not attached, so
-nothing is allocated. The nodes of the second iteration, with the edges among them, are
-the iteration graph: edges into the iteration before are dropped, since that iteration has
-ended before this one starts.
+weights were attached). Weights and optimizer state are filled, not attached, so nothing is
+allocated. Each iteration starts as Model.train_on's do: every rank makes its share of the
+batch in a `source` task on its host processor (Lowering.source_segment). The nodes of the
+second iteration from its source on, with the edges among them, are the iteration graph:
+edges into the iteration before are dropped, since that iteration has ended before this one
+starts.
 
 Every task says what it computes through `TaskCost`: the op, its phase (forward, backward,
-update or fill) and the rect it works on, which is what a cost model needs.
+update, fill or source) and the rect it works on, which is what a cost model needs.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from ops.base import Op, TensorSpec
-from ops.lower import Lowering, TileConfig
+from ops.lower import SOURCE, SOURCE_PHASE, Lowering, TileConfig
 from ops.optimizers import SGD
 from strategies.timing import Successors
 from taskrt import Runtime
@@ -38,8 +40,9 @@ _CHUNK = re.compile(r"\[\d+\]$")
 
 @dataclass(frozen=True)
 class TaskCost:
-    """What a task computes: `op` (None for a fill), `phase`, and the rect of its tile (forward,
-    backward), of its weight shard (update) or of what it fills."""
+    """What a task computes: `op` (None for a fill or a source), `phase`, and the rect of its tile
+    (forward, backward), of its weight shard (update), of what it fills, or of the rank's share
+    of the first input (source)."""
 
     op: Op | None
     phase: str
@@ -47,7 +50,7 @@ class TaskCost:
     param: str | None = None
 
     def __repr__(self) -> str:
-        what = self.op.name if self.op is not None else "fill"
+        what = self.op.name if self.op is not None else self.phase
         return f"TaskCost({what} {self.phase} {self.rect!r})"
 
 
@@ -93,6 +96,8 @@ def task_cost_of(op: Op | None, plan, name: str, rects, point) -> TaskCost:
     at its point."""
     if name.startswith("fill:"):
         return TaskCost(None, FILL, rects[0] if rects else Rect((), ()))
+    if name == SOURCE:
+        return TaskCost(None, SOURCE_PHASE, rects[0])
     if name.endswith(".update"):
         return TaskCost(op, UPDATE, rects[0], name[:-len(".update")])
     phase = launch_phase(name)
@@ -122,9 +127,8 @@ def build_iteration(ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, 
         rt.fill(region, 0.0)
     first = 0
     for step in (1, 2):
-        for t in inputs:
-            rt.fill(low.values[t.name], 0)
         first = rt._next_id
+        low.issue(low.source_segment(None))
         # train_step's launches without its replay block: the runtime analyzes each iteration
         # anyway (the first two always differ), and recording one costs a fifth of the build
         low.forward(training=True, step=step)

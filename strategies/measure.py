@@ -1,5 +1,6 @@
 """Measuring kernels here: an op tile's forward and backward, or an optimizer update, on random
-arrays of exactly the rects the tile reads, timed as the median of a few runs after a warm-up.
+arrays of exactly the rects the tile reads, timed as the median of a few runs after a warm-up;
+and an app's batch source making a rank's share of a batch.
 
 `tile_arrays` builds the arrays as lowering would hand them to the kernels (only weights and
 state with non-empty rects; valid indices for integer inputs); `Backend` is numpy under the
@@ -143,6 +144,19 @@ def measure_update(optimizer, shard: Rect, dtype: str, backend: Backend, runs: i
 
     with backend.context():
         return _median_times(step, runs, warmup, backend.sync)[0]
+
+
+def measure_source(source, samples: int, runs: int = 5, warmup: int = 1) -> float:
+    """Median seconds of `source(step, 0, samples)` (a batch source as Model.train_on takes it),
+    a new step each call, as a rank makes its share of a batch."""
+    steps = iter(range(1, runs + warmup + 1))
+
+    def step():
+        t0 = time.perf_counter()
+        source(next(steps), 0, samples)
+        return [t0, time.perf_counter()]
+
+    return _median_times(step, runs, warmup, None)[0]
 
 
 # ---- progress -----------------------------------------------------------------------------------

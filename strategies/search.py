@@ -237,6 +237,16 @@ def app_graph(name: str, batch_size: int | None = None, tiny: bool = False):
     return build_model(module.build, dict(sizes), batch, weights=False)
 
 
+def app_source(name: str, model, tiny: bool = False, seed: int = 0):
+    """The batch source app `name` trains `model` (app_graph's) on: Model.train_on's source(step, lo,
+    hi), for the simulator to time its source tasks (Simulator's `source`)."""
+    import importlib
+
+    from apps.cli import batch_source
+    module = importlib.import_module(f"apps.{name}")
+    return batch_source(module.make_batch, model, dict(module.TINY if tiny else module.FULL), seed)
+
+
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
@@ -264,7 +274,7 @@ def main(argv=None) -> int:
         print(f"error: --budget {args.budget}: must be at least 1", file=sys.stderr)
         return 2
     model, output = app_graph(args.app, args.batch_size, args.tiny)
-    sim = Simulator.for_model(model, mm, output=output)
+    sim = Simulator.for_model(model, mm, output=output, source=app_source(args.app, model, args.tiny))
     result = search(sim, args.budget, args.seed, args.seconds, model=model, progress=sys.stderr)
     named = Strategy(args.app, {op.name: result.best.ops[op.name] for op in model.ops})
     if args.output:

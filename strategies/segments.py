@@ -44,8 +44,8 @@ import numba
 import numpy as np
 
 from ops.base import Op, TensorSpec
-from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, UPDATE_PHASE, ZERO_GRAD_PHASE, Lowering,
-                       OpPlan, Segment, TileConfig, UpdatePlan, default_config)
+from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, SOURCE_PHASE, UPDATE_PHASE, ZERO_GRAD_PHASE,
+                       Lowering, OpPlan, Segment, TileConfig, UpdatePlan, default_config)
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, task_cost_of
 from strategies.joined import Joiner
@@ -348,18 +348,18 @@ class SegmentBuilder:
                     self._fill_dependents[index[use[0]]].add(i)
         #: the last program's per-op parts, fills and plans (_program)
         self._last_ops: tuple[list, list, dict] | None = None
-        # the program's own fills: of unsharded weight gradients, of every weight and state at
-        # the start, and of the inputs before each step
+        # the program's own fills (of unsharded weight gradients, of every weight and state at
+        # the start) and each step's batch source
         zero = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
             (p.grad, 0.0) for p in self.low.params.values() if p.grad is not None
             and p.name not in {u.param.name for u in self.low.updates}])
         init = self.low.host_fill_segment("init", [
             (r, 0.0) for p in self.low.params.values() for r in (p.value, *p.state.values())]
             + [(r, 0.0) for r in self.low.stats.values()])
-        given = self.low.host_fill_segment("input", [(self.low.values[t.name], 0) for t in inputs])
+        source = self.low.source_segment(None)
         self._zero = self._get(("graph", ZERO_GRAD_PHASE), lambda: (zero, None))
         self._init = self._get(("graph", "init"), lambda: (init, None))
-        self._input = self._get(("graph", "input"), lambda: (given, None))
+        self._source = self._get(("graph", SOURCE_PHASE), lambda: (source, None))
         #: the last build's program, and per region uid its positions in it and its result: the
         #: next build (a proposal changes one op) redoes only the regions of the segments it changed
         self._last: tuple[list, dict, dict] | None = None
@@ -393,7 +393,7 @@ class SegmentBuilder:
 
     def _program(self, configs: dict[str, TileConfig]) -> tuple[list[RecordedSegment], int]:
         """The program of build_iteration as its segments in order; and where the iteration graph
-        starts: the second step's first forward segment (its input fills stay outside, as there).
+        starts: the second step's batch source.
         An op's own segments come from _op_segments (made once per op and config); its gradient
         fills depend on the configs of its outputs' sole consumers too (_fill_of). Both are
         taken from the last program where the configs they depend on are the same objects (a
@@ -423,7 +423,7 @@ class SegmentBuilder:
         step = ([part.forward for part in parts] + [rec for _, rec in fills] + [host]
                 + [rec for part in parts for rec in part.zero_grads] + [self._zero]
                 + [part.backward for part in reversed(parts)] + [rec for part in parts for rec in part.updates])
-        return [self._init, self._input, *step, self._input, *step], 3 + len(step)
+        return [self._init, self._source, *step, self._source, *step], 2 + len(step)
 
     def _fill_of(self, op: Op, part: "_OpSegments", plans: dict[str, OpPlan]) -> tuple[frozenset, RecordedSegment]:
         """(the outputs of `op` whose gradients their consumers write whole under `plans`, so none

@@ -30,7 +30,8 @@ from ops.base import Op, TensorSpec
 from ops.lower import ConfigError, TileConfig, default_config, resolve_config
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
-from strategies.graph import BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, UPDATE, IterationGraph, build_iteration
+from strategies.graph import (BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, SOURCE_PHASE, UPDATE, IterationGraph,
+                              build_iteration)
 from strategies.joined import Joiner
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
@@ -89,7 +90,7 @@ class Simulator:
     on one machine model with one cost model."""
 
     def __init__(self, ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, machine_model: MachineModel,
-                 cost: CostModel | None = None, optimizer=None, fingerprint: str | None = None):
+                 cost: CostModel | None = None, optimizer=None, fingerprint: str | None = None, source=None):
         collect_cycles_less()  # graphs of 10^5 nodes: the collector's default pace cost a fifth of a build
         # each proposal's assembly allocates arrays of its 10^5 nodes and edges afresh: kept for reuse,
         # not faulted in again (a third of the assembly's array work at 64 devices)
@@ -100,6 +101,9 @@ class Simulator:
         self.machine_model = machine_model
         self.machine = machine_model.to_machine()
         self.cost = cost or CostModel(machine_model)
+        if source is not None and self.cost.measures(self.machine.host_processor(0)):
+            batch, ranks = self.inputs[0].shape[0], self.machine.num_ranks
+            self.cost.measure_source(source, -(-batch // ranks))   # the largest rank share
         self.optimizer = optimizer
         self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
@@ -128,11 +132,13 @@ class Simulator:
 
     @classmethod
     def for_model(cls, model, machine_model: MachineModel, cost: CostModel | None = None, loss: str | None = None,
-                  optimizer=None, output=None) -> "Simulator":
+                  optimizer=None, output=None, source=None) -> "Simulator":
         """A simulator of `model` (built with or without weights; it need not be compiled), its loss
-        on `output` (default: the last op's first output)."""
+        on `output` (default: the last op's first output). `source`: the batch source the model
+        will train on (Model.train_on's), timed here for the iteration's source tasks where the
+        cost model measures the host (CostModel.measure_source)."""
         ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy", output)
-        return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops))
+        return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops), source)
 
     def __repr__(self) -> str:
         return f"Simulator({len(self.ops)} ops on {self.machine_model.name}, {len(self.machine.processors)} processors)"
@@ -304,14 +310,16 @@ class Simulator:
         """_cost of a task on `proc` that computes `tc`; `nbytes()` gives its requirements' bytes
         (asked for fills only)."""
         # what a task's seconds depend on, so that like tiles of other configs are timed once
-        fill_bytes = nbytes() if tc.phase == FILL else 0
-        what = ((FILL, fill_bytes, proc.kind) if tc.phase == FILL
-                else (tc.op.name, tc.phase, tc.rect, tc.param, proc.kind))
+        data_bytes = nbytes() if tc.phase in (FILL, SOURCE_PHASE) else 0
+        what = ((tc.phase, tc.rect.shape[0] if tc.phase == SOURCE_PHASE else 0, data_bytes, proc.kind)
+                if tc.op is None else (tc.op.name, tc.phase, tc.rect, tc.param, proc.kind))
         seconds = self._task_seconds.get(what)
         if seconds is None:
             cost = self.cost
             if tc.phase == FILL:
-                seconds = cost.fill_time(fill_bytes, proc)
+                seconds = cost.fill_time(data_bytes, proc)
+            elif tc.phase == SOURCE_PHASE:
+                seconds = cost.source_time(tc.rect.shape[0], data_bytes, proc)
             elif tc.phase == UPDATE:
                 seconds = cost.task_time(tc.op, UPDATE, tc.rect, proc, tc.param, self.optimizer)
             else:

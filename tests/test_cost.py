@@ -2,9 +2,11 @@
 fitted efficiencies, copies, and peak memory of data- and model-parallel strategies by hand."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -105,6 +107,30 @@ def test_copy_fill_and_fold_times():
     assert cost.copy_time(10**6, link) == copy_time(10**6, link)
     assert cost.fill_time(10**6, GPU) == pytest.approx(1e-5 + 1e-5)
     assert cost.fold_time(10**6, GPU) == pytest.approx(3e-5 + 1e-5)
+
+
+def test_a_batch_source_is_measured_per_sample_where_the_host_is_measured(tmp_path):
+    """A measured source's seconds a sample scale with the share and stretch like kernels; where the
+    device is not measured, the batch is written at memory bandwidth as a fill."""
+    mm = dataclasses.replace(load_machine("local"), kernel_slowdown=1.5, launch_overhead=1e-4)
+    calls = []
+
+    def source(step, lo, hi):
+        calls.append((step, lo, hi))
+        time.sleep(2e-3)
+        return np.zeros((hi - lo, 4), np.float32), np.zeros(hi - lo, np.int64)
+
+    cost = CostModel(mm, cache_path=tmp_path / "c.json")
+    assert cost.source_time(8, 10**6, mm.device) == pytest.approx(10**6 / mm.device.mem_bandwidth + 1e-4)
+    per_sample = cost.measure_source(source, 4, runs=3)
+    assert [c[1:] for c in calls] == [(0, 4)] * 4 and len({c[0] for c in calls}) == 4   # a new step each call
+    assert 2e-3 / 4 <= per_sample < 2e-2 / 4
+    assert cost.source_time(8, 10**6, mm.device) == pytest.approx(8 * per_sample * 1.5 + 1e-4)
+    analytic = CostModel(mm, measured=False, cache_path=tmp_path / "c.json")
+    analytic.source_per_sample = per_sample
+    assert analytic.source_time(8, 10**6, mm.device) == pytest.approx(10**6 / mm.device.mem_bandwidth + 1e-4)
+    with pytest.raises(ValueError, match="measure_source: samples"):
+        cost.measure_source(source, 0)
 
 
 @given(nbytes=st.lists(st.integers(0, 2**40), min_size=1, max_size=20),

@@ -394,3 +394,24 @@ def test_an_output_whose_only_consumer_is_off_the_gradient_path_still_gets_a_zer
             assert b not in low.written_grads(low.plans, m.ops[1])
             assert b in {t for seg in low.backward_segments() for t in seg.fills}
     _assert_same(results[0][1:2] + results[0][3:], results[1][1:2] + results[1][3:], "dangling branch")
+
+
+def test_the_batch_source_gives_each_rank_its_share_and_refuses_inputs_without_the_batch():
+    """source_segment: one task a rank on its host processor, writing samples [r*B//R, (r+1)*B//R)
+    of every input; an input whose first dim is not the batch is named before anything is issued."""
+    x, labels = spec((5, 3), name="x"), spec((5,), "int64", "labels")
+    fc = Dense("fc", [x], out_features=2)
+    loss = SparseCategoricalCrossEntropy("loss", [fc.outputs[0], labels], from_logits=True)
+    machine = Machine.build(2, 2)
+    rt = Runtime(machine, execute=False)
+    low = Lowering(rt, [fc, loss], [x, labels], {op.name: default_config(op, machine) for op in (fc, loss)},
+                   SGD(lr=0.1), loss="loss")
+    (launch,) = low.source_segment(None).launches
+    assert launch.colors == [(0,), (1,)]
+    assert launch.placement == {(0,): machine.host_processor(0), (1,): machine.host_processor(1)}
+    assert [r.partition.rects for r in launch.reqs] == [
+        {(0,): Rect((0, 0), (2, 3)), (1,): Rect((2, 0), (5, 3))}, {(0,): Rect((0,), (2,)), (1,): Rect((2,), (5,))}]
+    odd = Lowering(rt, [fc, loss], [x, labels, spec((4, 3), name="extra")],
+                   {op.name: default_config(op, machine) for op in (fc, loss)}, SGD(lr=0.1), loss="loss")
+    with pytest.raises(ValueError, match=r"input 'extra' has shape \(4, 3\), but every input needs the batch \(5\)"):
+        odd.source_segment(None)

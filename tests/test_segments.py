@@ -164,9 +164,10 @@ def test_adam_state_and_a_16_rank_machine_match_too():
 
 def _permuted(configs, machine, rng):
     """The configs with their devices renamed by one random permutation of the compute processors
-    (the home processor, where host fills run, stays): a bijection on the tasks' memories."""
-    home = machine.host_processor(0)
-    procs = [p for p in compute_processors(machine) if machine.processors[p] != home]
+    (the ranks' host processors, where host fills and the batch sources run, stay): a bijection
+    on the tasks' memories."""
+    hosts = {machine.host_processor(r) for r in range(machine.num_ranks)}
+    procs = [p for p in compute_processors(machine) if machine.processors[p] not in hosts]
     order = [int(p) for p in rng.permutation(procs)]
     if order == procs:
         order = order[1:] + order[:1]

@@ -111,6 +111,33 @@ def test_the_trace_is_in_the_runtimes_format(tmp_path):
         map(len, result.graph.preds))
 
 
+def test_every_rank_makes_its_share_of_the_batch_on_its_host_as_train_on_does():
+    """The iteration starts with one source task a rank on its host processor, writing its share of
+    the inputs and labels (Model.train_on's launch); a data-parallel input is read where it was
+    made, so no copy of the inputs or labels crosses ranks; the source's time is the cost model's."""
+    model = mlp(batch=10, width=32)
+    mm = dataclasses.replace(load_machine("local", nodes=3), devices_per_node=1)
+    cost = CostModel(mm, measured=False)
+    sim = Simulator.for_model(model, mm, cost)
+    result = sim.simulate(data_parallel(model, sim.machine))
+    graph = result.graph
+    sources = [(i, n) for i, n in enumerate(graph.nodes) if isinstance(n, TaskNode) and n.name == "source"]
+    assert [n.proc for _, n in sources] == [sim.machine.host_processor(r) for r in range(3)]
+    assert [[r.rect for r in n.reqs] for _, n in sources] == [
+        [Rect((lo, 0), (hi, 32)), Rect((lo,), (hi,))] for lo, hi in ((0, 3), (3, 6), (6, 10))]
+    assert all(not graph.preds[i] for i, _ in sources)
+    inputs = {r.region.name for r in sources[0][1].reqs}
+    assert not [n for n in graph.nodes if isinstance(n, CopyNode) and n.region.name in inputs
+                and n.src.rank != n.dst.rank]
+    _, dur, _, _, _ = sim.node_costs(graph)
+    for i, n in sources:
+        assert dur[i] == pytest.approx(cost.source_time(n.reqs[0].rect.shape[0], n.nbytes, n.proc))
+    slow = CostModel(mm, measured=False)
+    slow.source_time = lambda samples, nbytes, device: 1e-3 * samples
+    slowed = Simulator.for_model(model, mm, slow).simulate(data_parallel(model, sim.machine)).time
+    assert slowed > 4e-3 and slowed > result.time   # rank 2's 4 samples come first
+
+
 def test_a_copy_between_ranks_holds_its_sending_and_receiving_processors():
     """On a cpu machine with message overheads each copy between ranks adds send_overhead to its
     source's processor and receive_overhead to its destination's, and ends no sooner than its
