@@ -287,13 +287,15 @@ class OpPlan:
         self.placement = dict(zip(self.colors, config.devices))
         self.in_rects = {c: op.input_rects(t) for c, t in self.tiles.items()}
         self.out_rects = {c: op.output_rects(t) for c, t in self.tiles.items()}
-        w_rects = {c: op.tile_weight_rects(t) for c, t in self.tiles.items()}
+        self.partial = any(s.partial and config.degrees[s.dim] > 1 for s in op.split_dims())
+        # with no partial dim split every tile leads its partial group: its weight rects are the op's
+        tile_weights = op.tile_weight_rects if self.partial else op.weight_rects
+        w_rects = {c: tile_weights(t) for c, t in self.tiles.items()}
         self.weight_names = list(op.weight_shapes())
         self.state_names = list(op.state_shapes())
         self.weight_rects = {c: {k: r[k] for k in self.weight_names} for c, r in w_rects.items()}
         self.state_rects = {c: {k: r[k] for k in self.state_names} for c, r in w_rects.items()}
         self.updated_state_rects = first_users(self.colors, self.state_rects)
-        self.partial = any(s.partial and config.degrees[s.dim] > 1 for s in op.split_dims())
         ordered = op.ordered_dim()
         self.ordered = ordered if ordered is not None and config.degrees[ordered] > 1 else None
         self.sum_names = list(op.sum_shapes()) if op.shares_sums(list(self.tiles.values())) else []

@@ -159,10 +159,12 @@ def disjoint_cover(rects, whole: "Rect") -> bool:
 
 def equal_rects(shape, degrees) -> dict[tuple[int, ...], Rect]:
     """`degrees[d]` near-equal pieces per dim (cuts at i*extent//degree), by color in row-major order."""
-    cuts = [[(i * ext // deg, (i + 1) * ext // deg) for i in range(deg)] for ext, deg in zip(shape, degrees)]
-    return {color: Rect(tuple(cuts[d][c][0] for d, c in enumerate(color)),
-                        tuple(cuts[d][c][1] for d, c in enumerate(color)))
-            for color in itertools.product(*(range(d) for d in degrees))}
+    # the products of each dim's colors, lower and upper cuts run in the same row-major order (a
+    # plan at 64 devices makes tens of thousands of tiles: kept in C, no generator per rect)
+    los = [[i * ext // deg for i in range(deg)] for ext, deg in zip(shape, degrees)]
+    his = [[(i + 1) * ext // deg for i in range(deg)] for ext, deg in zip(shape, degrees)]
+    return dict(zip(itertools.product(*map(range, degrees)),
+                    map(Rect, itertools.product(*los), itertools.product(*his))))
 
 
 def shard_degrees(shape, pieces: int) -> tuple[int, ...]:

@@ -3,6 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taskrt import Rect
+from taskrt.geometry import equal_rects
 
 
 @st.composite
@@ -81,3 +82,19 @@ def test_mismatched_dimensions_name_both_rects():
         Rect.make((0,), (2,)).intersect(Rect.make((0, 0), (1, 1)))
     with pytest.raises(ValueError, match="different dimensions"):
         Rect((0, 0), (1,))
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 4)), min_size=0, max_size=4))
+def test_equal_rects_cut_each_dim_at_i_extent_over_degree_in_row_major_order(dims):
+    """equal_rects against one color at a time: color c's box is [c[d]*ext//deg, (c[d]+1)*ext//deg)
+    in every dim d, and the colors come in row-major order."""
+    shape = tuple(ext for ext, _ in dims)
+    degrees = tuple(max(1, min(deg, ext)) for ext, deg in dims)
+    got = equal_rects(shape, degrees)
+    colors = [()]
+    for deg in degrees:
+        colors = [c + (i,) for c in colors for i in range(deg)]
+    assert list(got) == colors
+    for color, rect in got.items():
+        assert rect == Rect(tuple(c * e // d for c, e, d in zip(color, shape, degrees)),
+                            tuple((c + 1) * e // d for c, e, d in zip(color, shape, degrees)))
