@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
 
@@ -56,19 +57,44 @@ class Region:
         return part
 
 
+def _int_tuples(colors: list) -> bool:
+    """Every color a tuple of Python ints (as partitions keep them)."""
+    return (set(map(type, colors)) == {tuple}
+            and set(map(type, itertools.chain.from_iterable(colors))) <= {int})
+
+
+def _inside(region: Region, rects: list) -> bool:
+    """Every rect a non-empty Rect of the region's dims inside its bounds ([0, shape)); False
+    leaves the telling apart (and empty rects, which any region holds) to check_rect."""
+    if not rects or set(map(type, rects)) != {Rect} or any(map(_EMPTY, rects)):
+        return False
+    los = list(map(_LO, rects))
+    if set(map(len, los)) != {region.ndim}:
+        return False
+    if region.ndim == 0:
+        return True
+    his = map(_HI, rects)
+    return min(map(min, zip(*los))) >= 0 and all(map(operator.le, map(max, zip(*his)), region.shape))
+
+
+_EMPTY, _LO, _HI = operator.attrgetter("_empty"), operator.attrgetter("lo"), operator.attrgetter("hi")
+
+
 class Partition:
     """A map from colors to sub-rects of one region. Disjointness and completeness are computed."""
 
     def __init__(self, region: Region, rects: Mapping[Color, Rect], name: str | None = None):
         self.region = region
-        self.rects: dict[Color, Rect] = {}
-        bounds, ndim = region.rect, region.ndim
-        for color, rect in rects.items():
-            color = tuple(map(int, color)) if isinstance(color, tuple) else (int(color),)
-            # the plans make thousands of partitions a graph: the check is inline, its message not
-            if type(rect) is not Rect or rect.ndim != ndim or not bounds.contains(rect):
+        colors, pieces = list(rects), list(rects.values())
+        # the plans make thousands of partitions of 64 or more pieces a graph: both checks run
+        # over all pieces at once in C, and only a partition that fails them is gone through
+        # piece by piece (normalizing its colors, or naming the piece that does not fit)
+        if not _int_tuples(colors):
+            colors = [tuple(map(int, color)) if isinstance(color, tuple) else (int(color),) for color in colors]
+        if not _inside(region, pieces):
+            for color, rect in zip(colors, pieces):
                 region.check_rect(rect, f"sub-rect of color {color}")
-            self.rects[color] = rect
+        self.rects: dict[Color, Rect] = dict(zip(colors, pieces))
         self.name = name or f"{region.name}.part"
         self.key = (region.uid, tuple(sorted(self.rects.items())))
 

@@ -1,4 +1,6 @@
 """Regions and partitions: equal tilings cover exactly once; aliasing is computed."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -65,3 +67,36 @@ def test_partition_errors_name_the_problem():
 def test_equal_partitions_are_cached():
     region = Region((8,))
     assert region.partition((4,)) is region.partition((4,))
+
+
+def _checked_piece_by_piece(region, rects):
+    """The reference: every color normalized to a tuple of ints and every piece checked alone."""
+    out = {}
+    for color, rect in rects.items():
+        color = tuple(map(int, color)) if isinstance(color, tuple) else (int(color),)
+        region.check_rect(rect, f"sub-rect of color {color}")
+        out[color] = rect
+    return out
+
+
+@given(shape=st.lists(st.integers(0, 6), min_size=0, max_size=3),
+       pieces=st.lists(st.tuples(st.lists(st.integers(-2, 8), min_size=0, max_size=4),
+                                 st.lists(st.integers(-2, 8), min_size=0, max_size=4)), min_size=1, max_size=6),
+       color_kind=st.sampled_from(["tuple", "int", "numpy"]))
+def test_a_partition_checks_all_pieces_at_once_as_one_by_one(shape, pieces, color_kind):
+    """Any pieces (out of bounds, empty, of other dims) and colors (tuples, ints, numpy ints): the
+    partition holds what checking each piece alone gives, or raises the same error."""
+    region = Region(shape, name="r")
+    rects = {}
+    for i, (lo, hi) in enumerate(pieces):
+        n = min(len(lo), len(hi))
+        color = {"tuple": (i, 0), "int": i, "numpy": (np.int64(i),)}[color_kind]
+        rects[color] = Rect.make(lo[:n], hi[:n])
+    try:
+        expected = _checked_piece_by_piece(region, rects)
+    except (TypeError, ValueError) as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            Partition(region, rects)
+        return
+    part = Partition(region, rects)
+    assert part.rects == expected and all(type(v) is int for c in part.rects for v in c)
