@@ -316,11 +316,12 @@ class OpPlan:
                                    for k in self.state_names]
                         for training, rects in ((True, self.updated_state_rects), (False, self.state_rects))}
         sum_shapes, carry_shapes = op.sum_shapes(), op.carry_shapes()
+        sum_rects = {c: op.sum_rects(t) for c, t in self.tiles.items()} if self.sum_names else {}
         self._sums = {k: part(Region(sum_shapes[k], "float64", f"{name}.{k}.sum"),
-                              {c: op.sum_rects(t)[k] for c, t in self.tiles.items()}, f"sum.{k}")
+                              {c: r[k] for c, r in sum_rects.items()}, f"sum.{k}")
                       for k in self.sum_names}
         carry_dtype = op.outputs[0].dtype
-        carry_rects = {c: op.carry_rects(t) for c, t in self.tiles.items()}
+        carry_rects = {c: op.carry_rects(t) for c, t in self.tiles.items()} if self.carry_names else {}
         self._carries = [part(Region(carry_shapes[k], carry_dtype, f"{name}.{k}.carry"),
                               {c: r[k] for c, r in carry_rects.items()}, f"carry.{k}") for k in self.carry_names]
         self._zero_outs = _zero_launches(self._outs, self.colors, self.placement) if self.partial else []
