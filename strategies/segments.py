@@ -52,6 +52,7 @@ from strategies.joined import Joiner
 from strategies.timing import Successors, successor_lists
 from taskrt import Runtime
 from taskrt.geometry import Rect
+from taskrt.heap import collect_cycles_less
 from taskrt.machine import Machine
 from taskrt.region_analysis import ACCESS, BUFFER_NODE, BUFFER_REQ, DST, NODE, REDOP, SRC, analyze_region
 from taskrt.region_analysis import privilege_code as _privilege_code
@@ -313,6 +314,10 @@ class SegmentBuilder:
 
     def __init__(self, ops: Sequence[Op], inputs: Sequence[TensorSpec], loss: str, machine: Machine,
                  optimizer=None):
+        # a cold build allocates millions of short-lived objects: at the collector's default pace
+        # its young passes and full ones over the caches took 30% of a build (as the Simulator,
+        # and a runtime that executes, the collector runs less)
+        collect_cycles_less()
         self.ops = list(ops)
         self.machine = machine
         self.optimizer = optimizer or SGD(lr=0.01, momentum=0.9)

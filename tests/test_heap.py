@@ -72,3 +72,17 @@ def test_a_runtime_that_executes_collects_cycles_less():
     from taskrt.heap import YOUNG_THRESHOLD
 
     assert out == ["700", str(YOUNG_THRESHOLD)]  # building graphs only changes nothing
+
+
+def test_a_segment_builder_collects_cycles_less():
+    """The simulator's graph builder makes graphs of 10^5 nodes, as a search's Simulator does."""
+    program = ("import gc\nfrom strategies.segments import SegmentBuilder\nfrom tests.test_simulator import mlp\n"
+               "from taskrt import Machine\nops, inputs, loss = mlp(batch=8, width=16).training_graph()\n"
+               "print(gc.get_threshold()[0])\nSegmentBuilder(ops, inputs, loss.name, Machine.build(1, 2))\n"
+               "print(gc.get_threshold()[0])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120,
+                         check=True, cwd=ROOT).stdout.split()
+    from taskrt.heap import YOUNG_THRESHOLD
+
+    assert out == ["700", str(YOUNG_THRESHOLD)]
