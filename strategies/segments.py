@@ -59,8 +59,6 @@ from taskrt.region_analysis import privilege_code as _privilege_code
 from taskrt.region_analysis import redop_name as _redop_name
 from taskrt.taskgraph import CopyNode, PhysicalReq, TaskNode
 
-#: the program of build_iteration: initial fills, then two training steps; the second is the graph
-STEPS = (1, 2)
 #: about how many bytes the caches of recorded segments and region analyses may hold before
 #: they are dropped (SegmentBuilder._bound_caches): a 10,000-proposal search at 1,024 devices
 #: grew to 16.9 GB resident without a bound
