@@ -576,6 +576,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
     n_ed = 0
     next_id = 0
     preds = np.empty(cap, np.int64)
+    last_edge = np.full(cap, -1, np.int64)   # see _edges
 
     for a in range(n_access):
         if a % COMPACT_EVERY == 0:
@@ -623,7 +624,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     copies[n_c, 6] = a
                     copy_rects[n_c] = part
                     n_c += 1
-                    edges, n_ed = _edges(edges, n_ed, fid, fpreds[:n_f])
+                    edges, n_ed, last_edge = _edges(edges, n_ed, fid, fpreds[:n_f], last_edge)
                     p_tab, p_rect, p_info, n_p, vals, n_v = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, part,
                                                                         mem, fid, nd)
                     (u_tab, u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
@@ -691,7 +692,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
         tid = next_id
         next_id += 1
         tasks[a] = tid
-        edges, n_ed = _edges(edges, n_ed, tid, preds[:n_preds])
+        edges, n_ed, last_edge = _edges(edges, n_ed, tid, preds[:n_preds], last_edge)
         for row in range(r0, r1):
             rect, priv = req_rect[row], req_priv[row]
             if _empty(rect, nd):
@@ -751,15 +752,24 @@ def _link(e_info, x, before, head):
 
 
 @numba.njit(cache=True, nogil=True)
-def _edges(edges, n_ed, node, preds):
-    """Add an edge to `node` from each distinct pred."""
-    distinct = _unique(preds)
-    edges = _room(edges, n_ed + distinct.shape[0])
-    for p in distinct:
-        edges[n_ed, 0] = node
-        edges[n_ed, 1] = p
-        n_ed += 1
-    return edges, n_ed
+def _edges(edges, n_ed, node, preds, last):
+    """Add an edge to `node` from each distinct pred, in the order given. `last[p]` is the last
+    node given an edge from p: a node gets all its edges in one call, with an id above its
+    preds', so a pred seen in this call is marked by the node itself, and nothing is reset or
+    sorted (sorting each node's preds was a tenth of a redistribution's analysis). Returns the
+    arrays, `last` grown (with -1) to cover `node`."""
+    if last.shape[0] <= node:
+        grown = np.full(max(node + 1, 2 * last.shape[0]), -1, np.int64)
+        grown[:last.shape[0]] = last
+        last = grown
+    edges = _room(edges, n_ed + preds.shape[0])
+    for p in preds:
+        if last[p] != node:
+            last[p] = node
+            edges[n_ed, 0] = node
+            edges[n_ed, 1] = p
+            n_ed += 1
+    return edges, n_ed, last
 
 
 @numba.njit(cache=True, nogil=True)
