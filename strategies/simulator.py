@@ -120,6 +120,7 @@ class Simulator:
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
         self._pairs: dict[int, tuple] = {}   # see _copy_pair
         self._task_seconds: dict[tuple, float] = {}   # see _cost
+        self._proc_resources: dict = {}   # processor -> its resource index
         self._resolved: dict[tuple, TileConfig] = {}
         self._by_name = {op.name: op for op in self.ops}
         self._peaks = PeakCache(self.ops, self.machine)
@@ -236,13 +237,29 @@ class Simulator:
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
             if isinstance(part, RecordedSegment):
-                costs = np.array([self._task_cost(proc, c, lambda i=i: part.task_nbytes(i))
-                                  for i, (proc, c) in enumerate(zip(part.procs, part.costs))],
-                                 float).reshape(-1, self._rows).T
+                costs = self._segment_costs(part)
             else:
                 costs = np.stack(self._region_costs(part)).astype(float)
             known = self._part_cost_cache[id(part)] = (part, costs)
         return known[1]
+
+    def _segment_costs(self, part: RecordedSegment) -> np.ndarray:
+        """_part_costs of a recorded segment: each task's _task_cost, its processor's resource and
+        a kernel's seconds found in the tables directly (a segment at 1,024 devices has as many
+        tasks, and a call a task was most of its costing)."""
+        costs = np.zeros((self._rows, part.n_tasks))
+        if self._handling:
+            costs[3] = costs[5] = -1   # a task holds no processor before or after its own
+        res, seconds = costs[0], costs[1]
+        known_res, known_seconds = self._proc_resources, self._task_seconds
+        for i, proc, tc in zip(range(part.n_tasks), part.procs, part.costs):
+            r = known_res.get(proc)
+            if r is None:
+                r = known_res[proc] = self._resource(("proc", proc))
+            res[i] = r
+            s = None if tc.op is None else known_seconds.get((tc.op.name, tc.phase, tc.rect, tc.param, proc.kind))
+            seconds[i] = s if s is not None else self._task_cost(proc, tc, lambda i=i: part.task_nbytes(i))[1]
+        return costs
 
     def _region_costs(self, part) -> tuple[np.ndarray, ...]:
         """_cost of a region result's copies, from its arrays: each distinct (source, destination,
