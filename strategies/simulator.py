@@ -119,6 +119,7 @@ class Simulator:
         self._copy_costs: dict[tuple, tuple] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
         self._pairs: dict[int, tuple] = {}   # see _copy_pair
+        self._pair_tables: tuple | None = None   # see _pair_columns
         self._task_seconds: dict[tuple, float] = {}   # see _cost
         self._proc_resources: dict = {}   # processor -> its resource index
         self._resolved: dict[tuple, TileConfig] = {}
@@ -269,11 +270,22 @@ class Simulator:
         numbers = np.array([self._memory_number[m] for m in part.memories], np.int64)
         src, dst = numbers[part.copy_ends[:, 0]], numbers[part.copy_ends[:, 1]]
         fold = (part.copy_redop >= 0) | (src == dst)
-        codes, which = np.unique(self._pair_code(src, dst, fold), return_inverse=True)
-        pairs = [self._copy_pair(int(c)) for c in codes.tolist()]
-        res, bandwidth, latency, dst_bandwidth = (np.array(column)[which.reshape(-1)] for column in zip(*pairs))
+        res, bandwidth, latency, dst_bandwidth = self._pair_columns(self._pair_code(src, dst, fold))
         costs = (res, self.cost.copy_times(part.copy_nbytes(), bandwidth, dst_bandwidth, fold), latency)
         return costs + self._copy_handling(src, dst) if self._handling else costs
+
+    def _pair_columns(self, codes: np.ndarray) -> tuple[np.ndarray, ...]:
+        """_copy_pair's four figures for each of `codes` (an array), as arrays: read from dense
+        tables by code, which _copy_pair fills for the codes not seen before (at 1,024 devices
+        most copies of a redistribution have a pair of their own: a lookup each was most of
+        their costing). The tables have 2 * memories^2 entries, made on first use."""
+        if self._pair_tables is None:
+            size = 2 * len(self._memory_number) ** 2
+            self._pair_tables = (np.full(size, -1, np.int64), np.zeros(size), np.zeros(size), np.zeros(size))
+        res, bandwidth, latency, dst_bandwidth = self._pair_tables
+        for code in np.unique(codes[res[codes] < 0]).tolist():
+            res[code], bandwidth[code], latency[code], dst_bandwidth[code] = self._copy_pair(code)
+        return res[codes], bandwidth[codes], latency[codes], dst_bandwidth[codes]
 
     def _copy_handling(self, src, dst) -> tuple[np.ndarray, ...]:
         """The Handling rows of copies from memory numbers `src` to `dst` (arrays): a copy between
