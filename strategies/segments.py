@@ -653,7 +653,7 @@ class SegmentBuilder:
         return _moved(*known, region, memories, tasks)
 
     def _analyze(self, region, program: list[RecordedSegment], positions: list[int], second: int,
-                 access_mem: np.ndarray, memories: tuple) -> RegionResult:
+                 access_mem: Sequence[int], memories: tuple) -> RegionResult:
         """The analysis of `region`'s accesses alone (the tasks of the segments at `positions` that
         touch it, in program order: taskrt/region_analysis.py, the runtime's Analyzer compiled),
         keeping what it adds to the second step (from `second` on). `access_mem` numbers each

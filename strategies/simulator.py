@@ -245,21 +245,16 @@ class Simulator:
         return known[1]
 
     def _segment_costs(self, part: RecordedSegment) -> np.ndarray:
-        """_part_costs of a recorded segment: each task's _task_cost, its processor's resource and
-        a kernel's seconds found in the tables directly (a segment at 1,024 devices has as many
-        tasks, and a call a task was most of its costing)."""
+        """_part_costs of a recorded segment: each task's _cost in one loop over the segment
+        (a segment at 1,024 devices has as many tasks, and a call and a tuple a task were most of
+        its costing)."""
         costs = np.zeros((self._rows, part.n_tasks))
         if self._handling:
             costs[3] = costs[5] = -1   # a task holds no processor before or after its own
         res, seconds = costs[0], costs[1]
-        known_res, known_seconds = self._proc_resources, self._task_seconds
         for i, proc, tc in zip(range(part.n_tasks), part.procs, part.costs):
-            r = known_res.get(proc)
-            if r is None:
-                r = known_res[proc] = self._resource(("proc", proc))
-            res[i] = r
-            s = None if tc.op is None else known_seconds.get((tc.op.name, tc.phase, tc.rect, tc.param, proc.kind))
-            seconds[i] = s if s is not None else self._task_cost(proc, tc, lambda i=i: part.task_nbytes(i))[1]
+            res[i] = self._proc_resource(proc)
+            seconds[i] = self._task_seconds_of(proc, tc, part.task_nbytes, i)
         return costs
 
     def _region_costs(self, part) -> tuple[np.ndarray, ...]:
@@ -333,15 +328,25 @@ class Simulator:
         pre resource and seconds, post resource and seconds])."""
         if isinstance(node, CopyNode):
             return self._copy_cost_of(node.src, node.dst, node.nbytes, node.redop)
-        return self._task_cost(node.proc, tc, lambda: node.nbytes)
+        task = (self._proc_resource(node.proc), self._task_seconds_of(node.proc, tc, lambda _: node.nbytes), 0.0)
+        return task + (-1, 0.0, -1, 0.0) if self._handling else task
 
-    def _task_cost(self, proc, tc, nbytes) -> tuple:
-        """_cost of a task on `proc` that computes `tc`; `nbytes()` gives its requirements' bytes
-        (asked for fills only)."""
+    def _proc_resource(self, proc) -> int:
+        """The resource index of processor `proc`."""
+        r = self._proc_resources.get(proc)
+        if r is None:
+            r = self._proc_resources[proc] = self._resource(("proc", proc))
+        return r
+
+    def _task_seconds_of(self, proc, tc, nbytes_of, index: int = 0) -> float:
+        """The seconds of a task on `proc` that computes `tc`, made once per what they depend on;
+        `nbytes_of(index)` gives its requirements' bytes (asked for fills and sources only)."""
         # what a task's seconds depend on, so that like tiles of other configs are timed once
-        data_bytes = nbytes() if tc.phase in (FILL, SOURCE_PHASE) else 0
-        what = ((tc.phase, tc.rect.shape[0] if tc.phase == SOURCE_PHASE else 0, data_bytes, proc.kind)
-                if tc.op is None else (tc.op.name, tc.phase, tc.rect, tc.param, proc.kind))
+        if tc.op is not None:
+            what = (tc.op.name, tc.phase, tc.rect, tc.param, proc.kind)
+        else:
+            data_bytes = nbytes_of(index)
+            what = (tc.phase, tc.rect.shape[0] if tc.phase == SOURCE_PHASE else 0, data_bytes, proc.kind)
         seconds = self._task_seconds.get(what)
         if seconds is None:
             cost = self.cost
@@ -354,8 +359,7 @@ class Simulator:
             else:
                 seconds = cost.task_time(tc.op, tc.phase, tc.rect, proc)
             self._task_seconds[what] = seconds
-        task = (self._resource(("proc", proc)), seconds, 0.0)
-        return task + (-1, 0.0, -1, 0.0) if self._handling else task
+        return seconds
 
     def _copy_cost_of(self, src, dst, nbytes: int, redop: str | None) -> tuple:
         """_cost of a copy of `nbytes` from memory `src` to `dst` (a fold with `redop`), made once: the
