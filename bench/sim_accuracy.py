@@ -1,7 +1,7 @@
 """How close the simulator's predictions come to real runs: strategies of two tiny apps on 2 ranks.
 
     python bench/sim_accuracy.py [--apps mlp alexnet] [--iterations 20] [--budget 40] [--rounds 3]
-                                 [--random-seeds 1 2 3 4] [--fit]
+                                 [--random-seeds 1 2 3 4] [--fit] [--save DIR | --rescore DIR]
 
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
 device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
@@ -17,7 +17,13 @@ Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at leas
 receive_overhead, kernel_slowdown: see strategies/machines/README.md) to these runs, on a
 grid, minimizing the mean error over both apps; it prints the best figures with their error
 in sample and, so that the fit's own error shows, fitted on half the strategies of each app
-and scored on the other half (two folds). Last line: one JSON object.
+and scored on the other half (two folds).
+
+`--save DIR` keeps the runs in DIR: each strategy's file and trace, and `runs.json` (each run's
+median iteration and the measured source, per app). `--rescore DIR` trains nothing: it scores
+(and with --fit fits) the simulator as it is now on the runs saved there, so that a change to
+the simulator or the machine model is judged on the same runs as the code before it. Last
+line: one JSON object.
 """
 from __future__ import annotations
 
@@ -35,12 +41,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
 from apps.demo import machine_setup, search_strategy, train_mpi  # noqa: E402
-from ops.strategy import Strategy  # noqa: E402
+from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.random import random_strategy  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
+
+#: what --save writes beside the strategies' files and traces
+RUNS_FILE = "runs.json"
 
 #: the grid of --fit: each runtime figure of the machine model and the values tried
 FIT_GRID = {
@@ -93,6 +102,39 @@ def source_per_sample(app: str, batch: int, machine_model) -> float:
     rank's share of the batch."""
     model, _ = app_graph(app, batch, tiny=True)
     return CostModel(machine_model).measure_source(app_source(app, model, tiny=True), -(-batch // 2))
+
+
+def run_apps(args, setup, out_dir: str) -> dict:
+    """Train every strategy of each app (measure_app) in `out_dir` and measure its source:
+    app -> {"strategies", "runs", "per_sample"}; RUNS_FILE in `out_dir` records the runs."""
+    saved = {}
+    for app in args.apps:
+        strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
+        runs = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, out_dir)
+        saved[app] = {"strategies": strategies, "runs": runs,
+                      "per_sample": source_per_sample(app, args.batch_size, setup.machine_model)}
+        with open(os.path.join(out_dir, RUNS_FILE), "w") as f:
+            json.dump({"batch_size": args.batch_size, "apps": {
+                a: {"runs": s["runs"], "per_sample": s["per_sample"]} for a, s in saved.items()}}, f, indent=1)
+    return saved
+
+
+def load_runs(directory: str, apps: list[str]) -> tuple[int, dict]:
+    """(the batch size, what run_apps saved in `directory` for `apps`): each strategy read back
+    from its file."""
+    path = os.path.join(directory, RUNS_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        batch, recorded = int(data["batch_size"]), data["apps"]
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"bench/sim_accuracy.py --rescore: cannot read the runs in {path}: {e}")
+    missing = [app for app in apps if app not in recorded]
+    if missing:
+        sys.exit(f"bench/sim_accuracy.py --rescore: {path} has no runs of {missing} (it has {sorted(recorded)})")
+    return batch, {app: {"strategies": {name: load_strategy(os.path.join(directory, f"{app}.{name}.json"))
+                                 for name in recorded[app]["runs"]},
+                  "runs": recorded[app]["runs"], "per_sample": recorded[app]["per_sample"]} for app in apps}
 
 
 def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float) -> dict:
@@ -148,35 +190,41 @@ def main(argv=None) -> dict:
     p.add_argument("--random-seeds", type=int, nargs="*", default=[1, 2, 3, 4],
                    help="a random strategy of each app for each seed")
     p.add_argument("--fit", action="store_true", help="fit the local model's runtime figures to the runs")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--save", metavar="DIR", help="keep the strategies, traces and runs.json in DIR")
+    where.add_argument("--rescore", metavar="DIR", help="train nothing: score the runs that --save kept in DIR")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be at least 1")
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
     setup = machine_setup(2, gpus=0)
     out = {"bench": "sim_accuracy", "ranks": 2, "targets": {"mean_error": 0.1, "kendall_tau": 0.8}, "apps": {}}
-    kept = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for app in args.apps:
-            strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
-            runs = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, tmp)
-            measured = {name: float(np.median(r)) for name, r in runs.items()}
-            per_sample = source_per_sample(app, args.batch_size, setup.machine_model)
-            predicted = predict(app, args.batch_size, strategies, setup.machine_model, per_sample)
-            kept[app] = {"strategies": strategies, "measured": measured, "per_sample": per_sample}
-            rows = {}
-            for name in strategies:
-                m, q = measured[name], predicted[name]
-                rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
-                              "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
-                print(f"{app:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
-                      f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
-                      f"error {rows[name]['error']:6.1%}", flush=True)
-            error, tau = score(measured, predicted)
-            out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
-                                "source_us_per_sample": round(per_sample * 1e6, 2)}
-            print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
-                  f"{per_sample * 1e6:.1f} us a sample)", flush=True)
+    if args.rescore:
+        args.batch_size, saved = load_runs(args.rescore, args.apps)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = run_apps(args, setup, args.save or tmp)
+    for app, a in saved.items():
+        strategies, runs, per_sample = a["strategies"], a["runs"], a["per_sample"]
+        measured = {name: float(np.median(r)) for name, r in runs.items()}
+        a["measured"] = measured
+        predicted = predict(app, args.batch_size, strategies, setup.machine_model, per_sample)
+        rows = {}
+        for name in strategies:
+            m, q = measured[name], predicted[name]
+            rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
+                          "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
+            print(f"{app:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
+                  f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
+                  f"error {rows[name]['error']:6.1%}", flush=True)
+        error, tau = score(measured, predicted)
+        out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
+                            "source_us_per_sample": round(per_sample * 1e6, 2)}
+        print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
+              f"{per_sample * 1e6:.1f} us a sample)", flush=True)
     if args.fit:
-        out["fit"] = fit(kept, args.batch_size, setup.machine_model)
+        out["fit"] = fit(saved, args.batch_size, setup.machine_model)
         f = out["fit"]
         print("fit: " + ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}"
                                   for k, v in f["figures"].items()), flush=True)
