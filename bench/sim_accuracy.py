@@ -6,10 +6,13 @@
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
 device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
 random one for each of `--random-seeds` are trained for real (`mpiexec -n 2 python -m apps.NAME --strategy
-FILE`) `--rounds` times each, taking turns, and simulated with the cost model as it is
-(measured kernels on this machine, the local model's runtime figures). A strategy's measured
-time is the median over its runs of each run's median iteration after the warm-up: this
-machine's speed drifts by a third within minutes. Printed per strategy: measured (and each
+FILE`) `--rounds` times each, taking turns, and simulated with the cost model (the local
+model's runtime figures; the kernels measured right after the app's runs into a cost cache
+of the run's own, since this machine's speed drifts by up to two times within an hour and a
+shared cache would hold kernels timed in another hour). A strategy's measured time is the
+median over its runs of each run's median iteration after the warm-up. Before each round
+the runtime's own speed is probed (strategies.probe: an empty task of a chain, a hop
+between the ranks) and printed beside the errors. Printed per strategy: measured (and each
 run) and predicted iteration time and the relative error; per app the mean error and
 Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 
@@ -19,8 +22,8 @@ grid, minimizing the mean error over both apps; it prints the best figures with 
 in sample and, so that the fit's own error shows, fitted on half the strategies of each app
 and scored on the other half (two folds).
 
-`--save DIR` keeps the runs in DIR: each strategy's file and trace, and `runs.json` (each run's
-median iteration and the measured source, per app). `--rescore DIR` trains nothing: it scores
+`--save DIR` keeps the runs in DIR: each strategy's file and trace, `runs.json` (each run's
+median iteration, the probes and the measured source, per app) and `costs.json` (the kernels). `--rescore DIR` trains nothing: it scores
 (and with --fit fits) the simulator as it is now on the runs saved there, so that a change to
 the simulator or the machine model is judged on the same runs as the code before it. Last
 line: one JSON object.
@@ -45,11 +48,14 @@ from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.random import random_strategy  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
+from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 
-#: what --save writes beside the strategies' files and traces
-RUNS_FILE = "runs.json"
+#: what --save writes beside the strategies' files and traces: the runs, and the kernels'
+#: times measured right after them (a cost cache: the machine's speed drifts, so the kernels
+#: are measured in the same hour as the runs they predict)
+RUNS_FILE, COSTS_FILE = "runs.json", "costs.json"
 
 #: the grid of --fit: each runtime figure of the machine model and the values tried
 FIT_GRID = {
@@ -81,20 +87,23 @@ def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> dict[str,
 
 
 def measure_app(app: str, batch: int, iterations: int, strategies: dict[str, Strategy], setup, rounds: int,
-                out_dir: str) -> dict[str, list[float]]:
+                out_dir: str) -> tuple[dict[str, list[float]], list[dict]]:
     """Each strategy trained `rounds` times, the strategies taking turns (forward, then backward, ...)
-    so that the machine's drift falls on all of them alike: name -> each run's median iteration (s)."""
+    so that the machine's drift falls on all of them alike: (name -> each run's median iteration
+    (s); the runtime probe's figures before each round, strategies.probe)."""
     paths = {}
     for name, strategy in strategies.items():
         paths[name] = os.path.join(out_dir, f"{app}.{name}.json")
         strategy.save(paths[name])
     runs: dict[str, list[float]] = {name: [] for name in strategies}
+    probes = []
     for r in range(rounds):
+        probes.append(measure_overheads(2))
         for name in (list(strategies) if r % 2 == 0 else list(strategies)[::-1]):
             report = train_mpi(app, setup, batch, iterations, ["--strategy", paths[name]],
                                os.path.join(out_dir, f"{app}.{name}.jsonl"))
             runs[name].append(report["median_iteration_s"])
-    return runs
+    return runs, probes
 
 
 def source_per_sample(app: str, batch: int, machine_model) -> float:
@@ -110,12 +119,15 @@ def run_apps(args, setup, out_dir: str) -> dict:
     saved = {}
     for app in args.apps:
         strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
-        runs = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, out_dir)
-        saved[app] = {"strategies": strategies, "runs": runs,
-                      "per_sample": source_per_sample(app, args.batch_size, setup.machine_model)}
+        runs, probes = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, out_dir)
+        per_sample = source_per_sample(app, args.batch_size, setup.machine_model)
+        costs = os.path.join(out_dir, COSTS_FILE)
+        predict(app, args.batch_size, strategies, setup.machine_model, per_sample, costs)   # measures the kernels
+        saved[app] = {"strategies": strategies, "runs": runs, "probes": probes, "per_sample": per_sample,
+                      "costs": costs}
         with open(os.path.join(out_dir, RUNS_FILE), "w") as f:
             json.dump({"batch_size": args.batch_size, "apps": {
-                a: {"runs": s["runs"], "per_sample": s["per_sample"]} for a, s in saved.items()}}, f, indent=1)
+                a: {k: s[k] for k in ("runs", "probes", "per_sample")} for a, s in saved.items()}}, f, indent=1)
     return saved
 
 
@@ -132,16 +144,22 @@ def load_runs(directory: str, apps: list[str]) -> tuple[int, dict]:
     missing = [app for app in apps if app not in recorded]
     if missing:
         sys.exit(f"bench/sim_accuracy.py --rescore: {path} has no runs of {missing} (it has {sorted(recorded)})")
+    costs = os.path.join(directory, COSTS_FILE)
     return batch, {app: {"strategies": {name: load_strategy(os.path.join(directory, f"{app}.{name}.json"))
                                  for name in recorded[app]["runs"]},
-                  "runs": recorded[app]["runs"], "per_sample": recorded[app]["per_sample"]} for app in apps}
+                         "costs": costs if os.path.exists(costs) else None,
+                  "runs": recorded[app]["runs"], "probes": recorded[app].get("probes", []),
+                  "per_sample": recorded[app]["per_sample"]} for app in apps}
 
 
-def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float) -> dict:
+def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float,
+            costs: str | None = None) -> dict:
     """The simulated iteration time of each strategy on `machine_model`, its source tasks taking
-    `per_sample` seconds a sample (measured once, so that a fit's grid points share it)."""
+    `per_sample` seconds a sample (measured once, so that a fit's grid points share it), its
+    kernels' times from the cost cache file `costs` (default: the shared one), measured into it
+    where missing."""
     model, output = app_graph(app, batch, tiny=True)
-    cost = CostModel(machine_model)
+    cost = CostModel(machine_model, cache_path=costs)
     cost.source_per_sample = per_sample
     sim = Simulator.for_model(model, machine_model, cost, output=output)
     return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
@@ -161,7 +179,8 @@ def fit(apps: dict, batch: int, base) -> dict:
     predictions = []
     for point in points:
         mm = dataclasses.replace(base, **point)
-        predictions.append({app: predict(app, batch, a["strategies"], mm, a["per_sample"]) for app, a in apps.items()})
+        predictions.append({app: predict(app, batch, a["strategies"], mm, a["per_sample"], a["costs"])
+                            for app, a in apps.items()})
 
     def best(names_of) -> int:
         return min(range(len(points)), key=lambda k: sum(
@@ -200,40 +219,43 @@ def main(argv=None) -> dict:
         os.makedirs(args.save, exist_ok=True)
     setup = machine_setup(2, gpus=0)
     out = {"bench": "sim_accuracy", "ranks": 2, "targets": {"mean_error": 0.1, "kendall_tau": 0.8}, "apps": {}}
-    if args.rescore:
-        args.batch_size, saved = load_runs(args.rescore, args.apps)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:   # the runs' files unless --save
+        if args.rescore:
+            args.batch_size, saved = load_runs(args.rescore, args.apps)
+        else:
             saved = run_apps(args, setup, args.save or tmp)
-    for app, a in saved.items():
-        strategies, runs, per_sample = a["strategies"], a["runs"], a["per_sample"]
-        measured = {name: float(np.median(r)) for name, r in runs.items()}
-        a["measured"] = measured
-        predicted = predict(app, args.batch_size, strategies, setup.machine_model, per_sample)
-        rows = {}
-        for name in strategies:
-            m, q = measured[name], predicted[name]
-            rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
-                          "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
-            print(f"{app:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
-                  f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
-                  f"error {rows[name]['error']:6.1%}", flush=True)
-        error, tau = score(measured, predicted)
-        out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
-                            "source_us_per_sample": round(per_sample * 1e6, 2)}
-        print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
-              f"{per_sample * 1e6:.1f} us a sample)", flush=True)
-    if args.fit:
-        out["fit"] = fit(saved, args.batch_size, setup.machine_model)
-        f = out["fit"]
-        print("fit: " + ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}"
-                                  for k, v in f["figures"].items()), flush=True)
-        for app, s in f["in_sample"].items():
-            print(f"  in sample, {app}: mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
-        for i, fold in enumerate(f["folds"]):
-            for app, s in fold["held_out"].items():
-                print(f"  fold {i} (fitted on the other half: {fold['figures']}), held out, {app}: "
-                      f"mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
+        for app, a in saved.items():
+            strategies, runs, per_sample = a["strategies"], a["runs"], a["per_sample"]
+            measured = {name: float(np.median(r)) for name, r in runs.items()}
+            a["measured"] = measured
+            predicted = predict(app, args.batch_size, strategies, setup.machine_model, per_sample, a["costs"])
+            rows = {}
+            for name in strategies:
+                m, q = measured[name], predicted[name]
+                rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
+                              "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
+                print(f"{app:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
+                      f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
+                      f"error {rows[name]['error']:6.1%}", flush=True)
+            error, tau = score(measured, predicted)
+            probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("chain", "pingpong")} if a["probes"] else {}
+            out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
+                                "source_us_per_sample": round(per_sample * 1e6, 2),
+                                "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()}}
+            print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
+                  f"{per_sample * 1e6:.1f} us a sample; the runtime probe: "
+                  f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)
+        if args.fit:
+            out["fit"] = fit(saved, args.batch_size, setup.machine_model)
+            f = out["fit"]
+            print("fit: " + ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}"
+                                      for k, v in f["figures"].items()), flush=True)
+            for app, s in f["in_sample"].items():
+                print(f"  in sample, {app}: mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
+            for i, fold in enumerate(f["folds"]):
+                for app, s in fold["held_out"].items():
+                    print(f"  fold {i} (fitted on the other half: {fold['figures']}), held out, {app}: "
+                          f"mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
     print(json.dumps(out))
     return out
 

@@ -1,0 +1,104 @@
+"""The runtime's own overheads on this machine now: a probe of empty tasks under mpiexec.
+
+The local machine model's runtime figures (a task's launch overhead, a message's handling)
+are the runtime's Python and its threads' wake-ups, whose speed moves on a shared VM. The
+probe measures them as they are, so that a run's times can be read beside them
+(bench/sim_accuracy.py takes one before each round):
+
+- `chain`: seconds a task of a dependent chain of empty tasks on each rank's worker, every
+  rank running its own chain at once (what a task of a data-parallel step costs besides its
+  kernel);
+- `pingpong`: seconds a hop of one chain of empty tasks that alternates between the ranks,
+  each task waiting on the previous one's write on the other rank (a task plus a message
+  between ranks and its handling).
+
+Both are the median over blocks of CHAIN tasks, issued as replay blocks as the apps' steps
+are. `python -m strategies.probe` runs it under mpiexec itself (`measure_overheads`);
+under mpiexec (`mpiexec -n R python -m strategies.probe --ranks R`) rank 0 prints the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+#: tasks a block (per rank for the chain, in all for the ping-pong), blocks timed, blocks of warm-up
+CHAIN, BLOCKS, WARMUP = 50, 10, 2
+
+
+def _empty(v):
+    return None
+
+
+def probe(rt) -> dict[str, float]:
+    """Run both probes on runtime `rt` (every rank calls it): {'chain': s, 'pingpong': s}."""
+    from taskrt import READ_WRITE, req
+
+    ranks = rt.num_ranks
+    procs = [rt.machine.host_processor(r) for r in range(ranks)]
+    own = [rt.region((4,), "float32", f"probe_chain{r}") for r in range(ranks)]
+    shared = rt.region((4,), "float32", "probe_pingpong")
+    launches = {
+        "chain": lambda k: [rt.launch(_empty, req(own[r], READ_WRITE), proc=procs[r]) for r in range(ranks)],
+        "pingpong": lambda k: rt.launch(_empty, req(shared, READ_WRITE), proc=procs[k % ranks]),
+    }
+    out = {}
+    for name, launch in launches.items():
+        times = []
+        for block in range(WARMUP + BLOCKS):
+            rt.wait()
+            t0 = time.perf_counter()
+            with rt.replay(f"probe_{name}"):
+                for k in range(CHAIN):
+                    launch(k)
+            rt.wait()
+            if block >= WARMUP:
+                times.append((time.perf_counter() - t0) / CHAIN)
+        out[name] = float(np.median(times))
+    return out
+
+
+def measure_overheads(ranks: int = 2, timeout: float = 120) -> dict[str, float]:
+    """The probe on `ranks` MPI ranks of one CPU worker each (as the apps run under
+    apps.demo.machine_setup), run under this environment's mpiexec; RuntimeError with its
+    output if it fails."""
+    if ranks < 2:
+        raise ValueError(f"measure_overheads: the ping-pong needs at least 2 ranks, got ranks={ranks}")
+    root = Path(__file__).resolve().parent.parent
+    cmd = [str(Path(sys.executable).with_name("mpiexec")), "-n", str(ranks), sys.executable, "-m", "strategies.probe",
+           "--ranks", str(ranks), "--child"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{tail}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="MPI ranks (one CPU worker each)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.child:
+        print(json.dumps(measure_overheads(args.ranks)))
+        return
+    from taskrt import Runtime
+
+    with Runtime.from_mpi(cpus=1) as rt:
+        if rt.num_ranks != args.ranks:
+            raise SystemExit(f"strategies.probe: --ranks {args.ranks} but mpiexec started {rt.num_ranks}")
+        found = probe(rt)
+        if rt.rank == 0:
+            print(json.dumps(found), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""strategies.probe: the runtime's overheads measured under a real mpiexec of 2 ranks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from strategies.probe import measure_overheads
+
+
+def test_the_probe_measures_a_task_and_a_hop_between_ranks():
+    found = measure_overheads(2)
+    assert set(found) == {"chain", "pingpong"}
+    # empty tasks: tens of microseconds to a few milliseconds each on any machine
+    assert all(math.isfinite(v) and 1e-6 < v < 0.1 for v in found.values()), found
+
+
+def test_the_ping_pong_needs_two_ranks():
+    with pytest.raises(ValueError, match="needs at least 2 ranks, got ranks=1"):
+        measure_overheads(1)
