@@ -51,6 +51,7 @@ from strategies.cost import CostModel  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
+from strategies.timing import Handling, schedule_successors  # noqa: E402
 
 #: what --save writes beside the strategies' files and traces: the runs, and the kernels'
 #: times measured right after them (a cost cache: the machine's speed drifts, so the kernels
@@ -59,10 +60,10 @@ RUNS_FILE, COSTS_FILE = "runs.json", "costs.json"
 
 #: the grid of --fit: each runtime figure of the machine model and the values tried
 FIT_GRID = {
-    "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6),
-    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6),
-    "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6),
-    "kernel_slowdown": (1.0, 1.4, 1.8, 2.2),
+    "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6, 250e-6),
+    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6),
+    "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
+    "kernel_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
 }
 
 
@@ -172,15 +173,51 @@ def score(measured: dict[str, float], predicted: dict[str, float], names=None) -
     return error, kendall_tau([measured[n] for n in names], [predicted[n] for n in names])
 
 
+class LinearTimes:
+    """The simulated iterations of an app's strategies at any runtime figures, each graph built
+    and costed once. A node's seconds are linear in kernel_slowdown and launch_overhead (a task:
+    its kernel or source times the one plus the other; a fill or fold: bytes over bandwidth
+    plus the other; a copy: neither), and a copy between ranks holds its processors for
+    send_overhead and receive_overhead: so three costings (slowdown, launch) = (0, 0), (1, 0),
+    (0, 1), with send and receive 1, give every grid point's costs, and only the schedule is
+    run per point (the grid's thousand points then take seconds, not an hour)."""
+
+    def __init__(self, app: str, batch: int, strategies: dict[str, Strategy], base, per_sample: float,
+                 costs: str | None):
+        model, output = app_graph(app, batch, tiny=True)
+        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0)
+        costed = []
+        for slowdown, launch in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
+            mm = dataclasses.replace(unit, kernel_slowdown=slowdown, launch_overhead=launch)
+            cost = CostModel(mm, cache_path=costs)
+            cost.source_per_sample = per_sample
+            sim = Simulator.for_model(model, mm, cost, output=output)
+            costed.append({name: (sim.graph(s), sim.node_costs(sim.graph(s))) for name, s in strategies.items()})
+        self.parts = {}
+        for name in strategies:
+            graph, (res, fixed, delay, resources, handling) = costed[0][name]
+            per_slowdown, per_launch = (c[name][1][1] - fixed for c in costed[1:])
+            self.parts[name] = (graph.successors, res, fixed, per_slowdown, per_launch, delay, len(resources), handling)
+
+    def times(self, figures: dict) -> dict[str, float]:
+        """Each strategy's iteration time at `figures` (FIT_GRID's four)."""
+        out = {}
+        for name, (succ, res, fixed, per_slowdown, per_launch, delay, n_res, h) in self.parts.items():
+            dur = fixed + per_slowdown * figures["kernel_slowdown"] + per_launch * figures["launch_overhead"]
+            send, receive = figures["send_overhead"], figures["receive_overhead"]
+            # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
+            handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
+            out[name] = schedule_successors(res, dur, succ, n_res, delay, handling).time
+        return out
+
+
 def fit(apps: dict, batch: int, base) -> dict:
     """The FIT_GRID point with the least mean error over the apps, in sample and in two folds (fit
     on the strategies at even places of each app, scored on the odd ones, and the other way)."""
     points = [dict(zip(FIT_GRID, values)) for values in itertools.product(*FIT_GRID.values())]
-    predictions = []
-    for point in points:
-        mm = dataclasses.replace(base, **point)
-        predictions.append({app: predict(app, batch, a["strategies"], mm, a["per_sample"], a["costs"])
-                            for app, a in apps.items()})
+    linear = {app: LinearTimes(app, batch, a["strategies"], base, a["per_sample"], a["costs"])
+              for app, a in apps.items()}
+    predictions = [{app: linear[app].times(point) for app in apps} for point in points]
 
     def best(names_of) -> int:
         return min(range(len(points)), key=lambda k: sum(
