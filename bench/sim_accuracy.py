@@ -1,7 +1,7 @@
 """How close the simulator's predictions come to real runs: strategies of two tiny apps on 2 ranks.
 
     python bench/sim_accuracy.py [--apps mlp alexnet] [--iterations 20] [--budget 40] [--rounds 3]
-                                 [--random-seeds 1 2 3 4] [--fit] [--save DIR | --rescore DIR]
+                                 [--random-seeds 1 2 3 4] [--fit] [--save DIR | --rescore DIR [DIR ...]]
 
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
 device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
@@ -23,10 +23,11 @@ in sample and, so that the fit's own error shows, fitted on half the strategies 
 and scored on the other half (two folds).
 
 `--save DIR` keeps the runs in DIR: each strategy's file and trace, `runs.json` (each run's
-median iteration, the probes and the measured source, per app) and `costs.json` (the kernels). `--rescore DIR` trains nothing: it scores
-(and with --fit fits) the simulator as it is now on the runs saved there, so that a change to
-the simulator or the machine model is judged on the same runs as the code before it. Last
-line: one JSON object.
+median iteration, the probes and the measured source, per app) and `costs.json` (the kernels).
+`--rescore DIR` trains nothing: it scores (and with --fit fits) the simulator as it is now
+on the runs saved there, so that a change to the simulator or the machine model is judged on
+the same runs as the code before it. With several DIRs it scores each and fits them pooled,
+the folds then holding out one bench run at a time. Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -211,28 +212,39 @@ class LinearTimes:
         return out
 
 
-def fit(apps: dict, batch: int, base) -> dict:
-    """The FIT_GRID point with the least mean error over the apps, in sample and in two folds (fit
-    on the strategies at even places of each app, scored on the odd ones, and the other way)."""
+def fit(apps: dict, base) -> dict:
+    """The FIT_GRID point with the least mean error over `apps` (label -> a saved app's runs), in
+    sample and in folds: with runs of one bench run, fitted on the strategies at even places of
+    each app and scored on the odd ones, and the other way; with several, fitted on all runs
+    but one and scored on that one, for each."""
     points = [dict(zip(FIT_GRID, values)) for values in itertools.product(*FIT_GRID.values())]
-    linear = {app: LinearTimes(app, batch, a["strategies"], base, a["per_sample"], a["costs"])
-              for app, a in apps.items()}
-    predictions = [{app: linear[app].times(point) for app in apps} for point in points]
+    linear = {label: LinearTimes(a["app"], a["batch"], a["strategies"], base, a["per_sample"], a["costs"])
+              for label, a in apps.items()}
+    predictions = [{label: linear[label].times(point) for label in apps} for point in points]
 
     def best(names_of) -> int:
         return min(range(len(points)), key=lambda k: sum(
-            score(a["measured"], predictions[k][app], names_of(app))[0] for app, a in apps.items()))
+            score(a["measured"], predictions[k][label], names_of(label))[0]
+            for label, a in apps.items() if names_of(label) != []))
 
     def scored(k: int, names_of) -> dict:
-        return {app: dict(zip(("mean_error", "kendall_tau"), score(a["measured"], predictions[k][app], names_of(app))))
-                for app, a in apps.items()}
+        return {label: dict(zip(("mean_error", "kendall_tau"),
+                                score(a["measured"], predictions[k][label], names_of(label))))
+                for label, a in apps.items() if names_of(label) != []}
 
-    everything = best(lambda app: None)
-    out = {"figures": points[everything], "in_sample": scored(everything, lambda app: None), "folds": []}
-    for fold in (0, 1):
-        fitted = best(lambda app: list(apps[app]["measured"])[fold::2])
-        out["folds"].append({"figures": points[fitted],
-                             "held_out": scored(fitted, lambda app: list(apps[app]["measured"])[1 - fold::2])})
+    everything = best(lambda label: None)
+    out = {"figures": points[everything], "in_sample": scored(everything, lambda label: None), "folds": []}
+    runs = sorted({a["run"] for a in apps.values()})
+    if len(runs) > 1:
+        folds = [(f"the runs but {run}", lambda label, run=run: [] if apps[label]["run"] == run else None,
+                  lambda label, run=run: None if apps[label]["run"] == run else []) for run in runs]
+    else:
+        folds = [(f"the strategies at {'even' if fold == 0 else 'odd'} places",
+                  lambda label, fold=fold: list(apps[label]["measured"])[fold::2],
+                  lambda label, fold=fold: list(apps[label]["measured"])[1 - fold::2]) for fold in (0, 1)]
+    for fitted_on, train, test in folds:
+        k = best(train)
+        out["folds"].append({"fitted_on": fitted_on, "figures": points[k], "held_out": scored(k, test)})
     return out
 
 
@@ -248,7 +260,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fit", action="store_true", help="fit the local model's runtime figures to the runs")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--save", metavar="DIR", help="keep the strategies, traces and runs.json in DIR")
-    where.add_argument("--rescore", metavar="DIR", help="train nothing: score the runs that --save kept in DIR")
+    where.add_argument("--rescore", metavar="DIR", nargs="+",
+                       help="train nothing: score the runs that --save kept in DIR (several: fit them pooled)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be at least 1")
@@ -257,41 +270,47 @@ def main(argv=None) -> dict:
     setup = machine_setup(2, gpus=0)
     out = {"bench": "sim_accuracy", "ranks": 2, "targets": {"mean_error": 0.1, "kendall_tau": 0.8}, "apps": {}}
     with tempfile.TemporaryDirectory() as tmp:   # the runs' files unless --save
+        saved = {}   # label (the app, and its run where several are rescored) -> its runs
         if args.rescore:
-            args.batch_size, saved = load_runs(args.rescore, args.apps)
+            for run in args.rescore:
+                batch, apps = load_runs(run, args.apps)
+                for app, a in apps.items():
+                    label = app if len(args.rescore) == 1 else f"{app}@{os.path.basename(os.path.normpath(run))}"
+                    saved[label] = {**a, "app": app, "batch": batch, "run": run}
         else:
-            saved = run_apps(args, setup, args.save or tmp)
-        for app, a in saved.items():
-            strategies, runs, per_sample = a["strategies"], a["runs"], a["per_sample"]
+            saved = {app: {**a, "app": app, "batch": args.batch_size, "run": args.save or tmp}
+                     for app, a in run_apps(args, setup, args.save or tmp).items()}
+        for label, a in saved.items():
+            app, strategies, runs, per_sample = a["app"], a["strategies"], a["runs"], a["per_sample"]
             measured = {name: float(np.median(r)) for name, r in runs.items()}
             a["measured"] = measured
-            predicted = predict(app, args.batch_size, strategies, setup.machine_model, per_sample, a["costs"])
+            predicted = predict(app, a["batch"], strategies, setup.machine_model, per_sample, a["costs"])
             rows = {}
             for name in strategies:
                 m, q = measured[name], predicted[name]
                 rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
                               "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
-                print(f"{app:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
+                print(f"{label:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
                       f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
                       f"error {rows[name]['error']:6.1%}", flush=True)
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("chain", "pingpong")} if a["probes"] else {}
-            out["apps"][app] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
+            out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
                                 "source_us_per_sample": round(per_sample * 1e6, 2),
                                 "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()}}
-            print(f"{app}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
+            print(f"{label}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
                   f"{per_sample * 1e6:.1f} us a sample; the runtime probe: "
                   f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)
         if args.fit:
-            out["fit"] = fit(saved, args.batch_size, setup.machine_model)
+            out["fit"] = fit(saved, setup.machine_model)
             f = out["fit"]
             print("fit: " + ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}"
                                       for k, v in f["figures"].items()), flush=True)
             for app, s in f["in_sample"].items():
                 print(f"  in sample, {app}: mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
-            for i, fold in enumerate(f["folds"]):
-                for app, s in fold["held_out"].items():
-                    print(f"  fold {i} (fitted on the other half: {fold['figures']}), held out, {app}: "
+            for fold in f["folds"]:
+                for label, s in fold["held_out"].items():
+                    print(f"  fitted on {fold['fitted_on']} ({fold['figures']}), held out, {label}: "
                           f"mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
     print(json.dumps(out))
     return out
