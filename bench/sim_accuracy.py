@@ -7,12 +7,14 @@ For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine m
 device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
 random one for each of `--random-seeds` are trained for real (`mpiexec -n 2 python -m apps.NAME --strategy
 FILE`) `--rounds` times each, taking turns, and simulated with the cost model (the local
-model's runtime figures; the kernels measured right after the app's runs into a cost cache
-of the run's own, since this machine's speed drifts by up to two times within an hour and a
-shared cache would hold kernels timed in another hour). A strategy's measured time is the
-median over its runs of each run's median iteration after the warm-up. Before each round
-the runtime's own speed is probed (strategies.probe: an empty task of a chain, a hop
-between the ranks) and printed beside the errors. Printed per strategy: measured (and each
+model's runtime figures; kernels and batch source as measured here during the bench). A
+strategy's measured time is the median over its runs of each run's median iteration after
+the warm-up. This machine's speed drifts by up to two times within an hour, so a shared cost
+cache would hold kernels timed in another hour: before each round the bench measures every
+kernel of the strategies and the batch source afresh, and predicts with each one's median
+over the rounds (a cost cache of the run's own). It also probes the runtime's own speed then
+(strategies.probe: an empty task of a chain, a hop between the ranks) and prints it beside
+the errors. Printed per strategy: measured (and each
 run) and predicted iteration time and the relative error; per app the mean error and
 Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 
@@ -48,15 +50,14 @@ from apps.demo import machine_setup, search_strategy, train_mpi  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.random import random_strategy  # noqa: E402
-from strategies.cost import CostModel  # noqa: E402
+from strategies.cost import CACHE_VERSION, CostModel  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 from strategies.timing import Handling, schedule_successors  # noqa: E402
 
-#: what --save writes beside the strategies' files and traces: the runs, and the kernels'
-#: times measured right after them (a cost cache: the machine's speed drifts, so the kernels
-#: are measured in the same hour as the runs they predict)
+#: what --save writes beside the strategies' files and traces: the runs, and the kernels' median
+#: times over the rounds (a cost cache; each round's own is there too, costs.APP.roundR.json)
 RUNS_FILE, COSTS_FILE = "runs.json", "costs.json"
 
 #: the grid of --fit: each runtime figure of the machine model and the values tried
@@ -89,23 +90,48 @@ def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> dict[str,
 
 
 def measure_app(app: str, batch: int, iterations: int, strategies: dict[str, Strategy], setup, rounds: int,
-                out_dir: str) -> tuple[dict[str, list[float]], list[dict]]:
+                out_dir: str) -> dict:
     """Each strategy trained `rounds` times, the strategies taking turns (forward, then backward, ...)
-    so that the machine's drift falls on all of them alike: (name -> each run's median iteration
-    (s); the runtime probe's figures before each round, strategies.probe)."""
+    so that the machine's drift falls on all of them alike; before each round the machine as it
+    is then: the runtime probe (strategies.probe), the batch source and every kernel of the
+    strategies measured afresh. Returns {"runs": name -> each run's median iteration (s),
+    "probes": one a round, "per_sample": the median round's source seconds a sample, "costs":
+    a cost cache of each kernel's median over the rounds}."""
     paths = {}
     for name, strategy in strategies.items():
         paths[name] = os.path.join(out_dir, f"{app}.{name}.json")
         strategy.save(paths[name])
     runs: dict[str, list[float]] = {name: [] for name in strategies}
-    probes = []
+    probes, sources, kernels = [], [], []
     for r in range(rounds):
         probes.append(measure_overheads(2))
+        sources.append(source_per_sample(app, batch, setup.machine_model))
+        kernels.append(os.path.join(out_dir, f"costs.{app}.round{r}.json"))
+        predict(app, batch, strategies, setup.machine_model, sources[-1], kernels[-1])   # measures every kernel
         for name in (list(strategies) if r % 2 == 0 else list(strategies)[::-1]):
             report = train_mpi(app, setup, batch, iterations, ["--strategy", paths[name]],
                                os.path.join(out_dir, f"{app}.{name}.jsonl"))
             runs[name].append(report["median_iteration_s"])
-    return runs, probes
+    costs = os.path.join(out_dir, COSTS_FILE)
+    merge_median_costs(kernels, costs)
+    return {"runs": runs, "probes": probes, "per_sample": float(np.median(sources)), "costs": costs}
+
+
+def merge_median_costs(paths: list[str], out: str) -> None:
+    """Add to the cost cache `out` each kernel of the caches `paths` with its median seconds over them."""
+    tables = []
+    for path in paths:
+        with open(path) as f:
+            tables.append(json.load(f)["entries"])
+    entries = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            entries = json.load(f)["entries"]
+    for key in tables[0]:
+        found = [t[key] for t in tables if key in t]
+        entries[key] = {**found[0], "seconds": float(np.median([e["seconds"] for e in found]))}
+    with open(out, "w") as f:
+        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=0, sort_keys=True)
 
 
 def source_per_sample(app: str, batch: int, machine_model) -> float:
@@ -116,17 +142,13 @@ def source_per_sample(app: str, batch: int, machine_model) -> float:
 
 
 def run_apps(args, setup, out_dir: str) -> dict:
-    """Train every strategy of each app (measure_app) in `out_dir` and measure its source:
-    app -> {"strategies", "runs", "per_sample"}; RUNS_FILE in `out_dir` records the runs."""
+    """Train every strategy of each app (measure_app) in `out_dir`: app -> {"strategies", and what
+    measure_app returns}; RUNS_FILE in `out_dir` records the runs."""
     saved = {}
     for app in args.apps:
         strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
-        runs, probes = measure_app(app, args.batch_size, args.iterations, strategies, setup, args.rounds, out_dir)
-        per_sample = source_per_sample(app, args.batch_size, setup.machine_model)
-        costs = os.path.join(out_dir, COSTS_FILE)
-        predict(app, args.batch_size, strategies, setup.machine_model, per_sample, costs)   # measures the kernels
-        saved[app] = {"strategies": strategies, "runs": runs, "probes": probes, "per_sample": per_sample,
-                      "costs": costs}
+        saved[app] = {"strategies": strategies, **measure_app(app, args.batch_size, args.iterations, strategies, setup,
+                                                               args.rounds, out_dir)}
         with open(os.path.join(out_dir, RUNS_FILE), "w") as f:
             json.dump({"batch_size": args.batch_size, "apps": {
                 a: {k: s[k] for k in ("runs", "probes", "per_sample")} for a, s in saved.items()}}, f, indent=1)
