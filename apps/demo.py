@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +27,8 @@ from strategies.machine_model import MachineModel, load_machine
 from strategies.search import SearchResult, app_graph, app_source, search
 from strategies.simulator import Simulator
 from taskrt.machine import count_gpus
+from taskrt.mpiexec import run_module_json
 from taskrt.tracing import rank_trace_path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -78,16 +73,9 @@ def train_mpi(app: str, setup: Setup, batch: int, iterations: int, which: list[s
               timeout: float = 600) -> dict:
     """Train the tiny app under mpiexec with `which` (--strategy FILE or --baseline NAME) and
     return rank 0's JSON report; a failed run raises RuntimeError with its last output."""
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    cmd = [str(mpiexec), "-n", str(setup.ranks), sys.executable, "-m", f"apps.{app}", "--tiny",
-           "--batch-size", str(batch), "--iterations", str(iterations), *which, *setup.flags(), "--trace", trace]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{tail}")
-    return json.loads(lines[-1])
+    return run_module_json(setup.ranks, f"apps.{app}", ["--tiny", "--batch-size", str(batch), "--iterations",
+                                                        str(iterations), *which, *setup.flags(), "--trace", trace],
+                           timeout)
 
 
 def table(rows: list[dict]) -> str:

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from taskrt.mpiexec import run_module_json
 
 #: tasks a block (per rank for the chain, in all for the ping-pong), blocks timed, blocks of warm-up
 CHAIN, BLOCKS, WARMUP = 50, 10, 2
@@ -70,16 +68,7 @@ def measure_overheads(ranks: int = 2, timeout: float = 120) -> dict[str, float]:
     output if it fails."""
     if ranks < 2:
         raise ValueError(f"measure_overheads: the ping-pong needs at least 2 ranks, got ranks={ranks}")
-    root = Path(__file__).resolve().parent.parent
-    cmd = [str(Path(sys.executable).with_name("mpiexec")), "-n", str(ranks), sys.executable, "-m", "strategies.probe",
-           "--ranks", str(ranks), "--child"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{tail}")
-    return json.loads(lines[-1])
+    return run_module_json(ranks, "strategies.probe", ["--ranks", str(ranks), "--child"], timeout)
 
 
 def main(argv=None) -> None:
