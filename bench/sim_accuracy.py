@@ -14,9 +14,8 @@ cache would hold kernels timed in another hour: before each round the bench meas
 kernel of the strategies and the batch source afresh, and predicts with each one's median
 over the rounds (a cost cache of the run's own). It also probes the runtime's own speed then
 (strategies.probe: an empty task of a chain, a hop between the ranks) and prints it beside
-the errors. Printed per strategy: measured (and each
-run) and predicted iteration time and the relative error; per app the mean error and
-Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
+the errors. Printed per strategy: measured (and each run) and predicted iteration time and
+the relative error; per app the mean error and Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 
 `--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
 receive_overhead, kernel_slowdown: see strategies/machines/README.md) to these runs, on a
@@ -170,10 +169,10 @@ def load_runs(directory: str, apps: list[str]) -> tuple[int, dict]:
         sys.exit(f"bench/sim_accuracy.py --rescore: {path} has no runs of {missing} (it has {sorted(recorded)})")
     costs = os.path.join(directory, COSTS_FILE)
     return batch, {app: {"strategies": {name: load_strategy(os.path.join(directory, f"{app}.{name}.json"))
-                                 for name in recorded[app]["runs"]},
-                         "costs": costs if os.path.exists(costs) else None,
-                  "runs": recorded[app]["runs"], "probes": recorded[app].get("probes", []),
-                  "per_sample": recorded[app]["per_sample"]} for app in apps}
+                                        for name in recorded[app]["runs"]},
+                         "runs": recorded[app]["runs"], "probes": recorded[app].get("probes", []),
+                         "per_sample": recorded[app]["per_sample"],
+                         "costs": costs if os.path.exists(costs) else None} for app in apps}
 
 
 def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float,
@@ -318,8 +317,8 @@ def main(argv=None) -> dict:
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("chain", "pingpong")} if a["probes"] else {}
             out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
-                                "source_us_per_sample": round(per_sample * 1e6, 2),
-                                "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()}}
+                                  "source_us_per_sample": round(per_sample * 1e6, 2),
+                                  "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()}}
             print(f"{label}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
                   f"{per_sample * 1e6:.1f} us a sample; the runtime probe: "
                   f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)

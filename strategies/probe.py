@@ -13,8 +13,8 @@ probe measures them as they are, so that a run's times can be read beside them
   between ranks and its handling).
 
 Both are the median over blocks of CHAIN tasks, issued as replay blocks as the apps' steps
-are. `python -m strategies.probe` runs it under mpiexec itself (`measure_overheads`);
-under mpiexec (`mpiexec -n R python -m strategies.probe --ranks R`) rank 0 prints the JSON.
+are. `python -m strategies.probe [--ranks R]` (or `measure_overheads`) runs it under
+mpiexec and prints the JSON.
 """
 from __future__ import annotations
 
