@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -49,7 +50,7 @@ from apps.demo import machine_setup, search_strategy, train_mpi  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.random import random_strategy  # noqa: E402
-from strategies.cost import CACHE_VERSION, CostModel  # noqa: E402
+from strategies.cost import CostModel, read_cache, write_cache  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
@@ -118,19 +119,9 @@ def measure_app(app: str, batch: int, iterations: int, strategies: dict[str, Str
 
 def merge_median_costs(paths: list[str], out: str) -> None:
     """Add to the cost cache `out` each kernel of the caches `paths` with its median seconds over them."""
-    tables = []
-    for path in paths:
-        with open(path) as f:
-            tables.append(json.load(f)["entries"])
-    entries = {}
-    if os.path.exists(out):
-        with open(out) as f:
-            entries = json.load(f)["entries"]
-    for key in tables[0]:
-        found = [t[key] for t in tables if key in t]
-        entries[key] = {**found[0], "seconds": float(np.median([e["seconds"] for e in found]))}
-    with open(out, "w") as f:
-        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=0, sort_keys=True)
+    tables = [read_cache(Path(path)) for path in paths]
+    write_cache(Path(out), {key: {**entry, "seconds": float(np.median([t[key]["seconds"] for t in tables if key in t]))}
+                            for key, entry in tables[0].items()})
 
 
 def source_per_sample(app: str, batch: int, machine_model) -> float:
@@ -208,17 +199,17 @@ class LinearTimes:
                  costs: str | None):
         model, output = app_graph(app, batch, tiny=True)
         unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0)
-        costed = []
+        sims = []
         for slowdown, launch in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
             mm = dataclasses.replace(unit, kernel_slowdown=slowdown, launch_overhead=launch)
             cost = CostModel(mm, cache_path=costs)
             cost.source_per_sample = per_sample
-            sim = Simulator.for_model(model, mm, cost, output=output)
-            costed.append({name: (sim.graph(s), sim.node_costs(sim.graph(s))) for name, s in strategies.items()})
+            sims.append(Simulator.for_model(model, mm, cost, output=output))
         self.parts = {}
-        for name in strategies:
-            graph, (res, fixed, delay, resources, handling) = costed[0][name]
-            per_slowdown, per_launch = (c[name][1][1] - fixed for c in costed[1:])
+        for name, strategy in strategies.items():
+            graph = sims[0].graph(strategy)   # one graph, costed by each simulator
+            (res, fixed, delay, resources, handling), *others = (sim.node_costs(graph) for sim in sims)
+            per_slowdown, per_launch = (c[1] - fixed for c in others)
             self.parts[name] = (graph.successors, res, fixed, per_slowdown, per_launch, delay, len(resources), handling)
 
     def times(self, figures: dict) -> dict[str, float]:

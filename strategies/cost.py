@@ -172,8 +172,9 @@ def update_work(optimizer, volume: int, itemsize: int) -> tuple[float, float]:
 
 
 # ---- the disk cache -------------------------------------------------------------------------------
-def _read_cache(path: Path) -> dict:
-    """The entries of a cache file ({} when there is none, or one that is not ours: it is rebuilt)."""
+def read_cache(path: Path) -> dict:
+    """The entries of a cache file, key text -> {seconds, kind, flops, bytes, device} ({} when
+    there is none, or one that is not ours: it is rebuilt)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -200,10 +201,10 @@ def _locked(path: Path):
         yield
 
 
-def _write_cache(path: Path, new: dict) -> dict:
+def write_cache(path: Path, new: dict) -> dict:
     """Merge `new` entries into the file under its lock and replace it atomically; returns the merged entries."""
     with _locked(path):
-        entries = {**_read_cache(path), **new}
+        entries = {**read_cache(path), **new}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=0, sort_keys=True))
         os.replace(tmp, path)
@@ -314,12 +315,12 @@ class CostModel:
     def entries(self) -> dict:
         """Cached measurements: key text -> {seconds, kind, flops, bytes, device}."""
         if self._entries is None:
-            self._entries = _read_cache(self.cache_path)
+            self._entries = read_cache(self.cache_path)
         return self._entries
 
     def _store(self, new: dict) -> None:
         if new:
-            self._entries = _write_cache(self.cache_path, new)
+            self._entries = write_cache(self.cache_path, new)
 
     def measurements(self, device: DeviceSpec | Processor | str | None = None) -> list[Measurement]:
         """The cached measurements made on `device` (the model's device by default), for fit_efficiency."""
