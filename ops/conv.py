@@ -39,13 +39,14 @@ _WINOGRAD_MIN_BLOCKS = 64
 #: one core, forward + backward, direct over the batched im2col path: 3 channels (16 samples,
 #: 32x32 -> 16) 0.65, 4 channels 0.67, 8 channels 0.94 of Winograd, 16 channels 2.95
 _DIRECT_MAX_CHANNELS = 4
-#: output tiles of at most this many pixels (and a kernel other than 1x1, stride 1 along the
-#: width) run with all their samples' columns side by side (Conv2d._batched): one GEMM a chunk
-#: where the per-sample ones are thin. Measured on one core, forward + backward, batch 8-32,
+#: output tiles of at most this many pixels (and a kernel other than 1x1) run with all their
+#: samples' columns side by side (Conv2d._batched): one GEMM a chunk where the per-sample ones
+#: are thin, and no padded copies. Measured on one core, forward + backward, batch 8-32,
 #: against im2col per sample: 0.7-0.8x its time for 3x3 from 8x8 to 32x32 (3 to 128 channels),
 #: 0.9x for a 1x7 at 28x28, 1.0x for a 5x5 at 27x27 with 96 channels, 0.65x for a 3x3 at 56x56
 #: with 3 channels but 1.6-2x at 64x64 and 112x112 with 3-4 (where a sample's columns fill a
-#: chunk by themselves)
+#: chunk by themselves). Stride 2, on both cores: 0.63-0.96x for 3x3 reductions to 28x28,
+#: 17x17, 14x14 and 7x7 (16 to 512 channels), 0.77x for a 5x5 on 3 channels to 32x32
 _BATCHED_MAX_PIXELS = 32 * 32
 
 
@@ -178,6 +179,103 @@ def _im2col_rows_cpu(x, kernel, sh, pads, cols):
                         _copy_run(row[ow_lo:], x[s, c, oh * sh - top + i, ow_lo - left + j:], ow_hi - ow_lo)
                         for ow in range(ow_hi, ow_):
                             row[ow] = zero
+
+
+# The width-strided kernels' runs: every step-th entry of the input row. Stride 2, the
+# reductions' stride, has its own loops with the step a literal, which LLVM vectorizes as
+# interleaved loads and stores (an im2col of ResNet's 3x3 stride-2 reduction, 16 samples of
+# 128 channels at 56x56: 16 -> 10 ms; its col2im 16 -> 8.7 ms).
+@numba.njit(nogil=True, inline="always")
+def _gather2(dst, src, n):
+    for k in range(n):
+        dst[k] = src[2 * k]
+
+
+@numba.njit(nogil=True, inline="always")
+def _gather(dst, src, n, step):
+    for k in range(n):
+        dst[k] = src[step * k]
+
+
+@numba.njit(nogil=True, inline="always")
+def _scatter_add2(dst, src, n):
+    for k in range(n):
+        dst[2 * k] += src[k]
+
+
+@numba.njit(nogil=True, inline="always")
+def _scatter_add(dst, src, n, step):
+    for k in range(n):
+        dst[step * k] += src[k]
+
+
+@numba.njit(nogil=True, cache=True)
+def _im2col_rows_strided_cpu(x, kernel, stride, pads, cols):
+    """_im2col_rows_cpu for a width stride above 1 (ResNet's and Inception's reductions): each
+    output row's valid windows gathered from every stride-th entry of an input row, the rest
+    zeroed. Its own kernel: a strided branch in _im2col_rows_cpu would keep that one from
+    vectorizing."""
+    n_, c_, h_, w_ = x.shape
+    oh_, ow_ = cols.shape[2:]
+    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
+    zero = cols.dtype.type(0)
+    xf = x.reshape(n_, c_, h_ * w_)
+    cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
+    for c in range(c_):
+        for i in range(kh):
+            oh_lo, oh_hi = _valid_outputs(i, sh, top, oh_, h_)
+            for j in range(kw):
+                ow_lo, ow_hi = _valid_outputs(j, sw, left, ow_, w_)
+                r = (c * kh + i) * kw + j
+                n = max(0, ow_hi - ow_lo)
+                for s in range(n_):
+                    dst, src = cf[r, s], xf[s, c]
+                    for k in range(oh_lo * ow_):
+                        dst[k] = zero
+                    for k in range(oh_hi * ow_, oh_ * ow_):
+                        dst[k] = zero
+                    for oh in range(oh_lo, oh_hi):
+                        row = dst[oh * ow_:]
+                        for ow in range(ow_lo):
+                            row[ow] = zero
+                        for ow in range(ow_lo + n, ow_):
+                            row[ow] = zero
+                        run = row[ow_lo:]
+                        start = (oh * sh - top + i) * w_ + ow_lo * sw - left + j
+                        if sw == 2:
+                            _gather2(run, src[start:], n)
+                        else:
+                            _gather(run, src[start:], n, sw)
+
+
+@numba.njit(nogil=True, cache=True)
+def _col2im_rows_strided_cpu(cols, kernel, stride, pads, dx):
+    """The gradient of _im2col_rows_strided_cpu, written into dx (no padded copy to crop)."""
+    n_, c_, h_, w_ = dx.shape
+    oh_, ow_ = cols.shape[2:]
+    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
+    zero = dx.dtype.type(0)
+    df = dx.reshape(n_, c_, h_ * w_)
+    cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
+    for s in range(n_):
+        for c in range(c_):
+            out = df[s, c]
+            for k in range(h_ * w_):
+                out[k] = zero
+            for i in range(kh):
+                oh_lo, oh_hi = _valid_outputs(i, sh, top, oh_, h_)
+                for j in range(kw):
+                    ow_lo, ow_hi = _valid_outputs(j, sw, left, ow_, w_)
+                    if ow_hi <= ow_lo:
+                        continue
+                    src = cf[(c * kh + i) * kw + j, s]
+                    for oh in range(oh_lo, oh_hi):
+                        run = src[oh * ow_ + ow_lo:]
+                        start = (oh * sh - top + i) * w_ + ow_lo * sw - left + j
+                        if sw == 2:
+                            _scatter_add2(out[start:], run, ow_hi - ow_lo)
+                        else:
+                            _scatter_add(out[start:], run, ow_hi - ow_lo, sw)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -375,11 +473,9 @@ class Conv2d(Op):
 
     def _batched(self, xp, tile: Rect) -> bool:
         """Whether a tile runs with the columns of its samples side by side (_forward_batched): on
-        the CPU, for tiles of at most _BATCHED_MAX_PIXELS output pixels, kernels other than 1x1
-        (whose columns are the input itself) and stride 1 along the width (the kernels copy
-        runs of rows, see _im2col_rows_cpu)."""
-        return (xp is np and self.kernel != (1, 1) and self.stride[1] == 1
-                and tile.shape[2] * tile.shape[3] <= _BATCHED_MAX_PIXELS)
+        the CPU, for tiles of at most _BATCHED_MAX_PIXELS output pixels and kernels other than 1x1
+        (whose columns are the input itself)."""
+        return xp is np and self.kernel != (1, 1) and tile.shape[2] * tile.shape[3] <= _BATCHED_MAX_PIXELS
 
     def _sample_columns(self, tile: Rect, x, pads):
         """Yield (a, b, cols): the im2col matrix [K, (b-a)*OH*OW] of samples [a, b) of the unpadded
@@ -391,7 +487,10 @@ class Conv2d(Op):
         x = np.ascontiguousarray(x)
         for a, b in chunks:
             cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
-            _im2col_rows_cpu(x[a:b], self.kernel, self.stride[0], (pads[0][0], pads[1][0]), cols)
+            if self.stride[1] == 1:
+                _im2col_rows_cpu(x[a:b], self.kernel, self.stride[0], (pads[0][0], pads[1][0]), cols)
+            else:
+                _im2col_rows_strided_cpu(x[a:b], self.kernel, self.stride, (pads[0][0], pads[1][0]), cols)
             yield a, b, cols.reshape(k, -1)
 
     def _forward_batched(self, tile, x, pads, w, bias, y) -> None:
@@ -432,7 +531,10 @@ class Conv2d(Op):
             if dx is None:
                 continue
             np.matmul(wg_t, dyg, out=colsg)
-            _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride[0], top_left, dx[a:b])
+            if self.stride[1] == 1:
+                _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride[0], top_left, dx[a:b])
+            else:
+                _col2im_rows_strided_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b])
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     @staticmethod

@@ -142,7 +142,7 @@ def test_conv_batched_and_per_sample_columns_match_a_direct_reference(n, groups,
             patch.setattr(conv_module, "_CHUNK_BYTES", chunk)
             patch.setattr(conv_module, "_WINOGRAD_MIN_BLOCKS", 10**9)  # the column paths, not Winograd's
             patch.setattr(conv_module, "_DIRECT_MAX_CHANNELS", 0)        # nor the direct one
-            batched = max_pixels > 0 and sw == 1 and (kh, kw) != (1, 1)
+            batched = max_pixels > 0 and (kh, kw) != (1, 1)
             assert op._path(np, Rect.from_shape(op.tile_shape)) == ("batched" if batched else "columns")
             for o, xs, ws, gs, tol in ((op, x, weights, g, 1e-4), (op64, x64, w64, g64, 1e-11)):
                 (y,), (dx,), grads, _ = run_whole(o, [xs], ws, grad_outputs=[gs])
