@@ -38,9 +38,10 @@ import threading
 import time
 from contextlib import nullcontext
 
+import numpy as np
+
 from taskrt import READ, READ_WRITE, Runtime, req
 from taskrt.machine import mpi_world_size_from_env
-import numpy as np  # after taskrt: OpenBLAS loads with idle threads that sleep (taskrt/blas_env.py)
 
 
 def relaunch_on_two_ranks() -> None:

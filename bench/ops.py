@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 # run as a script, this file's folder comes first on sys.path, and bench/ops.py would
 # shadow the ops package: look in the repository root instead
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +40,6 @@ from ops.lstm import LSTM
 from ops.activation import Softmax
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
-import numpy as np  # after taskrt: OpenBLAS loads with idle threads that sleep (taskrt/blas_env.py)
-
 
 def best_of(fn, repeats: int) -> float:
     fn()

@@ -41,6 +41,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
@@ -53,7 +55,6 @@ from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph, app_source  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 from strategies.timing import Handling, schedule_successors  # noqa: E402
-import numpy as np  # noqa: E402 - after taskrt: OpenBLAS loads with idle threads that sleep (taskrt/blas_env.py)
 
 #: what --save writes beside the strategies' files and traces: the runs, and the kernels' median
 #: times over the rounds (a cost cache; each round's own is there too, costs.APP.roundR.json)

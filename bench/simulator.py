@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
@@ -45,7 +47,6 @@ from strategies.machine_model import load_machine  # noqa: E402
 from strategies.search import STARTS, app_graph, search  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 from taskrt import Machine, Runtime  # noqa: E402
-import numpy as np  # noqa: E402 - after taskrt: OpenBLAS loads with idle threads that sleep (taskrt/blas_env.py)
 
 
 def conv_net(blocks: int = 33, batch: int = 64) -> Model:

@@ -12,10 +12,10 @@ import json
 import time
 from contextlib import nullcontext
 
+import numpy as np
 from threadpoolctl import threadpool_limits
 
 from taskrt import READ, READ_WRITE, Runtime, req
-import numpy as np  # after taskrt: OpenBLAS loads with idle threads that sleep (taskrt/blas_env.py)
 
 N_SINGLE = 4000
 LAUNCHES, POINTS = 60, 64

@@ -5,10 +5,6 @@ use, so importing a single operator module stays light.
 """
 import importlib
 
-from taskrt.blas_env import quiet_idle_threads
-
-quiet_idle_threads()  # before anything loads numpy (taskrt/blas_env.py)
-
 _LAZY = {"Model": "ops.model", "History": "ops.model", "TileConfig": "ops.lower", "ConfigError": "ops.lower",
          "default_config": "ops.lower", "SGD": "ops.optimizers", "Adam": "ops.optimizers",
          "Strategy": "ops.strategy", "StrategyError": "ops.strategy", "model_fingerprint": "ops.strategy"}

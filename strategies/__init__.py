@@ -2,10 +2,6 @@
 configs; `from strategies import expert` loads a module on first use."""
 import importlib
 
-from taskrt.blas_env import quiet_idle_threads
-
-quiet_idle_threads()  # before anything loads numpy (taskrt/blas_env.py)
-
 _LAZY = {"Strategy": "ops.strategy", "StrategyError": "ops.strategy", "load": "ops.strategy",
          "save": "ops.strategy", "model_fingerprint": "ops.strategy",
          "BASELINES": "strategies.baselines", "data_parallel": "strategies.baselines",

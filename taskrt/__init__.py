@@ -4,10 +4,6 @@ Regions are logical tensors; partitions split them into sub-rects; tasks name th
 they touch with privileges; the runtime finds the parallelism, moves the data and
 traces everything. See README.md.
 """
-from .blas_env import quiet_idle_threads
-
-quiet_idle_threads()  # first, before numpy loads OpenBLAS
-
 from .executor import TaskError
 from .geometry import Rect
 from .launch import Future, FutureMap, Requirement, req

@@ -1,15 +1,10 @@
 """Test-wide settings: hypothesis without per-example deadlines (a busy 2-core machine makes
 timing meaningless), and, under CI, derandomized so that a run is reproducible. The suite
 tests the CPU path, so runtimes it makes take no GPU even where one exists (TASKRT_GPUS=0,
-inherited by the MPI programs); tests/test_gpu.py builds GPU machines itself. OpenBLAS's idle threads
-sleep (taskrt.blas_env, set here before any test module loads numpy)."""
+inherited by the MPI programs); tests/test_gpu.py builds GPU machines itself."""
 import os
 
 from hypothesis import settings
-
-from taskrt.blas_env import quiet_idle_threads
-
-quiet_idle_threads()
 
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
