@@ -9,13 +9,17 @@ the per-head GEMMs write straight into [batch, seq, heads, d] buffers. The softm
 the causal mask, and its backward run in place on the [batch, heads, Lq, Lk] scores, through
 ops.activation's fused row kernels on the CPU (one pass each).
 
-On the CPU the per-head work (scores, softmax, P v; in backward the four GEMMs and the
-softmax's backward) runs as one job per group of (sample, head) pairs on a small thread
-pool, one group per core the task has, each GEMM on one BLAS thread: these small GEMMs
-gain nothing from BLAS's own threads, which also stall badly while another process holds a
-core, and one job per group waits for the cores once, not once per GEMM. Inside a group the
-pairs go one at a time (see _pairs), so a pair's scores stay in cache between its steps.
-Scores small enough (WHOLE_SCORES_BYTES) go whole instead, all pairs in each call.
+On the CPU all the work runs as one job per group of (sample, head) pairs on a small thread
+pool, one group per core the task has, each GEMM on one BLAS thread: a group projects its
+samples' q, k and v over its heads' columns, attends, and makes its share of the output (in
+backward, of every gradient; the shares are added up after). The per-head GEMMs gain nothing
+from BLAS's own threads, which also stall badly while another process holds a core, and one
+job per group waits for the cores once, not once per GEMM. The projections are in the groups
+too, not threaded GEMMs around them: after a threaded GEMM OpenBLAS's idle threads spin for
+about 0.1 s on the cores the groups need (forward + backward, 4 samples of 512 tokens: 190 ->
+140 ms). Inside a group the pairs go one at a time (see _pairs), so a pair's scores stay in
+cache between its steps. Scores small enough (WHOLE_SCORES_BYTES) go whole instead, all pairs
+in each call.
 
 The heads are a partial parameter split (the tile space is [batch, Lq, E, heads]): a tile
 projects and attends with its own heads only, and its output projection, over its heads'
@@ -71,19 +75,30 @@ def _whole(xp, scores_shape: tuple, itemsize: int) -> bool:
     return xp is not np or math.prod(scores_shape) * itemsize <= WHOLE_SCORES_BYTES
 
 
-def _per_head_groups(xp, batch: int, heads: int, work, whole: bool) -> None:
-    """work(samples, heads) over all the (sample, head) pairs: at once when `whole`; else on the
-    CPU as one job per group on the pool, a group per core of the task, BLAS on one thread."""
+def _per_head_groups(xp, batch: int, heads: int, work, whole: bool) -> list[tuple]:
+    """[((samples, heads), work(samples, heads))] over groups that cover every (sample, head) pair
+    once: one group when `whole`; else on the CPU one job per group on the pool, a group per core
+    of the task, BLAS on one thread."""
     if whole:
-        work(slice(None), slice(None))
-        return
+        groups = [(slice(0, batch), slice(0, heads))]
+        return [(groups[0], work(*groups[0]))]
     with cpu_pool.blas_on_one_thread() as threads:
         groups = _head_groups(batch, heads, threads)
         if len(groups) == 1:
-            work(*groups[0])
-            return
-        for job in [_pool().submit(work, *g) for g in groups]:
-            job.result()
+            return [(groups[0], work(*groups[0]))]
+        jobs = [_pool().submit(work, *g) for g in groups]
+        return [(g, job.result()) for g, job in zip(groups, jobs)]
+
+
+def _head_columns(hs: slice, heads: int, d: int) -> slice:
+    """The columns of a tile's projected [.., heads * d] arrays that heads `hs` own."""
+    lo, hi, _ = hs.indices(heads)
+    return slice(lo * d, hi * d)
+
+
+def _all_heads(hs: slice, heads: int) -> bool:
+    """Whether a group's heads are all the tile's."""
+    return hs.indices(heads)[:2] == (0, heads)
 
 
 def _pairs(batch: int, heads: int, samples: slice, hs: slice, whole: bool) -> list[tuple]:
@@ -216,45 +231,60 @@ class MultiHeadAttention(Op):
         e = self.embed_dim
         return slice(which * e + cols.start, which * e + cols.stop)
 
-    def _project(self, x, weights, which: int, cols: slice):
-        """x [b, n, E] @ W_which^T + b_which over the columns `cols` of q (0), k (1) or v (2)."""
+    def _project(self, xp, x, weights, which: int, cols: slice, out) -> None:
+        """out [b, n, len(cols)] = x [b, n, E] @ W_which^T + b_which over the columns `cols` of q (0),
+        k (1) or v (2)."""
         rows = self._rows(which, cols)
-        y = x.reshape(-1, self.embed_dim) @ weights["in_proj_weight"][rows].T
+        x2, w = x.reshape(-1, self.embed_dim), weights["in_proj_weight"][rows].T
+        direct = out.flags.c_contiguous   # a group of samples: the GEMM writes its rows in place
+        y = xp.matmul(x2, w, out=out.reshape(x2.shape[0], -1)) if direct else x2 @ w
         if self.use_bias:
             y += weights["in_proj_bias"][rows]
-        return y.reshape(x.shape[:2] + (rows.stop - rows.start,))
+        if not direct:
+            out[...] = y.reshape(out.shape)
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         query, key, value = inputs
         b, lq, e = query.shape
+        lk = key.shape[1]
         nh = tile.shape[3]
         d = e // int(self.num_heads)
-        if weights["in_proj_weight"].shape != (3 * e, e):
-            raise self.fail(f"in_proj_weight is {tuple(weights['in_proj_weight'].shape)}, expected {(3 * e, e)}")
+        w_in, w_out = weights["in_proj_weight"], weights["out_proj_weight"]
+        if w_in.shape != (3 * e, e):
+            raise self.fail(f"in_proj_weight is {tuple(w_in.shape)}, expected {(3 * e, e)}")
         cols = self._columns(tile)
-        q = self._project(query, weights, 0, cols)
-        q *= q.dtype.type(1.0 / math.sqrt(d))
-        k = self._project(key, weights, 1, cols)
-        v = self._project(value, weights, 2, cols)
-
-        whole = _whole(xp, (b, nh, lq, key.shape[1]), q.itemsize)
-        p = _scores(xp, (b, nh, lq, key.shape[1]), q.dtype, whole)
-        ctx = xp.empty((b, lq, nh * d), dtype=q.dtype)
+        dtype = xp.result_type(query.dtype, w_in.dtype)
+        scale = dtype.type(1.0 / math.sqrt(d))
+        q, k, v, ctx = (xp.empty((b, n, nh * d), dtype=dtype) for n in (lq, lk, lk, lq))
+        whole = _whole(xp, (b, nh, lq, lk), dtype.itemsize)
+        p = _scores(xp, (b, nh, lq, lk), dtype, whole)
         qh, kh, vh, ctx_h = _heads(q, nh), _heads(k, nh), _heads(v, nh), _heads(ctx, nh)
         causal_first = in_rects[0].lo[1] if self.causal else None  # query q0 + i may not see key j > q0 + i
+        out = xp.empty((b, lq, e), dtype=dtype)
 
-        def attend(bs, hs):
+        def group(bs, hs):
+            """Samples bs, heads hs: their projections, attention and share of the output."""
+            hc = _head_columns(hs, nh, d)
+            own = slice(cols.start + hc.start, cols.start + hc.stop)   # their columns of all E
+            for which, (x, y) in enumerate(((query, q), (key, k), (value, v))):
+                self._project(xp, x[bs], weights, which, own, y[bs, :, hc])
+            q[bs, :, hc] *= scale
             for i, h in _pairs(b, nh, bs, hs, whole):
                 pg = _pair(p, i, h)
                 xp.matmul(qh[i, h], kh[i, h].swapaxes(-1, -2), out=pg)
                 softmax_rows_(xp, pg, pg, causal_first)
                 xp.matmul(pg, vh[i, h], out=ctx_h[i, h])
-        _per_head_groups(xp, b, nh, attend, whole)
-
-        out = ctx.reshape(-1, nh * d) @ weights["out_proj_weight"].T
+            c = ctx[bs, :, hc]
+            return c.reshape(-1, c.shape[-1]) @ w_out[:, hc].T
+        shares = _per_head_groups(xp, b, nh, group, whole)
+        if _all_heads(shares[0][0][1], nh):   # groups of samples: each makes its rows of the output
+            for (bs, _), y in shares:
+                out[bs] = y.reshape(out[bs].shape)
+        else:                                 # groups of heads: their partial outputs add up
+            out[...] = sum(y for _, y in shares).reshape(out.shape)
         if "out_proj_bias" in weights:
             out += weights["out_proj_bias"]
-        return [out.reshape(b, lq, e)], (q, k, v, p, ctx)
+        return [out], (q, k, v, p, ctx)
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         query, key, value = inputs
@@ -264,22 +294,24 @@ class MultiHeadAttention(Op):
         lk = key.shape[1]
         nh = tile.shape[3]
         d = e // int(self.num_heads)
-        et = nh * d  # the tile's heads' columns
         scale = q.dtype.type(1.0 / math.sqrt(d))
         w_in, w_out = weights["in_proj_weight"], weights["out_proj_weight"]
-
-        d2 = dout.reshape(-1, e)
-        grads = {"out_proj_weight": d2.T @ ctx.reshape(-1, et)}
-        if "out_proj_bias" in weights:
-            grads["out_proj_bias"] = d2.sum(axis=0)
-        dctx = (d2 @ w_out).reshape(b, lq, et)
-        dctx_h = _heads(dctx, nh)
-
-        dq, dk, dv = (xp.empty((b, n, et), dtype=q.dtype) for n in (lq, lk, lk))
-        qh, kh, vh = _heads(q, nh), _heads(k, nh), _heads(v, nh)
+        cols = self._columns(tile)
+        whole = not isinstance(p, list)
+        dctx, dq, dk, dv = (xp.empty((b, n, nh * d), dtype=q.dtype) for n in (lq, lq, lk, lk))
+        qh, kh, vh, dctx_h = _heads(q, nh), _heads(k, nh), _heads(v, nh), _heads(dctx, nh)
         dqh, dkh, dvh = _heads(dq, nh), _heads(dk, nh), _heads(dv, nh)
+        inputs3 = (query, key, value)
 
-        def attend_back(bs, hs):
+        def group(bs, hs):
+            """Samples bs, heads hs: their shares of the weights' gradients, as (name, index, array)
+            to add, and of the inputs' gradients (their rows; all rows, partial, for some heads)."""
+            hc = _head_columns(hs, nh, d)
+            own = slice(cols.start + hc.start, cols.start + hc.stop)
+            d2 = dout[bs].reshape(-1, e)
+            dctx[bs, :, hc] = (d2 @ w_out[:, hc]).reshape(dctx[bs, :, hc].shape)
+            c = ctx[bs, :, hc]
+            weight_shares = [("out_proj_weight", (slice(None), hc), d2.T @ c.reshape(-1, c.shape[-1]))]
             pairs = _pairs(b, nh, bs, hs, whole)
             ds = xp.empty_like(_pair(p, *pairs[0]))  # dP, then dS in place: a pair's, reused on the CPU
             for i, h in pairs:
@@ -289,24 +321,34 @@ class MultiHeadAttention(Op):
                 softmax_grad_rows(xp, pg, ds, out=ds)
                 xp.matmul(ds, kh[i, h], out=dqh[i, h])
                 xp.matmul(ds.swapaxes(-1, -2), qh[i, h], out=dkh[i, h])
-        whole = not isinstance(p, list)
-        _per_head_groups(xp, b, nh, attend_back, whole)
-        dq *= scale  # q was scaled after projection
-
-        cols = self._columns(tile)
-        whole = nh == int(self.num_heads)
-        g_in = (xp.empty if whole else xp.zeros)((3 * e, e), dtype=w_in.dtype)
-        g_bias = (xp.empty if whole else xp.zeros)((3 * e,), dtype=w_in.dtype)
-        grad_inputs = []
-        for which, (x, dproj) in enumerate(zip((query, key, value), (dq, dk, dv))):
-            rows = self._rows(which, cols)
-            dp2 = dproj.reshape(-1, et)
-            xp.matmul(dp2.T, x.reshape(-1, e), out=g_in[rows])
-            g_bias[rows] = dp2.sum(axis=0)
-            grad_inputs.append((dp2 @ w_in[rows]).reshape(x.shape))
-        grads["in_proj_weight"] = g_in
+            dq[bs, :, hc] *= scale  # q was scaled after projection
+            input_shares = []
+            for which, (x, dproj) in enumerate(zip(inputs3, (dq, dk, dv))):
+                rows = self._rows(which, own)
+                dp2 = dproj[bs, :, hc].reshape(-1, hc.stop - hc.start)
+                weight_shares.append(("in_proj_weight", rows, dp2.T @ x[bs].reshape(-1, e)))
+                if self.use_bias:
+                    weight_shares.append(("in_proj_bias", rows, dp2.sum(axis=0)))
+                input_shares.append((dp2 @ w_in[rows]).reshape(x[bs].shape))
+            return weight_shares, input_shares
+        results = _per_head_groups(xp, b, nh, group, whole)
+        # a set of heads owns three bands of in_proj's rows: its gradient is zero outside them
+        grads = {"in_proj_weight": xp.zeros((3 * e, e), dtype=w_in.dtype),
+                 "out_proj_weight": xp.zeros(w_out.shape, dtype=w_out.dtype)}
         if self.use_bias:
-            grads["in_proj_bias"] = g_bias
+            grads["in_proj_bias"] = xp.zeros((3 * e,), dtype=w_in.dtype)
+        by_heads = not _all_heads(results[0][0][1], nh)   # groups of heads: their input grads add up
+        grad_inputs = [(xp.zeros if by_heads else xp.empty)(x.shape, dtype=q.dtype) for x in inputs3]
+        for (bs, _), (weight_shares, input_shares) in results:
+            for name, where, a in weight_shares:
+                grads[name][where] += a
+            for gx, a in zip(grad_inputs, input_shares):
+                if by_heads:
+                    gx += a
+                else:
+                    gx[bs] = a
+        if "out_proj_bias" in weights:
+            grads["out_proj_bias"] = dout.reshape(-1, e).sum(axis=0)
         return grad_inputs, grads
 
     def flops(self, tile: Rect) -> int:
