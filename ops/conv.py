@@ -597,21 +597,24 @@ class Conv2d(Op):
         unused = np.empty((0, 0, 0, 0), x.dtype)   # the direct path's dx where none is wanted (x may be read-only)
 
         def samples(a, b):
+            """(the weight's gradient, the bias's) over samples a..b-1, dx's rows written."""
             dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
+            gb = _bias_grad(xp, dy[a:b]) if self.use_bias else 0
             if path == "direct":
                 return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
-                                            unused if dx_ab is None else dx_ab, dx_ab is not None)
+                                            unused if dx_ab is None else dx_ab, dx_ab is not None), gb
             if path == "winograd":
-                return winograd.transformed_backward(x[a:b], u, dy[a:b], (pads[0][0], pads[1][0]), dx_ab)
+                return winograd.transformed_backward(x[a:b], u, dy[a:b], (pads[0][0], pads[1][0]), dx_ab), gb
             if path == "batched":
-                return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab)
-            return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab)
-        gw = sum(self._in_parts(xp, samples, x.shape[0]))
+                return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
+            return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
+        parts = self._in_parts(xp, samples, x.shape[0])
+        gw = sum(g for g, _ in parts)
         if path == "winograd":
             gw = self._on_one_blas_thread(winograd.filter_gradient, gw)
         grads = {"weight": gw}
-        if self.use_bias:
-            grads["bias"] = _bias_grad(xp, dy)
+        if self.use_bias:   # (summed in the parts: a threaded BLAS call here would leave OpenBLAS's threads spinning)
+            grads["bias"] = sum(gb for _, gb in parts)
         return [dx], grads
 
     def _backward_columns(self, xp, tile, x, pads, w, dy, dx):
