@@ -101,12 +101,15 @@ def _valid_outputs(j, stride, pad, out_n, size):
     return lo, max(lo, hi)
 
 
-# The kernels below take windows of width stride 1 only. Their inner loops copy (add) runs
-# of a row, and index slices that end at the array's end with the loop counter alone: an
+# The kernels below copy (add) runs of a row: every stride-th entry of an input row along the
+# width. Their loops index slices that end at the array's end with the loop counter alone: an
 # index LLVM cannot prove non-negative keeps numba's wraparound check in the loop, and a
-# strided branch beside the contiguous one stops the vectorizing too (each 2-4x slower,
-# measured). Where the columns' rows are as long as the input's (stride 1, "same" padding:
-# a sample's window offset (i, j) is its input plane shifted) a plane is one run.
+# strided branch inside the contiguous loop stops the vectorizing too (each 2-4x slower,
+# measured); so the stride picks a loop per run, and stride 2, the reductions' stride, has one
+# with the step a literal, which LLVM vectorizes as interleaved loads and stores (an im2col of
+# ResNet's 3x3 stride-2 reduction, 16 samples of 128 channels at 56x56: 16 -> 10 ms; its
+# col2im 16 -> 8.7 ms). Where the columns' rows are as long as the input's (stride 1, "same"
+# padding: a sample's window offset (i, j) is its input plane shifted) a plane is one run.
 @numba.njit(nogil=True, inline="never")
 def _copy_run(dst, src, n):
     for k in range(n):
@@ -117,6 +120,32 @@ def _copy_run(dst, src, n):
 def _add_run(dst, src, n):
     for k in range(n):
         dst[k] += src[k]
+
+
+@numba.njit(nogil=True, inline="always")
+def _gather_run(dst, src, n, step):
+    """dst[k] = src[k * step] for k < n."""
+    if step == 1:
+        _copy_run(dst, src, n)
+    elif step == 2:
+        for k in range(n):
+            dst[k] = src[2 * k]
+    else:
+        for k in range(n):
+            dst[k] = src[step * k]
+
+
+@numba.njit(nogil=True, inline="always")
+def _scatter_add_run(dst, src, n, step):
+    """dst[k * step] += src[k] for k < n."""
+    if step == 1:
+        _add_run(dst, src, n)
+    elif step == 2:
+        for k in range(n):
+            dst[2 * k] += src[k]
+    else:
+        for k in range(n):
+            dst[step * k] += src[k]
 
 
 @numba.njit(nogil=True, inline="always")
@@ -141,21 +170,21 @@ def _plane_run(i, j, top, left, oh_lo, oh_hi, ow_lo, ow_, h_, w_):
 
 
 @numba.njit(nogil=True, cache=True)
-def _im2col_rows_cpu(x, kernel, sh, pads, cols):
-    """cols[(c*KH + i)*KW + j, s, oh, ow] = x[s, c, oh*sh - top + i, ow - left + j], 0 where that
-    is outside x (the virtual padding); x [N, C, H, W] and cols C-contiguous."""
+def _im2col_rows_cpu(x, kernel, stride, pads, cols):
+    """cols[(c*KH + i)*KW + j, s, oh, ow] = x[s, c, oh*sh - top + i, ow*sw - left + j], 0 where
+    that is outside x (the virtual padding); x [N, C, H, W] and cols C-contiguous."""
     n_, c_, h_, w_ = x.shape
     oh_, ow_ = cols.shape[2:]
-    (kh, kw), (top, left) = kernel, pads
+    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
     zero = cols.dtype.type(0)
-    planes = sh == 1 and ow_ == w_
+    planes = sh == 1 and sw == 1 and ow_ == w_
     xf = x.reshape(n_, c_, h_ * w_)
     cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
     for c in range(c_):
         for i in range(kh):
             oh_lo, oh_hi = _valid_outputs(i, sh, top, oh_, h_)
             for j in range(kw):
-                ow_lo, ow_hi = _valid_outputs(j, 1, left, ow_, w_)
+                ow_lo, ow_hi = _valid_outputs(j, sw, left, ow_, w_)
                 r = (c * kh + i) * kw + j
                 for s in range(n_):
                     dst = cf[r, s]
@@ -173,88 +202,26 @@ def _im2col_rows_cpu(x, kernel, sh, pads, cols):
                         _zero_edges(dst, oh_lo, oh_hi, ow_, ow_lo, ow_hi)
                         continue
                     for oh in range(oh_lo, oh_hi):
-                        row = cols[r, s, oh]
+                        row = dst[oh * ow_:]
                         for ow in range(ow_lo):
                             row[ow] = zero
-                        _copy_run(row[ow_lo:], x[s, c, oh * sh - top + i, ow_lo - left + j:], ow_hi - ow_lo)
+                        start = (oh * sh - top + i) * w_ + ow_lo * sw - left + j
+                        _gather_run(row[ow_lo:], xf[s, c, start:], ow_hi - ow_lo, sw)
                         for ow in range(ow_hi, ow_):
                             row[ow] = zero
 
 
-# The width-strided kernels' runs: every step-th entry of the input row. Stride 2, the
-# reductions' stride, has its own loops with the step a literal, which LLVM vectorizes as
-# interleaved loads and stores (an im2col of ResNet's 3x3 stride-2 reduction, 16 samples of
-# 128 channels at 56x56: 16 -> 10 ms; its col2im 16 -> 8.7 ms).
-@numba.njit(nogil=True, inline="always")
-def _gather2(dst, src, n):
-    for k in range(n):
-        dst[k] = src[2 * k]
-
-
-@numba.njit(nogil=True, inline="always")
-def _gather(dst, src, n, step):
-    for k in range(n):
-        dst[k] = src[step * k]
-
-
-@numba.njit(nogil=True, inline="always")
-def _scatter_add2(dst, src, n):
-    for k in range(n):
-        dst[2 * k] += src[k]
-
-
-@numba.njit(nogil=True, inline="always")
-def _scatter_add(dst, src, n, step):
-    for k in range(n):
-        dst[step * k] += src[k]
-
-
 @numba.njit(nogil=True, cache=True)
-def _im2col_rows_strided_cpu(x, kernel, stride, pads, cols):
-    """_im2col_rows_cpu for a width stride above 1 (ResNet's and Inception's reductions): each
-    output row's valid windows gathered from every stride-th entry of an input row, the rest
-    zeroed. Its own kernel: a strided branch in _im2col_rows_cpu would keep that one from
-    vectorizing."""
-    n_, c_, h_, w_ = x.shape
-    oh_, ow_ = cols.shape[2:]
-    (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
-    zero = cols.dtype.type(0)
-    xf = x.reshape(n_, c_, h_ * w_)
-    cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
-    for c in range(c_):
-        for i in range(kh):
-            oh_lo, oh_hi = _valid_outputs(i, sh, top, oh_, h_)
-            for j in range(kw):
-                ow_lo, ow_hi = _valid_outputs(j, sw, left, ow_, w_)
-                r = (c * kh + i) * kw + j
-                n = max(0, ow_hi - ow_lo)
-                for s in range(n_):
-                    dst, src = cf[r, s], xf[s, c]
-                    for k in range(oh_lo * ow_):
-                        dst[k] = zero
-                    for k in range(oh_hi * ow_, oh_ * ow_):
-                        dst[k] = zero
-                    for oh in range(oh_lo, oh_hi):
-                        row = dst[oh * ow_:]
-                        for ow in range(ow_lo):
-                            row[ow] = zero
-                        for ow in range(ow_lo + n, ow_):
-                            row[ow] = zero
-                        run = row[ow_lo:]
-                        start = (oh * sh - top + i) * w_ + ow_lo * sw - left + j
-                        if sw == 2:
-                            _gather2(run, src[start:], n)
-                        else:
-                            _gather(run, src[start:], n, sw)
-
-
-@numba.njit(nogil=True, cache=True)
-def _col2im_rows_strided_cpu(cols, kernel, stride, pads, dx):
-    """The gradient of _im2col_rows_strided_cpu, written into dx (no padded copy to crop)."""
+def _col2im_rows_cpu(cols, kernel, stride, pads, dx):
+    """dx[s, c, ih, iw] = the sum of cols[(c*KH + i)*KW + j, s, oh, ow] over the windows (oh, ow)
+    and offsets (i, j) with ih = oh*sh - top + i and iw = ow*sw - left + j: the gradient of
+    _im2col_rows_cpu, written into dx (no padded copy to crop). cols is overwritten: the
+    entries of windows outside dx are zeroed, so that a plane's run adds zeros across rows."""
     n_, c_, h_, w_ = dx.shape
     oh_, ow_ = cols.shape[2:]
     (kh, kw), (sh, sw), (top, left) = kernel, stride, pads
     zero = dx.dtype.type(0)
+    planes = sh == 1 and sw == 1 and ow_ == w_
     df = dx.reshape(n_, c_, h_ * w_)
     cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
     for s in range(n_):
@@ -266,40 +233,6 @@ def _col2im_rows_strided_cpu(cols, kernel, stride, pads, dx):
                 oh_lo, oh_hi = _valid_outputs(i, sh, top, oh_, h_)
                 for j in range(kw):
                     ow_lo, ow_hi = _valid_outputs(j, sw, left, ow_, w_)
-                    if ow_hi <= ow_lo:
-                        continue
-                    src = cf[(c * kh + i) * kw + j, s]
-                    for oh in range(oh_lo, oh_hi):
-                        run = src[oh * ow_ + ow_lo:]
-                        start = (oh * sh - top + i) * w_ + ow_lo * sw - left + j
-                        if sw == 2:
-                            _scatter_add2(out[start:], run, ow_hi - ow_lo)
-                        else:
-                            _scatter_add(out[start:], run, ow_hi - ow_lo, sw)
-
-
-@numba.njit(nogil=True, cache=True)
-def _col2im_rows_cpu(cols, kernel, sh, pads, dx):
-    """dx[s, c, ih, iw] = the sum of cols[(c*KH + i)*KW + j, s, oh, ow] over the windows (oh, ow)
-    and offsets (i, j) with ih = oh*sh - top + i and iw = ow - left + j: the gradient of
-    _im2col_rows_cpu, written into dx (no padded copy to crop). cols is overwritten: the
-    entries of windows outside dx are zeroed, so that a plane's run adds zeros across rows."""
-    n_, c_, h_, w_ = dx.shape
-    oh_, ow_ = cols.shape[2:]
-    (kh, kw), (top, left) = kernel, pads
-    zero = dx.dtype.type(0)
-    planes = sh == 1 and ow_ == w_
-    df = dx.reshape(n_, c_, h_ * w_)
-    cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
-    for s in range(n_):
-        for c in range(c_):
-            out = df[s, c]
-            for k in range(h_ * w_):
-                out[k] = zero
-            for i in range(kh):
-                oh_lo, oh_hi = _valid_outputs(i, sh, top, oh_, h_)
-                for j in range(kw):
-                    ow_lo, ow_hi = _valid_outputs(j, 1, left, ow_, w_)
                     r = (c * kh + i) * kw + j
                     if oh_hi == oh_lo or ow_hi == ow_lo:
                         continue
@@ -309,7 +242,8 @@ def _col2im_rows_cpu(cols, kernel, sh, pads, dx):
                         _add_run(out[start:], cf[r, s, oh_lo * ow_ + ow_lo:], n)
                         continue
                     for oh in range(oh_lo, oh_hi):
-                        _add_run(dx[s, c, oh * sh - top + i, ow_lo - left + j:], cols[r, s, oh, ow_lo:], ow_hi - ow_lo)
+                        start = (oh * sh - top + i) * w_ + ow_lo * sw - left + j
+                        _scatter_add_run(out[start:], cf[r, s, oh * ow_ + ow_lo:], ow_hi - ow_lo, sw)
 
 
 def _bias_grad(xp, dy):
@@ -487,10 +421,7 @@ class Conv2d(Op):
         x = np.ascontiguousarray(x)
         for a, b in chunks:
             cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
-            if self.stride[1] == 1:
-                _im2col_rows_cpu(x[a:b], self.kernel, self.stride[0], (pads[0][0], pads[1][0]), cols)
-            else:
-                _im2col_rows_strided_cpu(x[a:b], self.kernel, self.stride, (pads[0][0], pads[1][0]), cols)
+            _im2col_rows_cpu(x[a:b], self.kernel, self.stride, (pads[0][0], pads[1][0]), cols)
             yield a, b, cols.reshape(k, -1)
 
     def _forward_batched(self, tile, x, pads, w, bias, y) -> None:
@@ -531,10 +462,7 @@ class Conv2d(Op):
             if dx is None:
                 continue
             np.matmul(wg_t, dyg, out=colsg)
-            if self.stride[1] == 1:
-                _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride[0], top_left, dx[a:b])
-            else:
-                _col2im_rows_strided_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b])
+            _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b])
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     @staticmethod
