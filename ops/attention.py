@@ -80,8 +80,8 @@ def _per_head_groups(xp, batch: int, heads: int, work, whole: bool) -> list[tupl
     once: one group when `whole`; else on the CPU one job per group on the pool, a group per core
     of the task, BLAS on one thread."""
     if whole:
-        groups = [(slice(0, batch), slice(0, heads))]
-        return [(groups[0], work(*groups[0]))]
+        everything = (slice(0, batch), slice(0, heads))
+        return [(everything, work(*everything))]
     with cpu_pool.blas_on_one_thread() as threads:
         groups = _head_groups(batch, heads, threads)
         if len(groups) == 1:
