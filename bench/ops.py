@@ -143,6 +143,8 @@ def cases(quick: bool) -> list[Case]:
     conv("conv_3x3_s2", (32 // s, 128, 56, 56), 128, (3, 3), (2, 2), (1, 1))
     # Inception-v3's factorized 1x7 (the 17x17 grid, 192 -> 192)
     conv("conv_1x7", (32 // s, 192, 17, 17), 192, (1, 7), (1, 1), (0, 3))
+    # and its 3x1 of the 8x8 grid (384 -> 384)
+    conv("conv_3x1", (32 // s, 384, 8, 8), 384, (3, 1), (1, 1), (1, 0))
     # the small CNN of bench/scaling.py, batch 32 per rank: 3 -> 16 on 32x32, 16 -> 32 on 16x16
     conv("conv_small_32", (32 // s, 3, 32, 32), 16, (3, 3), (1, 1), (1, 1), bias=True)
     conv("conv_small_16", (32 // s, 16, 16, 16), 32, (3, 3), (1, 1), (1, 1), bias=True)

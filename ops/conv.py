@@ -6,8 +6,9 @@ plain array code on the GPU. Small images on the CPU (Conv2d._batched) lay the c
 a chunk's samples side by side instead, [K, samples*OH*OW], built and summed back by numba
 kernels from the unpadded tile: forward, the weight gradient and the columns' gradient are
 then one GEMM each per chunk where per-sample ones would be thin. 3x3 stride-1 convolutions
-with enough channels and 4x4 output blocks are Winograd's (ops/winograd.py), those of a few
-input channels (a first layer) direct convolution (ops/direct_conv.py). Pooling is ops/pool.py.
+with enough channels and 4x4 output blocks are Winograd's (ops/winograd.py), so are stride-1 1x7,
+7x1, 1x3 and 3x1 ones along their one axis (ops/winograd_1d.py), and those of a few input
+channels (a first layer) direct convolution (ops/direct_conv.py). Pooling is ops/pool.py.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import importlib
 import numba
 import numpy as np
 
-from ops import cpu_pool, direct_conv, winograd
+from ops import cpu_pool, direct_conv, winograd, winograd_1d
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, given_out, int_attr, register_op
 from ops.linear import torch_linear_init
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
@@ -35,6 +36,18 @@ _WINOGRAD_MIN_CHANNELS = 8
 _WINOGRAD_MIN_CHANNEL_PAIRS = 128
 #: and this many 4x4 output blocks in the tile
 _WINOGRAD_MIN_BLOCKS = 64
+#: Winograd along one axis (ops/winograd_1d.py) saves less (8/2 multiplies an output against 7
+#: for a 1x7, 6/4 against 3 for a 1x3), so it needs more to pay. Measured on one core, forward
+#: + backward, against the batched path: 0.68-0.81x its time with 64 to 384 channels a side and
+#: 256 blocks or more (Inception's 1x7 and 7x1 at 17x17, 0.71-0.78x; its 1x3 and 3x1 at 8x8,
+#: 0.68-0.70x), but 0.99-1.02x for 32 input channels, 1.3-1.6x for 16 or 8, 1.34x for a 1x3 on
+#: 32 channels at 32x32, and 1.04x and 1.27x for 384 -> 384 channels with 128 and 64 blocks
+#: (the filters' transforms are then much of the work). So: at least this many input channels,
+_WINOGRAD_1D_MIN_CHANNELS = 48
+#: this many (input channels x the tile's output channels),
+_WINOGRAD_1D_MIN_CHANNEL_PAIRS = 2048
+#: and this many blocks in the tile
+_WINOGRAD_1D_MIN_BLOCKS = 256
 #: the most input channels of a 3x3 stride-1 convolution that runs as direct convolution:
 #: one core, forward + backward, direct over the batched im2col path: 3 channels (16 samples,
 #: 32x32 -> 16) 0.65, 4 channels 0.67, 8 channels 0.94 of Winograd, 16 channels 2.95
@@ -358,13 +371,15 @@ class Conv2d(Op):
         return full.reshape(*lead, ng, ocpg, k)
 
     def _path(self, xp, tile: Rect) -> str:
-        """How a tile runs: "direct" (see _direct), "winograd" (see _winograd), "batched" (see
-        _batched), or "columns": im2col per sample and one batched matmul per chunk
-        (_forward_columns)."""
+        """How a tile runs: "direct" (see _direct), "winograd" (see _winograd), "winograd_1d" (see
+        _winograd_1d), "batched" (see _batched), or "columns": im2col per sample and one batched
+        matmul per chunk (_forward_columns)."""
         if self._direct(xp):
             return "direct"
         if self._winograd(xp, tile):
             return "winograd"
+        if self._winograd_1d(xp, tile):
+            return "winograd_1d"
         return "batched" if self._batched(xp, tile) else "columns"
 
     def _direct(self, xp) -> bool:
@@ -384,6 +399,35 @@ class Conv2d(Op):
         th, tw = winograd.blocks((oh, ow))
         return (c >= _WINOGRAD_MIN_CHANNELS and c * oct_ >= _WINOGRAD_MIN_CHANNEL_PAIRS
                 and n * th * tw >= _WINOGRAD_MIN_BLOCKS)
+
+    def _winograd_1d(self, xp, tile: Rect) -> bool:
+        """Whether a tile runs as Winograd along one axis (ops/winograd_1d.py): 1xr and rx1
+        stride-1 convolutions of one group on the CPU, not padded across their axis, with an r
+        the module has, and enough channels and blocks."""
+        kh, kw = self.kernel
+        if not (xp is np and self.stride == (1, 1) and self.groups == 1 and 1 in (kh, kw)):
+            return False
+        r, across = (kw, self.padding[0]) if kh == 1 else (kh, self.padding[1])
+        if across != 0 or not winograd_1d.supports(r):
+            return False
+        n, oct_, oh, ow = tile.shape
+        length, rows = (ow, oh) if kh == 1 else (oh, ow)
+        c = self.inputs[0].shape[1]
+        return (c >= _WINOGRAD_1D_MIN_CHANNELS and c * oct_ >= _WINOGRAD_1D_MIN_CHANNEL_PAIRS
+                and n * rows * winograd_1d.blocks(length, r) >= _WINOGRAD_1D_MIN_BLOCKS)
+
+    def _along(self, a):
+        """A 1xr or rx1 convolution's image `a` [N, C, H, W] with the convolved axis last (a view)."""
+        return a if self.kernel[0] == 1 else a.swapaxes(2, 3)
+
+    def _along_pads(self, pads) -> tuple[int, int]:
+        """(r, the virtual padding before the convolved axis) of a 1xr or rx1 convolution."""
+        return (self.kernel[1], pads[1][0]) if self.kernel[0] == 1 else (self.kernel[0], pads[0][0])
+
+    @staticmethod
+    def _filters_1d(w):
+        """winograd_1d's transform of the weights [OC, C, 1, r] or [OC, C, r, 1]."""
+        return winograd_1d.filter_transform(w.reshape(*w.shape[:2], -1))
 
     def _pads(self, tile: Rect, in_rect: Rect):
         """The tile's virtual padding ((top, bottom), (left, right)) of its input rect."""
@@ -486,7 +530,9 @@ class Conv2d(Op):
         given = given_out(out, 0)[0]
         y = xp.empty((n, oct_, oh * ow), x.dtype) if given is None else given.reshape(n, oct_, oh * ow)
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
-        ut = self._on_one_blas_thread(winograd.filter_transform, w, channels_last=True) if path == "winograd" else None
+        ut = (self._on_one_blas_thread(winograd.filter_transform, w, channels_last=True) if path == "winograd" else
+              self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None)
+        r, left = self._along_pads(pads)
         direct_bias = (np.zeros(oct_, x.dtype) if bias is None else bias) if path == "direct" else None
 
         def samples(a, b):
@@ -494,6 +540,9 @@ class Conv2d(Op):
                 direct_conv.forward(x[a:b], w, direct_bias, pads[0][0], pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
             elif path == "winograd":
                 winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias, ut)
+            elif path == "winograd_1d":
+                winograd_1d.forward(self._along(x[a:b]), r, left, self._along(y[a:b].reshape(b - a, oct_, oh, ow)),
+                                    bias, ut)
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
@@ -521,7 +570,9 @@ class Conv2d(Op):
         dx = None if not wanted else xp.empty(x.shape, x.dtype) if given is None else given
         path = self._path(xp, tile)
         # Winograd's parts share the transformed filters and add their gradients, turned into dw once
-        u = self._on_one_blas_thread(winograd.filter_transform, w) if path == "winograd" else None
+        u = (self._on_one_blas_thread(winograd.filter_transform, w) if path == "winograd" else
+             self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None)
+        r, left = self._along_pads(pads)
         unused = np.empty((0, 0, 0, 0), x.dtype)   # the direct path's dx where none is wanted (x may be read-only)
 
         def samples(a, b):
@@ -533,6 +584,9 @@ class Conv2d(Op):
                                             unused if dx_ab is None else dx_ab, dx_ab is not None), gb
             if path == "winograd":
                 return winograd.transformed_backward(x[a:b], u, dy[a:b], (pads[0][0], pads[1][0]), dx_ab), gb
+            if path == "winograd_1d":
+                return winograd_1d.transformed_backward(self._along(x[a:b]), r, left, u, self._along(dy[a:b]),
+                                                        None if dx_ab is None else self._along(dx_ab)), gb
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
@@ -540,6 +594,8 @@ class Conv2d(Op):
         gw = sum(g for g, _ in parts)
         if path == "winograd":
             gw = self._on_one_blas_thread(winograd.filter_gradient, gw)
+        elif path == "winograd_1d":
+            gw = self._on_one_blas_thread(winograd_1d.filter_gradient, gw, r).reshape(w.shape)
         grads = {"weight": gw}
         if self.use_bias:   # (summed in the parts: a threaded BLAS call here would leave OpenBLAS's threads spinning)
             grads["bias"] = sum(gb for _, gb in parts)

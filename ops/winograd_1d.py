@@ -1,0 +1,259 @@
+"""Winograd F(m, r) along one axis: 1xr and rx1 stride-1 convolutions (Inception's 1x7, 7x1,
+1x3 and 3x1) as one GEMM per point of a block, on the CPU.
+
+Along the convolved axis, each block of m outputs comes from the n = m + r - 1 (padded) inputs
+under it. With the block's inputs d transformed to B^T d and each filter g to G g, the outputs
+are A^T (G g * B^T d), and summed over input channels the elementwise product is one GEMM for
+each of the n points xi,
+
+    M[xi] = V[xi] @ U[xi]        [blocks, C] @ [C, OC]  ->  [blocks, OC],
+
+n/m multiplies an output where a direct convolution has r: 8/2 against 7 for F(2, 7), 6/4
+against 3 for F(4, 3). Backward is the exact adjoint (two GEMMs per xi), as in ops/winograd.py.
+
+The transforms are small matrices (n x n at most) applied to every block. The image is split
+once into the places of its blocks, xs[s, N, H, TW, C] (place s of every block side by side),
+so that each transform is one GEMM of the matrix with all of a chunk's blocks: B^T @ xs
+[n, blocks * C] is V, A^T @ M is the output's places. numba kernels gather the image into
+places and add them back (overlapping blocks share r - 1 inputs).
+
+The matrices are built exactly (fractions) from the interpolation points, by the modified
+Toom-Cook construction (one point at infinity; Lavin & Gray, 2015). Float32 results are within
+a few 1e-6 of the outputs' scale for the r here (tests/test_winograd_1d.py against float64): F(3, 7)
+would save a quarter more multiplies, but its error is 1.2-1.9e-5.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numba
+import numpy as np
+
+#: filter length r -> (outputs per block m, the finite interpolation points)
+POINTS = {
+    3: (4, (0, 1, -1, 2, -2)),
+    7: (2, (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))),
+}
+
+#: a chunk of samples' blocks take about this many bytes in all their buffers (they stay in
+#: cache from one step to the next), and hold at least _MIN_CHUNK_BLOCKS blocks (the GEMMs'
+#: long side, and the weight gradient's inner one)
+_CHUNK_BYTES = 2 << 20
+_MIN_CHUNK_BLOCKS = 256
+
+
+def _poly_times(a: list, b: list) -> list:
+    """The coefficients (lowest power first) of the product of two polynomials."""
+    out = [Fraction(0)] * (len(a) + len(b) - 1)
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            out[i + j] += x * y
+    return out
+
+
+def _poly_of_roots(roots) -> list:
+    """The coefficients of prod (x - root), lowest power first."""
+    poly = [Fraction(1)]
+    for q in roots:
+        poly = _poly_times(poly, [-q, Fraction(1)])
+    return poly
+
+
+def transforms(m: int, r: int, points) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(A^T [m, n], G [n, r], B^T [n, n]) of F(m, r) at the n - 1 finite `points` and infinity:
+    y = A^T ((G g) * (B^T d)) is the correlation y[i] = sum_k g[k] d[i + k] of n inputs d."""
+    pts = [Fraction(p) for p in points]
+    n = m + r - 1
+    if len(pts) != n - 1 or len(set(pts)) != len(pts):
+        raise ValueError(f"winograd_1d: F({m}, {r}) needs {n - 1} distinct finite points, got {points!r}")
+    at = [[p ** i for p in pts] + [Fraction(int(i == m - 1))] for i in range(m)]
+    g = []
+    for j, p in enumerate(pts):
+        scale = math.prod((p - q for k, q in enumerate(pts) if k != j), start=Fraction(1))
+        g.append([p ** c / scale for c in range(r)])
+    g.append([Fraction(int(c == r - 1)) for c in range(r)])
+    bt = [_poly_of_roots(q for k, q in enumerate(pts) if k != j) + [Fraction(0)] for j in range(n - 1)]
+    bt.append(_poly_of_roots(pts))
+    return tuple(np.array(a, np.float64) for a in (at, g, bt))
+
+
+#: r -> (m, A^T, G, B^T) in float64
+_MATRICES = {r: (m, *transforms(m, r, pts)) for r, (m, pts) in POINTS.items()}
+#: (r, dtype) -> (A^T, A, B^T, B) in that dtype, contiguous
+_CAST: dict = {}
+
+
+def _cast(r: int, dtype) -> tuple:
+    key = (r, np.dtype(dtype))
+    if key not in _CAST:
+        _, at, _, bt = _MATRICES[r]
+        _CAST[key] = tuple(np.ascontiguousarray(a, dtype) for a in (at, at.T, bt, bt.T))
+    return _CAST[key]
+
+
+def supports(r: int) -> bool:
+    """Whether a filter of length r has a transform here."""
+    return r in _MATRICES
+
+
+def blocks(length: int, r: int) -> int:
+    """How many blocks of m outputs cover `length` outputs (the last one may stick out)."""
+    return -(-length // _MATRICES[r][0])
+
+
+# The two kernels below go through a row of the image at a time, all channels: the row is
+# copied into (or summed in) a block [W, C] in cache, so that each place gets a contiguous run
+# of channels and the image is read and written a row at a time. (Channel by channel at one
+# pixel strides the image by a plane, 4 KiB at 32x32, where every access missed the cache:
+# 5x the time.)
+@numba.njit(nogil=True, cache=True)
+def _split(x, left, m, out):
+    """out[s, n, h, t, c] = x[n, c, h, m*t + s - left] where that lies inside x, 0 elsewhere:
+    x [N, C, H, W] (any strides) into the places of its blocks, out [S, N, H, T, C]."""
+    n_, c_, h_, w_ = x.shape
+    s_, t_ = out.shape[0], out.shape[3]
+    zero = out.dtype.type(0)
+    block = np.empty((w_, c_), out.dtype)   # block[w, c] = x[n, c, h, w]
+    for n in range(n_):
+        for h in range(h_):
+            for c in range(c_):
+                row = x[n, c, h]
+                for w in range(w_):
+                    block[w, c] = row[w]
+            for s in range(s_):
+                for t in range(t_):
+                    iw = m * t + s - left
+                    dst = out[s, n, h, t]
+                    if 0 <= iw < w_:
+                        src = block[iw]
+                        for c in range(c_):
+                            dst[c] = src[c]
+                    else:
+                        for c in range(c_):
+                            dst[c] = zero
+
+
+@numba.njit(nogil=True, cache=True)
+def _merge(z, left, m, bias, out):
+    """out[n, c, h, j] = the sum of z[s, n, h, t, c] over the places (s, t) of z with
+    m*t + s = j + left, plus bias[c] unless bias is empty: the adjoint of _split, z [S, N, H, T, C]
+    into out [N, C, H, W] (any strides)."""
+    n_, c_, h_, w_ = out.shape
+    s_, t_ = z.shape[0], z.shape[3]
+    b = bias if bias.size else np.zeros(c_, out.dtype)
+    block = np.empty((w_, c_), out.dtype)   # block[j, c] = out[n, c, h, j]
+    for n in range(n_):
+        for h in range(h_):
+            for j in range(w_):
+                acc = block[j]
+                for c in range(c_):
+                    acc[c] = b[c]
+                p = j + left
+                for s in range(p % m, min(s_, p + 1), m):   # the blocks t = (p - s) / m that hold column j
+                    t = (p - s) // m
+                    if t < t_:
+                        src = z[s, n, h, t]
+                        for c in range(c_):
+                            acc[c] += src[c]
+            for c in range(c_):
+                row = out[n, c, h]
+                for j in range(w_):
+                    row[j] = block[j, c]
+
+
+def filter_transform(g):
+    """U = G g of each filter g [OC, C, r] (the taps of a 1xr or rx1 filter in order), as
+    [n, OC, C]: one GEMM for all of them, the filters read in place (as g^T)."""
+    oc, c, r = g.shape
+    return np.matmul(_MATRICES[r][2].astype(g.dtype), g.reshape(oc * c, r).T).reshape(-1, oc, c)
+
+
+def filter_gradient(du, r: int):
+    """dg [OC, C, r] from du [n, OC, C], the gradient of U = filter_transform(g): one GEMM,
+    dU^T G, whose result is dg in place."""
+    n, oc, c = du.shape
+    return np.matmul(du.reshape(n, oc * c).T, _MATRICES[r][2].astype(du.dtype)).reshape(oc, c, r)
+
+
+def _chunks(n: int, bytes_per_sample: int, blocks_per_sample: int) -> list[tuple[int, int]]:
+    """Sample ranges whose buffers take about _CHUNK_BYTES and hold at least _MIN_CHUNK_BLOCKS blocks."""
+    step = max(1, _CHUNK_BYTES // max(1, bytes_per_sample), -(-_MIN_CHUNK_BLOCKS // max(1, blocks_per_sample)))
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+class _Buffers:
+    """Scratch arrays sized for the first (largest) chunk of samples, handed out per chunk as
+    contiguous arrays of that chunk's size: name -> (places, per-sample size)."""
+
+    def __init__(self, dtype, samples: int, sizes: dict[str, tuple[int, int]]):
+        self.sizes = sizes
+        self.flat = {name: np.empty(p * samples * per, dtype) for name, (p, per) in sizes.items()}
+
+    def get(self, name: str, samples: int, last: int):
+        places, per = self.sizes[name]
+        return self.flat[name][:places * samples * per].reshape(places, -1, last)
+
+
+def _transformed_input(x, r: int, left: int, t_: int, scratch: dict):
+    """Per chunk of samples [a, b) of x [N, C, H, W]: (a, b, xs, v, buf): the image's places
+    (xs [n, (b-a)*H*T, C]), its blocks transformed (v, the same shape), and buffers for
+    `scratch` (name -> (places, size per sample)) that the chunk's other steps take from buf."""
+    m = _MATRICES[r][0]
+    n = m + r - 1
+    c, h = x.shape[1], x.shape[2]
+    sizes = {"x": (n, h * t_ * c), "v": (n, h * t_ * c), **scratch}
+    chunks = _chunks(x.shape[0], sum(p * per for p, per in sizes.values()) * x.itemsize, h * t_)
+    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    bt = _cast(r, x.dtype)[2]
+    for a, b in chunks:
+        xs = buf.get("x", b - a, c)
+        _split(x[a:b], left, m, xs.reshape(n, b - a, h, t_, c))
+        v = buf.get("v", b - a, c)
+        np.matmul(bt, xs.reshape(n, -1), out=v.reshape(n, -1))
+        yield a, b, xs, v, buf
+
+
+def forward(x, r: int, left: int, y, bias, u) -> None:
+    """y [N, OC, H, OW] = the stride-1 correlation along the last axis of x [N, C, H, W] (padded
+    virtually by `left`, zeros past its end) with the filters whose transform is
+    u = filter_transform(g), plus bias [OC] if not None. For an rx1 convolution the caller
+    passes x and y with their last two axes swapped (views)."""
+    oc, h, ow = y.shape[1:]
+    m = _MATRICES[r][0]
+    n, t_ = m + r - 1, blocks(ow, r)
+    at = _cast(r, x.dtype)[0]
+    bias = np.empty(0, x.dtype) if bias is None else bias
+    ut = u.swapaxes(1, 2)   # [n, C, OC], read transposed by the GEMMs
+    scratch = {"m": (n, h * t_ * oc), "y": (m, h * t_ * oc)}
+    for a, b, _, v, buf in _transformed_input(x, r, left, t_, scratch):
+        prod = np.matmul(v, ut, out=buf.get("m", b - a, oc))
+        ys = buf.get("y", b - a, oc)
+        np.matmul(at, prod.reshape(n, -1), out=ys.reshape(m, -1))
+        _merge(ys.reshape(m, b - a, h, t_, oc), 0, m, bias, y[a:b])
+
+
+def transformed_backward(x, r: int, left: int, u, dy, dx):
+    """The gradient dU [n, OC, C] of the transformed filters u = filter_transform(g) [n, OC, C]
+    (parts of a batch add theirs; filter_gradient turns the sum into dg), with dx written unless
+    it is None. Axes as in `forward`."""
+    c, (oc, h, ow) = x.shape[1], dy.shape[1:]
+    m = _MATRICES[r][0]
+    n, t_ = m + r - 1, blocks(ow, r)
+    _, a_, _, b_ = _cast(r, x.dtype)
+    du = None
+    scratch = {"g": (m, h * t_ * oc), "m": (n, h * t_ * oc)}
+    for a, b, xs, v, buf in _transformed_input(x, r, left, t_, scratch):
+        gs = buf.get("g", b - a, oc)
+        _split(dy[a:b], 0, m, gs.reshape(m, b - a, h, t_, oc))
+        dm = buf.get("m", b - a, oc)
+        np.matmul(a_, gs.reshape(m, -1), out=dm.reshape(n, -1))
+        if du is None:
+            du = np.matmul(dm.swapaxes(1, 2), v)
+        else:
+            du += np.matmul(dm.swapaxes(1, 2), v)
+        if dx is not None:  # v and xs are free now: the input's gradient goes through them
+            np.matmul(dm, u, out=v)
+            np.matmul(b_, v.reshape(n, -1), out=xs.reshape(n, -1))
+            _merge(xs.reshape(n, b - a, h, t_, c), left, m, np.empty(0, x.dtype), dx[a:b])
+    return du
