@@ -41,10 +41,21 @@ from ops.activation import Softmax
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
 
+#: a case runs at least `repeats` times and until its runs add up to this many seconds (at most
+#: MAX_REPEATS runs): a sub-millisecond case's best of three moved its ratio by 10% between runs
+MIN_SECONDS = 0.25
+MAX_REPEATS = 200
+
+
+def more(times: list, repeats: int) -> bool:
+    """Whether a case timed `times` so far runs again."""
+    return len(times) < repeats or (sum(times) < MIN_SECONDS and len(times) < MAX_REPEATS)
+
+
 def best_of(fn, repeats: int) -> float:
     fn()
     times = []
-    for _ in range(repeats):
+    while more(times, repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -256,7 +267,7 @@ def timer(side: str, gpu: bool):
         fn()
         sync()
         times = []
-        for _ in range(repeats):
+        while more(times, repeats):
             e0, e1 = event_pair()
             e0.record()
             fn()

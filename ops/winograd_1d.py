@@ -106,7 +106,7 @@ def blocks(length: int, r: int) -> int:
 # copied into (or summed in) a block [W, C] in cache, so that each place gets a contiguous run
 # of channels and the image is read and written a row at a time. (Channel by channel at one
 # pixel strides the image by a plane, 4 KiB at 32x32, where every access missed the cache:
-# 5x the time.)
+# 5-12x the time.)
 @numba.njit(nogil=True, cache=True)
 def _split(x, left, m, out):
     """out[s, n, h, t, c] = x[n, c, h, m*t + s - left] where that lies inside x, 0 elsewhere:
