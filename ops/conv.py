@@ -48,6 +48,17 @@ _WINOGRAD_1D_MIN_CHANNELS = 48
 _WINOGRAD_1D_MIN_CHANNEL_PAIRS = 2048
 #: and this many blocks in the tile
 _WINOGRAD_1D_MIN_BLOCKS = 256
+#: a tile's samples are split over the task's cores (Conv2d._in_parts) only where each part has
+#: at least this many flops of forward, except on the direct path (one compiled call a part).
+#: Below that a part is mostly Python and short numba and BLAS calls, and the parts take turns
+#: on the GIL: 16 samples of a 1x1 convolution (96 -> 24 channels at 3x3, 0.66 MFLOP) took 26 us
+#: on one thread, but each of two parts took 48 us for its 8. Forward + backward on two cores,
+#: one part against two: 117 against 282 us there, 255 against 331 us at 4.2 MFLOP (1x1, 32 ->
+#: 64 at 8x8), 446 against 625 us at 4.7 (a Winograd 3x3, 16 -> 16 at 8x8), but 825 against
+#: 682 us at 4.7 (a 3x3 on 2x2 images, whose im2col is many short numba loops); 1,031 against
+#: 781 us at 12 MFLOP, 803 against 740 us at 18.9. The direct path's 3 -> 16 channels at 32x32
+#: (8 samples, 7 MFLOP): 0.79 ms in one part, 0.58 in two
+_PART_MIN_FLOPS = 4_000_000
 #: the most input channels of a 3x3 stride-1 convolution that runs as direct convolution:
 #: one core, forward + backward, direct over the batched im2col path: 3 channels (16 samples,
 #: 32x32 -> 16) 0.65, 4 channels 0.67, 8 channels 0.94 of Winograd, 16 channels 2.95
@@ -517,11 +528,15 @@ class Conv2d(Op):
         with cpu_pool.blas_on_one_thread():
             return fn(*args, **kwargs)
 
-    @staticmethod
-    def _in_parts(xp, work, n: int) -> list:
-        """work(a, b) over the samples: on the CPU in parts, one per core of the task
-        (ops/cpu_pool.py); on a GPU all at once."""
-        return cpu_pool.in_parts(work, n) if xp is np else [work(0, n)]
+    def _in_parts(self, xp, work, tile: Rect, path: str) -> list:
+        """work(a, b) over the tile's samples: on the CPU in parts, one per core of the task
+        (ops/cpu_pool.py) with at least _PART_MIN_FLOPS each off the direct path; on a GPU all at
+        once."""
+        n = tile.shape[0]
+        if xp is not np:
+            return [work(0, n)]
+        most = None if path == "direct" else max(1, self.flops(tile) // _PART_MIN_FLOPS)
+        return cpu_pool.in_parts(work, n, most=most)
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, out=None):
         (x,), w = inputs, weights["weight"]
@@ -547,7 +562,7 @@ class Conv2d(Op):
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
                 self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
-        self._in_parts(xp, samples, n)
+        self._in_parts(xp, samples, tile, path)
         if bias is not None and path == "columns":
             y += bias[:, None]
         return [y.reshape(n, oct_, oh, ow) if given is None else given], None
@@ -590,7 +605,7 @@ class Conv2d(Op):
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
-        parts = self._in_parts(xp, samples, x.shape[0])
+        parts = self._in_parts(xp, samples, tile, path)
         gw = sum(g for g, _ in parts)
         if path == "winograd":
             gw = self._on_one_blas_thread(winograd.filter_gradient, gw)

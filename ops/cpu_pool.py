@@ -67,14 +67,16 @@ def _pool() -> ThreadPoolExecutor:
         return _state["pool"]
 
 
-def in_parts(work, n: int) -> list:
-    """[work(a, b) for the ranges [a, b) that split [0, n) evenly, one per thread BLAS may use],
-    in order. With more than one part each runs on its own thread (the caller runs the first)
-    with BLAS on one thread; an exception of any part is raised once all are done."""
-    if min(n, threads()) <= 1:
+def in_parts(work, n: int, most: int | None = None) -> list:
+    """[work(a, b) for the ranges [a, b) that split [0, n) evenly, one per thread BLAS may use
+    (at most `most`)], in order. With more than one part each runs on its own thread (the caller
+    runs the first) with BLAS on one thread; an exception of any part is raised once all are
+    done."""
+    cap = n if most is None else min(n, most)
+    if min(cap, threads()) <= 1:
         return [work(0, n)]
     with blas_on_one_thread() as cores:
-        parts = min(n, cores)
+        parts = min(cap, cores)
         cuts = [n * i // parts for i in range(parts + 1)]
         others = [_pool().submit(work, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
         results, errors = [], []

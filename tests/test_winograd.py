@@ -238,6 +238,10 @@ def test_in_parts_splits_over_the_blas_threads_with_blas_on_one():
         assert cpu_pool.in_parts(work, 9) == [(0, 9)]
     with threadpool_limits(limits=2, user_api="blas"):
         assert cpu_pool.in_parts(work, 1) == [(0, 1)] and blas == [1, 2]  # one part keeps BLAS's threads
+        assert cpu_pool.in_parts(work, 9, most=1) == [(0, 9)] and blas == [1, 2, 2]
+    with threadpool_limits(limits=3, user_api="blas"):
+        assert cpu_pool.in_parts(work, 9, most=2) == [(0, 4), (4, 9)]
+        assert cpu_pool.in_parts(work, 9, most=5) == [(0, 3), (3, 6), (6, 9)]
 
 
 def test_in_parts_raises_what_a_part_raised_and_restores_blas():
@@ -251,8 +255,10 @@ def test_in_parts_raises_what_a_part_raised_and_restores_blas():
         assert cpu_pool.threads() == 2
 
 
-def test_conv2d_runs_on_sample_parts_like_one():
-    """The op's sample parts (one per BLAS thread) give what one part gives, im2col and Winograd."""
+def test_conv2d_runs_on_sample_parts_like_one(monkeypatch):
+    """The op's sample parts (one per BLAS thread) give what one part gives, im2col and Winograd
+    (these tiles are split however few their flops)."""
+    monkeypatch.setattr(conv_module, "_PART_MIN_FLOPS", 1)
     for kernel, stride in ((3, 1), (3, 2), (1, 1)):
         op = Conv2d("conv", [spec((5, 8, 9, 9), "float64")], out_channels=4, kernel=kernel, stride=stride,
                     padding=kernel // 2)
@@ -261,9 +267,35 @@ def test_conv2d_runs_on_sample_parts_like_one():
         for threads in (1, 2):
             with threadpool_limits(limits=threads, user_api="blas"):
                 results.append(run_whole(op, [x], weights, grad_outputs=[g]))
+            assert len(parts_of(op, threads)) == threads
         (y1,), (dx1,), gw1, _ = results[0]
         (y2,), (dx2,), gw2, _ = results[1]
         np.testing.assert_allclose(y2, y1, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(dx2, dx1, rtol=1e-12, atol=1e-12)
         for k in gw1:
             np.testing.assert_allclose(gw2[k], gw1[k], rtol=1e-12, atol=1e-12)
+
+
+def parts_of(op, threads: int) -> list:
+    """The sample ranges Conv2d._in_parts cuts op's whole tile into with `threads` BLAS threads."""
+    with threadpool_limits(limits=threads, user_api="blas"):
+        tile = Rect.from_shape(op.tile_shape)
+        return op._in_parts(np, lambda a, b: (a, b), tile, op._path(np, tile))
+
+
+@pytest.mark.real_threshold
+def test_conv2d_splits_only_tiles_with_flops_for_every_part():
+    """Each part gets at least _PART_MIN_FLOPS of forward: below that the parts cost more than
+    they save (they take turns on the GIL)."""
+    def conv(samples):
+        return Conv2d("c", [spec((samples, 16, 8, 8))], out_channels=16, kernel=3, padding=1)
+    per_sample = conv(1).flops(Rect.from_shape(conv(1).tile_shape))
+    enough = -(-2 * conv_module._PART_MIN_FLOPS // per_sample)   # samples for two parts
+    assert parts_of(conv(enough), 2) == [(0, enough // 2), (enough // 2, enough)]
+    assert parts_of(conv(enough - 1), 2) == [(0, enough - 1)]
+    assert parts_of(conv(enough), 1) == [(0, enough)]
+    assert parts_of(conv(2 * enough), 3) == [(0, enough * 2 // 3), (enough * 2 // 3, enough * 4 // 3),
+                                             (enough * 4 // 3, 2 * enough)]
+    first_layer = Conv2d("c", [spec((2, 3, 8, 8))], out_channels=4, kernel=3, padding=1)   # direct: always split
+    assert first_layer._path(np, Rect.from_shape(first_layer.tile_shape)) == "direct"
+    assert parts_of(first_layer, 2) == [(0, 1), (1, 2)]
