@@ -37,7 +37,7 @@ from ops.pool import Pool2d
 from ops.embedding import Embedding
 from ops.linear import Dense
 from ops.lstm import LSTM
-from ops.activation import Softmax
+from ops.activation import ElementUnary, Softmax
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
 
@@ -236,6 +236,10 @@ def cases(quick: bool) -> list[Case]:
     op = Softmax("softmax", [spec(shape)])
     out.append(Case("softmax", op, [arr(shape)], {},
                     lambda ins, ws, t: torch_fwd_bwd(lambda a: torch.softmax(a, -1), [t(ins[0])])))
+    # gelu over BERT-base's intermediate activations, 3072 features over 8 x 512 tokens
+    shape = (8 // min(s, 2), 512, 3072)
+    op = ElementUnary("gelu", [spec(shape)], fn="gelu")
+    out.append(Case("gelu", op, [arr(shape)], {}, lambda ins, ws, t: torch_fwd_bwd(F.gelu, [t(ins[0])])))
     return out
 
 

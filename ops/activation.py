@@ -12,15 +12,14 @@ Elsewhere (cupy) it is plain array code.
 """
 from __future__ import annotations
 
-import types
-
 import numba
 import numpy as np
 
-from ops import cpu_pool
 from ops.base import Op, register_op, sample_split_dims
 from ops.cpu_layout import row_starts
+from ops.cpu_threads import RowKernel, row_split
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
+from ops.vector_math import exp_shifted_row
 from taskrt.geometry import Rect
 
 #: rough forward flops per element of each activation, for the analytic cost model
@@ -28,100 +27,6 @@ _UNARY_FLOPS = {"relu": 1, "sigmoid": 4, "tanh": 6, "gelu": 10}
 
 
 # ---- row kernels on the CPU ------------------------------------------------------------------
-def task_threads() -> int:
-    """The cores the running task has: the threads BLAS may use now (the runtime limits BLAS to
-    each CPU worker's share of the cores), at most numba's."""
-    return max(1, min(cpu_pool.threads(), numba.config.NUMBA_NUM_THREADS))
-
-
-#: values below which a row kernel runs on one thread: one core does them in a few tenths of a
-#: millisecond, about what waking a second thread can cost while other processes hold the
-#: cores (at 2M, a quarter-batch tile of BERT-base's layer norm, 786k values, ran on one
-#: thread in 1.8 ms; on two it takes 0.8, PyTorch 1.3)
-PARALLEL_MIN_VALUES = 1 << 19
-
-
-def use_task_threads(values: int) -> int:
-    """How many of the task's cores a kernel over `values` values uses (one for fewer than
-    PARALLEL_MIN_VALUES), this thread's numba kernels set to them where that is more than one."""
-    threads = task_threads() if values >= PARALLEL_MIN_VALUES else 1
-    if threads > 1:
-        numba.set_num_threads(threads)
-    return threads
-
-
-def row_split(rows: int, length: int) -> tuple[int, int]:
-    """(threads, chunks) for a row kernel over `rows` rows of `length`: use_task_threads, and
-    how many pieces to cut the rows into, a few per thread so that they even out."""
-    threads = use_task_threads(rows * length)
-    return threads, max(1, min(rows, 4 * threads))
-
-
-_ROW_KERNEL_OPTIONS = dict(nogil=True, cache=True, fastmath={"reassoc", "contract"})
-
-
-class RowKernel:
-    """A row kernel whose prange cuts the rows into `chunks` (its last argument), compiled
-    twice from one function: parallel, for a task with several cores, and serial, for one. A
-    parallel kernel's launch goes through numba's threading layer even on one thread, and two
-    workers' launches contend there: an 8k-value layer norm took 10.8 us a call alone and
-    26.9 us a call from each of two threads at once; serial, 9.5 and 6.5."""
-
-    def __init__(self, fn):
-        self.parallel = numba.njit(parallel=True, **_ROW_KERNEL_OPTIONS)(fn)
-        # its own name, so that numba's cache (keyed by name, not by flags) keeps both
-        serial = types.FunctionType(fn.__code__, fn.__globals__, f"{fn.__name__}_serial", fn.__defaults__,
-                                    fn.__closure__)
-        serial.__qualname__ = f"{fn.__qualname__}_serial"
-        self.serial = numba.njit(**_ROW_KERNEL_OPTIONS)(serial)
-        self.__doc__ = fn.__doc__
-
-    def on(self, threads: int):
-        """The compilation to run on `threads` threads (row_split's)."""
-        return self.parallel if threads > 1 else self.serial
-
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in few bits
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.0)  # exp of less is below float32's smallest normal: clamped here
-
-
-@numba.njit(nogil=True, inline="always", fastmath={"contract"})
-def _exp_shifted_row(x, m, y, bits, fast):
-    """y = exp(x - m) for x <= m (a NaN stays NaN); returns sum(y) in float64. `fast` (float32):
-    Cephes' expf polynomial times 2^k built in the int32 scratch `bits`, two loops that
-    vectorize as long as y is not x (LLVM's overlap check then sends them to scalar code,
-    three times slower); else np.exp."""
-    n = x.size
-    total = 0.0
-    if fast:
-        scale = bits[:n].view(np.float32)
-        for i in range(n):
-            t = x[i] - m
-            t = _EXP_MIN if t < _EXP_MIN else t
-            k = np.floor(t * _LOG2E + np.float32(0.5))
-            r = t - k * _LN2_HI - k * _LN2_LO
-            p = np.float32(1.9875691500e-4)
-            p = p * r + np.float32(1.3981999507e-3)
-            p = p * r + np.float32(8.3334519073e-3)
-            p = p * r + np.float32(4.1665795894e-2)
-            p = p * r + np.float32(1.6666665459e-1)
-            p = p * r + np.float32(5.0000001201e-1)
-            y[i] = p * r * r + r + np.float32(1.0)
-            bits[i] = (np.int32(k) + np.int32(127)) << 23
-        for i in range(n):
-            v = y[i] * scale[i]
-            y[i] = v
-            total += v
-    else:
-        for i in range(n):
-            v = np.exp(x[i] - m)
-            y[i] = v
-            total += v
-    return total
-
-
 @RowKernel
 def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
     """Row r of y = softmax of row r of x ((flat, starts) pairs, rows of n; y may be x), with
@@ -137,7 +42,7 @@ def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
             m = xr[0]
             for i in range(1, seen):
                 m = xr[i] if xr[i] > m else m
-            inv = yr.dtype.type(1.0 / _exp_shifted_row(xr, m, e, bits, fast))
+            inv = yr.dtype.type(1.0 / exp_shifted_row(xr, m, e, bits, fast))
             for i in range(seen):
                 yr[i] = e[i] * inv
             for i in range(seen, n):

@@ -1,6 +1,11 @@
 """Element-wise activation functions and their derivatives, shared by every op that fuses one.
 
-Each works on numpy or cupy arrays (`xp`). gelu is the exact erf form, PyTorch's default.
+Each works on numpy or cupy arrays (`xp`). gelu is the exact erf form, PyTorch's default. On
+the CPU it is one numba kernel each way: numpy's form made five passes and called erf one
+value at a time (16k values: 116 us forward, 246 us backward). In float32 the kernels' erf is
+a rational function that LLVM vectorizes, within 3.4e-7 of erf over the whole line, and the
+backward's exp Cephes' polynomial (ops/vector_math.py); float64 calls math.erf and np.exp.
+Arrays of PARALLEL_MIN_VALUES or more are shared out over the task's cores (ops/cpu_threads.py).
 """
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ import math
 
 import numba
 import numpy as np
+
+from ops.cpu_threads import RowKernel, row_split
+from ops.vector_math import erf_value, exp_shifted_row
 
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "gelu")
 
@@ -29,6 +37,79 @@ def _erf_cpu():
     return kernel
 
 
+_f32 = np.float32
+_HALF, _ONE, _NEG_HALF, _ZERO = _f32(0.5), _f32(1.0), _f32(-0.5), _f32(0.0)
+#: the backward kernel makes exp(-x^2 / 2) this many values at a time (its scratch stays in cache)
+_BLOCK = 2048
+
+
+@RowKernel
+def _gelu_forward_cpu(x, y, fast, inv_sqrt2, chunks):
+    """y = x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2, on flat arrays cut into `chunks`;
+    1 / sqrt 2 in their dtype."""
+    n = x.size
+    for c in numba.prange(chunks):
+        # a chunk's slices, indexed from 0: an index LLVM cannot prove non-negative keeps
+        # numba's wraparound check in the loop, which then does not vectorize (4.5x slower)
+        xc, yc = x[c * n // chunks:(c + 1) * n // chunks], y[c * n // chunks:(c + 1) * n // chunks]
+        for i in range(xc.size):
+            v = xc[i]
+            yc[i] = _HALF * v * (_ONE + erf_value(v * inv_sqrt2, fast))
+
+
+@RowKernel
+def _gelu_pdf_cpu(x, e, fast, chunks):
+    """e = exp(-x^2 / 2), on flat arrays cut into `chunks`, a block at a time. Its own kernel:
+    inlined into _gelu_backward_cpu's loop it kept that loop from vectorizing (4x slower)."""
+    n = x.size
+    for c in numba.prange(chunks):
+        t = np.empty(_BLOCK, x.dtype)
+        bits = np.empty(_BLOCK, np.int32)
+        hi = (c + 1) * n // chunks
+        for a in range(c * n // chunks, hi, _BLOCK):
+            xb, eb = x[a:min(a + _BLOCK, hi)], e[a:min(a + _BLOCK, hi)]   # indexed from 0, as below
+            for i in range(xb.size):
+                t[i] = _NEG_HALF * xb[i] * xb[i]
+            exp_shifted_row(t[:xb.size], _ZERO, eb, bits, fast)
+
+
+@RowKernel
+def _gelu_backward_cpu(x, e, dy, dx, fast, inv_sqrt2, inv_sqrt_2pi, chunks):
+    """dx = dy * (Phi(x) + x * phi(x)), phi(x) = e / sqrt(2 pi) with e = exp(-x^2 / 2)
+    (_gelu_pdf_cpu), on flat arrays cut into `chunks`; the constants in their dtype. dx must not
+    overlap e: LLVM's overlap check then sends the loop to its scalar form (6x slower)."""
+    n = x.size
+    for c in numba.prange(chunks):
+        lo, hi = c * n // chunks, (c + 1) * n // chunks
+        xc, ec, gc, dc = x[lo:hi], e[lo:hi], dy[lo:hi], dx[lo:hi]   # indexed from 0, as in _gelu_forward_cpu
+        for i in range(xc.size):
+            v = xc[i]
+            dc[i] = gc[i] * (_HALF * (_ONE + erf_value(v * inv_sqrt2, fast)) + v * ec[i] * inv_sqrt_2pi)
+
+
+def _cpu_kernels(*arrays) -> bool:
+    """Whether gelu's numba kernels take these numpy arrays: one float dtype, the kernels' two."""
+    return all(a.dtype == arrays[0].dtype for a in arrays) and arrays[0].dtype in (np.float32, np.float64)
+
+
+def _flat(a):
+    """a as a contiguous 1-D array (a view when it is contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
+def _erf_flat(x, out, fast):
+    for i in range(x.size):
+        out[i] = erf_value(x[i], fast)
+
+
+def gelu_erf(x):
+    """erf of a float32 or float64 numpy array through the gelu kernels' erf (tests compare it to math.erf)."""
+    out = np.empty(x.size, x.dtype)
+    _erf_flat(_flat(x), out, x.dtype == np.float32)
+    return out.reshape(x.shape)
+
+
 def erf(xp, x):
     if xp is np:
         return _erf_cpu()(x)
@@ -47,6 +128,12 @@ def activation_forward(xp, name: str, x):
     if name == "tanh":
         return xp.tanh(x)
     if name == "gelu":
+        if xp is np and _cpu_kernels(x):
+            y = np.empty(x.shape, x.dtype)
+            threads, chunks = row_split(x.size, 1)
+            _gelu_forward_cpu.on(threads)(_flat(x), y.reshape(-1), x.dtype == np.float32,
+                                          x.dtype.type(1 / math.sqrt(2)), chunks)
+            return y
         return 0.5 * x * (1 + erf(xp, x * x.dtype.type(1 / math.sqrt(2))))
     raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS} or None")
 
@@ -62,6 +149,15 @@ def activation_backward(xp, name: str, x, y, dy):
     if name == "tanh":
         return dy * (1 - y * y)
     if name == "gelu":
+        if xp is np and _cpu_kernels(x, dy):
+            xf, fast = _flat(x), x.dtype == np.float32
+            e, dx = np.empty(x.size, x.dtype), np.empty(x.shape, x.dtype)   # (e apart from dx: see _gelu_backward_cpu)
+            threads, chunks = row_split(x.size, 1)
+            _gelu_pdf_cpu.on(threads)(xf, e, fast, chunks)
+            _gelu_backward_cpu.on(threads)(xf, e, _flat(dy), dx.reshape(-1), fast,
+                                           x.dtype.type(1 / math.sqrt(2)), x.dtype.type(1 / math.sqrt(2 * math.pi)),
+                                           chunks)
+            return dx
         cdf = 0.5 * (1 + erf(xp, x * x.dtype.type(1 / math.sqrt(2))))
         pdf = xp.exp(-0.5 * x * x) * x.dtype.type(1 / math.sqrt(2 * math.pi))
         return dy * (cdf + x * pdf)

@@ -24,7 +24,7 @@ import math
 import numba
 import numpy as np
 
-from ops.activation import RowKernel, row_split
+from ops.cpu_threads import RowKernel, row_split
 from ops.cpu_layout import row_starts
 from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, given_out, int_attr,
                       register_op, sample_split_dims)

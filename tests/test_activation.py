@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threadpoolctl import threadpool_limits
 
 from ops.activation import ElementUnary, Softmax, softmax_grad_rows, softmax_rows_
 from ops.base import ATTRIBUTE, SAMPLE, OP_REGISTRY, ShapeError
@@ -206,7 +207,7 @@ def test_softmax_kernel_keeps_nans_and_gives_minus_infinity_no_weight():
 def test_row_kernels_give_the_same_on_every_thread_count(monkeypatch):
     """Softmax and layer norm rows shared out over the cores (the threshold lowered to 0) give
     what one thread gives."""
-    import ops.activation
+    import ops.cpu_threads
     from ops.norm import LayerNorm
     rng = np.random.default_rng(7)
     x = rng.standard_normal((6, 37, 33)).astype(np.float32)
@@ -216,7 +217,7 @@ def test_row_kernels_give_the_same_on_every_thread_count(monkeypatch):
     tile = Rect.from_shape(x.shape)
     results = []
     for threshold in (x.size + 1, 0):
-        monkeypatch.setattr(ops.activation, "PARALLEL_MIN_VALUES", threshold)
+        monkeypatch.setattr(ops.cpu_threads, "PARALLEL_MIN_VALUES", threshold)
         y = np.empty_like(x)
         softmax_rows_(np, x, y)
         (ln,), saved = op.forward(np, tile, [x], [tile], weights)
@@ -224,3 +225,41 @@ def test_row_kernels_give_the_same_on_every_thread_count(monkeypatch):
         results.append([y, softmax_grad_rows(np, y, g), ln, dx, gw["weight"], gw["bias"]])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---- gelu's CPU kernels (ops/functions.py) ------------------------------------------------------
+def test_gelu_erf_is_within_4e_7_of_erf_everywhere():
+    """The float32 rational erf against math.erf on a dense grid past the clamp at 4, and its
+    float64 form (math.erf itself)."""
+    import math
+
+    from ops.functions import gelu_erf
+    x = np.concatenate([np.linspace(-7, 7, 400_001), [-1e-30, 0.0, 1e-30, 1e-6, 40.0, -40.0]])
+    want = np.array([math.erf(v) for v in x.astype(np.float32).astype(np.float64)])
+    got = gelu_erf(x.astype(np.float32))
+    assert got.dtype == np.float32
+    assert np.abs(got - want).max() < 4e-7
+    np.testing.assert_array_equal(gelu_erf(x), [math.erf(v) for v in x])
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-13)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gelu_kernels_match_the_array_code(monkeypatch, dtype, tol, threads):
+    """The numba kernels, on one core and shared out over two (strided views in, as a tile's
+    are; more values than a block of the backward's exp), against the array code that cupy
+    runs, evaluated in float64; values up to +-20, past erf's clamp."""
+    import ops.cpu_threads
+    import ops.functions as functions
+    rng = np.random.default_rng(4)
+    x = (6 * rng.standard_normal((50, 202))).astype(dtype)[:, ::2]
+    dy = rng.standard_normal((50, 202)).astype(dtype)[:, 1::2]
+    monkeypatch.setattr(ops.cpu_threads, "PARALLEL_MIN_VALUES", 0 if threads > 1 else x.size + 1)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        y = functions.activation_forward(np, "gelu", x)
+        dx = functions.activation_backward(np, "gelu", x, y, dy)
+    monkeypatch.setattr(functions, "_cpu_kernels", lambda *arrays: False)
+    y_ref = functions.activation_forward(np, "gelu", x.astype(np.float64))
+    dx_ref = functions.activation_backward(np, "gelu", x.astype(np.float64), y_ref, dy.astype(np.float64))
+    assert y.dtype == dx.dtype == dtype and y.shape == dx.shape == x.shape
+    np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(dx, dx_ref, rtol=tol, atol=tol)

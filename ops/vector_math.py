@@ -1,0 +1,86 @@
+"""Float32 math that LLVM vectorizes inside numba loops, for the CPU kernels.
+
+numba's np.exp and math.erf are one value at a time (it has no vector math library without
+SVML). Here: exp as Cephes' expf polynomial times a power of two built in integer bits, and
+erf as Eigen's rational function (the one PyTorch's CPU kernels use). Float64 keeps numpy's and
+math's exact functions.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in few bits
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # exp of less is below float32's smallest normal: clamped here
+
+
+@numba.njit(nogil=True, inline="always", fastmath={"contract"})
+def exp_shifted_row(x, m, y, bits, fast):
+    """y = exp(x - m) for x <= m (a NaN stays NaN); returns sum(y) in float64. `fast` (float32):
+    Cephes' expf polynomial times 2^k built in the int32 scratch `bits`, two loops that
+    vectorize as long as y is not x (LLVM's overlap check then sends them to scalar code,
+    three times slower); else np.exp."""
+    n = x.size
+    total = 0.0
+    if fast:
+        scale = bits[:n].view(np.float32)
+        for i in range(n):
+            t = x[i] - m
+            t = _EXP_MIN if t < _EXP_MIN else t
+            k = np.floor(t * _LOG2E + np.float32(0.5))
+            r = t - k * _LN2_HI - k * _LN2_LO
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            y[i] = p * r * r + r + np.float32(1.0)
+            bits[i] = (np.int32(k) + np.int32(127)) << 23
+        for i in range(n):
+            v = y[i] * scale[i]
+            y[i] = v
+            total += v
+    else:
+        for i in range(n):
+            v = np.exp(x[i] - m)
+            y[i] = v
+            total += v
+    return total
+
+
+# erf(x) ~ x p(x^2) / q(x^2) on [-4, 4] and +-1 beyond (float32 rounds erf(4) to 1)
+_f32 = np.float32
+_ERF_CLAMP = _f32(4.0)
+_EA1, _EA3, _EA5, _EA7, _EA9, _EA11, _EA13 = (
+    _f32(-1.60960333262415e-02), _f32(-2.95459980854025e-03), _f32(-7.34990630326855e-04),
+    _f32(-5.69250639462346e-05), _f32(-2.10102402082508e-06), _f32(2.77068142495902e-08),
+    _f32(-2.72614225801306e-10))
+_EB0, _EB2, _EB4, _EB6, _EB8 = (_f32(-1.42647390514189e-02), _f32(-7.37332916720468e-03),
+                                _f32(-1.68282697438203e-03), _f32(-2.13374055278905e-04),
+                                _f32(-1.45660718464996e-05))
+
+
+@numba.njit(inline="always", error_model="numpy", fastmath={"contract"})
+def erf_value(x, fast):
+    """erf(x): the rational approximation if `fast` (float32, within 3.4e-7), else math.erf."""
+    if fast:
+        x = _ERF_CLAMP if x > _ERF_CLAMP else x
+        x = -_ERF_CLAMP if x < -_ERF_CLAMP else x
+        x2 = x * x
+        p = x2 * _EA13 + _EA11
+        p = p * x2 + _EA9
+        p = p * x2 + _EA7
+        p = p * x2 + _EA5
+        p = p * x2 + _EA3
+        p = p * x2 + _EA1
+        q = x2 * _EB8 + _EB6
+        q = q * x2 + _EB4
+        q = q * x2 + _EB2
+        q = q * x2 + _EB0
+        return x * p / q
+    return math.erf(x)
