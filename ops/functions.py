@@ -3,7 +3,7 @@
 Each works on numpy or cupy arrays (`xp`). gelu is the exact erf form, PyTorch's default. On
 the CPU it is one numba kernel each way: numpy's form made five passes and called erf one
 value at a time (16k values: 116 us forward, 246 us backward). In float32 the kernels' erf is
-a rational function that LLVM vectorizes, within 3.4e-7 of erf over the whole line, and the
+a rational function that LLVM vectorizes, within 5e-7 of erf over the whole line, and the
 backward's exp Cephes' polynomial (ops/vector_math.py); float64 calls math.erf and np.exp.
 Arrays of PARALLEL_MIN_VALUES or more are shared out over the task's cores (ops/cpu_threads.py).
 """

@@ -67,7 +67,7 @@ _EB0, _EB2, _EB4, _EB6, _EB8 = (_f32(-1.42647390514189e-02), _f32(-7.37332916720
 
 @numba.njit(inline="always", error_model="numpy", fastmath={"contract"})
 def erf_value(x, fast):
-    """erf(x): the rational approximation if `fast` (float32, within 3.4e-7), else math.erf."""
+    """erf(x): the rational approximation if `fast` (float32, within 5e-7), else math.erf."""
     if fast:
         x = _ERF_CLAMP if x > _ERF_CLAMP else x
         x = -_ERF_CLAMP if x < -_ERF_CLAMP else x

@@ -1,0 +1,56 @@
+"""The float32 math that LLVM vectorizes (ops/vector_math.py) against math's and numpy's float64."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from ops.vector_math import erf_value, exp_shifted_row
+
+
+@numba.njit
+def _erf_all(x, fast):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = erf_value(x[i], fast)
+    return out
+
+
+@numba.njit
+def _exp_all(x, m, fast):
+    y = np.empty_like(x)
+    total = exp_shifted_row(x, m, y, np.empty(x.size, np.int32), fast)
+    return y, total
+
+
+GRID = np.concatenate([np.linspace(-7, 7, 400_001), [-1e-30, 0.0, 1e-30, 1e-6, 40.0, -40.0]])
+
+
+def test_erf_is_within_5e_7_of_erf_everywhere():
+    """The rational erf on a dense grid past its clamp at 4 (float32 inputs, compared in float64;
+    4.2e-7 at most compiled as here, 3.4e-7 with the kernels' fused multiply-adds)."""
+    x = GRID.astype(np.float32)
+    got = _erf_all(x, True)
+    assert got.dtype == np.float32
+    assert np.abs(got - [math.erf(v) for v in x.astype(np.float64)]).max() < 5e-7
+
+
+def test_erf_in_float64_is_math_erf():
+    np.testing.assert_array_equal(_erf_all(GRID, False), [math.erf(v) for v in GRID])
+
+
+@pytest.mark.parametrize("m", [0.0, 3.5])
+def test_exp_is_within_2_ulp_and_its_sum_is_the_sum(m):
+    """exp(x - m) for x <= m down to float32's underflow (clamped at -87: below it the result
+    is float32's smallest normals, not 0), and the float64 sum it returns. (Compared with the
+    exp of the float32 difference, whose own rounding is not the exp's.)"""
+    x = (m - np.abs(np.linspace(-90, 0, 200_001))).astype(np.float32)
+    y, total = _exp_all(x, np.float32(m), True)
+    want = np.exp(np.maximum((x - np.float32(m)).astype(np.float64), -87.0))
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, want, rtol=2.5e-7, atol=0)
+    assert total == pytest.approx(float(y.astype(np.float64).sum()), rel=1e-12)
+    y64, _ = _exp_all(x.astype(np.float64), m, False)
+    np.testing.assert_allclose(y64, np.exp(x.astype(np.float64) - m), rtol=1e-15)
