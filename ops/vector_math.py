@@ -2,8 +2,7 @@
 
 numba's np.exp and math.erf are one value at a time (it has no vector math library without
 SVML). Here: exp as Cephes' expf polynomial times a power of two built in integer bits, and
-erf as Eigen's rational function (the one PyTorch's CPU kernels use). Float64 keeps numpy's and
-math's exact functions.
+erf as Eigen's rational function. Float64 keeps numpy's and math's exact functions.
 """
 from __future__ import annotations
 
