@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from ops.cpu_threads import RowKernel, row_split
-from ops.vector_math import erf_value, exp_shifted_row
+from ops.vector_math import erf_value, exp_shifted_row, is_float32
 
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "gelu")
 
@@ -44,9 +44,10 @@ _BLOCK = 2048
 
 
 @RowKernel
-def _gelu_forward_cpu(x, y, fast, inv_sqrt2, chunks):
+def _gelu_forward_cpu(x, y, inv_sqrt2, chunks):
     """y = x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2, on flat arrays cut into `chunks`;
     1 / sqrt 2 in their dtype."""
+    fast = is_float32(x)
     n = x.size
     for c in numba.prange(chunks):
         # a chunk's slices, indexed from 0: an index LLVM cannot prove non-negative keeps
@@ -58,33 +59,26 @@ def _gelu_forward_cpu(x, y, fast, inv_sqrt2, chunks):
 
 
 @RowKernel
-def _gelu_pdf_cpu(x, e, fast, chunks):
-    """e = exp(-x^2 / 2), on flat arrays cut into `chunks`, a block at a time. Its own kernel:
-    inlined into _gelu_backward_cpu's loop it kept that loop from vectorizing (4x slower)."""
+def _gelu_backward_cpu(x, dy, dx, inv_sqrt2, inv_sqrt_2pi, chunks):
+    """dx = dy * (Phi(x) + x * phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi), on flat arrays cut
+    into `chunks`, a block at a time (the exp's values in scratch that stays in cache); the
+    constants in their dtype."""
+    fast = is_float32(x)
     n = x.size
     for c in numba.prange(chunks):
         t = np.empty(_BLOCK, x.dtype)
+        e = np.empty(_BLOCK, x.dtype)
         bits = np.empty(_BLOCK, np.int32)
         hi = (c + 1) * n // chunks
         for a in range(c * n // chunks, hi, _BLOCK):
-            xb, eb = x[a:min(a + _BLOCK, hi)], e[a:min(a + _BLOCK, hi)]   # indexed from 0, as below
+            b = min(a + _BLOCK, hi)
+            xb, gb, db = x[a:b], dy[a:b], dx[a:b]   # indexed from 0, as in _gelu_forward_cpu
             for i in range(xb.size):
                 t[i] = _NEG_HALF * xb[i] * xb[i]
-            exp_shifted_row(t[:xb.size], _ZERO, eb, bits, fast)
-
-
-@RowKernel
-def _gelu_backward_cpu(x, e, dy, dx, fast, inv_sqrt2, inv_sqrt_2pi, chunks):
-    """dx = dy * (Phi(x) + x * phi(x)), phi(x) = e / sqrt(2 pi) with e = exp(-x^2 / 2)
-    (_gelu_pdf_cpu), on flat arrays cut into `chunks`; the constants in their dtype. dx must not
-    overlap e: LLVM's overlap check then sends the loop to its scalar form (6x slower)."""
-    n = x.size
-    for c in numba.prange(chunks):
-        lo, hi = c * n // chunks, (c + 1) * n // chunks
-        xc, ec, gc, dc = x[lo:hi], e[lo:hi], dy[lo:hi], dx[lo:hi]   # indexed from 0, as in _gelu_forward_cpu
-        for i in range(xc.size):
-            v = xc[i]
-            dc[i] = gc[i] * (_HALF * (_ONE + erf_value(v * inv_sqrt2, fast)) + v * ec[i] * inv_sqrt_2pi)
+            exp_shifted_row(t[:xb.size], _ZERO, e, bits, fast)
+            for i in range(xb.size):
+                v = xb[i]
+                db[i] = gb[i] * (_HALF * (_ONE + erf_value(v * inv_sqrt2, fast)) + v * e[i] * inv_sqrt_2pi)
 
 
 def _cpu_kernels(*arrays) -> bool:
@@ -95,19 +89,6 @@ def _cpu_kernels(*arrays) -> bool:
 def _flat(a):
     """a as a contiguous 1-D array (a view when it is contiguous)."""
     return np.ascontiguousarray(a).reshape(-1)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _erf_flat(x, out, fast):
-    for i in range(x.size):
-        out[i] = erf_value(x[i], fast)
-
-
-def gelu_erf(x):
-    """erf of a float32 or float64 numpy array through the gelu kernels' erf (tests compare it to math.erf)."""
-    out = np.empty(x.size, x.dtype)
-    _erf_flat(_flat(x), out, x.dtype == np.float32)
-    return out.reshape(x.shape)
 
 
 def erf(xp, x):
@@ -131,8 +112,7 @@ def activation_forward(xp, name: str, x):
         if xp is np and _cpu_kernels(x):
             y = np.empty(x.shape, x.dtype)
             threads, chunks = row_split(x.size, 1)
-            _gelu_forward_cpu.on(threads)(_flat(x), y.reshape(-1), x.dtype == np.float32,
-                                          x.dtype.type(1 / math.sqrt(2)), chunks)
+            _gelu_forward_cpu.on(threads)(_flat(x), y.reshape(-1), x.dtype.type(1 / math.sqrt(2)), chunks)
             return y
         return 0.5 * x * (1 + erf(xp, x * x.dtype.type(1 / math.sqrt(2))))
     raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS} or None")
@@ -150,13 +130,10 @@ def activation_backward(xp, name: str, x, y, dy):
         return dy * (1 - y * y)
     if name == "gelu":
         if xp is np and _cpu_kernels(x, dy):
-            xf, fast = _flat(x), x.dtype == np.float32
-            e, dx = np.empty(x.size, x.dtype), np.empty(x.shape, x.dtype)   # (e apart from dx: see _gelu_backward_cpu)
+            dx = np.empty(x.shape, x.dtype)
             threads, chunks = row_split(x.size, 1)
-            _gelu_pdf_cpu.on(threads)(xf, e, fast, chunks)
-            _gelu_backward_cpu.on(threads)(xf, e, _flat(dy), dx.reshape(-1), fast,
-                                           x.dtype.type(1 / math.sqrt(2)), x.dtype.type(1 / math.sqrt(2 * math.pi)),
-                                           chunks)
+            _gelu_backward_cpu.on(threads)(_flat(x), _flat(dy), dx.reshape(-1), x.dtype.type(1 / math.sqrt(2)),
+                                           x.dtype.type(1 / math.sqrt(2 * math.pi)), chunks)
             return dx
         cdf = 0.5 * (1 + erf(xp, x * x.dtype.type(1 / math.sqrt(2))))
         pdf = xp.exp(-0.5 * x * x) * x.dtype.type(1 / math.sqrt(2 * math.pi))

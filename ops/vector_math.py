@@ -10,6 +10,7 @@ import math
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in few bits
@@ -83,3 +84,17 @@ def erf_value(x, fast):
         q = q * x2 + _EB0
         return x * p / q
     return math.erf(x)
+
+
+def is_float32(a) -> bool:
+    """Whether array `a` is float32: the `fast` flag of the functions above. Inside numba it is a
+    compile-time constant (the overload below), so that a kernel's branches on it are folded
+    away: passed in as an argument, the flag kept gelu's backward loop, with exp and erf inlined
+    into it, from vectorizing (81 against 24 us for 16k values)."""
+    return a.dtype == np.float32
+
+
+@overload(is_float32)
+def _is_float32(a):
+    flag = a.dtype == numba.types.float32
+    return lambda a: flag
