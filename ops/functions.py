@@ -39,6 +39,8 @@ def _erf_cpu():
 
 _f32 = np.float32
 _HALF, _ONE, _NEG_HALF, _ZERO = _f32(0.5), _f32(1.0), _f32(-0.5), _f32(0.0)
+#: gelu's constants, cast to each array's dtype where used
+_INV_SQRT2, _INV_SQRT_2PI = 1 / math.sqrt(2), 1 / math.sqrt(2 * math.pi)
 #: the backward kernel makes exp(-x^2 / 2) this many values at a time (its scratch stays in cache)
 _BLOCK = 2048
 
@@ -112,9 +114,9 @@ def activation_forward(xp, name: str, x):
         if xp is np and _cpu_kernels(x):
             y = np.empty(x.shape, x.dtype)
             threads, chunks = row_split(x.size, 1)
-            _gelu_forward_cpu.on(threads)(_flat(x), y.reshape(-1), x.dtype.type(1 / math.sqrt(2)), chunks)
+            _gelu_forward_cpu.on(threads)(_flat(x), y.reshape(-1), x.dtype.type(_INV_SQRT2), chunks)
             return y
-        return 0.5 * x * (1 + erf(xp, x * x.dtype.type(1 / math.sqrt(2))))
+        return 0.5 * x * (1 + erf(xp, x * x.dtype.type(_INV_SQRT2)))
     raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS} or None")
 
 
@@ -132,10 +134,10 @@ def activation_backward(xp, name: str, x, y, dy):
         if xp is np and _cpu_kernels(x, dy):
             dx = np.empty(x.shape, x.dtype)
             threads, chunks = row_split(x.size, 1)
-            _gelu_backward_cpu.on(threads)(_flat(x), _flat(dy), dx.reshape(-1), x.dtype.type(1 / math.sqrt(2)),
-                                           x.dtype.type(1 / math.sqrt(2 * math.pi)), chunks)
+            _gelu_backward_cpu.on(threads)(_flat(x), _flat(dy), dx.reshape(-1), x.dtype.type(_INV_SQRT2),
+                                           x.dtype.type(_INV_SQRT_2PI), chunks)
             return dx
-        cdf = 0.5 * (1 + erf(xp, x * x.dtype.type(1 / math.sqrt(2))))
-        pdf = xp.exp(-0.5 * x * x) * x.dtype.type(1 / math.sqrt(2 * math.pi))
+        cdf = 0.5 * (1 + erf(xp, x * x.dtype.type(_INV_SQRT2)))
+        pdf = xp.exp(-0.5 * x * x) * x.dtype.type(_INV_SQRT_2PI)
         return dy * (cdf + x * pdf)
     raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS} or None")

@@ -301,9 +301,9 @@ def _consts(dtype) -> tuple:
     return _CONSTS[dtype]
 
 
-def _sample_chunks(n: int, bytes_per_sample: int, blocks_per_sample: int) -> list[tuple[int, int]]:
+def sample_chunks(n: int, bytes_per_sample: int, blocks_per_sample: int) -> list[tuple[int, int]]:
     """Sample ranges whose transformed blocks take about _CHUNK_BYTES (they stay in cache), and
-    hold at least _MIN_CHUNK_BLOCKS blocks."""
+    hold at least _MIN_CHUNK_BLOCKS blocks (ops/winograd_1d.py's chunks too)."""
     step = max(1, _CHUNK_BYTES // max(1, bytes_per_sample), -(-_MIN_CHUNK_BLOCKS // blocks_per_sample))
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
@@ -336,9 +336,9 @@ def filter_gradient(du):
     return np.ascontiguousarray(dw.transpose(3, 2, 0, 1))
 
 
-class _Buffers:
+class Buffers:
     """Scratch arrays sized for the first (largest) chunk of samples, handed out per chunk as
-    contiguous arrays of that chunk's size."""
+    contiguous arrays of that chunk's size (ops/winograd_1d.py's too)."""
 
     def __init__(self, dtype, samples: int, per_sample: dict[str, tuple]):
         self.per_sample = {name: math.prod(shape) for name, shape in per_sample.items()}
@@ -355,8 +355,8 @@ def _transformed_input(x, top_left, n_blocks, scratch: dict):
     c = x.shape[1]
     th, tw = n_blocks
     sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), **scratch}
-    chunks = _sample_chunks(x.shape[0], sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
-    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    chunks = sample_chunks(x.shape[0], sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
+    buf = Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
     k = _consts(x.dtype)
     for a, b in chunks:
         xs = buf.get("x", b - a, (b - a, *sizes["x"]))

@@ -30,17 +30,13 @@ from fractions import Fraction
 import numba
 import numpy as np
 
+from ops import winograd
+
 #: filter length r -> (outputs per block m, the finite interpolation points)
 POINTS = {
     3: (4, (0, 1, -1, 2, -2)),
     7: (2, (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))),
 }
-
-#: a chunk of samples' blocks take about this many bytes in all their buffers (they stay in
-#: cache from one step to the next), and hold at least _MIN_CHUNK_BLOCKS blocks (the GEMMs'
-#: long side, and the weight gradient's inner one)
-_CHUNK_BYTES = 2 << 20
-_MIN_CHUNK_BLOCKS = 256
 
 
 def _poly_times(a: list, b: list) -> list:
@@ -80,15 +76,15 @@ def transforms(m: int, r: int, points) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 #: r -> (m, A^T, G, B^T) in float64
 _MATRICES = {r: (m, *transforms(m, r, pts)) for r, (m, pts) in POINTS.items()}
-#: (r, dtype) -> (A^T, A, B^T, B) in that dtype, contiguous
+#: (r, dtype) -> (A^T, A, B^T, B, G) in that dtype, contiguous
 _CAST: dict = {}
 
 
 def _cast(r: int, dtype) -> tuple:
     key = (r, np.dtype(dtype))
     if key not in _CAST:
-        _, at, _, bt = _MATRICES[r]
-        _CAST[key] = tuple(np.ascontiguousarray(a, dtype) for a in (at, at.T, bt, bt.T))
+        _, at, g, bt = _MATRICES[r]
+        _CAST[key] = tuple(np.ascontiguousarray(a, dtype) for a in (at, at.T, bt, bt.T, g))
     return _CAST[key]
 
 
@@ -166,50 +162,32 @@ def filter_transform(g):
     """U = G g of each filter g [OC, C, r] (the taps of a 1xr or rx1 filter in order), as
     [n, OC, C]: one GEMM for all of them, the filters read in place (as g^T)."""
     oc, c, r = g.shape
-    return np.matmul(_MATRICES[r][2].astype(g.dtype), g.reshape(oc * c, r).T).reshape(-1, oc, c)
+    return np.matmul(_cast(r, g.dtype)[4], g.reshape(oc * c, r).T).reshape(-1, oc, c)
 
 
 def filter_gradient(du, r: int):
     """dg [OC, C, r] from du [n, OC, C], the gradient of U = filter_transform(g): one GEMM,
     dU^T G, whose result is dg in place."""
     n, oc, c = du.shape
-    return np.matmul(du.reshape(n, oc * c).T, _MATRICES[r][2].astype(du.dtype)).reshape(oc, c, r)
-
-
-def _chunks(n: int, bytes_per_sample: int, blocks_per_sample: int) -> list[tuple[int, int]]:
-    """Sample ranges whose buffers take about _CHUNK_BYTES and hold at least _MIN_CHUNK_BLOCKS blocks."""
-    step = max(1, _CHUNK_BYTES // max(1, bytes_per_sample), -(-_MIN_CHUNK_BLOCKS // max(1, blocks_per_sample)))
-    return [(a, min(n, a + step)) for a in range(0, n, step)]
-
-
-class _Buffers:
-    """Scratch arrays sized for the first (largest) chunk of samples, handed out per chunk as
-    contiguous arrays of that chunk's size: name -> (places, per-sample size)."""
-
-    def __init__(self, dtype, samples: int, sizes: dict[str, tuple[int, int]]):
-        self.sizes = sizes
-        self.flat = {name: np.empty(p * samples * per, dtype) for name, (p, per) in sizes.items()}
-
-    def get(self, name: str, samples: int, last: int):
-        places, per = self.sizes[name]
-        return self.flat[name][:places * samples * per].reshape(places, -1, last)
+    return np.matmul(du.reshape(n, oc * c).T, _cast(r, du.dtype)[4]).reshape(oc, c, r)
 
 
 def _transformed_input(x, r: int, left: int, t_: int, scratch: dict):
-    """Per chunk of samples [a, b) of x [N, C, H, W]: (a, b, xs, v, buf): the image's places
-    (xs [n, (b-a)*H*T, C]), its blocks transformed (v, the same shape), and buffers for
-    `scratch` (name -> (places, size per sample)) that the chunk's other steps take from buf."""
+    """Per chunk of samples [a, b) of x [N, C, H, W] (ops/winograd.py's chunks and buffers):
+    (a, b, xs, v, buf): the image's places (xs [n, (b-a)*H*T, C]), its blocks transformed (v,
+    the same shape), and buffers for `scratch` (name -> (places, size per sample)) that the
+    chunk's other steps take from buf, as [places, (b-a) * size, last]."""
     m = _MATRICES[r][0]
     n = m + r - 1
     c, h = x.shape[1], x.shape[2]
     sizes = {"x": (n, h * t_ * c), "v": (n, h * t_ * c), **scratch}
-    chunks = _chunks(x.shape[0], sum(p * per for p, per in sizes.values()) * x.itemsize, h * t_)
-    buf = _Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    chunks = winograd.sample_chunks(x.shape[0], sum(p * per for p, per in sizes.values()) * x.itemsize, h * t_)
+    buf = winograd.Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
     bt = _cast(r, x.dtype)[2]
     for a, b in chunks:
-        xs = buf.get("x", b - a, c)
+        xs = buf.get("x", b - a, (n, -1, c))
         _split(x[a:b], left, m, xs.reshape(n, b - a, h, t_, c))
-        v = buf.get("v", b - a, c)
+        v = buf.get("v", b - a, (n, -1, c))
         np.matmul(bt, xs.reshape(n, -1), out=v.reshape(n, -1))
         yield a, b, xs, v, buf
 
@@ -227,8 +205,8 @@ def forward(x, r: int, left: int, y, bias, u) -> None:
     ut = u.swapaxes(1, 2)   # [n, C, OC], read transposed by the GEMMs
     scratch = {"m": (n, h * t_ * oc), "y": (m, h * t_ * oc)}
     for a, b, _, v, buf in _transformed_input(x, r, left, t_, scratch):
-        prod = np.matmul(v, ut, out=buf.get("m", b - a, oc))
-        ys = buf.get("y", b - a, oc)
+        prod = np.matmul(v, ut, out=buf.get("m", b - a, (n, -1, oc)))
+        ys = buf.get("y", b - a, (m, -1, oc))
         np.matmul(at, prod.reshape(n, -1), out=ys.reshape(m, -1))
         _merge(ys.reshape(m, b - a, h, t_, oc), 0, m, bias, y[a:b])
 
@@ -240,13 +218,13 @@ def transformed_backward(x, r: int, left: int, u, dy, dx):
     c, (oc, h, ow) = x.shape[1], dy.shape[1:]
     m = _MATRICES[r][0]
     n, t_ = m + r - 1, blocks(ow, r)
-    _, a_, _, b_ = _cast(r, x.dtype)
+    _, a_, _, b_, _ = _cast(r, x.dtype)
     du = None
     scratch = {"g": (m, h * t_ * oc), "m": (n, h * t_ * oc)}
     for a, b, xs, v, buf in _transformed_input(x, r, left, t_, scratch):
-        gs = buf.get("g", b - a, oc)
+        gs = buf.get("g", b - a, (m, -1, oc))
         _split(dy[a:b], 0, m, gs.reshape(m, b - a, h, t_, oc))
-        dm = buf.get("m", b - a, oc)
+        dm = buf.get("m", b - a, (n, -1, oc))
         np.matmul(a_, gs.reshape(m, -1), out=dm.reshape(n, -1))
         if du is None:
             du = np.matmul(dm.swapaxes(1, 2), v)

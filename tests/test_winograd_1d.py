@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ops.conv as conv_module
-from ops import winograd_1d
+from ops import winograd, winograd_1d
 from ops.conv import Conv2d
 from taskrt.geometry import Rect
 from tests.opcheck import spec
@@ -89,9 +89,9 @@ def test_forward_and_backward_match_torch(r, along_w, n, c, oc, rows, length, be
 
 @pytest.mark.parametrize("along_w", [True, False])
 def test_views_and_several_chunks(monkeypatch, along_w):
-    """Strided views in (as a tile's are), and sample chunks smaller than the batch."""
-    monkeypatch.setattr(winograd_1d, "_CHUNK_BYTES", 1)
-    monkeypatch.setattr(winograd_1d, "_MIN_CHUNK_BLOCKS", 1)
+    """Strided views in (as a tile's are), and sample chunks smaller than the batch (ops/winograd.py's)."""
+    monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(winograd, "_MIN_CHUNK_BLOCKS", 1)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 6, 13, 12))[1:4, 1:5, 2:, 1:-1]
     w = rng.standard_normal((6, 5, 7, 7))[1:4, 1:]
