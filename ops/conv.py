@@ -528,6 +528,11 @@ class Conv2d(Op):
         with cpu_pool.blas_on_one_thread():
             return fn(*args, **kwargs)
 
+    def _most_parts(self, tile: Rect) -> int:
+        """How many parts a tile's samples may be cut into off the direct path: each has at least
+        _PART_MIN_FLOPS of forward."""
+        return max(1, self.flops(tile) // _PART_MIN_FLOPS)
+
     def _in_parts(self, xp, work, tile: Rect, path: str) -> list:
         """work(a, b) over the tile's samples: on the CPU in parts, one per core of the task
         (ops/cpu_pool.py) with at least _PART_MIN_FLOPS each off the direct path; on a GPU all at
@@ -535,7 +540,7 @@ class Conv2d(Op):
         n = tile.shape[0]
         if xp is not np:
             return [work(0, n)]
-        most = None if path == "direct" else max(1, self.flops(tile) // _PART_MIN_FLOPS)
+        most = None if path == "direct" else self._most_parts(tile)
         return cpu_pool.in_parts(work, n, most=most)
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, out=None):
@@ -545,16 +550,13 @@ class Conv2d(Op):
         given = given_out(out, 0)[0]
         y = xp.empty((n, oct_, oh * ow), x.dtype) if given is None else given.reshape(n, oct_, oh * ow)
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
-        ut = (self._on_one_blas_thread(winograd.filter_transform, w, channels_last=True) if path == "winograd" else
-              self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None)
+        ut = self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None
         r, left = self._along_pads(pads)
         direct_bias = (np.zeros(oct_, x.dtype) if bias is None else bias) if path == "direct" else None
 
         def samples(a, b):
             if path == "direct":
                 direct_conv.forward(x[a:b], w, direct_bias, pads[0][0], pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
-            elif path == "winograd":
-                winograd.forward(x[a:b], w, (pads[0][0], pads[1][0]), y[a:b].reshape(b - a, oct_, oh, ow), bias, ut)
             elif path == "winograd_1d":
                 winograd_1d.forward(self._along(x[a:b]), r, left, self._along(y[a:b].reshape(b - a, oct_, oh, ow)),
                                     bias, ut)
@@ -562,7 +564,10 @@ class Conv2d(Op):
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
                 self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
-        self._in_parts(xp, samples, tile, path)
+        if path == "winograd":  # (its parts are in one compiled call)
+            winograd.forward(x, w, (pads[0][0], pads[1][0]), y.reshape(n, oct_, oh, ow), bias, self._most_parts(tile))
+        else:
+            self._in_parts(xp, samples, tile, path)
         if bias is not None and path == "columns":
             y += bias[:, None]
         return [y.reshape(n, oct_, oh, ow) if given is None else given], None
@@ -585,8 +590,7 @@ class Conv2d(Op):
         dx = None if not wanted else xp.empty(x.shape, x.dtype) if given is None else given
         path = self._path(xp, tile)
         # Winograd's parts share the transformed filters and add their gradients, turned into dw once
-        u = (self._on_one_blas_thread(winograd.filter_transform, w) if path == "winograd" else
-             self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None)
+        u = self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None
         r, left = self._along_pads(pads)
         unused = np.empty((0, 0, 0, 0), x.dtype)   # the direct path's dx where none is wanted (x may be read-only)
 
@@ -597,19 +601,19 @@ class Conv2d(Op):
             if path == "direct":
                 return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
                                             unused if dx_ab is None else dx_ab, dx_ab is not None), gb
-            if path == "winograd":
-                return winograd.transformed_backward(x[a:b], u, dy[a:b], (pads[0][0], pads[1][0]), dx_ab), gb
             if path == "winograd_1d":
                 return winograd_1d.transformed_backward(self._along(x[a:b]), r, left, u, self._along(dy[a:b]),
                                                         None if dx_ab is None else self._along(dx_ab)), gb
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
-        parts = self._in_parts(xp, samples, tile, path)
+        if path == "winograd":  # (its parts are in one compiled call)
+            gw = winograd.backward(x, w, dy, (pads[0][0], pads[1][0]), dx, self._most_parts(tile))
+            parts = [(gw, self._on_one_blas_thread(_bias_grad, xp, dy) if self.use_bias else 0)]
+        else:
+            parts = self._in_parts(xp, samples, tile, path)
         gw = sum(g for g, _ in parts)
-        if path == "winograd":
-            gw = self._on_one_blas_thread(winograd.filter_gradient, gw)
-        elif path == "winograd_1d":
+        if path == "winograd_1d":
             gw = self._on_one_blas_thread(winograd_1d.filter_gradient, gw, r).reshape(w.shape)
         grads = {"weight": gw}
         if self.use_bias:   # (summed in the parts: a threaded BLAS call here would leave OpenBLAS's threads spinning)

@@ -24,6 +24,9 @@ import math
 import numba
 import numpy as np
 
+from ops import blas, cpu_pool
+from ops.cpu_threads import task_threads
+
 #: output block side, filter side and input block side (ALPHA = M + R - 1)
 M, R, ALPHA = 4, 3, 6
 #: transform matrices of F(4, 3) at the points 0, 1, -1, 2, -2 and infinity
@@ -348,59 +351,214 @@ class Buffers:
         return self.flat[name][:samples * self.per_sample[name]].reshape(shape)
 
 
+def _buffers(x, n_blocks, scratch: dict) -> tuple[int, Buffers]:
+    """(samples a chunk, buffers for a chunk) for the image x split by columns ("x", [HP, 6, TW, C]
+    a sample), its blocks transformed ("v", [36, TH*TW, C] a sample) and `scratch` (name ->
+    shape a sample)."""
+    th, tw = n_blocks
+    sizes = {"x": (4 * th + 2, 6, tw, x.shape[1]), "v": (ALPHA * ALPHA, th * tw, x.shape[1]), **scratch}
+    chunks = sample_chunks(x.shape[0], sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
+    step = chunks[0][1] - chunks[0][0]
+    return step, Buffers(x.dtype, step, sizes)
+
+
 def _transformed_input(x, top_left, n_blocks, scratch: dict):
     """Per chunk of samples [a, b) of x: (a, b, xs, v, buf), the padded image split by columns
     (xs [b-a, HP, 6, TW, C]), its blocks transformed (v [36, (b-a)*TH*TW, C]), and buffers for
     `scratch` (name -> shape per sample) that the chunk's other steps take from buf."""
-    c = x.shape[1]
+    n, c = x.shape[:2]
     th, tw = n_blocks
-    sizes = {"x": (4 * th + 2, 6, tw, c), "v": (ALPHA * ALPHA, th * tw, c), **scratch}
-    chunks = sample_chunks(x.shape[0], sum(math.prod(s) for s in sizes.values()) * x.itemsize, th * tw)
-    buf = Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
+    step, buf = _buffers(x, n_blocks, scratch)
     k = _consts(x.dtype)
-    for a, b in chunks:
-        xs = buf.get("x", b - a, (b - a, *sizes["x"]))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        xs = buf.get("x", b - a, (b - a, 4 * th + 2, 6, tw, c))
         _split_columns(x[a:b], top_left[0], top_left[1], xs)
         v = buf.get("v", b - a, (ALPHA * ALPHA, (b - a) * th * tw, c))
         _input_transform(xs, k, v)
         yield a, b, xs, v, buf
 
 
-def forward(x, w, top_left, y, bias=None, ut=None) -> None:
-    """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
-    top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given;
-    `ut` is filter_transform(w, channels_last=True) where the caller has it (parts of a batch
-    share it)."""
-    oc = w.shape[0]
-    th, tw = blocks(y.shape[2:])
-    k = _consts(x.dtype)
-    ut = filter_transform(w, channels_last=True) if ut is None else ut
-    bias = np.empty(0, x.dtype) if bias is None else bias
-    scratch = {"m": (ALPHA * ALPHA, th * tw, oc), "y": (4 * th, 4, tw, oc)}
-    for a, b, _, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
-        m = np.matmul(v, ut, out=buf.get("m", b - a, (ALPHA * ALPHA, (b - a) * th * tw, oc)))
-        ys = buf.get("y", b - a, (b - a, *scratch["y"]))
+@numba.njit(nogil=True, inline="always")
+def _point_gemms(gemm, trans_a, a, b, c, beta):
+    """c[xi] = a[xi] @ b[xi] + beta c[xi] for each of the 36 points (a[xi] transposed with
+    trans_a): the arrays [36, rows, cols], C-contiguous, through BLAS (ops/blas.py)."""
+    m, n = c.shape[1], c.shape[2]
+    k = a.shape[1] if trans_a else a.shape[2]
+    one = c.dtype.type(1)
+    for xi in range(ALPHA * ALPHA):
+        gemm(blas.ROW_MAJOR, blas.TRANS if trans_a else blas.NO_TRANS, blas.NO_TRANS, m, n, k, one,
+             a.ctypes.data + xi * a.strides[0], a.shape[2], b.ctypes.data + xi * b.strides[0], n,
+             beta, c.ctypes.data + xi * c.strides[0], n)
+
+
+@numba.njit(nogil=True, cache=True)
+def _forward_compiled(gemm, x, top, left, ut, bias, y, k, step, xs_flat, v_flat, m_flat, ys_flat):
+    """`forward` as one compiled call (no GIL from start to end): the same steps, chunk by chunk
+    of `step` samples, with the GEMMs through BLAS and the scratch arrays cut from the flat
+    buffers."""
+    n, c, oc = x.shape[0], x.shape[1], ut.shape[2]
+    th, tw = (y.shape[2] + M - 1) // M, (y.shape[3] + M - 1) // M
+    zero = y.dtype.type(0)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        p = (b - a) * th * tw
+        xs = xs_flat[:(b - a) * (4 * th + 2) * 6 * tw * c].reshape((b - a, 4 * th + 2, 6, tw, c))
+        _split_columns(x[a:b], top, left, xs)
+        v = v_flat[:ALPHA * ALPHA * p * c].reshape((ALPHA * ALPHA, p, c))
+        _input_transform(xs, k, v)
+        m = m_flat[:ALPHA * ALPHA * p * oc].reshape((ALPHA * ALPHA, p, oc))
+        _point_gemms(gemm, False, v, ut, m, zero)
+        ys = ys_flat[:(b - a) * 4 * th * 4 * tw * oc].reshape((b - a, 4 * th, 4, tw, oc))
         _output_transform(m, k, ys)
         _merge_columns(ys, 0, 0, bias, y[a:b])
 
 
-def backward(x, w, dy, top_left, dx):
+@numba.njit(nogil=True, cache=True)
+def _backward_compiled(gemm, x, top, left, u, dy, dx, k, step, xs_flat, v_flat, g_flat, m_flat, du):
+    """`transformed_backward` as one compiled call: du [36, C, OC] written, and dx unless it is
+    empty (no one reads it)."""
+    n, c, oc = x.shape[0], x.shape[1], u.shape[1]
+    th, tw = (dy.shape[2] + M - 1) // M, (dy.shape[3] + M - 1) // M
+    zero, one = du.dtype.type(0), du.dtype.type(1)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        p = (b - a) * th * tw
+        xs = xs_flat[:(b - a) * (4 * th + 2) * 6 * tw * c].reshape((b - a, 4 * th + 2, 6, tw, c))
+        _split_columns(x[a:b], top, left, xs)
+        v = v_flat[:ALPHA * ALPHA * p * c].reshape((ALPHA * ALPHA, p, c))
+        _input_transform(xs, k, v)
+        gs = g_flat[:(b - a) * 4 * th * 4 * tw * oc].reshape((b - a, 4 * th, 4, tw, oc))
+        _split_columns(dy[a:b], 0, 0, gs)
+        dm = m_flat[:ALPHA * ALPHA * p * oc].reshape((ALPHA * ALPHA, p, oc))
+        _grad_transform(gs, k, dm)
+        _point_gemms(gemm, True, v, dm, du, zero if a == 0 else one)
+        if dx.size:  # v and xs are free now: the input's gradient goes through them
+            _point_gemms(gemm, False, dm, u, v, zero)
+            _input_grad_transform(v, k, xs)
+            _merge_columns(xs, top, left, np.empty(0, dx.dtype), dx[a:b])
+
+
+@numba.njit(nogil=True, inline="always")
+def _share(flat, i, parts):
+    """Part i's share of a flat buffer cut into `parts` equal shares."""
+    size = flat.size // parts
+    return flat[i * size:(i + 1) * size]
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _forward_parts(gemm, x, top, left, ut, bias, y, k, step, xs_flat, v_flat, m_flat, ys_flat, cuts):
+    """_forward_compiled on each part [cuts[i], cuts[i+1]) of the samples in parallel, each with
+    its share of the buffers."""
+    parts = len(cuts) - 1
+    for i in numba.prange(parts):
+        a, b = cuts[i], cuts[i + 1]
+        _forward_compiled(gemm, x[a:b], top, left, ut, bias, y[a:b], k, step, _share(xs_flat, i, parts),
+                          _share(v_flat, i, parts), _share(m_flat, i, parts), _share(ys_flat, i, parts))
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _backward_parts(gemm, x, top, left, u, dy, dx, k, step, xs_flat, v_flat, g_flat, m_flat, du, cuts):
+    """_backward_compiled on each part [cuts[i], cuts[i+1]) of the samples in parallel, part i's
+    dU into du[i]."""
+    parts = len(cuts) - 1
+    for i in numba.prange(parts):
+        a, b = cuts[i], cuts[i + 1]
+        _backward_compiled(gemm, x[a:b], top, left, u, dy[a:b], dx[a:b] if dx.size else dx, k, step,
+                           _share(xs_flat, i, parts), _share(v_flat, i, parts), _share(g_flat, i, parts),
+                           _share(m_flat, i, parts), du[i])
+
+
+def _parts(n: int, most: int) -> tuple[int, np.ndarray]:
+    """(threads, cuts): how many of the task's cores a batch of n samples takes, cut into at
+    most `most` parts, numba's threads set to them, and the even cuts of [0, n) into parts."""
+    threads = max(1, min(n, most, task_threads()))
+    if threads > 1:
+        numba.set_num_threads(threads)
+    return threads, np.array([n * i // threads for i in range(threads + 1)], np.int64)
+
+
+def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
+    """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
+    top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given;
+    the samples cut into at most `most_parts` parts, one per core of the task."""
+    n, oc = x.shape[0], w.shape[0]
+    th, tw = blocks(y.shape[2:])
+    bias = np.empty(0, x.dtype) if bias is None else bias
+    scratch = {"m": (ALPHA * ALPHA, th * tw, oc), "y": (4 * th, 4, tw, oc)}
+    gemm = blas.gemm(x.dtype)
+    if gemm is None:
+        with cpu_pool.blas_on_one_thread():
+            ut = filter_transform(w, channels_last=True)
+        cpu_pool.in_parts(lambda a, b: _forward_matmul(x[a:b], ut, top_left, y[a:b], bias, scratch), n, most_parts)
+        return
+    threads, cuts = _parts(n, most_parts)
+    step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
+    flat = {name: np.empty(threads * a.size, a.dtype) for name, a in buf.flat.items()}
+    with cpu_pool.blas_on_one_thread():
+        ut = filter_transform(w, channels_last=True)
+        args = (gemm, x, top_left[0], top_left[1], ut, bias, y, _consts(x.dtype), step,
+                flat["x"], flat["v"], flat["m"], flat["y"])
+        if threads == 1:
+            _forward_compiled(*args)
+        else:
+            _forward_parts(*args, cuts)
+
+
+def _forward_matmul(x, ut, top_left, y, bias, scratch: dict) -> None:
+    """`forward` of one part where numpy's BLAS cannot be called from numba: the compiled steps
+    with np.matmul between them."""
+    oc = ut.shape[2]
+    th, tw = blocks(y.shape[2:])
+    k = _consts(x.dtype)
+    for a, b, _, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
+        m = np.matmul(v, ut, out=buf.get("m", b - a, (ALPHA * ALPHA, (b - a) * th * tw, oc)))
+        ys = buf.get("y", b - a, (b - a, 4 * th, 4, tw, oc))
+        _output_transform(m, k, ys)
+        _merge_columns(ys, 0, 0, bias, y[a:b])
+
+
+def backward(x, w, dy, top_left, dx, most_parts: int = 1):
     """dw [OC, C, 3, 3] of `forward` for output gradient dy [N, OC, OH, OW], and dx [N, C, H, W]
-    written (unless dx is None)."""
-    return filter_gradient(transformed_backward(x, filter_transform(w), dy, top_left, dx))
+    written (unless dx is None); the samples cut into at most `most_parts` parts, one per core
+    of the task, whose filter gradients (transformed) are added and turned into dw once."""
+    n, c, oc = x.shape[0], x.shape[1], w.shape[0]
+    th, tw = blocks(dy.shape[2:])
+    scratch = {"g": (4 * th, 4, tw, oc), "m": (ALPHA * ALPHA, th * tw, oc)}
+    gemm = blas.gemm(x.dtype)
+    if gemm is None:
+        with cpu_pool.blas_on_one_thread():
+            u = filter_transform(w)
+        du = sum(cpu_pool.in_parts(lambda a, b: _backward_matmul(x[a:b], u, dy[a:b], top_left,
+                                                                 None if dx is None else dx[a:b], scratch),
+                                   n, most_parts))
+        with cpu_pool.blas_on_one_thread():
+            return filter_gradient(du)
+    threads, cuts = _parts(n, most_parts)
+    step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
+    flat = {name: np.empty(threads * a.size, a.dtype) for name, a in buf.flat.items()}
+    du = np.empty((threads, ALPHA * ALPHA, c, oc), x.dtype)
+    with cpu_pool.blas_on_one_thread():
+        u = filter_transform(w)
+        args = (gemm, x, top_left[0], top_left[1], u, dy, np.empty((0, 0, 0, 0), x.dtype) if dx is None else dx,
+                _consts(x.dtype), step, flat["x"], flat["v"], flat["g"], flat["m"])
+        if threads == 1:
+            _backward_compiled(*args, du[0])
+        else:
+            _backward_parts(*args, du, cuts)
+        return filter_gradient(du[0] if threads == 1 else du.sum(axis=0))
 
 
-def transformed_backward(x, u, dy, top_left, dx):
-    """`backward` up to the filter gradient: dU [36, C, OC], the gradient of the transformed filters
-    u = filter_transform(w) [36, OC, C] (parts of a batch add theirs, and filter_gradient turns
-    the sum into dw once), with dx written (unless dx is None)."""
+def _backward_matmul(x, u, dy, top_left, dx, scratch: dict):
+    """`backward` of one part up to the filter gradient, where numpy's BLAS cannot be called from
+    numba: dU [36, C, OC], the gradient of the transformed filters u = filter_transform(w)
+    [36, OC, C], with dx written (unless dx is None)."""
     c, oc = x.shape[1], u.shape[1]
     th, tw = blocks(dy.shape[2:])
     k = _consts(x.dtype)
     du = np.empty((ALPHA * ALPHA, c, oc), x.dtype)
-    scratch = {"g": (4 * th, 4, tw, oc), "m": (ALPHA * ALPHA, th * tw, oc)}
     for a, b, xs, v, buf in _transformed_input(x, top_left, (th, tw), scratch):
-        gs = buf.get("g", b - a, (b - a, *scratch["g"]))
+        gs = buf.get("g", b - a, (b - a, 4 * th, 4, tw, oc))
         _split_columns(dy[a:b], 0, 0, gs)
         dm = buf.get("m", b - a, (ALPHA * ALPHA, (b - a) * th * tw, oc))
         _grad_transform(gs, k, dm)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
 import ops.conv as conv_module
-from ops import cpu_pool, winograd
+from ops import blas, cpu_pool, winograd
 from ops.conv import Conv2d
 from taskrt.geometry import Rect
 from tests.opcheck import check_tiled, run_whole, spec
@@ -221,6 +221,52 @@ def test_conv2d_winograd_only_where_it_pays(monkeypatch):
     assert not winograd_tile((1, 8, 8, 8), 8, groups=2)
     assert not winograd_tile((1, 8, 8, 8), 8, kernel=(3, 1))
     assert winograd_tile((1, 8, 8, 8), 8, padding=1)
+
+
+def run_parts(x, w, dy, top_left, most_parts, want_dx=True):
+    """y, dx (None unless want_dx), dw from ops.winograd on at most most_parts parts."""
+    y = np.full((x.shape[0], w.shape[0], *dy.shape[2:]), np.nan, x.dtype)
+    winograd.forward(x, w, top_left, y, most_parts=most_parts)
+    dx = np.full(x.shape, np.nan, x.dtype) if want_dx else None
+    return y, dx, winograd.backward(x, w, dy, top_left, dx, most_parts=most_parts)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 5), c=st.integers(1, 6), oc=st.integers(1, 6), h=st.integers(2, 13),
+       w=st.integers(2, 13), top=st.integers(0, 1), left=st.integers(0, 1), most_parts=st.integers(1, 3),
+       want_dx=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
+def test_compiled_parts_match_the_matmul_path(n, c, oc, h, w, top, left, most_parts, want_dx, dtype, seed):
+    """The GEMMs called from numba (ops/blas.py), the samples in parallel parts, against the
+    steps with np.matmul between them (where numpy's BLAS has no symbols numba can call)."""
+    oh, ow = h + 2 * top - 2, w + 2 * left - 2
+    if oh < 1 or ow < 1:
+        return
+    rng = np.random.default_rng(seed)
+    x, wt = rng.standard_normal((n, c, h, w)).astype(dtype), rng.standard_normal((oc, c, 3, 3)).astype(dtype)
+    dy = rng.standard_normal((n, oc, oh, ow)).astype(dtype)
+    parts = []
+    with threadpool_limits(limits=2, user_api="blas"), pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(winograd, "_parts", lambda *a: parts.append(_parts(*a)) or parts[-1])
+        y, dx, dw = run_parts(x, wt, dy, (top, left), most_parts, want_dx)
+        assert [p[0] for p in parts] == [min(n, most_parts, 2)] * 2   # threads: forward, backward
+        monkeypatch.setitem(blas._found, np.dtype(dtype), None)
+        y_ref, dx_ref, dw_ref = run_parts(x, wt, dy, (top, left), most_parts, want_dx)
+    tol = 1e-5 if dtype == np.float32 else 1e-12   # float32: of the largest value (the transforms add up to 8x)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol * np.abs(y_ref).max())
+    np.testing.assert_allclose(dw, dw_ref, rtol=0, atol=tol * np.abs(dw_ref).max())
+    if want_dx:
+        np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=tol * np.abs(dx_ref).max())
+
+
+_parts = winograd._parts
+
+
+def test_compiled_parts_on_views_and_several_chunks(monkeypatch):
+    """Strided views in, chunks smaller than a part, in two parts: against PyTorch."""
+    monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(winograd, "_MIN_CHUNK_BLOCKS", 1)
+    with threadpool_limits(limits=2, user_api="blas"):
+        check_strided_views(lambda *args: run_parts(*args, most_parts=2))
 
 
 def test_in_parts_splits_over_the_blas_threads_with_blas_on_one():
