@@ -533,15 +533,13 @@ class Conv2d(Op):
         _PART_MIN_FLOPS of forward."""
         return max(1, self.flops(tile) // _PART_MIN_FLOPS)
 
-    def _in_parts(self, xp, work, tile: Rect, path: str) -> list:
+    def _in_parts(self, xp, work, tile: Rect) -> list:
         """work(a, b) over the tile's samples: on the CPU in parts, one per core of the task
-        (ops/cpu_pool.py) with at least _PART_MIN_FLOPS each off the direct path; on a GPU all at
-        once."""
+        (ops/cpu_pool.py) with at least _PART_MIN_FLOPS each; on a GPU all at once."""
         n = tile.shape[0]
         if xp is not np:
             return [work(0, n)]
-        most = None if path == "direct" else self._most_parts(tile)
-        return cpu_pool.in_parts(work, n, most=most)
+        return cpu_pool.in_parts(work, n, most=self._most_parts(tile))
 
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, out=None):
         (x,), w = inputs, weights["weight"]
@@ -555,19 +553,19 @@ class Conv2d(Op):
         direct_bias = (np.zeros(oct_, x.dtype) if bias is None else bias) if path == "direct" else None
 
         def samples(a, b):
-            if path == "direct":
-                direct_conv.forward(x[a:b], w, direct_bias, pads[0][0], pads[1][0], y[a:b].reshape(b - a, oct_, oh, ow))
-            elif path == "winograd_1d":
+            if path == "winograd_1d":
                 winograd_1d.forward(self._along(x[a:b]), r, left, self._along(y[a:b].reshape(b - a, oct_, oh, ow)),
                                     bias, ut)
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
                 self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
-        if path == "winograd":  # (its parts are in one compiled call)
+        if path == "winograd":  # (these two run their parts in one compiled call)
             winograd.forward(x, w, (pads[0][0], pads[1][0]), y.reshape(n, oct_, oh, ow), bias, self._most_parts(tile))
+        elif path == "direct":
+            direct_conv.forward_in_parts(x, w, direct_bias, pads[0][0], pads[1][0], y.reshape(n, oct_, oh, ow))
         else:
-            self._in_parts(xp, samples, tile, path)
+            self._in_parts(xp, samples, tile)
         if bias is not None and path == "columns":
             y += bias[:, None]
         return [y.reshape(n, oct_, oh, ow) if given is None else given], None
@@ -598,20 +596,20 @@ class Conv2d(Op):
             """(the weight's gradient, the bias's) over samples a..b-1, dx's rows written."""
             dx_ab = None if dx is None else dx[a:b]  # None: no one reads dx (the model's input)
             gb = _bias_grad(xp, dy[a:b]) if self.use_bias else 0
-            if path == "direct":
-                return direct_conv.backward(x[a:b], w, dy[a:b], pads[0][0], pads[1][0],
-                                            unused if dx_ab is None else dx_ab, dx_ab is not None), gb
             if path == "winograd_1d":
                 return winograd_1d.transformed_backward(self._along(x[a:b]), r, left, u, self._along(dy[a:b]),
                                                         None if dx_ab is None else self._along(dx_ab)), gb
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
-        if path == "winograd":  # (its parts are in one compiled call)
-            gw = winograd.backward(x, w, dy, (pads[0][0], pads[1][0]), dx, self._most_parts(tile))
+        if path in ("winograd", "direct"):  # (these two run their parts in one compiled call)
+            gw = (winograd.backward(x, w, dy, (pads[0][0], pads[1][0]), dx, self._most_parts(tile))
+                  if path == "winograd" else
+                  direct_conv.backward_in_parts(x, w, dy, pads[0][0], pads[1][0], unused if dx is None else dx,
+                                                dx is not None))
             parts = [(gw, self._on_one_blas_thread(_bias_grad, xp, dy) if self.use_bias else 0)]
         else:
-            parts = self._in_parts(xp, samples, tile, path)
+            parts = self._in_parts(xp, samples, tile)
         gw = sum(g for g, _ in parts)
         if path == "winograd_1d":
             gw = self._on_one_blas_thread(winograd_1d.filter_gradient, gw, r).reshape(w.shape)

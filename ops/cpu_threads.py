@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 
 import numba
+import numpy as np
 
 from ops import cpu_pool
 
@@ -34,6 +35,16 @@ def use_task_threads(values: int) -> int:
     if threads > 1:
         numba.set_num_threads(threads)
     return threads
+
+
+def batch_parts(n: int, most: int | None = None) -> tuple[int, np.ndarray]:
+    """(threads, cuts) for a kernel that runs parts of a batch of n samples in a prange, one per
+    core of the task (at most `most`): numba's threads set to them, and the even cuts of [0, n)
+    into that many parts."""
+    threads = max(1, min(n, task_threads() if most is None else min(most, task_threads())))
+    if threads > 1:
+        numba.set_num_threads(threads)
+    return threads, np.array([n * i // threads for i in range(threads + 1)], np.int64)
 
 
 def row_split(rows: int, length: int) -> tuple[int, int]:

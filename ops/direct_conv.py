@@ -22,6 +22,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ops.cpu_threads import batch_parts
+
 
 @numba.njit(nogil=True, inline="never", fastmath=True)
 def _axpy(dst, src, a, n):
@@ -208,3 +210,40 @@ def backward(x, w, dy, top, left, dx, want_dx):
                 for iw in range(w_):
                     dx[s, c, ih, iw] = dxp[c, (top + ih) * wp + left + iw]
     return dw
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _forward_parts(x, w, bias, top, left, y, cuts):
+    """`forward` on each part [cuts[i], cuts[i+1]) of the samples, in parallel."""
+    for i in numba.prange(len(cuts) - 1):
+        forward(x[cuts[i]:cuts[i + 1]], w, bias, top, left, y[cuts[i]:cuts[i + 1]])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _backward_parts(x, w, dy, top, left, dx, want_dx, dw, cuts):
+    """`backward` on each part [cuts[i], cuts[i+1]) of the samples in parallel, part i's weight
+    gradient into dw[i]."""
+    for i in numba.prange(len(cuts) - 1):
+        a, b = cuts[i], cuts[i + 1]
+        dw[i] = backward(x[a:b], w, dy[a:b], top, left, dx[a:b] if want_dx else dx, want_dx)
+
+
+def forward_in_parts(x, w, bias, top, left, y) -> None:
+    """`forward` with the samples cut into parts, one per core of the task, in one compiled call
+    (a part on cpu_pool's threads paid a wakeup and the GIL's handoffs each way)."""
+    threads, cuts = batch_parts(x.shape[0])
+    if threads == 1:
+        forward(x, w, bias, top, left, y)
+    else:
+        _forward_parts(x, w, bias, top, left, y, cuts)
+
+
+def backward_in_parts(x, w, dy, top, left, dx, want_dx):
+    """`backward` with the samples cut into parts, one per core of the task: the weight gradient
+    (the parts' summed), and dx written where want_dx."""
+    threads, cuts = batch_parts(x.shape[0])
+    if threads == 1:
+        return backward(x, w, dy, top, left, dx, want_dx)
+    dw = np.empty((threads, *w.shape), w.dtype)
+    _backward_parts(x, w, dy, top, left, dx, want_dx, dw, cuts)
+    return dw.sum(axis=0)

@@ -25,7 +25,7 @@ import numba
 import numpy as np
 
 from ops import blas, cpu_pool
-from ops.cpu_threads import task_threads
+from ops.cpu_threads import batch_parts
 
 #: output block side, filter side and input block side (ALPHA = M + R - 1)
 M, R, ALPHA = 4, 3, 6
@@ -469,15 +469,6 @@ def _backward_parts(gemm, x, top, left, u, dy, dx, k, step, xs_flat, v_flat, g_f
                            _share(m_flat, i, parts), du[i])
 
 
-def _parts(n: int, most: int) -> tuple[int, np.ndarray]:
-    """(threads, cuts): how many of the task's cores a batch of n samples takes, cut into at
-    most `most` parts, numba's threads set to them, and the even cuts of [0, n) into parts."""
-    threads = max(1, min(n, most, task_threads()))
-    if threads > 1:
-        numba.set_num_threads(threads)
-    return threads, np.array([n * i // threads for i in range(threads + 1)], np.int64)
-
-
 def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
     """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
     top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given;
@@ -492,7 +483,7 @@ def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
             ut = filter_transform(w, channels_last=True)
         cpu_pool.in_parts(lambda a, b: _forward_matmul(x[a:b], ut, top_left, y[a:b], bias, scratch), n, most_parts)
         return
-    threads, cuts = _parts(n, most_parts)
+    threads, cuts = batch_parts(n, most_parts)
     step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
     flat = {name: np.empty(threads * a.size, a.dtype) for name, a in buf.flat.items()}
     with cpu_pool.blas_on_one_thread():
@@ -534,7 +525,7 @@ def backward(x, w, dy, top_left, dx, most_parts: int = 1):
                                    n, most_parts))
         with cpu_pool.blas_on_one_thread():
             return filter_gradient(du)
-    threads, cuts = _parts(n, most_parts)
+    threads, cuts = batch_parts(n, most_parts)
     step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
     flat = {name: np.empty(threads * a.size, a.dtype) for name, a in buf.flat.items()}
     du = np.empty((threads, ALPHA * ALPHA, c, oc), x.dtype)

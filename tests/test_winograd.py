@@ -2,6 +2,9 @@
 backward, whole and on tiles; its float32 error against a float64 reference; ops/cpu_pool."""
 from __future__ import annotations
 
+import contextlib
+
+import numba
 import numpy as np
 import pytest
 import torch
@@ -11,8 +14,9 @@ from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
 import ops.conv as conv_module
-from ops import blas, cpu_pool, winograd
+from ops import blas, cpu_pool, direct_conv, winograd
 from ops.conv import Conv2d
+from ops.cpu_threads import batch_parts
 from taskrt.geometry import Rect
 from tests.opcheck import check_tiled, run_whole, spec
 
@@ -246,7 +250,7 @@ def test_compiled_parts_match_the_matmul_path(n, c, oc, h, w, top, left, most_pa
     dy = rng.standard_normal((n, oc, oh, ow)).astype(dtype)
     parts = []
     with threadpool_limits(limits=2, user_api="blas"), pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(winograd, "_parts", lambda *a: parts.append(_parts(*a)) or parts[-1])
+        monkeypatch.setattr(winograd, "batch_parts", lambda *a: parts.append(batch_parts(*a)) or parts[-1])
         y, dx, dw = run_parts(x, wt, dy, (top, left), most_parts, want_dx)
         assert [p[0] for p in parts] == [min(n, most_parts, 2)] * 2   # threads: forward, backward
         monkeypatch.setitem(blas._found, np.dtype(dtype), None)
@@ -256,9 +260,6 @@ def test_compiled_parts_match_the_matmul_path(n, c, oc, h, w, top, left, most_pa
     np.testing.assert_allclose(dw, dw_ref, rtol=0, atol=tol * np.abs(dw_ref).max())
     if want_dx:
         np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=tol * np.abs(dx_ref).max())
-
-
-_parts = winograd._parts
 
 
 def test_compiled_parts_on_views_and_several_chunks(monkeypatch):
@@ -302,18 +303,22 @@ def test_in_parts_raises_what_a_part_raised_and_restores_blas():
 
 
 def test_conv2d_runs_on_sample_parts_like_one(monkeypatch):
-    """The op's sample parts (one per BLAS thread) give what one part gives, im2col and Winograd
-    (these tiles are split however few their flops)."""
+    """The op's sample parts (one per core) give what one part gives, on every path: im2col on
+    cpu_pool's threads, Winograd and direct in a prange (these tiles are split however few their
+    flops)."""
     monkeypatch.setattr(conv_module, "_PART_MIN_FLOPS", 1)
-    for kernel, stride in ((3, 1), (3, 2), (1, 1)):
-        op = Conv2d("conv", [spec((5, 8, 9, 9), "float64")], out_channels=4, kernel=kernel, stride=stride,
+    cases = (((5, 8, 9, 9), 3, 1, "winograd"), ((5, 8, 9, 9), 3, 2, "batched"), ((5, 8, 9, 9), 1, 1, "columns"),
+             ((5, 3, 9, 9), 3, 1, "direct"))
+    for shape, kernel, stride, path in cases:
+        op = Conv2d("conv", [spec(shape, "float64")], out_channels=4, kernel=kernel, stride=stride,
                     padding=kernel // 2)
+        assert op._path(np, Rect.from_shape(op.tile_shape)) == path
         x, weights, g = conv_arrays(op, 2, np.float64)
         results = []
         for threads in (1, 2):
-            with threadpool_limits(limits=threads, user_api="blas"):
+            with recorded_parts(monkeypatch) as parts, threadpool_limits(limits=threads, user_api="blas"):
                 results.append(run_whole(op, [x], weights, grad_outputs=[g]))
-            assert len(parts_of(op, threads)) == threads
+            assert parts == [[(0, 5)]] * 2 if threads == 1 else [[(0, 2), (2, 5)]] * 2, (path, parts)
         (y1,), (dx1,), gw1, _ = results[0]
         (y2,), (dx2,), gw2, _ = results[1]
         np.testing.assert_allclose(y2, y1, rtol=1e-12, atol=1e-12)
@@ -322,26 +327,54 @@ def test_conv2d_runs_on_sample_parts_like_one(monkeypatch):
             np.testing.assert_allclose(gw2[k], gw1[k], rtol=1e-12, atol=1e-12)
 
 
-def parts_of(op, threads: int) -> list:
-    """The sample ranges Conv2d._in_parts cuts op's whole tile into with `threads` BLAS threads."""
-    with threadpool_limits(limits=threads, user_api="blas"):
-        tile = Rect.from_shape(op.tile_shape)
-        return op._in_parts(np, lambda a, b: (a, b), tile, op._path(np, tile))
+@contextlib.contextmanager
+def recorded_parts(monkeypatch):
+    """Yields a list that gets, for each cut of a batch into parts (cpu_pool.in_parts or
+    cpu_threads.batch_parts, as the paths take them), its sample ranges."""
+    seen, in_parts = [], cpu_pool.in_parts
+
+    def spy_batch_parts(n, most=None):
+        threads, cuts = batch_parts(n, most)
+        seen.append(list(zip(cuts[:-1].tolist(), cuts[1:].tolist())))
+        return threads, cuts
+
+    def spy_in_parts(work, n, most=None):
+        ranges = []
+        results = in_parts(lambda a, b: ranges.append((a, b)) or work(a, b), n, most)
+        seen.append(sorted(ranges))
+        return results
+    with monkeypatch.context() as m:
+        m.setattr(winograd, "batch_parts", spy_batch_parts)
+        m.setattr(direct_conv, "batch_parts", spy_batch_parts)
+        m.setattr(cpu_pool, "in_parts", spy_in_parts)
+        yield seen
+
+
+def parts_of(monkeypatch, op, threads: int) -> list:
+    """The sample ranges the op's forward cuts its whole tile into with `threads` cores."""
+    x, weights, _ = conv_arrays(op, 0, np.float32)
+    with recorded_parts(monkeypatch) as parts, threadpool_limits(limits=threads, user_api="blas"):
+        run_whole(op, [x], weights)
+    assert len(parts) == 1, parts
+    return parts[0]
 
 
 @pytest.mark.real_threshold
-def test_conv2d_splits_only_tiles_with_flops_for_every_part():
-    """Each part gets at least _PART_MIN_FLOPS of forward: below that the parts cost more than
-    they save (they take turns on the GIL)."""
+def test_conv2d_splits_only_tiles_with_flops_for_every_part(monkeypatch):
+    """Each part gets at least _PART_MIN_FLOPS of forward (below that the parts cost more than
+    they save); the direct path splits at any size."""
     def conv(samples):
         return Conv2d("c", [spec((samples, 16, 8, 8))], out_channels=16, kernel=3, padding=1)
     per_sample = conv(1).flops(Rect.from_shape(conv(1).tile_shape))
     enough = -(-2 * conv_module._PART_MIN_FLOPS // per_sample)   # samples for two parts
-    assert parts_of(conv(enough), 2) == [(0, enough // 2), (enough // 2, enough)]
-    assert parts_of(conv(enough - 1), 2) == [(0, enough - 1)]
-    assert parts_of(conv(enough), 1) == [(0, enough)]
-    assert parts_of(conv(2 * enough), 3) == [(0, enough * 2 // 3), (enough * 2 // 3, enough * 4 // 3),
-                                             (enough * 4 // 3, 2 * enough)]
+    assert parts_of(monkeypatch, conv(enough), 2) == [(0, enough // 2), (enough // 2, enough)]
+    assert parts_of(monkeypatch, conv(enough - 1), 2) == [(0, enough - 1)]
+    assert parts_of(monkeypatch, conv(enough), 1) == [(0, enough)]
+    with monkeypatch.context() as m:   # three cores, as many parts as the flops allow
+        m.setattr(numba.config, "NUMBA_NUM_THREADS", 3)
+        m.setattr(numba, "set_num_threads", lambda n: None)
+        assert parts_of(monkeypatch, conv(2 * enough), 3) == [(0, enough * 2 // 3), (enough * 2 // 3, enough * 4 // 3),
+                                                              (enough * 4 // 3, 2 * enough)]
     first_layer = Conv2d("c", [spec((2, 3, 8, 8))], out_channels=4, kernel=3, padding=1)   # direct: always split
     assert first_layer._path(np, Rect.from_shape(first_layer.tile_shape)) == "direct"
-    assert parts_of(first_layer, 2) == [(0, 1), (1, 2)]
+    assert parts_of(monkeypatch, first_layer, 2) == [(0, 1), (1, 2)]
