@@ -590,7 +590,6 @@ class Conv2d(Op):
         # Winograd's parts share the transformed filters and add their gradients, turned into dw once
         u = self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None
         r, left = self._along_pads(pads)
-        unused = np.empty((0, 0, 0, 0), x.dtype)   # the direct path's dx where none is wanted (x may be read-only)
 
         def samples(a, b):
             """(the weight's gradient, the bias's) over samples a..b-1, dx's rows written."""
@@ -605,8 +604,7 @@ class Conv2d(Op):
         if path in ("winograd", "direct"):  # (these two run their parts in one compiled call)
             gw = (winograd.backward(x, w, dy, (pads[0][0], pads[1][0]), dx, self._most_parts(tile))
                   if path == "winograd" else
-                  direct_conv.backward_in_parts(x, w, dy, pads[0][0], pads[1][0], unused if dx is None else dx,
-                                                dx is not None))
+                  direct_conv.backward_in_parts(x, w, dy, pads[0][0], pads[1][0], dx))
             parts = [(gw, self._on_one_blas_thread(_bias_grad, xp, dy) if self.use_bias else 0)]
         else:
             parts = self._in_parts(xp, samples, tile)

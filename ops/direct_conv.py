@@ -19,10 +19,13 @@ follow from the shapes.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 
 from ops.cpu_threads import batch_parts
+from ops.per_float import array, compile_per_float
 
 
 @numba.njit(nogil=True, inline="never", fastmath=True)
@@ -228,22 +231,56 @@ def _backward_parts(x, w, dy, top, left, dx, want_dx, dw, cuts):
         dw[i] = backward(x[a:b], w, dy[a:b], top, left, dx[a:b] if want_dx else dx, want_dx)
 
 
+@functools.cache   # the types' construction alone took 15 us a call
+def _compile() -> None:
+    """The four kernels, each compiled once per float type (ops/per_float.py), for contiguous
+    arrays: strided ones made their loops over a row scalar (10-14% slower) and doubled the
+    compile time (12 s a version of _backward_parts); a tile's strided view is copied instead."""
+    i64, boolean, cuts = numba.types.int64, numba.types.boolean, array(np.int64, 1)
+
+    def contiguous(signature):
+        return lambda t: [signature(lambda ndim, written=False: array(t, ndim, written, "C"))]
+
+    compile_per_float(forward, contiguous(lambda a: (a(4), a(4), a(1), i64, i64, a(4, True))))
+    compile_per_float(_forward_parts, contiguous(lambda a: (a(4), a(4), a(1), i64, i64, a(4, True), cuts)))
+    compile_per_float(backward, contiguous(lambda a: (a(4), a(4), a(4), i64, i64, a(4, True), boolean)))
+    compile_per_float(_backward_parts, contiguous(lambda a: (a(4), a(4), a(4), i64, i64, a(4, True), boolean,
+                                                             a(5, True), cuts)))
+
+
+def _written(out):
+    """out itself if it is contiguous, else a contiguous array of its shape to copy into it."""
+    return out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+
+
 def forward_in_parts(x, w, bias, top, left, y) -> None:
     """`forward` with the samples cut into parts, one per core of the task, in one compiled call
     (a part on cpu_pool's threads paid a wakeup and the GIL's handoffs each way)."""
+    _compile()
+    x, w, bias, out = np.ascontiguousarray(x), np.ascontiguousarray(w), np.ascontiguousarray(bias), _written(y)
     threads, cuts = batch_parts(x.shape[0])
     if threads == 1:
-        forward(x, w, bias, top, left, y)
+        forward(x, w, bias, top, left, out)
     else:
-        _forward_parts(x, w, bias, top, left, y, cuts)
+        _forward_parts(x, w, bias, top, left, out, cuts)
+    if out is not y:
+        y[...] = out
 
 
-def backward_in_parts(x, w, dy, top, left, dx, want_dx):
+def backward_in_parts(x, w, dy, top, left, dx=None):
     """`backward` with the samples cut into parts, one per core of the task: the weight gradient
-    (the parts' summed), and dx written where want_dx."""
+    (the parts' summed), and dx written unless it is None."""
+    _compile()
+    x, w, dy = np.ascontiguousarray(x), np.ascontiguousarray(w), np.ascontiguousarray(dy)
+    want_dx = dx is not None
+    out = _written(dx) if want_dx else np.empty((0,) * 4, x.dtype)
     threads, cuts = batch_parts(x.shape[0])
     if threads == 1:
-        return backward(x, w, dy, top, left, dx, want_dx)
-    dw = np.empty((threads, *w.shape), w.dtype)
-    _backward_parts(x, w, dy, top, left, dx, want_dx, dw, cuts)
-    return dw.sum(axis=0)
+        dw = backward(x, w, dy, top, left, out, want_dx)
+    else:
+        dw = np.empty((threads, *w.shape), w.dtype)
+        _backward_parts(x, w, dy, top, left, out, want_dx, dw, cuts)
+        dw = dw.sum(axis=0)
+    if want_dx and out is not dx:
+        dx[...] = out
+    return dw

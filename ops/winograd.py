@@ -19,6 +19,7 @@ each GEMM's long side (OpenBLAS runs a few channels as the long side at 55-65% o
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -26,6 +27,7 @@ import numpy as np
 
 from ops import blas, cpu_pool
 from ops.cpu_threads import batch_parts
+from ops.per_float import array, compile_per_float
 
 #: output block side, filter side and input block side (ALPHA = M + R - 1)
 M, R, ALPHA = 4, 3, 6
@@ -469,6 +471,32 @@ def _backward_parts(gemm, x, top, left, u, dy, dx, k, step, xs_flat, v_flat, g_f
                            _share(m_flat, i, parts), du[i])
 
 
+@functools.cache   # the types' construction alone took 15 us a call
+def _compile() -> None:
+    """The four compiled kernels, each once per float type whose GEMM numba can call
+    (ops/per_float.py)."""
+    i64, cuts = numba.types.int64, array(np.int64, 1)
+
+    def start(t):   # the arguments every kernel starts with: the GEMM, x, top, left
+        return numba.typeof(blas.gemm(t)), array(t, 4), i64, i64
+
+    def each(signature):   # one version, strided: contiguous ones measured no faster
+        return lambda t: [] if blas.gemm(t) is None else [signature(t)]
+
+    def forward_args(t):   # ... ut, bias, y, the constants, step, the four scratch buffers
+        return (*start(t), array(t, 3, layout="C"), array(t, 1), array(t, 4, True),
+                numba.typeof(_consts(t)), i64, *[array(t, 1, True, "C")] * 4)
+
+    def backward_args(t):   # ... u, dy, dx, the constants, step, the four scratch buffers
+        return (*start(t), array(t, 3, layout="C"), array(t, 4), array(t, 4, True),
+                numba.typeof(_consts(t)), i64, *[array(t, 1, True, "C")] * 4)
+
+    compile_per_float(_forward_compiled, each(forward_args))
+    compile_per_float(_forward_parts, each(lambda t: (*forward_args(t), cuts)))
+    compile_per_float(_backward_compiled, each(lambda t: (*backward_args(t), array(t, 3, True, "C"))))
+    compile_per_float(_backward_parts, each(lambda t: (*backward_args(t), array(t, 4, True, "C"), cuts)))
+
+
 def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
     """y [N, OC, OH, OW] = the stride-1 3x3 convolution of x [N, C, H, W] (padded virtually by
     top_left = (top, left), zeros past its end) with w [OC, C, 3, 3], plus bias [OC] if given;
@@ -483,6 +511,7 @@ def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
             ut = filter_transform(w, channels_last=True)
         cpu_pool.in_parts(lambda a, b: _forward_matmul(x[a:b], ut, top_left, y[a:b], bias, scratch), n, most_parts)
         return
+    _compile()
     threads, cuts = batch_parts(n, most_parts)
     step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
     flat = {name: np.empty(threads * a.size, a.dtype) for name, a in buf.flat.items()}
@@ -525,6 +554,7 @@ def backward(x, w, dy, top_left, dx, most_parts: int = 1):
                                    n, most_parts))
         with cpu_pool.blas_on_one_thread():
             return filter_gradient(du)
+    _compile()
     threads, cuts = batch_parts(n, most_parts)
     step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
     flat = {name: np.empty(threads * a.size, a.dtype) for name, a in buf.flat.items()}

@@ -19,11 +19,12 @@ from tests.test_winograd import (check_conv_path, check_strided_views, check_til
 
 
 def run_direct(x, w, dy, top_left, bias=None, want_dx=True):
-    """y, dx (None unless want_dx), dw from ops.direct_conv for the output shape of dy."""
+    """y, dx (None unless want_dx), dw from ops.direct_conv for the output shape of dy (the samples
+    in parts, one per core, as Conv2d runs them)."""
     y = np.full((x.shape[0], w.shape[0], *dy.shape[2:]), np.nan, x.dtype)   # forward must write all of it
-    direct_conv.forward(x, w, np.zeros(w.shape[0], x.dtype) if bias is None else bias, *top_left, y)
-    dx = np.full(x.shape, np.nan, x.dtype)
-    dw = direct_conv.backward(x, w, dy, *top_left, dx, want_dx)
+    direct_conv.forward_in_parts(x, w, np.zeros(w.shape[0], x.dtype) if bias is None else bias, *top_left, y)
+    dx = np.full(x.shape, np.nan, x.dtype) if want_dx else None
+    dw = direct_conv.backward_in_parts(x, w, dy, *top_left, dx)
     return y, dx if want_dx else None, dw
 
 
@@ -55,6 +56,26 @@ def test_forward_and_backward_match_torch(n, c, oc, h, w, k, top, left, bottom, 
 def test_views_in():
     """Strided views of inputs, weights and output gradients (as a tile's are)."""
     check_strided_views(run_direct)
+
+
+def test_views_out_and_read_only_in():
+    """y and dx written into strided views (a tile of the output's channels, as a cout split
+    hands over), the arrays around them untouched; read-only inputs; and still one compiled
+    version per float type of each kernel (ops/per_float.py)."""
+    rng = np.random.default_rng(5)
+    x, wt, dy = rng.standard_normal((3, 3, 9, 8)), rng.standard_normal((4, 3, 3, 3)), rng.standard_normal((3, 4, 9, 8))
+    for a in (x, wt, dy):
+        a.flags.writeable = False
+    y_ref, dx_ref, dw_ref = torch_reference(x, wt, dy, (1, 1), (9, 8))
+    y_around, dx_around = np.full((3, 6, 9, 8), 7.0), np.full((3, 5, 9, 8), 7.0)
+    direct_conv.forward_in_parts(x, wt, np.zeros(4), 1, 1, y_around[:, 1:5])
+    dw = direct_conv.backward_in_parts(x, wt, dy, 1, 1, dx_around[:, 2:])
+    np.testing.assert_allclose(y_around[:, 1:5], y_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dx_around[:, 2:], dx_ref, rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+    assert (y_around[:, [0, 5]] == 7).all() and (dx_around[:, :2] == 7).all()
+    for kernel in (direct_conv.forward, direct_conv.backward, direct_conv._forward_parts, direct_conv._backward_parts):
+        assert len(kernel.overloads) == 2, (kernel.__name__, list(kernel.overloads))
 
 
 def test_float32_error_against_float64():

@@ -263,11 +263,16 @@ def test_compiled_parts_match_the_matmul_path(n, c, oc, h, w, top, left, most_pa
 
 
 def test_compiled_parts_on_views_and_several_chunks(monkeypatch):
-    """Strided views in, chunks smaller than a part, in two parts: against PyTorch."""
+    """Strided views in, chunks smaller than a part, in two parts: against PyTorch; and still one
+    compiled version per float type of each kernel (ops/per_float.py)."""
     monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
     monkeypatch.setattr(winograd, "_MIN_CHUNK_BLOCKS", 1)
     with threadpool_limits(limits=2, user_api="blas"):
         check_strided_views(lambda *args: run_parts(*args, most_parts=2))
+        check_strided_views(lambda *args: run_parts(*args, most_parts=1))
+    for kernel in (winograd._forward_compiled, winograd._backward_compiled, winograd._forward_parts,
+                   winograd._backward_parts):
+        assert len(kernel.overloads) == sum(blas.gemm(t) is not None for t in (np.float32, np.float64))
 
 
 def test_in_parts_splits_over_the_blas_threads_with_blas_on_one():
