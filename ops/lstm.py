@@ -359,7 +359,7 @@ class LSTM(Op):
             dc = xp.zeros((batch, h), dtype=dt) if dc_n is None else dc_n.astype(dt, order="C", copy=True)
 
         fused = _fused(xp, dt)
-        w_hh_t = _transposed(xp, w_hh)
+        w_hh_t = _transposed(xp, w_hh) if fused else None   # only the fused steps' GEMM takes it
 
         dg2 = gates.reshape(batch * seq, 4 * h)  # the gates' gradients, once the steps have run
         dx = xp.empty((batch, seq, n_in), dtype=dt)
@@ -405,8 +405,7 @@ def _forward_steps(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y, fused) -> None
     batch, seq, h = cs.shape
     rec = xp.empty((batch, 4 * h), dtype=cs.dtype)
     if fused:
-        # the recurrent GEMM as W_hh @ h^T ([4h, batch]): OpenBLAS runs it 10-25% faster than
-        # h @ W_hh^T at 16-64 samples; the step kernel reads the result transposed back into rec
+        # the recurrent GEMM as W_hh @ h^T ([4h, batch], see the module docstring), transposed into rec
         rec_t, h_t = np.empty((4 * h, batch), cs.dtype), np.array(h0.T, order="C")  # a copy: it is written
         fast = cs.dtype == np.float32
         for t in range(seq):
@@ -425,10 +424,10 @@ def _forward_steps(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y, fused) -> None
 
 def _backward_steps(xp, gates, tanh_cs, cs, c0, dy, w_hh, w_hh_t, dh, dc, fused) -> None:
     """Every step of backward, last to first, for the samples of these arrays: gates become
-    their gradients, dh and dc those of h0 and c0. w_hh_t is _transposed(w_hh)."""
+    their gradients, dh and dc those of h0 and c0. w_hh_t is _transposed(w_hh) where `fused`."""
     batch, seq, h = cs.shape
     if fused:
-        # dh = dgates @ W_hh as W_hh^T @ dgates^T ([h, batch]), as forward does (15-25% faster)
+        # dh = dgates @ W_hh as W_hh^T @ dgates^T ([h, batch]), as forward does
         dg_t, dh_t = np.empty((4 * h, batch), cs.dtype), np.empty((h, batch), cs.dtype)
         for t in range(seq - 1, -1, -1):
             if dy is not None:
