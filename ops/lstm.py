@@ -4,9 +4,6 @@ Forward does the input projection of every step in one GEMM ([batch*seq, in] @ W
 then one recurrent GEMM per step, keeping the gate activations and cell states for
 backward. Backward runs through time with one GEMM per step for the recurrent gradient
 and finishes with two big GEMMs: dx, and dW_ih and dW_hh together (dgates^T @ [x | h_{t-1}]).
-On the CPU the per-step GEMMs run transposed, W_hh @ h^T and W_hh^T @ dgates^T with the
-weight first: OpenBLAS runs those 10-30% faster than h @ W_hh^T at 8-64 samples (a [4h, batch]
-result; the steps transpose it back, 40-50 us a step at 16 samples).
 
 Gates, per step t, in PyTorch's order (i, f, g, o):
     i, f, o = sigmoid(.), g = tanh(.) of x_t W_ih^T + b_ih + h_{t-1} W_hh^T + b_hh
@@ -17,25 +14,27 @@ the (h, c) that chunk k-1 left in the op's carry (backward: from the gradient of
 chunk k+1 left). The runtime orders the chunks by that carry alone, so stacked layers on
 different devices run as a wavefront: chunk k of layer 2 beside chunk k+1 of layer 1.
 
-On the CPU (float32 and float64) each step's element-wise work is one numba kernel over the
-step's rows: forward turns the pre-activations into the gates in place and writes c, tanh(c)
-and h; backward turns the gates into the pre-activations' gradients in place (backward
-consumes what forward saved) and updates dc. Each kernel is a few short loops per row, each
-reading and writing few arrays, so that LLVM vectorizes them (one loop over all seven arrays
-needs more overlap checks than LLVM makes, and stays scalar); float32's tanh is a rational
-function that vectorizes (np.tanh in numba does not). Elsewhere (cupy) the same steps are
-plain array code.
-
-The samples' recurrences are independent: on a CPU task with at least PARTS_MIN_ROWS samples
-per core, each core runs its samples' projection, steps and dx alone, with BLAS on one
-thread (see _in_parts).
+On the CPU (float32 and float64) each step is one numba call, its recurrent GEMM included
+(_dots: 4 x 4 register tiles of dot products). OpenBLAS packs all of W_hh into its panels at
+every call, 16 MB at 1024 units, and ran the per-step GEMM at 55-115 GFLOP/s on this VM's two
+cores at 8-32 samples, where _dots runs at 110-170. A step's work is cut by hidden units, one
+part per core of the task (prange): part i computes its units' four gate rows and their
+element-wise update, reading all of h_{t-1} and writing only its own units, so one call is one
+step and the parts meet once a step. Backward does the same with W_hh^T, transposed once a call.
+The element-wise loops run over slices from 0 (a loop from j0 is not known to index from 0, so
+numba's wraparound check kept it scalar, 5-8 times slower), each reading and writing few
+arrays; float32's tanh is a rational function that vectorizes (np.tanh in numba does not).
+The big GEMMs run on the pool (ops/cpu_pool.py), BLAS on one thread a part, whose threads
+sleep when done, where OpenBLAS's would spin on the cores the steps need. Elsewhere (cupy) the
+steps are plain array code.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from ops import cpu_pool
+from ops import cpu_pool, cpu_threads
+from ops.cpu_threads import RowKernel
 from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op
 from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
@@ -57,6 +56,8 @@ _Q0, _Q2, _Q4, _Q6 = _TANH_Q
 #: the kernels' flags: error_model="numpy" (a division by zero is not checked: the check
 #: keeps loops from vectorizing) and contracted multiply-adds
 _KERNEL = dict(nogil=True, error_model="numpy", fastmath={"contract"})
+#: the recurrence's dot products: reassociated too, so that LLVM vectorizes their sums
+_DOTS = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
 
 
 @numba.njit(inline="always", **_KERNEL)
@@ -85,59 +86,152 @@ def _sigmoid(x, fast):
     return _HALF * _tanh(_HALF * x, fast) + _HALF
 
 
-@numba.njit(cache=True, **_KERNEL)
-def _step_forward_cpu(gates, rec, bias, c0, cs, tcs, y, t, fast):
-    """Step t of every row b: gates[b, t] ([4h], i f g o, the input projection) plus rec[b] (h_{t-1}
-    W_hh^T) plus bias become the gates in place; c_t, tanh(c_t) and h_t go to cs[b, t], tcs[b, t]
-    and y[b, t], from c_{t-1} = cs[b, t - 1] (c0[b] at t = 0). All C-contiguous."""
-    h = cs.shape[2]
-    s = np.empty(4 * h, gates.dtype)
-    for b in range(gates.shape[0]):
-        g, r = gates[b, t], rec[b]
-        cp = cs[b, t - 1] if t > 0 else c0[b]
-        c, tc, hy = cs[b, t], tcs[b, t], y[b, t]
-        for j in range(4 * h):
-            s[j] = g[j] + r[j] + bias[j]
-        for j in range(2 * h):
-            g[j] = _sigmoid(s[j], fast)
-        for j in range(2 * h, 3 * h):
-            g[j] = _tanh(s[j], fast)
-        for j in range(3 * h, 4 * h):
-            g[j] = _sigmoid(s[j], fast)
-        for j in range(h):
-            c[j] = g[h + j] * cp[j] + g[j] * g[2 * h + j]
-        for j in range(h):
-            tc[j] = _tanh(c[j], fast)
-        for j in range(h):
-            hy[j] = g[3 * h + j] * tc[j]
+@numba.njit(inline="always", **_KERNEL)
+def _put(row, m, v, add):
+    """row[m] = v, or row[m] += v if `add`."""
+    if add:
+        row[m] += v
+    else:
+        row[m] = v
 
 
-@numba.njit(cache=True, **_KERNEL)
-def _step_backward_cpu(gates, tcs, cs, c0, dh, dc, t):
-    """Step t of backward for every row b: from dh[b] (the gradient of h_t, dy's included) and dc[b]
-    (that of c_t through step t + 1), the gates[b, t] (i f g o) become the gradients of their
-    pre-activations in place, and dc[b] that of c_{t-1}. All C-contiguous."""
+@numba.njit(inline="always", **_KERNEL)
+def _put4(row, m, v0, v1, v2, v3, add):
+    """row[m:m + 4] = (v0, v1, v2, v3), or += if `add`."""
+    _put(row, m, v0, add)
+    _put(row, m + 1, v1, add)
+    _put(row, m + 2, v2, add)
+    _put(row, m + 3, v3, add)
+
+
+@numba.njit(cache=True, **_DOTS)
+def _dots(a, x, s, out, so, lo, hi, add):
+    """out[b, so, m] = a[m] . x[b, s] (or += if `add`) for lo <= m < hi and every sample b; a is
+    [M, K], x [B, ., K] and out [B, ., M], all C-contiguous. Tiles of 4 rows of a by 4 samples:
+    16 dot products over K in one loop that LLVM vectorizes, 16 accumulators in registers, a's
+    4 rows read once per 4 samples and from L1 after the first (the module docstring says why
+    not BLAS)."""
+    n_k, n_b = a.shape[1], x.shape[0]
+    zero = a.dtype.type(0)
+    m = lo
+    while m + 4 <= hi:
+        a0, a1, a2, a3 = a[m], a[m + 1], a[m + 2], a[m + 3]
+        b = 0
+        while b + 4 <= n_b:
+            x0, x1, x2, x3 = x[b, s], x[b + 1, s], x[b + 2, s], x[b + 3, s]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
+            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = zero
+            for k in range(n_k):
+                p0, p1, p2, p3 = a0[k], a1[k], a2[k], a3[k]
+                q0, q1, q2, q3 = x0[k], x1[k], x2[k], x3[k]
+                s00 += p0 * q0
+                s01 += p0 * q1
+                s02 += p0 * q2
+                s03 += p0 * q3
+                s10 += p1 * q0
+                s11 += p1 * q1
+                s12 += p1 * q2
+                s13 += p1 * q3
+                s20 += p2 * q0
+                s21 += p2 * q1
+                s22 += p2 * q2
+                s23 += p2 * q3
+                s30 += p3 * q0
+                s31 += p3 * q1
+                s32 += p3 * q2
+                s33 += p3 * q3
+            _put4(out[b, so], m, s00, s10, s20, s30, add)
+            _put4(out[b + 1, so], m, s01, s11, s21, s31, add)
+            _put4(out[b + 2, so], m, s02, s12, s22, s32, add)
+            _put4(out[b + 3, so], m, s03, s13, s23, s33, add)
+            b += 4
+        for bb in range(b, n_b):
+            xb = x[bb, s]
+            s0 = s1 = s2 = s3 = zero
+            for k in range(n_k):
+                q = xb[k]
+                s0 += a0[k] * q
+                s1 += a1[k] * q
+                s2 += a2[k] * q
+                s3 += a3[k] * q
+            _put4(out[bb, so], m, s0, s1, s2, s3, add)
+        m += 4
+    for mm in range(m, hi):
+        am = a[mm]
+        for bb in range(n_b):
+            xb = x[bb, s]
+            s0 = zero
+            for k in range(n_k):
+                s0 += am[k] * xb[k]
+            _put(out[bb, so], mm, s0, add)
+
+
+@RowKernel
+def _forward_step(w_hh, bias, gates, h_src, c_src, s, cs, tcs, y, t, fast, cuts):
+    """Step t for the hidden units [cuts[i], cuts[i+1]) of each part i: their four gates' rows of
+    W_hh times h_{t-1} = h_src[b, s] added to gates[b, t] (there: the input projection), then
+    with the bias turned into the gates in place (i f g o); c_t, tanh(c_t) and h_t go to cs[b, t],
+    tcs[b, t] and y[b, t], from c_{t-1} = c_src[b, s]. A part reads all of h_{t-1} and writes
+    only its own units, so the parts of one step run side by side."""
     h = cs.shape[2]
-    di = np.empty(h, gates.dtype)
-    for b in range(gates.shape[0]):
-        g = gates[b, t]
-        gi, gf, gg, go = g[:h], g[h:2 * h], g[2 * h:3 * h], g[3 * h:]
-        tc, d, dcb = tcs[b, t], dh[b], dc[b]
-        cp = cs[b, t - 1] if t > 0 else c0[b]
-        for j in range(h):  # dc += dh * o * (1 - tanh(c)^2)
-            dcb[j] += d[j] * go[j] * (_ONE - tc[j] * tc[j])
-        for j in range(h):  # do = dh * tanh(c) * o * (1 - o)
-            go[j] = d[j] * tc[j] * go[j] * (_ONE - go[j])
-        for j in range(h):  # di = dc * g * i * (1 - i), kept apart: dg needs i
-            di[j] = dcb[j] * gg[j] * gi[j] * (_ONE - gi[j])
-        for j in range(h):  # dg = dc * i * (1 - g^2)
-            gg[j] = dcb[j] * gi[j] * (_ONE - gg[j] * gg[j])
-        for j in range(h):
-            gi[j] = di[j]
-        for j in range(h):  # df = dc * c_{t-1} * f * (1 - f); to step t - 1: dc * f
-            f, dcj = gf[j], dcb[j]
-            gf[j] = dcj * cp[j] * f * (_ONE - f)
-            dcb[j] = dcj * f
+    for p in numba.prange(len(cuts) - 1):
+        j0, j1 = cuts[p], cuts[p + 1]
+        for q in range(4):
+            _dots(w_hh, h_src, s, gates, t, q * h + j0, q * h + j1, True)
+        n = j1 - j0
+        for b in range(gates.shape[0]):
+            g, cp, c, tc, hy = gates[b, t], c_src[b, s, j0:j1], cs[b, t, j0:j1], tcs[b, t, j0:j1], y[b, t, j0:j1]
+            gi, gf, gg, go = g[j0:j1], g[h + j0:h + j1], g[2 * h + j0:2 * h + j1], g[3 * h + j0:3 * h + j1]
+            bi, bf, bg, bo = bias[j0:j1], bias[h + j0:h + j1], bias[2 * h + j0:2 * h + j1], bias[3 * h + j0:3 * h + j1]
+            for j in range(n):
+                gi[j] = _sigmoid(gi[j] + bi[j], fast)
+            for j in range(n):
+                gf[j] = _sigmoid(gf[j] + bf[j], fast)
+            for j in range(n):
+                gg[j] = _tanh(gg[j] + bg[j], fast)
+            for j in range(n):
+                go[j] = _sigmoid(go[j] + bo[j], fast)
+            for j in range(n):
+                c[j] = gf[j] * cp[j] + gi[j] * gg[j]
+            for j in range(n):
+                tc[j] = _tanh(c[j], fast)
+            for j in range(n):
+                hy[j] = go[j] * tc[j]
+
+
+@RowKernel
+def _backward_step(w_hh_t, gates, tcs, cs, c0, dy, dh, dc, t, cuts):
+    """For the hidden units [cuts[i], cuts[i+1]) of each part i: where step t + 1 exists, dh[b, 0]
+    = W_hh^T rows times gates[b, t + 1] (step t + 1's gates' gradients: the gradient of h_t);
+    where step t does (t >= 0), dh += dy[b, t] (when dy has rows), then the gates[b, t] (i f g o)
+    become the gradients of their pre-activations in place and dc[b] that of c_{t-1}. A part
+    reads all of step t + 1's gradients and writes only its own units."""
+    n_b, seq, h = cs.shape
+    for p in numba.prange(len(cuts) - 1):
+        j0, j1 = cuts[p], cuts[p + 1]
+        if t + 1 < seq:
+            _dots(w_hh_t, gates, t + 1, dh, 0, j0, j1, False)
+        n = j1 - j0
+        for b in range(n_b if t >= 0 else 0):
+            g, tc, d, dcb = gates[b, t], tcs[b, t, j0:j1], dh[b, 0, j0:j1], dc[b, j0:j1]
+            gi, gf, gg, go = g[j0:j1], g[h + j0:h + j1], g[2 * h + j0:2 * h + j1], g[3 * h + j0:3 * h + j1]
+            cp = cs[b, t - 1, j0:j1] if t > 0 else c0[b, 0, j0:j1]
+            if dy.shape[0]:
+                dyb = dy[b, t, j0:j1]
+                for j in range(n):
+                    d[j] += dyb[j]
+            for j in range(n):  # dc += dh * o * (1 - tanh(c)^2)
+                dcb[j] += d[j] * go[j] * (_ONE - tc[j] * tc[j])
+            for j in range(n):  # do = dh * tanh(c) * o * (1 - o)
+                go[j] = d[j] * tc[j] * go[j] * (_ONE - go[j])
+            for j in range(n):  # di = dc * g * i * (1 - i), dg = dc * i * (1 - g^2)
+                i, gj, dcj = gi[j], gg[j], dcb[j]
+                gi[j] = dcj * gj * i * (_ONE - i)
+                gg[j] = dcj * i * (_ONE - gj * gj)
+            for j in range(n):  # df = dc * c_{t-1} * f * (1 - f); to step t - 1: dc * f
+                f, dcj = gf[j], dcb[j]
+                gf[j] = dcj * cp[j] * f * (_ONE - f)
+                dcb[j] = dcj * f
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -152,17 +246,6 @@ def _transpose_cpu(a, out, lo, hi):
             o = out[j]
             for i in range(i0, i1):
                 o[i] = a[i, j]
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _transpose_small(a, out):
-    """out[j] = a[:, j] for every column j of a: the recurrence's per-step [batch, n] <-> [n, batch]
-    transposes (out rows gathered one at a time: at batch 16, 38 us for 4096 x 16, half of
-    _transpose_cpu's blocks of eight rows, which suit big square matrices)."""
-    for j in range(a.shape[1]):
-        o = out[j]
-        for i in range(a.shape[0]):
-            o[i] = a[i, j]
 
 
 def _transposed(xp, w):
@@ -325,17 +408,15 @@ class LSTM(Op):
         gates = xp.empty((batch, seq, 4 * h), dtype=dt)
         g2 = gates.reshape(batch * seq, 4 * h)
         bias = (weights["bias_ih"] + weights["bias_hh"]).astype(dt, copy=False)
-        fused = _fused(xp, dt)
-        if fused:
-            c0 = np.ascontiguousarray(c0, dtype=dt)
         y = xp.empty((batch, seq, h), dtype=dt)
         cs = xp.empty((batch, seq, h), dtype=dt)
         tanh_cs = xp.empty((batch, seq, h), dtype=dt)
-
-        def steps(a, b):  # samples a..b-1: their projections, then their recurrence
-            xp.matmul(x2[a * seq:b * seq], w_ih.T, out=g2[a * seq:b * seq])
-            _forward_steps(xp, gates[a:b], bias, w_hh, h0[a:b], c0[a:b], cs[a:b], tanh_cs[a:b], y[a:b], fused)
-        _in_parts(xp, fused, steps, batch)
+        if _fused(xp, dt):
+            _gemm_in_parts(lambda a, b: np.matmul(x2[a:b], w_ih.T, out=g2[a:b]), batch * seq, n_in * 4 * h)
+            _forward_steps_cpu(gates, bias, w_hh, h0, c0, cs, tanh_cs, y)
+        else:
+            xp.matmul(x2, w_ih.T, out=g2)
+            _forward_steps_xp(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y)
         saved = (gates, cs, tanh_cs, y, h0, c0)
         if carry is not None:
             carry["state"][0] = y[:, -1]
@@ -359,17 +440,15 @@ class LSTM(Op):
             dc = xp.zeros((batch, h), dtype=dt) if dc_n is None else dc_n.astype(dt, order="C", copy=True)
 
         fused = _fused(xp, dt)
-        w_hh_t = _transposed(xp, w_hh) if fused else None   # only the fused steps' GEMM takes it
-
         dg2 = gates.reshape(batch * seq, 4 * h)  # the gates' gradients, once the steps have run
         dx = xp.empty((batch, seq, n_in), dtype=dt)
         dx2 = dx.reshape(batch * seq, n_in)
-
-        def steps(a, b):  # samples a..b-1: their recurrence back through time, then their dx
-            _backward_steps(xp, gates[a:b], tanh_cs[a:b], cs[a:b], c0[a:b], None if dy is None else dy[a:b], w_hh,
-                            w_hh_t, dh[a:b], dc[a:b], fused)
-            xp.matmul(dg2[a * seq:b * seq], w_ih, out=dx2[a * seq:b * seq])
-        _in_parts(xp, fused, steps, batch)
+        if fused:
+            _backward_steps_cpu(gates, tanh_cs, cs, c0, dy, _transposed(xp, w_hh.astype(dt, copy=False)), dh, dc)
+            _gemm_in_parts(lambda a, b: np.matmul(dg2[a:b], w_ih, out=dx2[a:b]), batch * seq, 4 * h * n_in)
+        else:
+            _backward_steps_xp(xp, gates, tanh_cs, cs, c0, dy, w_hh, dh, dc)
+            xp.matmul(dg2, w_ih, out=dx2)
 
         # both weights' gradients in one GEMM (it packs dg2 once): dg2^T @ [x | h_{t-1}]
         xh = xp.empty((batch, seq, n_in + h), dtype=dt)
@@ -379,9 +458,10 @@ class LSTM(Op):
         xh2 = xh.reshape(batch * seq, n_in + h)
         dw = xp.empty((4 * h, n_in + h), dtype=dt)
 
-        def gate_rows(a, b):  # rows a..b-1 of dw: those gates' gradients times [x | h_{t-1}]
-            xp.matmul(dg2[:, a:b].T, xh2, out=dw[a:b])
-        _in_parts(xp, fused, gate_rows, batch, 4 * h)
+        if fused:   # rows a..b-1 of dw: those gates' gradients times [x | h_{t-1}]
+            _gemm_in_parts(lambda a, b: np.matmul(dg2[:, a:b].T, xh2, out=dw[a:b]), 4 * h, batch * seq * (n_in + h))
+        else:
+            xp.matmul(dg2.T, xh2, out=dw)
         db = dg2.sum(axis=0)
         grads = {"weight_ih": dw[:, :n_in], "weight_hh": dw[:, n_in:], "bias_ih": db, "bias_hh": db.copy()}
         if carry is not None:
@@ -400,71 +480,81 @@ class LSTM(Op):
         return gemm + 30 * batch * seq * h
 
 
-def _forward_steps(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y, fused) -> None:
-    """Every step of forward for the samples of these arrays (rows of the op's)."""
+def _forward_steps_cpu(gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
+    """Every step of forward, each one _forward_step call over the task's cores (a part of the
+    hidden units each) where a step is work enough for them."""
     batch, seq, h = cs.shape
-    rec = xp.empty((batch, 4 * h), dtype=cs.dtype)
-    if fused:
-        # the recurrent GEMM as W_hh @ h^T ([4h, batch], see the module docstring), transposed into rec
-        rec_t, h_t = np.empty((4 * h, batch), cs.dtype), np.array(h0.T, order="C")  # a copy: it is written
-        fast = cs.dtype == np.float32
-        for t in range(seq):
-            np.matmul(w_hh, h_t, out=rec_t)
-            _transpose_small(rec_t, rec)
-            _step_forward_cpu(gates, rec, bias, c0, cs, tanh_cs, y, t, fast)
-            _transpose_small(y[:, t], h_t)
-        return
-    w_hh_t, tmp = w_hh.T, xp.empty((batch, h), dtype=cs.dtype)
+    dt = cs.dtype
+    threads, cuts = _hidden_parts(batch, h)
+    step = _forward_step.on(threads)
+    w_hh = np.ascontiguousarray(w_hh, dtype=dt)
+    bias = np.ascontiguousarray(bias, dtype=dt)
+    h_src = np.ascontiguousarray(h0, dtype=dt).reshape(batch, 1, h)
+    c_src = np.ascontiguousarray(c0, dtype=dt).reshape(batch, 1, h)
+    fast = dt == np.float32
+    for t in range(seq):
+        step(w_hh, bias, gates, h_src, c_src, 0 if t == 0 else t - 1, cs, tanh_cs, y, t, fast, cuts)
+        h_src, c_src = y, cs
+
+
+def _backward_steps_cpu(gates, tanh_cs, cs, c0, dy, w_hh_t, dh, dc) -> None:
+    """Every step of backward, last to first, as _backward_step calls (one more at the end for
+    the gradient of h0): gates become their gradients, dh and dc those of h0 and c0."""
+    batch, seq, h = cs.shape
+    dt = cs.dtype
+    threads, cuts = _hidden_parts(batch, h)
+    step = _backward_step.on(threads)
+    c0 = np.ascontiguousarray(c0, dtype=dt).reshape(batch, 1, h)
+    dy = np.zeros((0, seq, h), dt) if dy is None else np.ascontiguousarray(dy, dtype=dt)
+    dh3 = dh.reshape(batch, 1, h)
+    for t in range(seq - 1, -2, -1):
+        step(w_hh_t, gates, tanh_cs, cs, c0, dy, dh3, dc, t, cuts)
+
+
+#: multiply-adds a recurrent step needs (samples x 4 hidden x hidden) before it is split over
+#: the task's cores: at 2M a step takes about 40 us on one core, and starting numba's threads for
+#: it about 10
+PARALLEL_MIN_MACS = 1 << 21
+
+
+def _hidden_parts(batch: int, h: int) -> tuple[int, np.ndarray]:
+    """(threads, cuts) for the steps: the task's cores where a step has PARALLEL_MIN_MACS (numba's
+    threads set to them), and the hidden units cut into one part per thread, at multiples of 16."""
+    threads = cpu_threads.task_threads() if batch * 4 * h * h >= PARALLEL_MIN_MACS else 1
+    if threads > 1:
+        numba.set_num_threads(threads)
+    unit = 16 if h >= 16 * threads else 1
+    return threads, np.array([h * i // threads // unit * unit for i in range(threads)] + [h], np.int64)
+
+
+def _gemm_in_parts(work, rows: int, macs_per_row: int) -> None:
+    """work(a, b) on rows [a, b) of a GEMM, one part per core of the task with BLAS on one thread
+    each, where it has PARALLEL_MIN_MACS. OpenBLAS's threads spin for about 0.1 s after a GEMM
+    they ran (docs/kernels.md), on the cores the steps' numba threads need; the pool's sleep."""
+    cpu_pool.in_parts(work, rows, None if rows * macs_per_row >= PARALLEL_MIN_MACS else 1)
+
+
+def _forward_steps_xp(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
+    """Every step of forward as array code (cupy)."""
+    batch, seq, h = cs.shape
+    rec, tmp = xp.empty((batch, 4 * h), dtype=cs.dtype), xp.empty((batch, h), dtype=cs.dtype)
     h_prev, c_prev = h0, c0
     for t in range(seq):
-        xp.matmul(h_prev, w_hh_t, out=rec)
+        xp.matmul(h_prev, w_hh.T, out=rec)
         _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
         h_prev, c_prev = y[:, t], cs[:, t]
 
 
-def _backward_steps(xp, gates, tanh_cs, cs, c0, dy, w_hh, w_hh_t, dh, dc, fused) -> None:
-    """Every step of backward, last to first, for the samples of these arrays: gates become
-    their gradients, dh and dc those of h0 and c0. w_hh_t is _transposed(w_hh) where `fused`."""
+def _backward_steps_xp(xp, gates, tanh_cs, cs, c0, dy, w_hh, dh, dc) -> None:
+    """Every step of backward, last to first, as array code (cupy): gates become their gradients,
+    dh and dc those of h0 and c0."""
     batch, seq, h = cs.shape
-    if fused:
-        # dh = dgates @ W_hh as W_hh^T @ dgates^T ([h, batch]), as forward does
-        dg_t, dh_t = np.empty((4 * h, batch), cs.dtype), np.empty((h, batch), cs.dtype)
-        for t in range(seq - 1, -1, -1):
-            if dy is not None:
-                dh += dy[:, t]
-            _step_backward_cpu(gates, tanh_cs, cs, c0, dh, dc, t)
-            _transpose_small(gates[:, t], dg_t)
-            np.matmul(w_hh_t, dg_t, out=dh_t)   # to step t - 1
-            _transpose_small(dh_t, dh)
-        return
     tmp = xp.empty((batch, h), dtype=cs.dtype)
     for t in range(seq - 1, -1, -1):
         if dy is not None:
             dh += dy[:, t]
         _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], cs[:, t - 1] if t > 0 else c0, dh, dc, tmp)
         xp.matmul(gates[:, t], w_hh, out=dh)  # to step t - 1
-
-
-#: the fewest samples a part of the recurrence gets: at 32 a part's [32, h] x [h, 4h] GEMMs on one
-#: BLAS thread each run about as fast as the whole batch's on all (at 8, a third slower)
-PARTS_MIN_ROWS = 32
-
-
-def _in_parts(xp, fused, work, batch: int, n: int | None = None) -> None:
-    """work(a, b) over [0, n) (default: the samples of the batch, a recurrence each, independent
-    of the others): on the CPU, one part per core the task has when each gets PARTS_MIN_ROWS
-    samples, each part's many small GEMMs on one BLAS thread, waiting for the other cores once
-    and not at every GEMM (on an idle machine that is about as fast; while another process
-    holds a core, BLAS's threads stall at each GEMM and the whole batch runs 2-5 times slower);
-    else all at once, its GEMMs on all of BLAS's threads. The weights' gradient (n: its rows)
-    goes the way the steps went: after a threaded GEMM OpenBLAS's idle threads spin for about
-    0.1 s, on the cores the other way's parts need (forward + backward at batch 64: 812-854 ->
-    775-784 ms with its rows in parts; at batch 16 in parts after threaded steps, 10% slower)."""
-    n = batch if n is None else n
-    if fused and batch >= PARTS_MIN_ROWS * cpu_pool.threads():
-        cpu_pool.in_parts(work, n)
-    else:
-        work(0, n)
 
 
 def _fused(xp, dtype) -> bool:

@@ -236,23 +236,48 @@ def test_lstm_bad_inputs_name_the_op(inputs, attrs, needle):
     assert "lstm 'enc'" in str(err.value)
 
 
-@settings(max_examples=6, deadline=None)
-@given(batch=st.integers(2, 9), seq=st.integers(1, 4), hidden=st.integers(1, 20), with_initial_state=st.booleans(),
-       seed=st.integers(0, 99))
-def test_recurrence_in_parts_equals_the_whole_batch(batch, seq, hidden, with_initial_state, seed):
-    """The samples' recurrences cut into one part per core (BLAS on one thread each) give the
-    numbers of the whole batch at once; three BLAS threads, so that there are up to three parts."""
+@settings(max_examples=8, deadline=None)
+@given(batch=st.integers(1, 9), seq=st.integers(1, 4), hidden=st.sampled_from([1, 3, 17, 40, 70]),
+       with_initial_state=st.booleans(), seed=st.integers(0, 99))
+def test_steps_over_parts_of_the_hidden_units_equal_one_thread(batch, seq, hidden, with_initial_state, seed):
+    """The steps cut into one part of the hidden units per core (numba's threads, BLAS's GEMMs in
+    parts on the pool) give the numbers of one thread; three BLAS threads, so that the task has
+    as many cores as numba has."""
     import ops.lstm as lstm_module
     op, xs, w, gs = lstm_case(batch, seq, 3, hidden, with_initial_state, seed, np.float64)
-    whole = run_path(np, op, xs, w, gs)
-    old = lstm_module.PARTS_MIN_ROWS
+    old = lstm_module.PARALLEL_MIN_MACS
     try:
-        lstm_module.PARTS_MIN_ROWS = 1
+        lstm_module.PARALLEL_MIN_MACS = 1 << 62
+        whole = run_path(np, op, xs, w, gs)
+        lstm_module.PARALLEL_MIN_MACS = 0
         with threadpool_limits(3, user_api="blas"):
+            assert lstm_module._hidden_parts(batch, hidden)[0] == min(3, numba.config.NUMBA_NUM_THREADS)
             parts = run_path(np, op, xs, w, gs)
     finally:
-        lstm_module.PARTS_MIN_ROWS = old
+        lstm_module.PARALLEL_MIN_MACS = old
     for a, b in zip(whole[0] + whole[1], parts[0] + parts[1]):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
     for k in WEIGHTS:
         np.testing.assert_allclose(whole[2][k], parts[2][k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 13), k=st.integers(1, 40), batch=st.integers(1, 11), steps=st.integers(1, 3),
+       add=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
+def test_dots_is_the_matrix_product_of_any_rows(m, k, batch, steps, add, dtype, data):
+    """_dots (the recurrence's GEMM: 4 x 4 tiles and their remainders) on rows lo..hi of a against
+    numpy in float64, writing or adding into one step of a 3-D out, touching nothing else."""
+    from ops.lstm import _dots
+    lo = data.draw(st.integers(0, m))
+    hi = data.draw(st.integers(lo, m))
+    s, so = data.draw(st.integers(0, steps - 1)), data.draw(st.integers(0, steps - 1))
+    rng = np.random.default_rng(m * 1000 + k)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    x = rng.standard_normal((batch, steps, k)).astype(dtype)
+    out = rng.standard_normal((batch, steps, m)).astype(dtype)
+    expect = out.astype(np.float64)
+    product = x[:, s].astype(np.float64) @ a[lo:hi].astype(np.float64).T
+    expect[:, so, lo:hi] = product + (expect[:, so, lo:hi] if add else 0)
+    _dots(a, x, s, out, so, lo, hi, add)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, expect, rtol=tol, atol=tol)
