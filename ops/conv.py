@@ -5,7 +5,9 @@ matrix in one batched BLAS matmul per chunk; col2im is a numba kernel on the CPU
 plain array code on the GPU. Small images on the CPU (Conv2d._batched) lay the columns of
 a chunk's samples side by side instead, [K, samples*OH*OW], built and summed back by numba
 kernels from the unpadded tile: forward, the weight gradient and the columns' gradient are
-then one GEMM each per chunk where per-sample ones would be thin. 3x3 stride-1 convolutions
+then one GEMM each per chunk where per-sample ones would be thin; with strides over 1 those
+kernels read the input's phase planes (its entries split by position modulo the stride), where
+each window offset is a contiguous read. 3x3 stride-1 convolutions
 with enough channels and 4x4 output blocks are Winograd's (ops/winograd.py), so are stride-1 1x7,
 7x1, 1x3 and 3x1 ones along their one axis (ops/winograd_1d.py), and those of a few input
 channels (a first layer) direct convolution (ops/direct_conv.py). Pooling is ops/pool.py.
@@ -13,6 +15,7 @@ channels (a first layer) direct convolution (ops/direct_conv.py). Pooling is ops
 from __future__ import annotations
 
 import importlib
+import math
 import numba
 import numpy as np
 
@@ -270,6 +273,177 @@ def _col2im_rows_cpu(cols, kernel, stride, pads, dx):
                         _scatter_add_run(out[start:], cf[r, s, oh * ow_ + ow_lo:], ow_hi - ow_lo, sw)
 
 
+@numba.njit(nogil=True, inline="always")
+def _scatter_run(dst, src, n, step):
+    """dst[k * step] = src[k] for k < n."""
+    if step == 1:
+        _copy_run(dst, src, n)
+    elif step == 2:
+        for k in range(n):
+            dst[2 * k] = src[k]
+    else:
+        for k in range(n):
+            dst[step * k] = src[k]
+
+
+# Strides over 1 (the reductions): a window offset reads every stride-th input entry, runs of
+# gathers a row. Split by their positions modulo the stride, x's planes become sh x sw phase
+# planes, and window offset (i, j) reads one of them shifted: a stride-1 read, so each output
+# row is one contiguous run, and where the phase planes are as wide as the output rows (ResNet's
+# reductions) all of it is one, as for stride 1 with 'same' padding. One sample of ResNet's 3x3
+# reduction (128 channels, 56x56 -> 28x28), one core: im2col 0.89-1.2 -> 0.50-0.55 ms, the
+# split included; col2im 1.14-1.43 -> 0.49-0.66 ms.
+@numba.njit(nogil=True, inline="always")
+def _phase_shift(i, pad, stride):
+    """(phase, shift) of window offset i along a dim: input index o*stride - pad + i is index
+    o + shift of phase plane `phase` (the shift may be negative)."""
+    d = i - pad
+    return d % stride, d // stride
+
+
+@numba.njit(nogil=True, cache=True)
+def _split_phases_cpu(x, phases):
+    """phases[s, c, pi, pj, r, q] = x[s, c, pi + r*sh, pj + q*sw], 0 where that is beyond x
+    (phases [N, C, sh, sw, ceil(H / sh), ceil(W / sw)]). Width stride 2 splits a row into its
+    two phases in one pass (one sample of ResNet's 3x3 reduction, 128 channels at 56x56: 0.30 ->
+    0.19-0.24 ms against a gather per phase)."""
+    n_, c_, h_, w_ = x.shape
+    sh, sw, hp, wp = phases.shape[2:]
+    zero = phases.dtype.type(0)
+    for s in range(n_):
+        for c in range(c_):
+            for pi in range(sh):
+                for r in range(hp):
+                    ih = pi + r * sh
+                    if ih >= h_:
+                        for pj in range(sw):
+                            row = phases[s, c, pi, pj, r]
+                            for q in range(wp):
+                                row[q] = zero
+                        continue
+                    src = x[s, c, ih]
+                    done = 0
+                    if sw == 2:
+                        even, odd = phases[s, c, pi, 0, r], phases[s, c, pi, 1, r]
+                        done = w_ // 2
+                        for q in range(done):
+                            even[q] = src[2 * q]
+                            odd[q] = src[2 * q + 1]
+                        if w_ % 2:
+                            even[done] = src[w_ - 1]
+                            odd[done] = zero
+                            done += 1
+                        for q in range(done, wp):
+                            even[q] = zero
+                            odd[q] = zero
+                        continue
+                    for pj in range(sw):
+                        row = phases[s, c, pi, pj, r]
+                        n_q = (w_ - pj + sw - 1) // sw if pj < w_ else 0
+                        _gather_run(row, src[pj:], n_q, sw)
+                        for q in range(n_q, wp):
+                            row[q] = zero
+
+
+@numba.njit(nogil=True, cache=True)
+def _merge_phases_cpu(phases, dx):
+    """dx[s, c, pi + r*sh, pj + q*sw] = phases[s, c, pi, pj, r, q] at every position of dx: the
+    inverse of _split_phases_cpu."""
+    n_, c_, h_, w_ = dx.shape
+    sh, sw = phases.shape[2:4]
+    for s in range(n_):
+        for c in range(c_):
+            for pi in range(min(sh, h_)):
+                for pj in range(min(sw, w_)):
+                    plane = phases[s, c, pi, pj]
+                    n_q = (w_ - pj + sw - 1) // sw
+                    for r in range((h_ - pi + sh - 1) // sh):
+                        _scatter_run(dx[s, c, pi + r * sh, pj:], plane[r], n_q, sw)
+
+
+@numba.njit(nogil=True, cache=True)
+def _im2col_phases_cpu(x, kernel, stride, pads, cols, phases):
+    """_im2col_rows_cpu for strides over 1, through x's phase planes (made in `phases`)."""
+    n_ = x.shape[0]
+    c_, sh, sw, hp, wp = phases.shape[1:]
+    oh_, ow_ = cols.shape[2:]
+    (kh, kw), (top, left) = kernel, pads
+    zero = cols.dtype.type(0)
+    _split_phases_cpu(x, phases)
+    planes = ow_ == wp
+    pf = phases.reshape(n_, c_, sh, sw, hp * wp)
+    cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
+    for c in range(c_):
+        for i in range(kh):
+            pi, di = _phase_shift(i, top, sh)
+            oh_lo, oh_hi = _valid_outputs(di, 1, 0, oh_, hp)
+            for j in range(kw):
+                pj, dj = _phase_shift(j, left, sw)
+                ow_lo, ow_hi = _valid_outputs(dj, 1, 0, ow_, wp)
+                r = (c * kh + i) * kw + j
+                for s in range(n_):
+                    dst, src = cf[r, s], pf[s, c, pi, pj]
+                    for k in range(oh_lo * ow_):
+                        dst[k] = zero
+                    for k in range(oh_hi * ow_, oh_ * ow_):
+                        dst[k] = zero
+                    if oh_hi == oh_lo or ow_hi == ow_lo:
+                        for k in range(oh_lo * ow_, oh_hi * ow_):
+                            dst[k] = zero
+                        continue
+                    if planes:
+                        start, n = _plane_run(di, dj, 0, 0, oh_lo, oh_hi, ow_lo, ow_, hp, wp)
+                        _copy_run(dst[oh_lo * ow_ + ow_lo:], src[start:], n)
+                        _zero_edges(dst, oh_lo, oh_hi, ow_, ow_lo, ow_hi)
+                        continue
+                    for oh in range(oh_lo, oh_hi):
+                        row = dst[oh * ow_:]
+                        for ow in range(ow_lo):
+                            row[ow] = zero
+                        _copy_run(row[ow_lo:], src[(oh + di) * wp + ow_lo + dj:], ow_hi - ow_lo)
+                        for ow in range(ow_hi, ow_):
+                            row[ow] = zero
+
+
+@numba.njit(nogil=True, cache=True)
+def _col2im_phases_cpu(cols, kernel, stride, pads, dx, phases):
+    """_col2im_rows_cpu for strides over 1: the columns' runs added into phase planes (in
+    `phases`, zeroed first), which are then merged into dx. cols is overwritten as there."""
+    n_, c_ = dx.shape[:2]
+    sh, sw, hp, wp = phases.shape[2:]
+    oh_, ow_ = cols.shape[2:]
+    (kh, kw), (top, left) = kernel, pads
+    zero = dx.dtype.type(0)
+    planes = ow_ == wp
+    pf = phases.reshape(n_, c_, sh, sw, hp * wp)
+    cf = cols.reshape(cols.shape[0], n_, oh_ * ow_)
+    for s in range(n_):
+        for c in range(c_):
+            for pi in range(sh):
+                for pj in range(sw):
+                    plane = pf[s, c, pi, pj]
+                    for k in range(hp * wp):
+                        plane[k] = zero
+            for i in range(kh):
+                pi, di = _phase_shift(i, top, sh)
+                oh_lo, oh_hi = _valid_outputs(di, 1, 0, oh_, hp)
+                for j in range(kw):
+                    pj, dj = _phase_shift(j, left, sw)
+                    ow_lo, ow_hi = _valid_outputs(dj, 1, 0, ow_, wp)
+                    r = (c * kh + i) * kw + j
+                    if oh_hi == oh_lo or ow_hi == ow_lo:
+                        continue
+                    plane = pf[s, c, pi, pj]
+                    if planes:
+                        _zero_edges(cf[r, s], oh_lo, oh_hi, ow_, ow_lo, ow_hi)
+                        start, n = _plane_run(di, dj, 0, 0, oh_lo, oh_hi, ow_lo, ow_, hp, wp)
+                        _add_run(plane[start:], cf[r, s, oh_lo * ow_ + ow_lo:], n)
+                        continue
+                    for oh in range(oh_lo, oh_hi):
+                        _add_run(plane[(oh + di) * wp + ow_lo + dj:], cf[r, s, oh * ow_ + ow_lo:], ow_hi - ow_lo)
+    _merge_phases_cpu(phases, dx)
+
+
 def _bias_grad(xp, dy):
     """dy [N, C, H, W] summed over all but C: each sample's pixels as a matrix-vector product,
     then the samples (BLAS's matrix-vector product is 3x numpy's sum over axes (0, 2, 3))."""
@@ -466,18 +640,37 @@ class Conv2d(Op):
         (whose columns are the input itself)."""
         return xp is np and self.kernel != (1, 1) and tile.shape[2] * tile.shape[3] <= _BATCHED_MAX_PIXELS
 
+    def _phased(self) -> bool:
+        """Whether the batched path's im2col goes through phase planes (_im2col_phases_cpu): for
+        strides over 1 whose windows overlap, where a plane split costs less than the gathers it
+        saves."""
+        (kh, kw), (sh, sw) = self.kernel, self.stride
+        return (sh > 1 or sw > 1) and kh * kw > sh * sw
+
     def _sample_columns(self, tile: Rect, x, pads):
-        """Yield (a, b, cols): the im2col matrix [K, (b-a)*OH*OW] of samples [a, b) of the unpadded
-        input tile x, the samples side by side in the column index, in one reused buffer."""
-        n, (oh, ow) = x.shape[0], tile.shape[2:]
-        k = x.shape[1] * self.kernel[0] * self.kernel[1]
+        """Yield (a, b, cols, phases): the im2col matrix [K, (b-a)*OH*OW] of samples [a, b) of the
+        unpadded input tile x, the samples side by side in the column index, in one reused
+        buffer, and the phase planes' scratch that made it (None for stride 1; col2im reuses it)."""
+        n, c, h, w = x.shape
+        oh, ow = tile.shape[2:]
+        k = c * self.kernel[0] * self.kernel[1]
         chunks = _chunks(np, n, k * oh * ow * x.itemsize)
-        buf = np.empty(k * (chunks[0][1] - chunks[0][0]) * oh * ow, x.dtype)
+        most = chunks[0][1] - chunks[0][0]
+        buf = np.empty(k * most * oh * ow, x.dtype)
         x = np.ascontiguousarray(x)
+        top_left = (pads[0][0], pads[1][0])
+        (sh, sw), phased = self.stride, self._phased()
+        plane = (sh, sw, -(-h // sh), -(-w // sw))
+        phase_buf = np.empty(most * c * math.prod(plane), x.dtype) if phased else None
         for a, b in chunks:
             cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
-            _im2col_rows_cpu(x[a:b], self.kernel, self.stride, (pads[0][0], pads[1][0]), cols)
-            yield a, b, cols.reshape(k, -1)
+            if phased:
+                phases = phase_buf[:(b - a) * c * math.prod(plane)].reshape(b - a, c, *plane)
+                _im2col_phases_cpu(x[a:b], self.kernel, self.stride, top_left, cols, phases)
+            else:
+                phases = None
+                _im2col_rows_cpu(x[a:b], self.kernel, self.stride, top_left, cols)
+            yield a, b, cols.reshape(k, -1), phases
 
     def _forward_batched(self, tile, x, pads, w, bias, y) -> None:
         """y [N, OCt, OH*OW] as one GEMM per group and chunk of samples, the weight rows times the
@@ -486,7 +679,7 @@ class Conv2d(Op):
         ng, ocpg, off = self._layout(tile)
         wg = self._grouped(np, w.reshape(oct_, -1), tile)
         out = None
-        for a, b, cols in self._sample_columns(tile, x, pads):
+        for a, b, cols, _ in self._sample_columns(tile, x, pads):
             out = np.empty(ng * ocpg * cols.shape[1], x.dtype) if out is None else out
             yt = np.matmul(wg, cols.reshape(ng, -1, cols.shape[1]),
                            out=out[:ng * ocpg * cols.shape[1]].reshape(ng, ocpg, -1))
@@ -506,7 +699,7 @@ class Conv2d(Op):
         gw = np.zeros((ng, ocpg, w[0].size), x.dtype)
         top_left = (pads[0][0], pads[1][0])
         dyt_buf = None
-        for a, b, cols in self._sample_columns(tile, x, pads):
+        for a, b, cols, phases in self._sample_columns(tile, x, pads):
             m = b - a
             dyt_buf = np.empty(oct_ * m * oh * ow, x.dtype) if dyt_buf is None else dyt_buf
             dyt = dyt_buf[:oct_ * m * oh * ow].reshape(oct_, m, oh, ow)
@@ -517,7 +710,10 @@ class Conv2d(Op):
             if dx is None:
                 continue
             np.matmul(wg_t, dyg, out=colsg)
-            _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b])
+            if phases is None:
+                _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b])
+            else:
+                _col2im_phases_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b], phases)
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     @staticmethod

@@ -154,6 +154,30 @@ def test_conv_batched_and_per_sample_columns_match_a_direct_reference(n, groups,
             check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(1, 11), w=st.integers(1, 11), kh=st.integers(1, 5),
+       kw=st.integers(1, 5), sh=st.integers(1, 4), sw=st.integers(1, 4), ph=st.integers(0, 3), pw=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_phase_planes_give_the_columns_and_their_sums_of_strided_reads(n, c, h, w, kh, kw, sh, sw, ph, pw, seed):
+    """im2col and col2im through phase planes (strides over 1) against the strided row kernels:
+    the same columns exactly, the same input gradient to rounding; phase planes of odd and
+    narrow sizes, shifts on both sides, windows past the input included."""
+    assume(kh <= h + 2 * ph and kw <= w + 2 * pw)
+    oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w))
+    rows, phased = (np.full((c * kh * kw, n, oh, ow), np.nan) for _ in range(2))
+    phases = np.full((n, c, sh, sw, -(-h // sh), -(-w // sw)), np.nan)
+    conv_module._im2col_rows_cpu(x, (kh, kw), (sh, sw), (ph, pw), rows)
+    conv_module._im2col_phases_cpu(x, (kh, kw), (sh, sw), (ph, pw), phased, phases)
+    np.testing.assert_array_equal(phased, rows)
+    g = rng.standard_normal(rows.shape)
+    dx_rows, dx_phased = np.full(x.shape, np.nan), np.full(x.shape, np.nan)
+    conv_module._col2im_rows_cpu(g.copy(), (kh, kw), (sh, sw), (ph, pw), dx_rows)
+    conv_module._col2im_phases_cpu(g.copy(), (kh, kw), (sh, sw), (ph, pw), dx_phased, phases)
+    np.testing.assert_allclose(dx_phased, dx_rows, rtol=1e-12, atol=1e-12)
+
 def test_conv_batched_path_takes_small_images_and_tiles_of_views(monkeypatch):
     """The samples-side-by-side path on the small CNN's shapes, whole and on tiles that are views
     of the batch and the channels (as the runtime hands them over), against the per-sample path
