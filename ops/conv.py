@@ -659,17 +659,19 @@ class Conv2d(Op):
         buf = np.empty(k * most * oh * ow, x.dtype)
         x = np.ascontiguousarray(x)
         top_left = (pads[0][0], pads[1][0])
-        (sh, sw), phased = self.stride, self._phased()
+        if not self._phased():
+            for a, b in chunks:
+                cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
+                _im2col_rows_cpu(x[a:b], self.kernel, self.stride, top_left, cols)
+                yield a, b, cols.reshape(k, -1), None
+            return
+        sh, sw = self.stride
         plane = (sh, sw, -(-h // sh), -(-w // sw))
-        phase_buf = np.empty(most * c * math.prod(plane), x.dtype) if phased else None
+        phase_buf = np.empty(most * c * math.prod(plane), x.dtype)
         for a, b in chunks:
             cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
-            if phased:
-                phases = phase_buf[:(b - a) * c * math.prod(plane)].reshape(b - a, c, *plane)
-                _im2col_phases_cpu(x[a:b], self.kernel, self.stride, top_left, cols, phases)
-            else:
-                phases = None
-                _im2col_rows_cpu(x[a:b], self.kernel, self.stride, top_left, cols)
+            phases = phase_buf[:(b - a) * c * math.prod(plane)].reshape(b - a, c, *plane)
+            _im2col_phases_cpu(x[a:b], self.kernel, self.stride, top_left, cols, phases)
             yield a, b, cols.reshape(k, -1), phases
 
     def _forward_batched(self, tile, x, pads, w, bias, y) -> None:
