@@ -1,7 +1,9 @@
 """Matrix products: a dense (fully connected) layer with a fused activation, and batched matmul.
 
 Both are plain BLAS calls on contiguous-or-strided 2-D views: no transposed copies
-are made (numpy and cupy pass transposes and row strides to GEMM themselves).
+are made (numpy and cupy pass transposes and row strides to GEMM themselves). The one
+exception is dense's forward on the CPU with few rows against a large weight, which BLAS would
+repack at every call: ops/thin_gemm.py's dot kernel.
 
 The tile space of both is the output's shape plus the reduction dimension (dense's input
 features, batch matmul's inner dimension), split as kind `reduce`: a tile multiplies one
@@ -17,6 +19,7 @@ import numpy as np
 
 from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, register_op
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
+from ops.thin_gemm import thin_matmul
 from taskrt.geometry import Rect
 
 #: rough forward flops per element of each fused activation, for the analytic cost model
@@ -110,13 +113,14 @@ class Dense(Op):
         x2 = x.reshape(-1, x.shape[-1])
         given = given_out(out, 0)[0] if self.activation in (None, "relu") else None  # gelu saves z
         if given is not None:
-            z = xp.matmul(x2, w.T, out=given.reshape(-1, w.shape[0]))
+            z = given.reshape(-1, w.shape[0])
+            z = thin_matmul(x2, w, z) if xp is np else xp.matmul(x2, w.T, out=z)
             if "bias" in weights:
                 z += weights["bias"]
             if self.activation == "relu":
                 xp.maximum(z, 0, out=z)
             return [given], None
-        z = x2 @ w.T
+        z = thin_matmul(x2, w) if xp is np else x2 @ w.T
         if "bias" in weights:
             z += weights["bias"]
         y = activation_forward(xp, self.activation, z)

@@ -15,18 +15,17 @@ chunk k+1 left). The runtime orders the chunks by that carry alone, so stacked l
 different devices run as a wavefront: chunk k of layer 2 beside chunk k+1 of layer 1.
 
 On the CPU (float32 and float64) each step is one numba call, its recurrent GEMM included
-(_dots: 4 x 4 register tiles of dot products). OpenBLAS packs all of W_hh into its panels at
-every call, 16 MB at 1024 units, and ran the per-step GEMM at 55-115 GFLOP/s on this VM's two
-cores at 8-32 samples, where _dots runs at 110-170. A step's work is cut by hidden units, one
-part per core of the task (prange): part i computes its units' four gate rows and their
-element-wise update, reading all of h_{t-1} and writing only its own units, so one call is one
-step and the parts meet once a step. Backward does the same with W_hh^T, transposed once a call.
-The element-wise loops run over slices from 0 (a loop from j0 is not known to index from 0, so
-numba's wraparound check kept it scalar, 5-8 times slower), each reading and writing few
-arrays; float32's tanh is a rational function that vectorizes (np.tanh in numba does not).
-The big GEMMs run on the pool (ops/cpu_pool.py), BLAS on one thread a part, whose threads
-sleep when done, where OpenBLAS's would spin on the cores the steps need. Elsewhere (cupy) the
-steps are plain array code.
+(ops/thin_gemm.py's dots, which does not repack W_hh at every step as BLAS does: 110-170
+GFLOP/s on this VM's two cores at 8-32 samples against OpenBLAS's 55-115). A step's work is cut
+by hidden units, one part per core of the task (prange): part i computes its units' four gate
+rows and their element-wise update, reading all of h_{t-1} and writing only its own units, so
+one call is one step and the parts meet once a step. Backward does the same with W_hh^T,
+transposed once a call. The element-wise loops run over slices from 0 (a loop from j0 is not
+known to index from 0, so numba's wraparound check kept it scalar, 5-8 times slower), each
+reading and writing few arrays; float32's tanh is a rational function that vectorizes (np.tanh
+in numba does not). The big GEMMs run on the pool (ops/cpu_pool.py), BLAS on one thread a part,
+whose threads sleep when done, where OpenBLAS's would spin on the cores the steps need.
+Elsewhere (cupy) the steps are plain array code.
 """
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from ops import cpu_pool, cpu_threads
 from ops.cpu_threads import RowKernel
+from ops.thin_gemm import dots
 from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op
 from ops.linear import torch_linear_init
 from taskrt.geometry import Rect
@@ -56,8 +56,6 @@ _Q0, _Q2, _Q4, _Q6 = _TANH_Q
 #: the kernels' flags: error_model="numpy" (a division by zero is not checked: the check
 #: keeps loops from vectorizing) and contracted multiply-adds
 _KERNEL = dict(nogil=True, error_model="numpy", fastmath={"contract"})
-#: the recurrence's dot products: reassociated too, so that LLVM vectorizes their sums
-_DOTS = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
 
 
 @numba.njit(inline="always", **_KERNEL)
@@ -86,86 +84,6 @@ def _sigmoid(x, fast):
     return _HALF * _tanh(_HALF * x, fast) + _HALF
 
 
-@numba.njit(inline="always", **_KERNEL)
-def _put(row, m, v, add):
-    """row[m] = v, or row[m] += v if `add`."""
-    if add:
-        row[m] += v
-    else:
-        row[m] = v
-
-
-@numba.njit(inline="always", **_KERNEL)
-def _put4(row, m, v0, v1, v2, v3, add):
-    """row[m:m + 4] = (v0, v1, v2, v3), or += if `add`."""
-    _put(row, m, v0, add)
-    _put(row, m + 1, v1, add)
-    _put(row, m + 2, v2, add)
-    _put(row, m + 3, v3, add)
-
-
-@numba.njit(cache=True, **_DOTS)
-def _dots(a, x, s, out, so, lo, hi, add):
-    """out[b, so, m] = a[m] . x[b, s] (or += if `add`) for lo <= m < hi and every sample b; a is
-    [M, K], x [B, ., K] and out [B, ., M], all C-contiguous. Tiles of 4 rows of a by 4 samples:
-    16 dot products over K in one loop that LLVM vectorizes, 16 accumulators in registers, a's
-    4 rows read once per 4 samples and from L1 after the first (the module docstring says why
-    not BLAS)."""
-    n_k, n_b = a.shape[1], x.shape[0]
-    zero = a.dtype.type(0)
-    m = lo
-    while m + 4 <= hi:
-        a0, a1, a2, a3 = a[m], a[m + 1], a[m + 2], a[m + 3]
-        b = 0
-        while b + 4 <= n_b:
-            x0, x1, x2, x3 = x[b, s], x[b + 1, s], x[b + 2, s], x[b + 3, s]
-            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
-            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = zero
-            for k in range(n_k):
-                p0, p1, p2, p3 = a0[k], a1[k], a2[k], a3[k]
-                q0, q1, q2, q3 = x0[k], x1[k], x2[k], x3[k]
-                s00 += p0 * q0
-                s01 += p0 * q1
-                s02 += p0 * q2
-                s03 += p0 * q3
-                s10 += p1 * q0
-                s11 += p1 * q1
-                s12 += p1 * q2
-                s13 += p1 * q3
-                s20 += p2 * q0
-                s21 += p2 * q1
-                s22 += p2 * q2
-                s23 += p2 * q3
-                s30 += p3 * q0
-                s31 += p3 * q1
-                s32 += p3 * q2
-                s33 += p3 * q3
-            _put4(out[b, so], m, s00, s10, s20, s30, add)
-            _put4(out[b + 1, so], m, s01, s11, s21, s31, add)
-            _put4(out[b + 2, so], m, s02, s12, s22, s32, add)
-            _put4(out[b + 3, so], m, s03, s13, s23, s33, add)
-            b += 4
-        for bb in range(b, n_b):
-            xb = x[bb, s]
-            s0 = s1 = s2 = s3 = zero
-            for k in range(n_k):
-                q = xb[k]
-                s0 += a0[k] * q
-                s1 += a1[k] * q
-                s2 += a2[k] * q
-                s3 += a3[k] * q
-            _put4(out[bb, so], m, s0, s1, s2, s3, add)
-        m += 4
-    for mm in range(m, hi):
-        am = a[mm]
-        for bb in range(n_b):
-            xb = x[bb, s]
-            s0 = zero
-            for k in range(n_k):
-                s0 += am[k] * xb[k]
-            _put(out[bb, so], mm, s0, add)
-
-
 @RowKernel
 def _forward_step(w_hh, bias, gates, h_src, c_src, s, cs, tcs, y, t, fast, cuts):
     """Step t for the hidden units [cuts[i], cuts[i+1]) of each part i: their four gates' rows of
@@ -177,7 +95,7 @@ def _forward_step(w_hh, bias, gates, h_src, c_src, s, cs, tcs, y, t, fast, cuts)
     for p in numba.prange(len(cuts) - 1):
         j0, j1 = cuts[p], cuts[p + 1]
         for q in range(4):
-            _dots(w_hh, h_src, s, gates, t, q * h + j0, q * h + j1, True)
+            dots(w_hh, h_src, s, gates, t, q * h + j0, q * h + j1, True)
         n = j1 - j0
         for b in range(gates.shape[0]):
             g, cp, c, tc, hy = gates[b, t], c_src[b, s, j0:j1], cs[b, t, j0:j1], tcs[b, t, j0:j1], y[b, t, j0:j1]
@@ -210,7 +128,7 @@ def _backward_step(w_hh_t, gates, tcs, cs, c0, dy, dh, dc, t, cuts):
     for p in numba.prange(len(cuts) - 1):
         j0, j1 = cuts[p], cuts[p + 1]
         if t + 1 < seq:
-            _dots(w_hh_t, gates, t + 1, dh, 0, j0, j1, False)
+            dots(w_hh_t, gates, t + 1, dh, 0, j0, j1, False)
         n = j1 - j0
         for b in range(n_b if t >= 0 else 0):
             g, tc, d, dcb = gates[b, t], tcs[b, t, j0:j1], dh[b, 0, j0:j1], dc[b, j0:j1]

@@ -259,25 +259,3 @@ def test_steps_over_parts_of_the_hidden_units_equal_one_thread(batch, seq, hidde
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
     for k in WEIGHTS:
         np.testing.assert_allclose(whole[2][k], parts[2][k], rtol=1e-12, atol=1e-14, err_msg=k)
-
-
-@settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 13), k=st.integers(1, 40), batch=st.integers(1, 11), steps=st.integers(1, 3),
-       add=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
-def test_dots_is_the_matrix_product_of_any_rows(m, k, batch, steps, add, dtype, data):
-    """_dots (the recurrence's GEMM: 4 x 4 tiles and their remainders) on rows lo..hi of a against
-    numpy in float64, writing or adding into one step of a 3-D out, touching nothing else."""
-    from ops.lstm import _dots
-    lo = data.draw(st.integers(0, m))
-    hi = data.draw(st.integers(lo, m))
-    s, so = data.draw(st.integers(0, steps - 1)), data.draw(st.integers(0, steps - 1))
-    rng = np.random.default_rng(m * 1000 + k)
-    a = rng.standard_normal((m, k)).astype(dtype)
-    x = rng.standard_normal((batch, steps, k)).astype(dtype)
-    out = rng.standard_normal((batch, steps, m)).astype(dtype)
-    expect = out.astype(np.float64)
-    product = x[:, s].astype(np.float64) @ a[lo:hi].astype(np.float64).T
-    expect[:, so, lo:hi] = product + (expect[:, so, lo:hi] if add else 0)
-    _dots(a, x, s, out, so, lo, hi, add)
-    tol = 1e-5 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(out, expect, rtol=tol, atol=tol)
