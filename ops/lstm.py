@@ -33,10 +33,10 @@ import numba
 import numpy as np
 
 from ops import cpu_pool, cpu_threads
-from ops.cpu_threads import RowKernel
-from ops.thin_gemm import dots
 from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op
+from ops.cpu_threads import RowKernel
 from ops.linear import torch_linear_init
+from ops.thin_gemm import dots
 from taskrt.geometry import Rect
 
 # ---- one step's element-wise work on the CPU ------------------------------------------------
@@ -167,9 +167,9 @@ def _transpose_cpu(a, out, lo, hi):
 
 
 def _transposed(xp, w):
-    """w.T, C-contiguous on the CPU: backward's per-step GEMM w.T @ dgates^T runs faster with it
-    than with the transposed view (OpenBLAS packs all of w at each call, and a transposed w packs
-    slower); on a GPU (or for a dtype numba lacks) the view."""
+    """w.T, C-contiguous on the CPU, made in parts on the pool: the backward steps' dot kernel
+    reads W_hh^T by rows, each a sum over the gates; on a GPU (or for a dtype numba lacks) the
+    view."""
     if xp is not np or w.dtype not in (np.float32, np.float64):
         return w.T
     out = np.empty(w.shape[::-1], w.dtype)
@@ -430,8 +430,8 @@ def _backward_steps_cpu(gates, tanh_cs, cs, c0, dy, w_hh_t, dh, dc) -> None:
 
 
 #: multiply-adds a recurrent step needs (samples x 4 hidden x hidden) before it is split over
-#: the task's cores: at 2M a step takes about 40 us on one core, and starting numba's threads for
-#: it about 10
+#: the task's cores: 2M take 40-70 us on one core; a two-part prange call costs about 2 us right
+#: after another, tens of us once numba's threads have gone to sleep
 PARALLEL_MIN_MACS = 1 << 21
 
 
