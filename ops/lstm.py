@@ -187,7 +187,8 @@ def _sigmoid_(xp, a) -> None:
 
 
 def _step_forward_xp(xp, g, rec, bias, c_prev, c, tc, hy, tmp) -> None:
-    """_step_forward_cpu on one step's [batch, .] views: g (the gates, in place), c, tc, hy."""
+    """_forward_step's element-wise part on one step's [batch, .] views, rec being h_{t-1} W_hh^T:
+    g (the gates, in place), c, tc, hy."""
     h = c.shape[1]
     g += rec
     g += bias
@@ -203,7 +204,8 @@ def _step_forward_xp(xp, g, rec, bias, c_prev, c, tc, hy, tmp) -> None:
 
 
 def _step_backward_xp(xp, g, tc, c_prev, dh, dc, tmp) -> None:
-    """_step_backward_cpu on one step's [batch, .] views: g (the gates, in place) and dc."""
+    """_backward_step's element-wise part on one step's [batch, .] views, dh including dy's step:
+    g (the gates, in place) and dc."""
     h = dh.shape[1]
     i, f, gg, o = g[:, :h], g[:, h:2 * h], g[:, 2 * h:3 * h], g[:, 3 * h:]
     xp.multiply(tc, tc, out=tmp)  # dc += dh * o * (1 - tanh(c)^2)
