@@ -322,7 +322,6 @@ def _split_phases_cpu(x, phases):
                                 row[q] = zero
                         continue
                     src = x[s, c, ih]
-                    done = 0
                     if sw == 2:
                         even, odd = phases[s, c, pi, 0, r], phases[s, c, pi, 1, r]
                         done = w_ // 2
@@ -362,8 +361,9 @@ def _merge_phases_cpu(phases, dx):
 
 
 @numba.njit(nogil=True, cache=True)
-def _im2col_phases_cpu(x, kernel, stride, pads, cols, phases):
-    """_im2col_rows_cpu for strides over 1, through x's phase planes (made in `phases`). Its
+def _im2col_phases_cpu(x, kernel, pads, cols, phases):
+    """_im2col_rows_cpu for strides over 1, through x's phase planes (made in `phases`, whose
+    shape gives the stride). Its
     per-offset steps are the row kernel's, written out in both: one shared helper made the row
     kernel's im2col 3-19% slower (interleaved A/B, four shapes), inlined or not."""
     n_ = x.shape[0]
@@ -408,9 +408,10 @@ def _im2col_phases_cpu(x, kernel, stride, pads, cols, phases):
 
 
 @numba.njit(nogil=True, cache=True)
-def _col2im_phases_cpu(cols, kernel, stride, pads, dx, phases):
+def _col2im_phases_cpu(cols, kernel, pads, dx, phases):
     """_col2im_rows_cpu for strides over 1: the columns' runs added into phase planes (in
-    `phases`, zeroed first), which are then merged into dx. cols is overwritten as there."""
+    `phases`, zeroed first; their shape gives the stride), which are then merged into dx. cols is
+    overwritten as there."""
     n_, c_ = dx.shape[:2]
     sh, sw, hp, wp = phases.shape[2:]
     oh_, ow_ = cols.shape[2:]
@@ -661,19 +662,19 @@ class Conv2d(Op):
         buf = np.empty(k * most * oh * ow, x.dtype)
         x = np.ascontiguousarray(x)
         top_left = (pads[0][0], pads[1][0])
-        if not self._phased():
-            for a, b in chunks:
-                cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
-                _im2col_rows_cpu(x[a:b], self.kernel, self.stride, top_left, cols)
-                yield a, b, cols.reshape(k, -1), None
-            return
-        sh, sw = self.stride
-        plane = (sh, sw, -(-h // sh), -(-w // sw))
-        phase_buf = np.empty(most * c * math.prod(plane), x.dtype)
+        phased = self._phased()
+        if phased:
+            sh, sw = self.stride
+            plane = (sh, sw, -(-h // sh), -(-w // sw))
+            phase_buf = np.empty(most * c * math.prod(plane), x.dtype)
         for a, b in chunks:
             cols = buf[:k * (b - a) * oh * ow].reshape(k, b - a, oh, ow)
-            phases = phase_buf[:(b - a) * c * math.prod(plane)].reshape(b - a, c, *plane)
-            _im2col_phases_cpu(x[a:b], self.kernel, self.stride, top_left, cols, phases)
+            phases = None
+            if phased:
+                phases = phase_buf[:(b - a) * c * math.prod(plane)].reshape(b - a, c, *plane)
+                _im2col_phases_cpu(x[a:b], self.kernel, top_left, cols, phases)
+            else:
+                _im2col_rows_cpu(x[a:b], self.kernel, self.stride, top_left, cols)
             yield a, b, cols.reshape(k, -1), phases
 
     def _forward_batched(self, tile, x, pads, w, bias, y) -> None:
@@ -717,7 +718,7 @@ class Conv2d(Op):
             if phases is None:
                 _col2im_rows_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b])
             else:
-                _col2im_phases_cpu(cols.reshape(-1, m, oh, ow), self.kernel, self.stride, top_left, dx[a:b], phases)
+                _col2im_phases_cpu(cols.reshape(-1, m, oh, ow), self.kernel, top_left, dx[a:b], phases)
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     @staticmethod

@@ -166,12 +166,9 @@ def _transpose_cpu(a, out, lo, hi):
                 o[i] = a[i, j]
 
 
-def _transposed(xp, w):
-    """w.T, C-contiguous on the CPU, made in parts on the pool: the backward steps' dot kernel
-    reads W_hh^T by rows, each a sum over the gates; on a GPU (or for a dtype numba lacks) the
-    view."""
-    if xp is not np or w.dtype not in (np.float32, np.float64):
-        return w.T
+def _transposed(w):
+    """w.T, C-contiguous, made in parts on the pool: the backward steps' dot kernel reads W_hh^T
+    by rows, each a sum over the gates."""
     out = np.empty(w.shape[::-1], w.dtype)
     cpu_pool.in_parts(lambda lo, hi: _transpose_cpu(w, out, lo, hi), w.shape[1])
     return out
@@ -364,7 +361,7 @@ class LSTM(Op):
         dx = xp.empty((batch, seq, n_in), dtype=dt)
         dx2 = dx.reshape(batch * seq, n_in)
         if fused:
-            _backward_steps_cpu(gates, tanh_cs, cs, c0, dy, _transposed(xp, w_hh.astype(dt, copy=False)), dh, dc)
+            _backward_steps_cpu(gates, tanh_cs, cs, c0, dy, _transposed(w_hh.astype(dt, copy=False)), dh, dc)
             _gemm_in_parts(lambda a, b: np.matmul(dg2[a:b], w_ih, out=dx2[a:b]), batch * seq, 4 * h * n_in)
         else:
             _backward_steps_xp(xp, gates, tanh_cs, cs, c0, dy, w_hh, dh, dc)

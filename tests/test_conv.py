@@ -154,7 +154,6 @@ def test_conv_batched_and_per_sample_columns_match_a_direct_reference(n, groups,
             check_tiled(op64, [x64], w64, [g64], rtol=1e-10, atol=1e-12)
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(1, 11), w=st.integers(1, 11), kh=st.integers(1, 5),
        kw=st.integers(1, 5), sh=st.integers(1, 4), sw=st.integers(1, 4), ph=st.integers(0, 3), pw=st.integers(0, 3),
@@ -170,13 +169,14 @@ def test_phase_planes_give_the_columns_and_their_sums_of_strided_reads(n, c, h, 
     rows, phased = (np.full((c * kh * kw, n, oh, ow), np.nan) for _ in range(2))
     phases = np.full((n, c, sh, sw, -(-h // sh), -(-w // sw)), np.nan)
     conv_module._im2col_rows_cpu(x, (kh, kw), (sh, sw), (ph, pw), rows)
-    conv_module._im2col_phases_cpu(x, (kh, kw), (sh, sw), (ph, pw), phased, phases)
+    conv_module._im2col_phases_cpu(x, (kh, kw), (ph, pw), phased, phases)
     np.testing.assert_array_equal(phased, rows)
     g = rng.standard_normal(rows.shape)
     dx_rows, dx_phased = np.full(x.shape, np.nan), np.full(x.shape, np.nan)
     conv_module._col2im_rows_cpu(g.copy(), (kh, kw), (sh, sw), (ph, pw), dx_rows)
-    conv_module._col2im_phases_cpu(g.copy(), (kh, kw), (sh, sw), (ph, pw), dx_phased, phases)
+    conv_module._col2im_phases_cpu(g.copy(), (kh, kw), (ph, pw), dx_phased, phases)
     np.testing.assert_allclose(dx_phased, dx_rows, rtol=1e-12, atol=1e-12)
+
 
 def test_conv_batched_path_takes_small_images_and_tiles_of_views(monkeypatch):
     """The samples-side-by-side path on the small CNN's shapes, whole and on tiles that are views
