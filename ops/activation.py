@@ -19,7 +19,7 @@ from ops.base import Op, register_op, sample_split_dims
 from ops.cpu_layout import row_starts
 from ops.cpu_threads import RowKernel, row_split
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
-from ops.vector_math import exp_shifted_row
+from ops.vector_math import exp_shifted_row, row_max
 from taskrt.geometry import Rect
 
 #: rough forward flops per element of each activation, for the analytic cost model
@@ -39,9 +39,7 @@ def _softmax_rows_cpu(x, xs, n, y, ys, period, first, fast, chunks):
         for r in range(c * rows // chunks, (c + 1) * rows // chunks):
             seen = n if period == 0 else min(n, first + r % period + 1)
             xr, yr = x[xs[r]:xs[r] + seen], y[ys[r]:ys[r] + n]
-            m = xr[0]
-            for i in range(1, seen):
-                m = xr[i] if xr[i] > m else m
+            m = row_max(xr)
             inv = yr.dtype.type(1.0 / exp_shifted_row(xr, m, e, bits, fast))
             for i in range(seen):
                 yr[i] = e[i] * inv

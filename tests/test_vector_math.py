@@ -7,7 +7,10 @@ import numba
 import numpy as np
 import pytest
 
-from ops.vector_math import erf_value, exp_shifted_row
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops.vector_math import erf_value, exp_shifted_row, row_max
 
 
 @numba.njit
@@ -54,3 +57,32 @@ def test_exp_is_within_2_ulp_and_its_sum_is_the_sum(m):
     assert total == pytest.approx(float(y.astype(np.float64).sum()), rel=1e-12)
     y64, _ = _exp_all(x.astype(np.float64), m, False)
     np.testing.assert_allclose(y64, np.exp(x.astype(np.float64) - m), rtol=1e-15)
+
+
+@numba.njit
+def _row_max_of(x):
+    return row_max(x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.floats(-1e6, 1e6, width=32), st.just(math.nan)), min_size=1, max_size=40),
+       st.sampled_from([np.float32, np.float64]))
+def test_row_max_is_the_running_max(values, dtype):
+    """row_max's eight running maxima give what one running `v if v > m else m` gives: the max,
+    NaNs after the first value skipped, NaN when the first value is NaN (any size, tail included)."""
+    x = np.array(values, dtype)
+    m = x[0]
+    for v in x[1:]:
+        m = v if v > m else m
+    got = _row_max_of(x)
+    assert (math.isnan(got) and math.isnan(m)) or got == m
+
+
+
+def test_row_max_finds_the_max_at_every_position():
+    """Each of the eight running maxima and the tail: the max at each position of rows of 1-19."""
+    for n in range(1, 20):
+        for p in range(n):
+            x = -np.arange(n, dtype=np.float32)
+            x[p] = 5.0
+            assert _row_max_of(x) == 5.0, (n, p)
