@@ -11,11 +11,12 @@ each of the n points xi,
 n/m multiplies an output where a direct convolution has r: 8/2 against 7 for F(2, 7), 6/4
 against 3 for F(4, 3). Backward is the exact adjoint (two GEMMs per xi), as in ops/winograd.py.
 
-The transforms are small matrices (n x n at most) applied to every block. The image is split
-once into the places of its blocks, xs[s, N, H, TW, C] (place s of every block side by side),
-so that each transform is one GEMM of the matrix with all of a chunk's blocks: B^T @ xs
-[n, blocks * C] is V, A^T @ M is the output's places. numba kernels gather the image into
-places and add them back (overlapping blocks share r - 1 inputs).
+The transforms are small matrices (n x n at most) applied to every block. One numba kernel
+gathers each block's places (its n inputs along the axis, all channels) from a row of the image
+and applies the matrix to them, writing V[xi] [blocks, C] for every point (B^T for the input,
+A for the output's gradient); another applies a matrix to M's points block by block and adds
+the results back into the image's rows (A^T for the output, B for the input's gradient;
+overlapping blocks share r - 1 inputs).
 
 The matrices are built exactly (fractions) from the interpolation points, by the modified
 Toom-Cook construction (one point at infinity; Lavin & Gray, 2015). Float32 results are within
@@ -103,40 +104,49 @@ def blocks(length: int, r: int) -> int:
 # of channels and the image is read and written a row at a time. (Channel by channel at one
 # pixel strides the image by a plane, 4 KiB at 32x32, where every access missed the cache:
 # 5-12x the time.)
-@numba.njit(nogil=True, cache=True)
-def _split(x, left, m, out):
-    """out[s, n, h, t, c] = x[n, c, h, m*t + s - left] where that lies inside x, 0 elsewhere:
-    x [N, C, H, W] (any strides) into the places of its blocks, out [S, N, H, T, C]."""
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
+def _split_transformed(x, left, m, mat, out):
+    """out[p, n, h, t, c] = sum over s of mat[p, s] * x[n, c, h, m*t + s - left] (0 outside x):
+    the S places of each block (t) of a row, mat [P, S] applied to them in cache. (A split into
+    places and a GEMM with the matrix over them made a buffer 4 times the image more; one
+    core, 16 samples of Inception's 1x7: 3.6 against 4.6 ms.) x [N, C, H, W] (any strides),
+    out [P, N, H, T, C]."""
     n_, c_, h_, w_ = x.shape
-    s_, t_ = out.shape[0], out.shape[3]
-    zero = out.dtype.type(0)
+    p_, s_ = mat.shape
+    t_ = out.shape[3]
     block = np.empty((w_, c_), out.dtype)   # block[w, c] = x[n, c, h, w]
+    acc = np.empty(c_, out.dtype)
     for n in range(n_):
         for h in range(h_):
             for c in range(c_):
                 row = x[n, c, h]
                 for w in range(w_):
                     block[w, c] = row[w]
-            for s in range(s_):
-                for t in range(t_):
-                    iw = m * t + s - left
-                    dst = out[s, n, h, t]
-                    if 0 <= iw < w_:
-                        src = block[iw]
-                        for c in range(c_):
-                            dst[c] = src[c]
-                    else:
-                        for c in range(c_):
-                            dst[c] = zero
+            for t in range(t_):
+                for p in range(p_):
+                    acc[:] = 0
+                    for s in range(s_):
+                        iw = m * t + s - left
+                        k = mat[p, s]
+                        if 0 <= iw < w_ and k != 0:
+                            src = block[iw]
+                            for c in range(c_):
+                                acc[c] += k * src[c]
+                    dst = out[p, n, h, t]
+                    for c in range(c_):
+                        dst[c] = acc[c]
 
 
-@numba.njit(nogil=True, cache=True)
-def _merge(z, left, m, bias, out):
-    """out[n, c, h, j] = the sum of z[s, n, h, t, c] over the places (s, t) of z with
-    m*t + s = j + left, plus bias[c] unless bias is empty: the adjoint of _split, z [S, N, H, T, C]
-    into out [N, C, H, W] (any strides)."""
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
+def _merge_transformed(z, mat, left, m, bias, out):
+    """out[n, c, h, j] = bias[c] (none if bias is empty) + the sum over the places (s, t) with
+    m*t + s = j + left of sum over p of mat[s, p] * z[p, n, h, t, c]: mat [S, P] applied to each
+    block and the places added into the row, in cache (the adjoint of _split_transformed with
+    mat transposed).
+    z [P, N, H, T, C], out [N, C, H, W] (any strides)."""
     n_, c_, h_, w_ = out.shape
-    s_, t_ = z.shape[0], z.shape[3]
+    s_, p_ = mat.shape
+    t_ = z.shape[3]
     b = bias if bias.size else np.zeros(c_, out.dtype)
     block = np.empty((w_, c_), out.dtype)   # block[j, c] = out[n, c, h, j]
     for n in range(n_):
@@ -145,13 +155,17 @@ def _merge(z, left, m, bias, out):
                 acc = block[j]
                 for c in range(c_):
                     acc[c] = b[c]
-                p = j + left
-                for s in range(p % m, min(s_, p + 1), m):   # the blocks t = (p - s) / m that hold column j
-                    t = (p - s) // m
-                    if t < t_:
-                        src = z[s, n, h, t]
-                        for c in range(c_):
-                            acc[c] += src[c]
+            for t in range(t_):
+                for s in range(s_):
+                    j = m * t + s - left
+                    if 0 <= j < w_:
+                        acc = block[j]
+                        for p in range(p_):
+                            k = mat[s, p]
+                            if k != 0:
+                                src = z[p, n, h, t]
+                                for c in range(c_):
+                                    acc[c] += k * src[c]
             for c in range(c_):
                 row = out[n, c, h]
                 for j in range(w_):
@@ -174,22 +188,19 @@ def filter_gradient(du, r: int):
 
 def _transformed_input(x, r: int, left: int, t_: int, scratch: dict):
     """Per chunk of samples [a, b) of x [N, C, H, W] (ops/winograd.py's chunks and buffers):
-    (a, b, xs, v, buf): the image's places (xs [n, (b-a)*H*T, C]), its blocks transformed (v,
-    the same shape), and buffers for `scratch` (name -> (places, size per sample)) that the
-    chunk's other steps take from buf, as [places, (b-a) * size, last]."""
+    (a, b, v, buf): the image's blocks transformed (v [n, (b-a)*H*T, C]), and buffers for
+    `scratch` (name -> (points, size per sample)) that the chunk's other steps take from buf."""
     m = _MATRICES[r][0]
     n = m + r - 1
     c, h = x.shape[1], x.shape[2]
-    sizes = {"x": (n, h * t_ * c), "v": (n, h * t_ * c), **scratch}
+    sizes = {"v": (n, h * t_ * c), **scratch}
     chunks = winograd.sample_chunks(x.shape[0], sum(p * per for p, per in sizes.values()) * x.itemsize, h * t_)
     buf = winograd.Buffers(x.dtype, chunks[0][1] - chunks[0][0], sizes)
     bt = _cast(r, x.dtype)[2]
     for a, b in chunks:
-        xs = buf.get("x", b - a, (n, -1, c))
-        _split(x[a:b], left, m, xs.reshape(n, b - a, h, t_, c))
         v = buf.get("v", b - a, (n, -1, c))
-        np.matmul(bt, xs.reshape(n, -1), out=v.reshape(n, -1))
-        yield a, b, xs, v, buf
+        _split_transformed(x[a:b], left, m, bt, v.reshape(n, b - a, h, t_, c))
+        yield a, b, v, buf
 
 
 def forward(x, r: int, left: int, y, bias, u) -> None:
@@ -203,12 +214,10 @@ def forward(x, r: int, left: int, y, bias, u) -> None:
     at = _cast(r, x.dtype)[0]
     bias = np.empty(0, x.dtype) if bias is None else bias
     ut = u.swapaxes(1, 2)   # [n, C, OC], read transposed by the GEMMs
-    scratch = {"m": (n, h * t_ * oc), "y": (m, h * t_ * oc)}
-    for a, b, _, v, buf in _transformed_input(x, r, left, t_, scratch):
+    scratch = {"m": (n, h * t_ * oc)}
+    for a, b, v, buf in _transformed_input(x, r, left, t_, scratch):
         prod = np.matmul(v, ut, out=buf.get("m", b - a, (n, -1, oc)))
-        ys = buf.get("y", b - a, (m, -1, oc))
-        np.matmul(at, prod.reshape(n, -1), out=ys.reshape(m, -1))
-        _merge(ys.reshape(m, b - a, h, t_, oc), 0, m, bias, y[a:b])
+        _merge_transformed(prod.reshape(n, b - a, h, t_, oc), at, 0, m, bias, y[a:b])
 
 
 def transformed_backward(x, r: int, left: int, u, dy, dx):
@@ -220,18 +229,15 @@ def transformed_backward(x, r: int, left: int, u, dy, dx):
     n, t_ = m + r - 1, blocks(ow, r)
     _, a_, _, b_, _ = _cast(r, x.dtype)
     du = None
-    scratch = {"g": (m, h * t_ * oc), "m": (n, h * t_ * oc)}
-    for a, b, xs, v, buf in _transformed_input(x, r, left, t_, scratch):
-        gs = buf.get("g", b - a, (m, -1, oc))
-        _split(dy[a:b], 0, m, gs.reshape(m, b - a, h, t_, oc))
+    scratch = {"m": (n, h * t_ * oc)}
+    for a, b, v, buf in _transformed_input(x, r, left, t_, scratch):
         dm = buf.get("m", b - a, (n, -1, oc))
-        np.matmul(a_, gs.reshape(m, -1), out=dm.reshape(n, -1))
+        _split_transformed(dy[a:b], 0, m, a_, dm.reshape(n, b - a, h, t_, oc))
         if du is None:
             du = np.matmul(dm.swapaxes(1, 2), v)
         else:
             du += np.matmul(dm.swapaxes(1, 2), v)
-        if dx is not None:  # v and xs are free now: the input's gradient goes through them
+        if dx is not None:  # v is free now: the input's gradient goes through it
             np.matmul(dm, u, out=v)
-            np.matmul(b_, v.reshape(n, -1), out=xs.reshape(n, -1))
-            _merge(xs.reshape(n, b - a, h, t_, c), left, m, np.empty(0, x.dtype), dx[a:b])
+            _merge_transformed(v.reshape(n, b - a, h, t_, c), b_, left, m, np.empty(0, x.dtype), dx[a:b])
     return du
