@@ -90,24 +90,30 @@ class App:
     tiny_batch_size: int = 8
     optimizer: str = "sgd"
     lr: float = 0.01
+    tiny_lr: float | None = None   # the learning rate with --tiny, where it differs
     loss: str = "sparse_categorical_crossentropy"
     description: str = ""
 
     def sizes_for(self, tiny: bool) -> dict:
         return dict(self.tiny if tiny else self.full)
 
+    def lr_for(self, tiny: bool) -> float:
+        return self.tiny_lr if tiny and self.tiny_lr is not None else self.lr
+
 
 def run_app(name: str, build: Callable, sizes_full: dict, sizes_tiny: dict, make_batch: Callable,
             argv=None, **options) -> dict:
     """Parse `argv` (default sys.argv[1:]), check it, train, print the report; returns the report
     (on every rank). `options` are App's defaults: batch_size, tiny_batch_size, optimizer, lr,
-    loss, description."""
+    tiny_lr, loss, description."""
     return run(App(name, build, dict(sizes_full), dict(sizes_tiny), make_batch, **options), argv)
 
 
 def run(app: App, argv=None) -> dict:
     """`run_app` for an App value."""
     args = parser(app).parse_args(argv)
+    if args.lr is None:
+        args.lr = app.lr_for(args.tiny)
     return train(app, args, check(app, args))
 
 
@@ -183,8 +189,9 @@ def parser(app: App) -> argparse.ArgumentParser:
                    help="floating-point type of the network (default: %(default)s)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=app.optimizer,
                    help="SGD with momentum 0.9, or Adam (default: %(default)s)")
-    p.add_argument("--lr", type=_positive_float, default=app.lr, metavar="RATE",
-                   help="learning rate (default: %(default)s)")
+    tiny_lr = "" if app.tiny_lr is None else f"; {app.tiny_lr} with --tiny"
+    p.add_argument("--lr", type=_positive_float, default=None, metavar="RATE",
+                   help=f"learning rate (default: {app.lr}{tiny_lr})")
     return p
 
 

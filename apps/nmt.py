@@ -89,7 +89,7 @@ def make_batch(rng, model, batch_size, sizes):
 
 def main(argv=None) -> dict:
     return run_app("nmt", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16,
-                   optimizer="adam", lr=0.01, description=__doc__.splitlines()[0])
+                   optimizer="adam", lr=0.001, tiny_lr=0.01, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -253,6 +253,19 @@ def test_tiny_app_learns(name, flags, capsys):
     assert last < 0.75 * first, curve
 
 
+def test_recurrent_apps_default_to_a_smaller_rate_at_full_size(capsys):
+    """Adam at 0.01 moves each of a 1024-unit LSTM's weights by about 0.01 a step, which swings
+    its gates (the full RNN-TC went 0.69 -> 8.2 in three iterations, PyTorch's alike to 3.4): the
+    full sizes default to 0.001, the tiny ones keep 0.01; --lr still wins."""
+    from apps import rnntc
+    with pytest.raises(SystemExit):
+        rnntc.main(["--help"])
+    assert "(default: 0.001; 0.01 with --tiny)" in " ".join(capsys.readouterr().out.split())
+    assert run_here(rnntc, "--tiny", "--iterations", 1, capsys=capsys)[0]["lr"] == 0.01
+    assert run_here(rnntc, "--tiny", "--iterations", 1, "--lr", 0.05, capsys=capsys)[0]["lr"] == 0.05
+    assert run_here(mlp, "--tiny", "--iterations", 1, capsys=capsys)[0]["lr"] == 0.05
+
+
 def test_help_lists_every_flag_with_its_default(capsys):
     with pytest.raises(SystemExit) as e:
         alexnet.main(["--help"])
