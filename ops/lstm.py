@@ -85,30 +85,35 @@ def _sigmoid(x, fast):
 
 
 @RowKernel
-def _forward_step(w_hh, bias, gates, h_src, c_src, s, cs, tcs, y, t, fast, cuts):
+def _forward_step(w_hh, bias, gates, h_src, c_src, s, cs, tcs, y, t, rec, fast, cuts):
     """Step t for the hidden units [cuts[i], cuts[i+1]) of each part i: their four gates' rows of
-    W_hh times h_{t-1} = h_src[b, s] added to gates[b, t] (there: the input projection), then
-    with the bias turned into the gates in place (i f g o); c_t, tanh(c_t) and h_t go to cs[b, t],
-    tcs[b, t] and y[b, t], from c_{t-1} = c_src[b, s]. A part reads all of h_{t-1} and writes
-    only its own units, so the parts of one step run side by side."""
+    W_hh times h_{t-1} = h_src[b, s] into rec[b, 0] (scratch), then gates[b, t] (there: the input
+    projection) plus those and the bias turned into the gates in place (i f g o); c_t, tanh(c_t)
+    and h_t go to cs[b, t], tcs[b, t] and y[b, t], from c_{t-1} = c_src[b, s]. A part reads all
+    of h_{t-1} and writes only its own units, so the parts of one step run side by side. (The
+    products went straight into gates[b, t] before: rows the projection wrote long before, out
+    of cache, each product a read and a write there; one core, a step at 64 samples took 9.2 ms
+    against 7.3 with those rows in cache.)"""
     h = cs.shape[2]
     for p in numba.prange(len(cuts) - 1):
         j0, j1 = cuts[p], cuts[p + 1]
         for q in range(4):
-            dots(w_hh, h_src, s, gates, t, q * h + j0, q * h + j1, True)
+            dots(w_hh, h_src, s, rec, 0, q * h + j0, q * h + j1, False)
         n = j1 - j0
         for b in range(gates.shape[0]):
             g, cp, c, tc, hy = gates[b, t], c_src[b, s, j0:j1], cs[b, t, j0:j1], tcs[b, t, j0:j1], y[b, t, j0:j1]
             gi, gf, gg, go = g[j0:j1], g[h + j0:h + j1], g[2 * h + j0:2 * h + j1], g[3 * h + j0:3 * h + j1]
+            r = rec[b, 0]
+            ri, rf, rg, ro = r[j0:j1], r[h + j0:h + j1], r[2 * h + j0:2 * h + j1], r[3 * h + j0:3 * h + j1]
             bi, bf, bg, bo = bias[j0:j1], bias[h + j0:h + j1], bias[2 * h + j0:2 * h + j1], bias[3 * h + j0:3 * h + j1]
             for j in range(n):
-                gi[j] = _sigmoid(gi[j] + bi[j], fast)
+                gi[j] = _sigmoid(gi[j] + ri[j] + bi[j], fast)
             for j in range(n):
-                gf[j] = _sigmoid(gf[j] + bf[j], fast)
+                gf[j] = _sigmoid(gf[j] + rf[j] + bf[j], fast)
             for j in range(n):
-                gg[j] = _tanh(gg[j] + bg[j], fast)
+                gg[j] = _tanh(gg[j] + rg[j] + bg[j], fast)
             for j in range(n):
-                go[j] = _sigmoid(go[j] + bo[j], fast)
+                go[j] = _sigmoid(go[j] + ro[j] + bo[j], fast)
             for j in range(n):
                 c[j] = gf[j] * cp[j] + gi[j] * gg[j]
             for j in range(n):
@@ -409,8 +414,9 @@ def _forward_steps_cpu(gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
     h_src = np.ascontiguousarray(h0, dtype=dt).reshape(batch, 1, h)
     c_src = np.ascontiguousarray(c0, dtype=dt).reshape(batch, 1, h)
     fast = dt == np.float32
+    rec = np.empty((batch, 1, 4 * h), dt)
     for t in range(seq):
-        step(w_hh, bias, gates, h_src, c_src, 0 if t == 0 else t - 1, cs, tanh_cs, y, t, fast, cuts)
+        step(w_hh, bias, gates, h_src, c_src, 0 if t == 0 else t - 1, cs, tanh_cs, y, t, rec, fast, cuts)
         h_src, c_src = y, cs
 
 
