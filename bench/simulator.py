@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
         print(f"simulate {key}: {out['simulations'][key]}", flush=True)
     at_64 = [v["delta_over_full"] for v in out["simulations"].values() if v["devices"] == 64]
     out["delta_over_full"] = min(at_64) if at_64 else None
-    out["search"] = search_rate("inception_v3", "k80", 1 if args.quick else 16, 3 if args.quick else 300)
+    out["search"] = search_rate("inception_v3", "k80", 1 if args.quick else 16, 30 if args.quick else 300)
     print(f"search: {out['search']}", flush=True)
     if args.large:
         out["search_by_devices"] = {}
