@@ -90,6 +90,21 @@ def _median_times(step, runs: int, warmup: int, sync) -> list[float]:
     return [statistics.median(s[i] for s in samples) for i in range(len(samples[0]))]
 
 
+def _carry_rects(op: Op, tile: Rect) -> dict[str, Rect]:
+    """The carry rects a tile is handed (name -> rect), as lowering hands them: where it is a
+    chunk of the op's ordered dim, not all of it (then a kernel takes carry=None)."""
+    d = op.ordered_dim()
+    if d is None or not op.carry_shapes() or tile.shape[d] == op.tile_shape[d]:
+        return {}
+    return op.carry_rects(tile)
+
+
+def _carry_arrays(op: Op, rects: dict[str, Rect], rng, put) -> dict:
+    """Fresh arrays at the carry rects (the kernels overwrite them), in the op's output dtype."""
+    dtype = op.outputs[0].dtype
+    return {k: put(rng.uniform(0.5, 1.5, size=r.shape).astype(dtype)) for k, r in rects.items()}
+
+
 def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: int = 1,
                  seed: int = 0, input_grads: bool = True) -> tuple[float, float]:
     """Median (forward, backward) kernel seconds of one op tile; every run does a training forward
@@ -110,9 +125,12 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
     if not input_grads and op.writes_out:
         bwd_extra["out"] = [False] * len(op.inputs)
     xp, sync = backend.xp, backend.sync
+    carry_rects = _carry_rects(op, tile)
 
     def step():
         st = None if state is None else {k: put(v.copy()) for k, v in state.items()}
+        if carry_rects:   # what the chunk before left (forward) and the one after (backward)
+            extra["carry"], bwd_extra["carry"] = (_carry_arrays(op, carry_rects, rng, put) for _ in range(2))
         sync()
         t0 = time.perf_counter()
         outs, saved = op.forward(xp, tile, inputs, in_rects, weights, training=True, state=st, **extra)

@@ -18,6 +18,7 @@ from ops.activation import ElementUnary
 from ops.embedding import Embedding
 from ops.linear import Dense
 from ops.loss import SparseCategoricalCrossEntropy
+from ops.lstm import LSTM
 from ops.lower import Lowering, TileConfig
 from ops.optimizers import SGD, Adam
 from strategies.cost import CostModel, Measurement, copy_time, fit_efficiency, op_key, roofline
@@ -224,6 +225,32 @@ def test_a_backward_of_the_weight_gradients_alone_is_measured_with_the_input_gra
     assert seen[2:] == [None, None]
     flops = {ph: cost.work(op, ph, tile)[0] for ph in ("forward", "backward", "backward_weights")}
     assert flops["backward_weights"] == flops["forward"] < flops["backward"]
+
+
+@pytest.mark.parametrize("steps", [(0, 4), (4, 8), (8, 12), (0, 12)])
+def test_an_lstm_chunk_of_its_steps_is_measured_with_the_carries_lowering_hands_it(tmp_path, monkeypatch, steps):
+    """A tile that is a chunk of the ordered dim gets carry arrays at its carry rects, forward and
+    backward (the LSTM refuses a middle chunk without them); the whole dim gets carry=None."""
+    mm = load_machine("local")
+    op = LSTM("lstm", [TensorSpec((4, 12, 8), "float32", "x")], hidden_size=6)
+    tile = Rect((0, steps[0], 0), (4, steps[1], 6))
+    seen = []
+    forward, backward = LSTM.forward, LSTM.backward
+
+    def spy_forward(self, *args, carry=None, **kw):
+        seen.append(("forward", None if carry is None else {k: v.shape for k, v in carry.items()}))
+        return forward(self, *args, carry=carry, **kw)
+
+    def spy_backward(self, *args, carry=None, **kw):
+        seen.append(("backward", None if carry is None else {k: v.shape for k, v in carry.items()}))
+        return backward(self, *args, carry=carry, **kw)
+
+    monkeypatch.setattr(LSTM, "forward", spy_forward)
+    monkeypatch.setattr(LSTM, "backward", spy_backward)
+    cost = CostModel(mm, cache_path=tmp_path / "costs.json", repeats=2, warmup=0)
+    assert cost.task_time(op, "forward", tile, mm.device) > mm.launch_overhead
+    carry = None if steps == (0, 12) else {"state": (2, 4, 6)}
+    assert seen == [("forward", carry), ("backward", carry)] * 2
 
 
 def test_measure_all_measures_each_key_once_with_a_progress_line(tmp_path):
