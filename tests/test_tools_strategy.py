@@ -121,6 +121,9 @@ def test_diff(tmp_path, capsys):
     lines = out.splitlines()
     assert status == 1 and lines[0] == "fc1: 2x1x1 -> 1x2x1 on [1, 0]" and len(lines) == 9
     assert "drop_in: (not named) -> 1x1 on [0]" in lines
+    Strategy("rnntc", {"fc1": TileConfig((2, 1, 1))}).save(tmp_path / "d.json")
+    status, out, _ = run(capsys, "diff", tmp_path / "d.json", tmp_path / "c.json")
+    assert status == 1 and out == "model: rnntc -> mlp\n"
 
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",

@@ -252,8 +252,9 @@ def draw(strategy: Strategy, ops: Sequence[Op], path: str, title: str, engine: s
 
 # ---- diff ---------------------------------------------------------------------------------------
 def differences(a: Strategy, b: Strategy) -> list[str]:
-    """One line per op whose config differs (or that only one strategy names), in A's order then B's."""
-    out = []
+    """One line per op whose config differs (or that only one strategy names), in A's order then B's;
+    first a line saying so where the two are for different models."""
+    out = [] if a.model == b.model else [f"model: {a.model} -> {b.model}"]
     for name in dict.fromkeys([*a.ops, *b.ops]):
         ca, cb = a.ops.get(name), b.ops.get(name)
         if ca != cb:
