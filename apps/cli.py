@@ -131,7 +131,8 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def _count(least: int):
+def at_least(least: int):
+    """An argparse type: an integer of at least `least` (argparse then names the flag)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -156,11 +157,11 @@ def _positive_float(text: str) -> float:
 def parser(app: App) -> argparse.ArgumentParser:
     """The app's flags, with its defaults in --help."""
     p = _Parser(prog=f"python -m apps.{app.name}", description=app.description or None)
-    p.add_argument("--batch-size", type=_count(1), default=None, metavar="N",
+    p.add_argument("--batch-size", type=at_least(1), default=None, metavar="N",
                    help=f"samples per iteration (default: {app.batch_size}; {app.tiny_batch_size} with --tiny)")
-    p.add_argument("--iterations", type=_count(1), default=10, metavar="N",
+    p.add_argument("--iterations", type=at_least(1), default=10, metavar="N",
                    help="training iterations (default: %(default)s)")
-    p.add_argument("--warmup", type=_count(0), default=2, metavar="N",
+    p.add_argument("--warmup", type=at_least(0), default=2, metavar="N",
                    help="first iterations left out of the timing, at most iterations - 1 (default: %(default)s)")
     p.add_argument("--tiny", action="store_true",
                    help="a scaled-down configuration of the same architecture, seconds on a CPU")
@@ -169,7 +170,7 @@ def parser(app: App) -> argparse.ArgumentParser:
                        help="a strategy file for this model (default: data parallel)")
     which.add_argument("--baseline", choices=BASELINE_NAMES, default=None,
                        help="a baseline strategy (default: data)")
-    which.add_argument("--search-budget", type=_count(1), default=None, metavar="N",
+    which.add_argument("--search-budget", type=at_least(1), default=None, metavar="N",
                        help="search a strategy first, N proposals of the MCMC search on the simulator "
                             "(strategies.search), and train with it (default: no search)")
     p.add_argument("--machine", metavar="M", default=None,
@@ -179,11 +180,11 @@ def parser(app: App) -> argparse.ArgumentParser:
                    help="write the strategy trained with (searched or not) to FILE")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="write a trace (under MPI one file per rank, the rank in its name; default: none)")
-    p.add_argument("--seed", type=_count(0), default=0, metavar="N",
+    p.add_argument("--seed", type=at_least(0), default=0, metavar="N",
                    help="seed of the weights and of the synthetic data (default: %(default)s)")
-    p.add_argument("--cpus-per-rank", type=_count(1), default=None, metavar="N",
+    p.add_argument("--cpus-per-rank", type=at_least(1), default=None, metavar="N",
                    help="CPU processors per rank (default: TASKRT_CPUS, else the node's cores shared by its ranks)")
-    p.add_argument("--gpus-per-rank", type=_count(0), default=None, metavar="N",
+    p.add_argument("--gpus-per-rank", type=at_least(0), default=None, metavar="N",
                    help="GPUs per rank (default: TASKRT_GPUS, else those cupy sees, one a rank under MPI)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="floating-point type of the network (default: %(default)s)")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from apps.cli import APPS
+from apps.cli import APPS, at_least
 from ops.strategy import Strategy
 from strategies.machine_model import MachineModel, load_machine
 from strategies.search import SearchResult, app_graph, app_source, search
@@ -140,10 +140,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
-    p.add_argument("--ranks", type=int, default=2, help="MPI ranks")
-    p.add_argument("--budget", type=int, default=300, help="search proposals")
-    p.add_argument("--iterations", type=int, default=30, help="training iterations of each run")
-    p.add_argument("--seed", type=int, default=0, help="the search's seed")
+    p.add_argument("--ranks", type=at_least(1), default=2, help="MPI ranks")
+    p.add_argument("--budget", type=at_least(1), default=300, help="search proposals")
+    p.add_argument("--iterations", type=at_least(1), default=30, help="training iterations of each run")
+    p.add_argument("--seed", type=at_least(0), default=0, help="the search's seed")
     p.add_argument("--out", default="traces", help="folder for the strategy, traces and timeline")
     args = p.parse_args(argv)
     run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed)

@@ -119,6 +119,10 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     the simulator's ops)."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"search: budget must be a positive int (proposals), got {budget!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"search: seed must be an int >= 0, got {seed!r}")
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"search: seconds must be more than 0 (or None), got {seconds!r}")
     unknown = [s for s in starts if s not in STARTS]
     if unknown or not starts:
         raise ValueError(f"search: starts must be some of {list(STARTS)}, got {list(starts)}")
@@ -231,6 +235,8 @@ def app_graph(name: str, batch_size: int | None = None, tiny: bool = False):
     import importlib
 
     from apps.cli import build_model
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"app_graph: batch_size must be at least 1, got {batch_size}")
     module = importlib.import_module(f"apps.{name}")
     sizes = module.TINY if tiny else module.FULL
     batch = batch_size or (16 if tiny else 64)
@@ -245,6 +251,16 @@ def app_source(name: str, model, tiny: bool = False, seed: int = 0):
     from apps.cli import batch_source
     module = importlib.import_module(f"apps.{name}")
     return batch_source(module.make_batch, model, dict(module.TINY if tiny else module.FULL), seed)
+
+
+def _bad_flag(args) -> str | None:
+    """What is wrong with the first out-of-range number flag ('--flag value: why'), or None."""
+    checks = (("--budget", args.budget, args.budget >= 1, "must be at least 1"),
+              ("--nodes", args.nodes, args.nodes is None or args.nodes >= 1, "must be at least 1"),
+              ("--batch-size", args.batch_size, args.batch_size is None or args.batch_size >= 1, "must be at least 1"),
+              ("--seconds", args.seconds, args.seconds is None or args.seconds > 0, "must be more than 0"),
+              ("--seed", args.seed, args.seed >= 0, "must be at least 0"))
+    return next((f"{flag} {value}: {why}" for flag, value, ok, why in checks if not ok), None)
 
 
 def main(argv=None) -> int:
@@ -265,13 +281,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", default=None, help="write the best strategy here")
     args = p.parse_args(argv)
+    bad = _bad_flag(args)
+    if bad is not None:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     try:
         mm = load_machine(args.machine, nodes=args.nodes)
     except MachineError as e:
         print(f"error: --machine {args.machine}: {e}", file=sys.stderr)
-        return 2
-    if args.budget < 1:
-        print(f"error: --budget {args.budget}: must be at least 1", file=sys.stderr)
         return 2
     model, output = app_graph(args.app, args.batch_size, args.tiny)
     sim = Simulator.for_model(model, mm, output=output, source=app_source(args.app, model, args.tiny))

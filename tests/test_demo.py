@@ -55,3 +55,14 @@ def test_run_demo_writes_every_file(tmp_path):
     text = "\n".join(lines)
     assert "samples/s" in text and "predicted ms" in text
     assert all(path in text for path in (files["strategy"], files["chrome"], files["timeline"]))
+
+
+@pytest.mark.parametrize("flags, said", [(["--ranks", "0"], "argument --ranks: 0 must be >= 1"),
+                                         (["--budget", "0"], "argument --budget: 0 must be >= 1"),
+                                         (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
+                                         (["--iterations", "x"], "argument --iterations: 'x' is not an integer")])
+def test_bad_numbers_are_refused_before_any_work(flags, said, capsys):
+    from apps.demo import main
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 2 and said in capsys.readouterr().err

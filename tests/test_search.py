@@ -57,6 +57,25 @@ def test_bad_budgets_are_refused():
         search(simulator(mlp()), budget=5, starts=("nonsense",))
 
 
+def test_bad_seeds_and_seconds_are_refused():
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        search(simulator(mlp()), budget=5, seed=-1)
+    with pytest.raises(ValueError, match="seconds must be more than 0"):
+        search(simulator(mlp()), budget=5, seconds=0)
+
+
+@pytest.mark.parametrize("flags, said", [(["--budget", "0"], "--budget 0: must be at least 1"),
+                                         (["--nodes", "0"], "--nodes 0: must be at least 1"),
+                                         (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+                                         (["--seconds", "-1"], "--seconds -1.0: must be more than 0"),
+                                         (["--seed", "-3"], "--seed -3: must be at least 0")])
+def test_the_command_line_names_an_out_of_range_number(flags, said, capsys):
+    """One line naming the flag and its value, exit status 2, before any graph is built."""
+    import strategies.search as search_module
+    assert search_module.main(["--app", "mlp", "--tiny", "--machine", "p100", *flags]) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"
+
+
 def test_the_command_line_writes_a_strategy_the_app_trains_with(tmp_path):
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--tiny", "--machine", "local",

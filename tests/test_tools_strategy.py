@@ -128,7 +128,7 @@ def test_diff(tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",
                                   "arity", "fingerprint", "diff missing", "no output", "no app", "bad engine",
-                                  "no command"])
+                                  "no command", "bad batch"])
 def test_errors_one_line_exit_2(tmp_path, capsys, case):
     good = mlp_strategy(tmp_path / "s.json")
     bad = tmp_path / "bad.json"
@@ -144,7 +144,8 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "no output": ["draw", good, "--app", "mlp"],
             "no app": ["draw", good, "-o", tmp_path / "g.png"],
             "bad engine": ["draw", good, "--app", "mlp", "-o", tmp_path / "g.png", "--engine", "svg"],
-            "no command": []}[case]
+            "no command": [],
+            "bad batch": ["show", good, "--app", "mlp", "--batch-size", "0"]}[case]
     text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
             "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
             "other model": Strategy("mlp", {}).to_json(),
@@ -161,5 +162,6 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
               "unknown app": "--app lenet: unknown app", "other model": "not --app alexnet",
               "unknown op": "'fc9' is not in --app mlp", "arity": "3 tile dims, the strategy gives 2",
               "fingerprint": "graph:0123456789abcdef", "diff missing": "nope.json", "no output": "-o",
-              "no app": "--app", "bad engine": "--engine", "no command": "command"}[case]
+              "no app": "--app", "bad engine": "--engine", "no command": "command",
+              "bad batch": "--batch-size 0: must be at least 1"}[case]
     assert expect in err

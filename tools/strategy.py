@@ -57,6 +57,8 @@ def app_ops(app: str, tiny: bool = False, batch: int | None = None) -> list[Op]:
     from strategies.search import app_graph
     if app not in APPS:
         raise ToolError(f"--app {app}: unknown app; the apps are {', '.join(APPS)}")
+    if batch is not None and batch < 1:
+        raise ToolError(f"--batch-size {batch}: must be at least 1")
     model, _ = app_graph(app, batch, tiny)
     return list(model.ops)
 
