@@ -76,6 +76,8 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks (one CPU worker each)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ranks < 2:
+        p.error(f"argument --ranks: {args.ranks} must be >= 2 (the ping-pong runs between two ranks)")
     if not args.child:
         print(json.dumps(measure_overheads(args.ranks)))
         return

@@ -18,3 +18,10 @@ def test_the_probe_measures_a_task_and_a_hop_between_ranks():
 def test_the_ping_pong_needs_two_ranks():
     with pytest.raises(ValueError, match="needs at least 2 ranks, got ranks=1"):
         measure_overheads(1)
+
+
+def test_the_command_line_refuses_fewer_than_two_ranks_before_starting_mpiexec(capsys):
+    from strategies.probe import main
+    with pytest.raises(SystemExit) as e:
+        main(["--ranks", "1"])
+    assert e.value.code == 2 and "argument --ranks: 1 must be >= 2" in capsys.readouterr().err
