@@ -221,6 +221,9 @@ def check(app: App, args) -> Plan:
         _check_devices(args, ranks)
         if args.strategy is not None:
             strategy = _load_strategy(args.strategy)
+        for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy)):
+            if path is not None:
+                _check_output(flag, path)
     except FlagError as e:
         problem = str(e)
     _agree(problem, ranks)
@@ -292,6 +295,16 @@ def _machine_model(args, machine: Machine):
     if mm.num_devices != devices:
         raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} devices, this run has {devices}")
     return mm
+
+
+def _check_output(flag: str, path: str) -> None:
+    """A file the run writes (after training, or after the search) can be: its folder exists and
+    it is not itself a folder, so that no run is lost to a typo in its name."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise FlagError(f"{flag} {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise FlagError(f"{flag} {path}: is a folder, not a file")
 
 
 def _check_devices(args, ranks: int) -> None:

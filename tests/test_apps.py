@@ -306,6 +306,17 @@ def test_unknown_baseline(capsys):
     assert "argument --baseline: invalid choice: 'pipeline'" in bad(capsys, mlp, "--baseline", "pipeline")
 
 
+def test_files_the_run_writes_are_checked_before_it_trains(tmp_path, capsys):
+    """A trace or exported strategy is written after the work: a missing folder, or a folder
+    given as the file, stops the run before it starts instead of losing it at the end."""
+    missing = tmp_path / "no" / "t.jsonl"
+    assert bad(capsys, mlp, "--tiny", "--trace", missing) == (f"error: --trace {missing}: the folder "
+                                                             f"{tmp_path / 'no'} does not exist")
+    assert bad(capsys, mlp, "--tiny", "--trace", tmp_path) == f"error: --trace {tmp_path}: is a folder, not a file"
+    err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--export-strategy", tmp_path / "no" / "s.json")
+    assert err.startswith("error: --export-strategy ") and "does not exist" in err
+
+
 def test_bad_batch_size_value(capsys):
     assert bad(capsys, mlp, "--batch-size", 0) == "error: argument --batch-size: 0 must be >= 1"
 
