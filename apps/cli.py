@@ -297,14 +297,21 @@ def _machine_model(args, machine: Machine):
     return mm
 
 
-def _check_output(flag: str, path: str) -> None:
-    """A file the run writes (after training, or after the search) can be: its folder exists and
-    it is not itself a folder, so that no run is lost to a typo in its name."""
+def output_problem(path: str) -> str | None:
+    """Why a file written at the end of some work could not be (its folder is missing, or it is
+    a folder), or None: checked before the work, so that none is lost to a typo in the name."""
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
-        raise FlagError(f"{flag} {path}: the folder {folder} does not exist")
+        return f"the folder {folder} does not exist"
     if os.path.isdir(path):
-        raise FlagError(f"{flag} {path}: is a folder, not a file")
+        return "is a folder, not a file"
+    return None
+
+
+def _check_output(flag: str, path: str) -> None:
+    problem = output_problem(path)
+    if problem is not None:
+        raise FlagError(f"{flag} {path}: {problem}")
 
 
 def _check_devices(args, ranks: int) -> None:

@@ -266,7 +266,7 @@ def _bad_flag(args) -> str | None:
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
-    from apps.cli import APPS
+    from apps.cli import APPS, output_problem
     from strategies.machine_model import MachineError, load_machine
 
     p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
@@ -282,6 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", default=None, help="write the best strategy here")
     args = p.parse_args(argv)
     bad = _bad_flag(args)
+    unwritable = None if args.output is None else output_problem(args.output)
+    if bad is None and unwritable is not None:
+        bad = f"-o {args.output}: {unwritable}"
     if bad is not None:
         print(f"error: {bad}", file=sys.stderr)
         return 2

@@ -68,7 +68,9 @@ def test_bad_seeds_and_seconds_are_refused():
                                          (["--nodes", "0"], "--nodes 0: must be at least 1"),
                                          (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
                                          (["--seconds", "-1"], "--seconds -1.0: must be more than 0"),
-                                         (["--seed", "-3"], "--seed -3: must be at least 0")])
+                                         (["--seed", "-3"], "--seed -3: must be at least 0"),
+                                         (["-o", "/no/such/folder/s.json"],
+                                          "-o /no/such/folder/s.json: the folder /no/such/folder does not exist")])
 def test_the_command_line_names_an_out_of_range_number(flags, said, capsys):
     """One line naming the flag and its value, exit status 2, before any graph is built."""
     import strategies.search as search_module
