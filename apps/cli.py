@@ -222,8 +222,9 @@ def check(app: App, args) -> Plan:
         if args.strategy is not None:
             strategy = _load_strategy(args.strategy)
         for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy)):
-            if path is not None:
-                _check_output(flag, path)
+            problem = None if path is None else output_problem(path)
+            if problem is not None:
+                raise FlagError(f"{flag} {path}: {problem}")
     except FlagError as e:
         problem = str(e)
     _agree(problem, ranks)
@@ -306,12 +307,6 @@ def output_problem(path: str) -> str | None:
     if os.path.isdir(path):
         return "is a folder, not a file"
     return None
-
-
-def _check_output(flag: str, path: str) -> None:
-    problem = output_problem(path)
-    if problem is not None:
-        raise FlagError(f"{flag} {path}: {problem}")
 
 
 def _check_devices(args, ranks: int) -> None:

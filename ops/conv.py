@@ -363,9 +363,9 @@ def _merge_phases_cpu(phases, dx):
 @numba.njit(nogil=True, cache=True)
 def _im2col_phases_cpu(x, kernel, pads, cols, phases):
     """_im2col_rows_cpu for strides over 1, through x's phase planes (made in `phases`, whose
-    shape gives the stride). Its
-    per-offset steps are the row kernel's, written out in both: one shared helper made the row
-    kernel's im2col 3-19% slower (interleaved A/B, four shapes), inlined or not."""
+    shape gives the stride). Its per-offset steps are the row kernel's, written out in both: one
+    shared helper made the row kernel's im2col 3-19% slower (interleaved A/B, four shapes),
+    inlined or not."""
     n_ = x.shape[0]
     c_, sh, sw, hp, wp = phases.shape[1:]
     oh_, ow_ = cols.shape[2:]

@@ -142,8 +142,7 @@ def _merge_transformed(z, mat, left, m, bias, out):
     """out[n, c, h, j] = bias[c] (none if bias is empty) + the sum over the places (s, t) with
     m*t + s = j + left of sum over p of mat[s, p] * z[p, n, h, t, c]: mat [S, P] applied to each
     block and the places added into the row, in cache (the adjoint of _split_transformed with
-    mat transposed).
-    z [P, N, H, T, C], out [N, C, H, W] (any strides)."""
+    mat transposed). z [P, N, H, T, C], out [N, C, H, W] (any strides)."""
     n_, c_, h_, w_ = out.shape
     s_, p_ = mat.shape
     t_ = z.shape[3]

@@ -254,19 +254,25 @@ def app_source(name: str, model, tiny: bool = False, seed: int = 0):
 
 
 def _bad_flag(args) -> str | None:
-    """What is wrong with the first out-of-range number flag ('--flag value: why'), or None."""
+    """What is wrong with the first out-of-range number flag or an output file that could not be
+    written ('--flag value: why'), or None: checked before the graph is built."""
+    from apps.cli import output_problem
     checks = (("--budget", args.budget, args.budget >= 1, "must be at least 1"),
               ("--nodes", args.nodes, args.nodes is None or args.nodes >= 1, "must be at least 1"),
               ("--batch-size", args.batch_size, args.batch_size is None or args.batch_size >= 1, "must be at least 1"),
               ("--seconds", args.seconds, args.seconds is None or args.seconds > 0, "must be more than 0"),
               ("--seed", args.seed, args.seed >= 0, "must be at least 0"))
-    return next((f"{flag} {value}: {why}" for flag, value, ok, why in checks if not ok), None)
+    bad = next((f"{flag} {value}: {why}" for flag, value, ok, why in checks if not ok), None)
+    unwritable = None if args.output is None else output_problem(args.output)
+    if bad is None and unwritable is not None:
+        bad = f"-o {args.output}: {unwritable}"
+    return bad
 
 
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
-    from apps.cli import APPS, output_problem
+    from apps.cli import APPS
     from strategies.machine_model import MachineError, load_machine
 
     p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
@@ -282,9 +288,6 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", default=None, help="write the best strategy here")
     args = p.parse_args(argv)
     bad = _bad_flag(args)
-    unwritable = None if args.output is None else output_problem(args.output)
-    if bad is None and unwritable is not None:
-        bad = f"-o {args.output}: {unwritable}"
     if bad is not None:
         print(f"error: {bad}", file=sys.stderr)
         return 2
