@@ -31,8 +31,9 @@ Contracts:
   of a seed is the same on any number of ranks.
 
 Flags (`--help` lists them with defaults): --batch-size, --iterations, --warmup, --tiny,
---strategy FILE | --baseline {data,model,expert,tensor}, --trace, --seed, --cpus-per-rank,
---gpus-per-rank, --dtype, --optimizer, --lr. A bad flag gives one line on stderr,
+--strategy FILE | --baseline {data,model,expert,tensor} | --search-budget N, --machine M,
+--export-strategy FILE, --trace, --seed, --cpus-per-rank, --gpus-per-rank, --dtype,
+--optimizer, --lr. A bad flag gives one line on stderr,
 `error: --FLAG VALUE: what is wrong`, and exit status 2 on every rank, before any rank
 computes: every check whose answer could differ between ranks (files, devices) is agreed
 over MPI first, so no rank is left waiting. Rank 0 shows a progress line per iteration (a
@@ -41,6 +42,7 @@ bar on a terminal) and prints one JSON object last (`RESULT_FIELDS`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -67,6 +69,8 @@ BASELINE_NAMES = ("data", "model", "expert", "tensor")
 DTYPES = ("float32", "float64")
 OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Adam(lr=lr)}
 #: what the last line of a run (one JSON object) holds
+#: the first iterations left out of the timing unless --warmup says (fewer where the run has fewer)
+WARMUP = 2
 RESULT_FIELDS = ("app", "ranks", "devices", "batch_size", "iterations", "warmup", "samples_per_s",
                  "mean_iteration_s", "median_iteration_s", "predicted_iteration_s", "first_loss", "final_loss",
                  "strategy", "tiny", "dtype", "seed", "optimizer", "lr", "parameters", "trace")
@@ -161,8 +165,9 @@ def parser(app: App) -> argparse.ArgumentParser:
                    help=f"samples per iteration (default: {app.batch_size}; {app.tiny_batch_size} with --tiny)")
     p.add_argument("--iterations", type=at_least(1), default=10, metavar="N",
                    help="training iterations (default: %(default)s)")
-    p.add_argument("--warmup", type=at_least(0), default=2, metavar="N",
-                   help="first iterations left out of the timing, at most iterations - 1 (default: %(default)s)")
+    p.add_argument("--warmup", type=at_least(0), default=None, metavar="N",
+                   help=f"first iterations left out of the timing, fewer than --iterations (default: {WARMUP}, "
+                        f"at most iterations - 1)")
     p.add_argument("--tiny", action="store_true",
                    help="a scaled-down configuration of the same architecture, seconds on a CPU")
     which = p.add_mutually_exclusive_group()
@@ -175,7 +180,9 @@ def parser(app: App) -> argparse.ArgumentParser:
                             "(strategies.search), and train with it (default: no search)")
     p.add_argument("--machine", metavar="M", default=None,
                    help="the machine model the search simulates: p100, k80, h100, local or a file, with as many "
-                        "devices as this run (default: this machine, as the 'local' model)")
+                        "devices as this run (default: this machine, as the 'local' model); without "
+                        "--search-budget, the strategy trained with is simulated on it, its predicted "
+                        "iteration time reported beside the measured one")
     p.add_argument("--export-strategy", metavar="FILE", default=None,
                    help="write the strategy trained with (searched or not) to FILE")
     p.add_argument("--trace", metavar="FILE", default=None,
@@ -218,6 +225,9 @@ def check(app: App, args) -> Plan:
     ranks = mpi_world_size_from_env()
     problem, strategy = None, None
     try:
+        if args.warmup is not None and args.warmup >= args.iterations:
+            raise FlagError(f"--warmup {args.warmup}: must be less than --iterations ({args.iterations}): "
+                            f"no iteration would be timed")
         _check_devices(args, ranks)
         if args.strategy is not None:
             strategy = _load_strategy(args.strategy)
@@ -239,6 +249,8 @@ def check(app: App, args) -> Plan:
     _agree(problem, ranks)
     if args.search_budget is not None:
         plan = _search(app, args, plan, ranks)
+    elif args.machine is not None:
+        plan = _predict(app, args, plan, ranks)
     if args.export_strategy is not None and _rank() == 0:
         Strategy(app.name, {op: c for op, c in plan.strategy.ops.items()}).save(args.export_strategy)
     return plan
@@ -255,38 +267,57 @@ def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
     """Rank 0 searches (the cost model may measure kernels, so only one rank decides) and every
     rank takes its strategy; a machine model that does not match this run is a flag error."""
     from strategies.search import search
+    def searched():
+        graph, sim = _simulator(app, args, plan)
+        result = search(sim, args.search_budget, seed=args.seed, model=graph,
+                        progress=sys.stderr if sys.stderr.isatty() else None)
+        mine = {op.name for op in graph.ops}
+        return Strategy(app.name, {k: v for k, v in result.best.ops.items() if k in mine}).to_json(), result.best_time
+    text, predicted = _on_rank_zero(searched, ranks)
+    return Plan(plan.batch_size, plan.sizes, plan.machine, Strategy.from_json(text), "searched", plan.parameters,
+                predicted)
+
+
+def _predict(app: App, args, plan: Plan, ranks: int) -> Plan:
+    """The plan with its strategy's iteration time predicted on --machine's model (rank 0 simulates)."""
+    def simulated():
+        _, sim = _simulator(app, args, plan)
+        return sim.simulate(dict(plan.strategy.ops)).time
+    return dataclasses.replace(plan, predicted_s=_on_rank_zero(simulated, ranks))
+
+
+def _simulator(app: App, args, plan: Plan):
+    """(the app's graph without weights, a Simulator of it on --machine's model, timing its batch source)."""
     from strategies.simulator import Simulator
-    problem, found = None, None
+    mm = _machine_model(args, plan.machine)
+    graph, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, weights=False,
+                                runtime=Runtime(machine=plan.machine, execute=False))
+    return graph, Simulator.for_model(graph, mm, loss=app.loss, output=output,
+                                      source=batch_source(app.make_batch, graph, plan.sizes, args.seed))
+
+
+def _on_rank_zero(work, ranks: int):
+    """work() on rank 0 (the cost model may measure kernels, so only one rank decides), its answer
+    sent to every rank; a FlagError it raises ends every rank."""
+    problem, answer = None, None
     if _rank() == 0:
         try:
-            mm = _machine_model(args, plan.machine)
-            graph, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, weights=False,
-                                        runtime=Runtime(machine=plan.machine, execute=False))
-            sim = Simulator.for_model(graph, mm, loss=app.loss, output=output,
-                                      source=batch_source(app.make_batch, graph, plan.sizes, args.seed))
-            result = search(sim, args.search_budget, seed=args.seed, model=graph,
-                            progress=sys.stderr if sys.stderr.isatty() else None)
-            mine = {op.name for op in graph.ops}
-            found = (Strategy(app.name, {k: v for k, v in result.best.ops.items() if k in mine}).to_json(),
-                     result.best_time)
+            answer = work()
         except FlagError as e:
             problem = str(e)
     _agree(problem, ranks)
     if ranks > 1:
         from mpi4py import MPI
-        found = MPI.COMM_WORLD.bcast(found, root=0)
-    text, predicted = found
-    return Plan(plan.batch_size, plan.sizes, plan.machine, Strategy.from_json(text), "searched", plan.parameters,
-                predicted)
+        answer = MPI.COMM_WORLD.bcast(answer, root=0)
+    return answer
 
 
 def _machine_model(args, machine: Machine):
-    """--machine's model, or this machine as the 'local' model; its devices must be this run's."""
-    import dataclasses
-
+    """--machine's model, or this machine as the 'local' model (shaped as this run: a node a rank,
+    its processors the node's devices); its devices must be this run's."""
     from strategies.machine_model import MachineError, load_machine
     devices = len(compute_processors(machine))
-    if args.machine is None:
+    if args.machine in (None, "local"):
         per_rank = devices // machine.num_ranks
         return dataclasses.replace(load_machine("local", nodes=machine.num_ranks), devices_per_node=per_rank)
     try:
@@ -452,7 +483,7 @@ def train(app: App, args, plan: Plan) -> dict:
             times.append(time.perf_counter() - start)
             progress.show(len(losses), loss, times)
         rank, trace = rt.rank, rt.trace_path
-    warmup = min(args.warmup, args.iterations - 1)
+    warmup = min(WARMUP, args.iterations - 1) if args.warmup is None else args.warmup
     span = times[-1] - (times[warmup - 1] if warmup else 0.0)
     measured = args.iterations - warmup
     steps = np.diff([times[warmup - 1] if warmup else 0.0, *times[warmup:]])
@@ -465,6 +496,10 @@ def train(app: App, args, plan: Plan) -> dict:
               "tiny": bool(args.tiny), "dtype": args.dtype, "seed": args.seed, "optimizer": args.optimizer,
               "lr": args.lr, "parameters": plan.parameters, "trace": trace}
     if rank == 0:
+        if plan.predicted_s is not None:
+            median = report["median_iteration_s"]
+            print(f"{app.name}: {median * 1e3:.3f} ms an iteration measured (median), {plan.predicted_s * 1e3:.3f} ms "
+                  f"predicted ({median / plan.predicted_s:.2f}x)", flush=True)
         print(json.dumps(report), flush=True)
     return report
 

@@ -137,7 +137,7 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
     p.add_argument("--ranks", type=at_least(1), default=2, help="MPI ranks")

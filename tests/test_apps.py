@@ -321,6 +321,13 @@ def test_bad_batch_size_value(capsys):
     assert bad(capsys, mlp, "--batch-size", 0) == "error: argument --batch-size: 0 must be >= 1"
 
 
+def test_warmup_must_leave_an_iteration_to_time(capsys):
+    assert bad(capsys, mlp, "--tiny", "--iterations", 3, "--warmup", 3) == (
+        "error: --warmup 3: must be less than --iterations (3): no iteration would be timed")
+    assert run_here(mlp, "--tiny", "--iterations", 1, capsys=capsys)[0]["warmup"] == 0   # the default shrinks
+    assert run_here(mlp, "--tiny", "--iterations", 3, "--warmup", 0, capsys=capsys)[0]["warmup"] == 0
+
+
 def test_strategy_and_baseline_together(capsys):
     err = bad(capsys, mlp, "--strategy", "s.json", "--baseline", "data")
     assert "--baseline" in err and "--strategy" in err
@@ -407,6 +414,15 @@ def test_search_budget_on_two_ranks_agrees_on_one_strategy(tmp_path):
     assert proc.returncode == 0, output(proc)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["ranks"] == 2 and report["strategy"] == "searched" and out.exists()
+
+
+def test_machine_without_a_search_predicts_the_strategy_trained_with(capsys):
+    report, lines = run_here(mlp, "--tiny", "--iterations", 3, "--baseline", "model", "--machine", "local",
+                             capsys=capsys)
+    assert report["strategy"] == "model" and report["predicted_iteration_s"] > 0
+    assert lines[-2].startswith("mlp: ") and "predicted" in lines[-2]
+    err = bad(capsys, mlp, "--tiny", "--machine", "/no/such.json")
+    assert err.startswith("error: --machine /no/such.json:")
 
 
 def test_a_machine_model_that_does_not_match_the_run_is_a_bad_flag(capsys):
