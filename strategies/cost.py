@@ -44,7 +44,7 @@ import numpy as np
 
 from ops.base import Op, TensorSpec
 from ops.optimizers import SGD
-from strategies.machine_model import DeviceSpec, LinkSpec, MachineModel, cpu_name, load_machine, write_efficiency
+from strategies.machine_model import DeviceSpec, LinkSpec, MachineError, MachineModel, cpu_name, load_machine, write_efficiency
 from strategies.measure import Backend, Progress, measure_source, measure_tile, measure_update
 from taskrt.geometry import Rect, as_int
 from taskrt.machine import Processor, count_gpus, gpus_from_env
@@ -580,11 +580,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="measure the calibration ops and fit the roofline's efficiencies")
     cal.add_argument("--machine", default="local", help="a shipped machine name or a machine file (default local)")
     cal.add_argument("--cache", default=None, help="the measurements file (default: ~/.cache/taskrt/costs.json)")
-    cal.add_argument("--repeats", type=int, default=5)
+    cal.add_argument("--repeats", type=int, default=5, help="timed runs of each kernel (at least 1)")
     cal.add_argument("--write", action="store_true", help="write the fitted efficiencies into the machine file")
     args = parser.parse_args(argv)
-    mm = load_machine(args.machine)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: must be at least 1")
+    try:
+        mm = load_machine(args.machine)
+    except MachineError as e:
+        parser.error(f"--machine {args.machine}: {e}")
     cost = CostModel(mm, measured=True, cache_path=args.cache, repeats=args.repeats)
+    if not cost.measures(mm.device):
+        parser.error(f"--machine {args.machine}: its device, {mm.device!r}, is not here to measure")
     fitted = calibrate(cost)
     for kind, frac in sorted(fitted.items()):
         print(f"{kind:34s} {frac:.4f}")

@@ -404,3 +404,13 @@ def test_union_volume_counts_overlaps_once():
     assert union_volume([a, a, Rect((4, 0), (8, 4))]) == 32
     assert union_volume([Rect((0,), (0,))]) == 0
     assert union_volume([a, Rect((1, 1), (2, 2))]) == 16
+
+
+def test_calibrate_command_refuses_bad_flags_before_measuring(capsys):
+    from strategies.cost import main
+    for argv, says in ((["calibrate", "--machine", "nosuch"], "--machine nosuch: machine 'nosuch': no such file"),
+                       (["calibrate", "--machine", "p100"], "--machine p100: its device"),
+                       (["calibrate", "--repeats", "0"], "--repeats 0: must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
