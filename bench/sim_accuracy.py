@@ -1,7 +1,8 @@
 """How close the simulator's predictions come to real runs: strategies of two tiny apps on 2 ranks.
 
-    python bench/sim_accuracy.py [--apps mlp alexnet] [--iterations 20] [--budget 40] [--rounds 3]
-                                 [--random-seeds 1 2 3 4] [--fit] [--save DIR | --rescore DIR [DIR ...]]
+    python bench/sim_accuracy.py [--apps mlp alexnet] [--calibrate-on transformer] [--iterations 20]
+                                 [--budget 40] [--rounds 3] [--random-seeds 1 2 3 4] [--fit]
+                                 [--save DIR | --rescore DIR [DIR ...]]
 
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
 device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
@@ -16,6 +17,12 @@ over the rounds (a cost cache of the run's own). It also probes the runtime's ow
 (strategies.probe: an empty task of a chain, a hop between the ranks) and prints it beside
 the errors. Printed per strategy: measured (and each run) and predicted iteration time and
 the relative error; per app the mean error and Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
+
+The runtime's own costs on this VM move with its phase (docs/accuracy.md), as the kernels'
+do, so the bench also calibrates them now: it trains the strategies of `--calibrate-on` apps
+too (default: the tiny transformer; first, in the same rounds), fits the local model's runtime
+figures to those runs alone on the --fit grid, and scores the other apps, held out, with
+them as well as with the shipped figures.
 
 `--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
 receive_overhead, kernel_slowdown: see strategies/machines/README.md) to these runs, on a
@@ -224,6 +231,18 @@ class LinearTimes:
         return out
 
 
+def calibrate(apps: dict, on: list[str], base) -> tuple[dict, dict]:
+    """(the FIT_GRID point with the least mean error over the calibration labels `on`, each
+    label's predicted times at it): the runtime figures as they are now, fitted on some apps'
+    runs and then used, held out, on the others."""
+    points = [dict(zip(FIT_GRID, values)) for values in itertools.product(*FIT_GRID.values())]
+    linear = {label: LinearTimes(a["app"], a["batch"], a["strategies"], base, a["per_sample"], a["costs"])
+              for label, a in apps.items()}
+    best = min(points, key=lambda point: sum(score(apps[label]["measured"], linear[label].times(point))[0]
+                                             for label in on))
+    return best, {label: linear[label].times(best) for label in apps}
+
+
 def fit(apps: dict, base) -> dict:
     """The FIT_GRID point with the least mean error over `apps` (label -> a saved app's runs), in
     sample and in folds: with runs of one bench run, fitted on the strategies at even places of
@@ -260,6 +279,10 @@ def fit(apps: dict, base) -> dict:
     return out
 
 
+def _figures_text(figures: dict) -> str:
+    return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}" for k, v in figures.items())
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--apps", nargs="+", default=["mlp", "alexnet"])
@@ -269,6 +292,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="runs of each strategy, taking turns")
     p.add_argument("--random-seeds", type=int, nargs="*", default=[1, 2, 3, 4],
                    help="a random strategy of each app for each seed")
+    p.add_argument("--calibrate-on", nargs="*", default=["transformer"], metavar="APP",
+                   help="apps whose runs fit the runtime figures that then predict the others (none: no calibration)")
     p.add_argument("--fit", action="store_true", help="fit the local model's runtime figures to the runs")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--save", metavar="DIR", help="keep the strategies, traces and runs.json in DIR")
@@ -277,6 +302,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be at least 1")
+    both = sorted(set(args.apps) & set(args.calibrate_on))
+    if both:
+        p.error(f"--calibrate-on {' '.join(both)}: scored by --apps as well (the calibration apps are held out of the score)")
+    args.apps = args.calibrate_on + args.apps   # the calibration apps run first
     if args.save:
         os.makedirs(args.save, exist_ok=True)
     setup = machine_setup(2, gpus=0)
@@ -292,32 +321,51 @@ def main(argv=None) -> dict:
         else:
             saved = {app: {**a, "app": app, "batch": args.batch_size, "run": args.save or tmp}
                      for app, a in run_apps(args, setup, args.save or tmp).items()}
+        for a in saved.values():
+            a["measured"] = {name: float(np.median(r)) for name, r in a["runs"].items()}
+        on = [label for label, a in saved.items() if a["app"] in args.calibrate_on]
+        calibrated = {}
+        if on:
+            figures, calibrated = calibrate(saved, on, setup.machine_model)
+            out["calibration"] = {"on": on, "figures": figures}
+            print(f"calibrated on {', '.join(on)}: {_figures_text(figures)}", flush=True)
         for label, a in saved.items():
-            app, strategies, runs, per_sample = a["app"], a["strategies"], a["runs"], a["per_sample"]
-            measured = {name: float(np.median(r)) for name, r in runs.items()}
-            a["measured"] = measured
+            app, strategies, runs, per_sample, measured = (a["app"], a["strategies"], a["runs"], a["per_sample"],
+                                                           a["measured"])
             predicted = predict(app, a["batch"], strategies, setup.machine_model, per_sample, a["costs"])
+            held_out = calibrated.get(label) if label not in on else None
             rows = {}
             for name in strategies:
                 m, q = measured[name], predicted[name]
                 rows[name] = {"measured_ms": round(m * 1e3, 3), "runs_ms": [round(t * 1e3, 3) for t in runs[name]],
                               "predicted_ms": round(q * 1e3, 3), "error": round(abs(q - m) / m, 4)}
-                print(f"{label:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
-                      f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
-                      f"error {rows[name]['error']:6.1%}", flush=True)
+                line = (f"{label:8s} {name:9s} measured {m * 1e3:8.2f} ms (runs "
+                        f"{', '.join(f'{t * 1e3:.1f}' for t in runs[name])})  predicted {q * 1e3:8.2f} ms  "
+                        f"error {rows[name]['error']:6.1%}")
+                if held_out is not None:
+                    c = held_out[name]
+                    rows[name].update(calibrated_ms=round(c * 1e3, 3), calibrated_error=round(abs(c - m) / m, 4))
+                    line += f"  calibrated {c * 1e3:8.2f} ms  error {rows[name]['calibrated_error']:6.1%}"
+                print(line, flush=True)
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("chain", "pingpong")} if a["probes"] else {}
             out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
                                   "source_us_per_sample": round(per_sample * 1e6, 2),
-                                  "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()}}
-            print(f"{label}: mean error {error:.1%}, Kendall tau {tau:.2f} (its batch source "
-                  f"{per_sample * 1e6:.1f} us a sample; the runtime probe: "
+                                  "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()},
+                                  "role": "calibration" if label in on else "scored"}
+            summary = f"{label}: mean error {error:.1%}, Kendall tau {tau:.2f}"
+            if held_out is not None:
+                c_error, c_tau = score(measured, held_out)
+                out["apps"][label]["calibrated"] = {"mean_error": round(c_error, 4), "kendall_tau": round(c_tau, 3)}
+                summary += f"; calibrated on {', '.join(on)}: mean error {c_error:.1%}, Kendall tau {c_tau:.2f}"
+            elif label in on:
+                summary += " (a calibration app: not scored)"
+            print(f"{summary} (its batch source {per_sample * 1e6:.1f} us a sample; the runtime probe: "
                   f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)
         if args.fit:
             out["fit"] = fit(saved, setup.machine_model)
             f = out["fit"]
-            print("fit: " + ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}"
-                                      for k, v in f["figures"].items()), flush=True)
+            print(f"fit: {_figures_text(f['figures'])}", flush=True)
             for app, s in f["in_sample"].items():
                 print(f"  in sample, {app}: mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
             for fold in f["folds"]:
