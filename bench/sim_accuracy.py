@@ -40,112 +40,47 @@ the folds then holding out one bench run at a time. Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import json
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
-from apps.demo import machine_setup, search_strategy, train_mpi  # noqa: E402
+from apps.calibrate import COSTS_FILE, calibration_strategies, measure_strategies, predict  # noqa: E402
+from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
-from strategies.baselines import BASELINES  # noqa: E402
-from strategies.random import random_strategy  # noqa: E402
-from strategies.cost import CostModel, read_cache, write_cache  # noqa: E402
+from strategies.overheads import LinearTimes, best_point, grid_times, score  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
-from strategies.search import app_graph, app_source  # noqa: E402
-from strategies.simulator import Simulator  # noqa: E402
-from strategies.timing import Handling, schedule_successors  # noqa: E402
+from strategies.search import app_graph  # noqa: E402
 
 #: what --save writes beside the strategies' files and traces: the runs, and the kernels' median
 #: times over the rounds (a cost cache; each round's own is there too, costs.APP.roundR.json)
-RUNS_FILE, COSTS_FILE = "runs.json", "costs.json"
-
-#: the grid of --fit: each runtime figure of the machine model and the values tried
-FIT_GRID = {
-    "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6, 250e-6),
-    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6),
-    "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
-    "kernel_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
-}
-
-
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a of two equally long lists: (concordant - discordant pairs) / pairs."""
-    pairs = list(itertools.combinations(range(len(a)), 2))
-    if not pairs:
-        return 1.0
-    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
-        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
-    return score / len(pairs)
+RUNS_FILE = "runs.json"
 
 
 def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> dict[str, Strategy]:
-    model, _ = app_graph(app, batch, tiny=True)
-    machine = setup.machine_model.to_machine()
-    out = {name: Strategy(app, dict(fn(model, machine).ops)) for name, fn in BASELINES.items()}
-    out["searched"], _ = search_strategy(app, batch, setup, budget)
-    for seed in seeds:
-        out[f"random{seed}"] = Strategy(app, dict(random_strategy(model, machine, seed).ops))
-    return out
-
-
-def measure_app(app: str, batch: int, iterations: int, strategies: dict[str, Strategy], setup, rounds: int,
-                out_dir: str) -> dict:
-    """Each strategy trained `rounds` times, the strategies taking turns (forward, then backward, ...)
-    so that the machine's drift falls on all of them alike; before each round the machine as it
-    is then: the runtime probe (strategies.probe), the batch source and every kernel of the
-    strategies measured afresh. Returns {"runs": name -> each run's median iteration (s),
-    "probes": one a round, "per_sample": the median round's source seconds a sample, "costs":
-    a cost cache of each kernel's median over the rounds}."""
-    paths = {}
-    for name, strategy in strategies.items():
-        paths[name] = os.path.join(out_dir, f"{app}.{name}.json")
-        strategy.save(paths[name])
-    runs: dict[str, list[float]] = {name: [] for name in strategies}
-    probes, sources, kernels = [], [], []
-    for r in range(rounds):
-        probes.append(measure_overheads(2))
-        sources.append(source_per_sample(app, batch, setup.machine_model))
-        kernels.append(os.path.join(out_dir, f"costs.{app}.round{r}.json"))
-        predict(app, batch, strategies, setup.machine_model, sources[-1], kernels[-1])   # measures every kernel
-        for name in (list(strategies) if r % 2 == 0 else list(strategies)[::-1]):
-            report = train_mpi(app, setup, batch, iterations, ["--strategy", paths[name]],
-                               os.path.join(out_dir, f"{app}.{name}.jsonl"))
-            runs[name].append(report["median_iteration_s"])
-    costs = os.path.join(out_dir, COSTS_FILE)
-    merge_median_costs(kernels, costs)
-    return {"runs": runs, "probes": probes, "per_sample": float(np.median(sources)), "costs": costs}
-
-
-def merge_median_costs(paths: list[str], out: str) -> None:
-    """Add to the cost cache `out` each kernel of the caches `paths` with its median seconds over them."""
-    tables = [read_cache(Path(path)) for path in paths]
-    write_cache(Path(out), {key: {**entry, "seconds": float(np.median([t[key]["seconds"] for t in tables if key in t]))}
-                            for key, entry in tables[0].items()})
-
-
-def source_per_sample(app: str, batch: int, machine_model) -> float:
-    """Seconds a sample of the tiny app's batch source takes here (CostModel.measure_source), at a
-    rank's share of the batch."""
-    model, _ = app_graph(app, batch, tiny=True)
-    return CostModel(machine_model).measure_source(app_source(app, model, tiny=True), -(-batch // 2))
+    """The four baselines, a searched strategy and a random one for each of `seeds`."""
+    made = calibration_strategies(app, batch, setup, seeds)
+    searched, _ = search_strategy(app, batch, setup, budget)
+    baselines = {name: s for name, s in made.items() if not name.startswith("random")}
+    return {**baselines, "searched": searched, **{name: s for name, s in made.items() if name not in baselines}}
 
 
 def run_apps(args, setup, out_dir: str) -> dict:
-    """Train every strategy of each app (measure_app) in `out_dir`: app -> {"strategies", and what
-    measure_app returns}; RUNS_FILE in `out_dir` records the runs."""
+    """Train every strategy of each app in `out_dir` (apps.calibrate.measure_strategies, the runtime
+    probe taken before each round): app -> {"strategies", "runs", "probes", "per_sample",
+    "costs"}; RUNS_FILE in `out_dir` records the runs."""
     saved = {}
     for app in args.apps:
         strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
-        saved[app] = {"strategies": strategies, **measure_app(app, args.batch_size, args.iterations, strategies, setup,
-                                                               args.rounds, out_dir)}
+        measured = measure_strategies(app, args.batch_size, args.iterations, strategies, setup, args.rounds, out_dir,
+                                      before_round=lambda: measure_overheads(2))
+        saved[app] = {"strategies": strategies, "runs": measured["runs"], "probes": measured["before"],
+                      "per_sample": measured["per_sample"], "costs": measured["costs"]}
         with open(os.path.join(out_dir, RUNS_FILE), "w") as f:
             json.dump({"batch_size": args.batch_size, "apps": {
                 a: {k: s[k] for k in ("runs", "probes", "per_sample")} for a, s in saved.items()}}, f, indent=1)
@@ -173,74 +108,22 @@ def load_runs(directory: str, apps: list[str]) -> tuple[int, dict]:
                          "costs": costs if os.path.exists(costs) else None} for app in apps}
 
 
-def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float,
-            costs: str | None = None) -> dict:
-    """The simulated iteration time of each strategy on `machine_model`, its source tasks taking
-    `per_sample` seconds a sample (measured once, so that a fit's grid points share it), its
-    kernels' times from the cost cache file `costs` (default: the shared one), measured into it
-    where missing."""
-    model, output = app_graph(app, batch, tiny=True)
-    cost = CostModel(machine_model, cache_path=costs)
-    cost.source_per_sample = per_sample
-    sim = Simulator.for_model(model, machine_model, cost, output=output)
-    return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
-
-
-def score(measured: dict[str, float], predicted: dict[str, float], names=None) -> tuple[float, float]:
-    """(mean relative error, Kendall's tau) of the predictions of `names` (default: all)."""
-    names = list(measured) if names is None else names
-    error = sum(abs(predicted[n] - measured[n]) / measured[n] for n in names) / len(names)
-    return error, kendall_tau([measured[n] for n in names], [predicted[n] for n in names])
-
-
-class LinearTimes:
-    """The simulated iterations of an app's strategies at any runtime figures, each graph built
-    and costed once. A node's seconds are linear in kernel_slowdown and launch_overhead (a task:
-    its kernel or source times the one plus the other; a fill or fold: bytes over bandwidth
-    plus the other; a copy: neither), and a copy between ranks holds its processors for
-    send_overhead and receive_overhead: so three costings (slowdown, launch) = (0, 0), (1, 0),
-    (0, 1), with send and receive 1, give every grid point's costs, and only the schedule is
-    run per point (the grid's thousand points then take seconds, not an hour)."""
-
-    def __init__(self, app: str, batch: int, strategies: dict[str, Strategy], base, per_sample: float,
-                 costs: str | None):
-        model, output = app_graph(app, batch, tiny=True)
-        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0)
-        sims = []
-        for slowdown, launch in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
-            mm = dataclasses.replace(unit, kernel_slowdown=slowdown, launch_overhead=launch)
-            cost = CostModel(mm, cache_path=costs)
-            cost.source_per_sample = per_sample
-            sims.append(Simulator.for_model(model, mm, cost, output=output))
-        self.parts = {}
-        for name, strategy in strategies.items():
-            graph = sims[0].graph(strategy)   # one graph, costed by each simulator
-            (res, fixed, delay, resources, handling), *others = (sim.node_costs(graph) for sim in sims)
-            per_slowdown, per_launch = (c[1] - fixed for c in others)
-            self.parts[name] = (graph.successors, res, fixed, per_slowdown, per_launch, delay, len(resources), handling)
-
-    def times(self, figures: dict) -> dict[str, float]:
-        """Each strategy's iteration time at `figures` (FIT_GRID's four)."""
-        out = {}
-        for name, (succ, res, fixed, per_slowdown, per_launch, delay, n_res, h) in self.parts.items():
-            dur = fixed + per_slowdown * figures["kernel_slowdown"] + per_launch * figures["launch_overhead"]
-            send, receive = figures["send_overhead"], figures["receive_overhead"]
-            # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
-            handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
-            out[name] = schedule_successors(res, dur, succ, n_res, delay, handling).time
-        return out
+def _linear(apps: dict, base) -> dict:
+    """A LinearTimes of each label's strategies (strategies/overheads.py), on its run's kernels."""
+    linear = {}
+    for label, a in apps.items():
+        model, output = app_graph(a["app"], a["batch"], tiny=True)
+        linear[label] = LinearTimes(model, output, a["strategies"], base, a["costs"], a["per_sample"])
+    return linear
 
 
 def calibrate(apps: dict, on: list[str], base) -> tuple[dict, dict]:
     """(the FIT_GRID point with the least mean error over the calibration labels `on`, each
     label's predicted times at it): the runtime figures as they are now, fitted on some apps'
     runs and then used, held out, on the others."""
-    points = [dict(zip(FIT_GRID, values)) for values in itertools.product(*FIT_GRID.values())]
-    linear = {label: LinearTimes(a["app"], a["batch"], a["strategies"], base, a["per_sample"], a["costs"])
-              for label, a in apps.items()}
-    best = min(points, key=lambda point: sum(score(apps[label]["measured"], linear[label].times(point))[0]
-                                             for label in on))
-    return best, {label: linear[label].times(best) for label in apps}
+    points, predictions = grid_times(_linear(apps, base))
+    k = best_point(points, predictions, {label: apps[label]["measured"] for label in on})
+    return points[k], predictions[k]
 
 
 def fit(apps: dict, base) -> dict:
@@ -248,15 +131,11 @@ def fit(apps: dict, base) -> dict:
     sample and in folds: with runs of one bench run, fitted on the strategies at even places of
     each app and scored on the odd ones, and the other way; with several, fitted on all runs
     but one and scored on that one, for each."""
-    points = [dict(zip(FIT_GRID, values)) for values in itertools.product(*FIT_GRID.values())]
-    linear = {label: LinearTimes(a["app"], a["batch"], a["strategies"], base, a["per_sample"], a["costs"])
-              for label, a in apps.items()}
-    predictions = [{label: linear[label].times(point) for label in apps} for point in points]
+    points, predictions = grid_times(_linear(apps, base))
+    measured = {label: a["measured"] for label, a in apps.items()}
 
     def best(names_of) -> int:
-        return min(range(len(points)), key=lambda k: sum(
-            score(a["measured"], predictions[k][label], names_of(label))[0]
-            for label, a in apps.items() if names_of(label) != []))
+        return best_point(points, predictions, measured, names_of)
 
     def scored(k: int, names_of) -> dict:
         return {label: dict(zip(("mean_error", "kendall_tau"),

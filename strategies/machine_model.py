@@ -40,6 +40,8 @@ FLOP/s, bytes/s, bytes, seconds):
 - `efficiency`: op kind -> the fraction of `peak_flops` its kernels reach ("default" for
   the others), the roofline's compute term (strategies/cost.py); `fitted` says what
   they were fitted on (null: estimates, not fitted).
+- `runtime_fitted` (optional): what the four runtime figures above were fitted on, where
+  `python -m apps.calibrate --write` fitted them (strategies/overheads.py).
 - null (cpu devices only) means "found on this machine when loaded": `devices_per_node`
   the CPU workers of Machine.local (TASKRT_CPUS, else the core count), `device.name` the
   CPU model, `device.mem_bytes` the physical memory shared evenly among the devices.
@@ -64,7 +66,7 @@ DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
            "host_link", "launch_overhead", "send_overhead", "receive_overhead", "kernel_slowdown", "efficiency",
-           "fitted")
+           "fitted", "runtime_fitted")
 _GPU_ONLY = ("host", "host_link")
 _CPU_ONLY = ("send_overhead", "receive_overhead")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
@@ -146,6 +148,7 @@ class MachineModel:
     kernel_slowdown: float = 1.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     fitted: str | None = None
+    runtime_fitted: str | None = None
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -262,11 +265,16 @@ def load_machine(name_or_path, nodes: int | None = None) -> MachineModel:
 def write_efficiency(path, efficiency: Mapping[str, float], fitted: str) -> None:
     """Replace a machine file's 'efficiency' and 'fitted' fields (what calibration fitted), keeping
     the rest as written; the file is checked before and after."""
+    write_fields(path, {"efficiency": dict(sorted(efficiency.items())), "fitted": fitted})
+
+
+def write_fields(path, fields: Mapping[str, object]) -> None:
+    """Replace some top-level fields of a machine file (a name or a path), keeping the rest as
+    written; the file is checked before and after, and replaced at once."""
     path = machine_path(path)
     data = json.loads(path.read_text())
     from_dict(data, str(path))
-    data["efficiency"] = dict(sorted(efficiency.items()))
-    data["fitted"] = fitted
+    data.update(fields)
     from_dict(data, str(path))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(format_machine(data))
@@ -338,9 +346,10 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     for kind, frac in efficiency.items():
         if not _number(frac) or not 0 < frac <= 1:
             raise MachineError(f"{where}: field 'efficiency.{kind}' must be a fraction in (0, 1], got {frac!r}")
-    fitted = data.get("fitted")
-    if fitted is not None and not isinstance(fitted, str):
-        raise MachineError(f"{where}: field 'fitted' must be a string or null, got {fitted!r}")
+    fitted, runtime_fitted = (data.get(key) for key in ("fitted", "runtime_fitted"))
+    for key, value in (("fitted", fitted), ("runtime_fitted", runtime_fitted)):
+        if value is not None and not isinstance(value, str):
+            raise MachineError(f"{where}: field {key!r} must be a string or null, got {value!r}")
     return MachineModel(
         name=name, nodes=_count("nodes", data.get("nodes", _MISSING), where), devices_per_node=devices,
         device=device, intra_node=_link(data, "intra_node", where), inter_node=_link(data, "inter_node", where),
@@ -352,7 +361,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         receive_overhead=(_positive(data, "receive_overhead", "", where, zero=True)
                           if "receive_overhead" in data else 0.0),
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
-        notes=tuple(notes), fitted=fitted, source=where)
+        notes=tuple(notes), fitted=fitted, runtime_fitted=runtime_fitted, source=where)
 
 
 def _number(v) -> bool:

@@ -1,0 +1,149 @@
+"""A cpu machine model's runtime figures, fitted to real runs on the machine at hand.
+
+`launch_overhead`, `send_overhead`, `receive_overhead` and `kernel_slowdown`
+(strategies/machines/README.md) are the runtime's own costs around the kernels: its Python
+per task, its MPI handling per message, and how much slower a kernel runs among the rank's
+other threads than alone. They are not figures of the hardware. They move with the machine,
+its load and, on a shared VM, its phase (docs/accuracy.md), as kernel times do. So they are
+fitted to runs measured here, as the efficiencies are (strategies.cost calibrate).
+`fit_figures` takes strategies with their measured iteration times and returns the point of
+a grid (FIT_GRID) whose simulated times come closest, by mean relative error.
+
+Simulating every strategy at each of a thousand grid points would take minutes.
+`LinearTimes` builds and costs each strategy's graph three times instead, then times any
+point with one schedule:
+
+    times = LinearTimes(model, output, strategies, machine_model, cache_path=costs)
+    figures, error = fit_figures({"mlp": (times, measured)})
+    fitted = with_figures(machine_model, figures)
+
+`python -m apps.calibrate` measures such runs and writes the fit into a machine file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Mapping
+
+from strategies.cost import CostModel
+from strategies.machine_model import MachineModel
+from strategies.simulator import Simulator
+from strategies.timing import Handling, schedule_successors
+
+#: the figures a fit tries: each runtime figure of the machine model and its values
+FIT_GRID = {
+    "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6, 250e-6),
+    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6),
+    "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
+    "kernel_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
+}
+FIGURES = tuple(FIT_GRID)
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two equally long lists: (concordant - discordant pairs) / pairs."""
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    if not pairs:
+        return 1.0
+    sign = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
+        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+    return sign / len(pairs)
+
+
+def score(measured: Mapping[str, float], predicted: Mapping[str, float], names=None) -> tuple[float, float]:
+    """(mean relative error, Kendall's tau) of the predictions of `names` (default: all measured)."""
+    names = list(measured) if names is None else list(names)
+    error = sum(abs(predicted[n] - measured[n]) / measured[n] for n in names) / len(names)
+    return error, kendall_tau([measured[n] for n in names], [predicted[n] for n in names])
+
+
+def with_figures(machine_model: MachineModel, figures: Mapping[str, float]) -> MachineModel:
+    """The machine model with its runtime figures replaced by `figures` (some of FIGURES)."""
+    unknown = set(figures) - set(FIGURES)
+    if unknown:
+        raise ValueError(f"with_figures: {sorted(unknown)} are not runtime figures (those are {list(FIGURES)})")
+    return dataclasses.replace(machine_model, **figures)
+
+
+class LinearTimes:
+    """The simulated iterations of some strategies of one graph at any runtime figures, each graph
+    built and costed once. A node's seconds are linear in kernel_slowdown and launch_overhead (a
+    task: its kernel or source times the one plus the other; a fill or fold: bytes over bandwidth
+    plus the other; a copy: neither), and a copy between ranks holds its processors for
+    send_overhead and receive_overhead. So three costings, (slowdown, launch) = (0, 0), (1, 0)
+    and (0, 1) with send and receive 1, give every point's costs, and only the schedule runs
+    per point. `base` must be a cpu machine model (the one whose figures are fitted); kernels
+    come from the cost cache `cache_path` (measured into it where missing), the batch source's
+    seconds a sample from `source_per_sample` (default: the cost model's own)."""
+
+    def __init__(self, model, output, strategies: Mapping[str, object], base: MachineModel,
+                 cache_path: str | None = None, source_per_sample: float | None = None, loss: str | None = None):
+        if base.device.kind != "cpu":
+            raise ValueError(f"LinearTimes: the runtime figures are fitted on cpu machines, {base.name!r} has "
+                             f"{base.device.kind} devices")
+        # every kernel measured into the cache first: the three costings below then read the same
+        # seconds (each measuring what its own copy of the cache lacked, they timed a kernel thrice)
+        first = Simulator.for_model(model, base, CostModel(base, cache_path=cache_path), loss=loss, output=output)
+        first.cost.measure_all([task for strategy in strategies.values() for task in first.tasks_to_measure(strategy)])
+        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0)
+        sims = []
+        for slowdown, launch in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
+            mm = dataclasses.replace(unit, kernel_slowdown=slowdown, launch_overhead=launch)
+            cost = CostModel(mm, cache_path=cache_path)
+            if source_per_sample is not None:
+                cost.source_per_sample = source_per_sample
+            sims.append(Simulator.for_model(model, mm, cost, loss=loss, output=output))
+        self.parts = {}
+        for name, strategy in strategies.items():
+            graph = sims[0].graph(strategy)   # one graph, costed by each simulator
+            (res, fixed, delay, resources, handling), *others = (sim.node_costs(graph) for sim in sims)
+            per_slowdown, per_launch = (c[1] - fixed for c in others)
+            self.parts[name] = (graph.successors, res, fixed, per_slowdown, per_launch, delay, len(resources), handling)
+
+    def __repr__(self) -> str:
+        return f"LinearTimes({len(self.parts)} strategies: {', '.join(self.parts)})"
+
+    def times(self, figures: Mapping[str, float]) -> dict[str, float]:
+        """Each strategy's iteration time (s) at `figures` (a value for each of FIGURES)."""
+        out = {}
+        for name, (succ, res, fixed, per_slowdown, per_launch, delay, n_res, h) in self.parts.items():
+            dur = fixed + per_slowdown * figures["kernel_slowdown"] + per_launch * figures["launch_overhead"]
+            send, receive = figures["send_overhead"], figures["receive_overhead"]
+            # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
+            handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
+            out[name] = schedule_successors(res, dur, succ, n_res, delay, handling).time
+        return out
+
+
+def grid_times(linear: Mapping[str, LinearTimes], grid: Mapping[str, tuple] = FIT_GRID) -> tuple[list, list]:
+    """(every point of `grid`, and at each point every label's times): the whole grid simulated
+    once, for fits over several subsets of the same runs."""
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return points, [{label: t.times(point) for label, t in linear.items()} for point in points]
+
+
+def best_point(points: list, predictions: list, measured: Mapping[str, Mapping[str, float]],
+               names_of=lambda label: None) -> int:
+    """The index of the point with the least sum over the labels of `measured` of their mean
+    error (over the strategies names_of(label) gives; None: all, []: the label is left out)."""
+    labels = [label for label in measured if names_of(label) != []]
+    if not labels:
+        raise ValueError("best_point: no measured strategies to fit on")
+    return min(range(len(points)), key=lambda k: sum(
+        score(measured[label], predictions[k][label], names_of(label))[0] for label in labels))
+
+
+def fit_figures(cases: Mapping[str, tuple[LinearTimes, Mapping[str, float]]],
+                grid: Mapping[str, tuple] = FIT_GRID) -> tuple[dict, float]:
+    """(the grid point whose times come closest to the measured ones, its mean error over the
+    cases): `cases` maps a label to (its LinearTimes, its strategies' measured seconds)."""
+    for label, (linear, measured) in cases.items():
+        missing = set(measured) - set(linear.parts)
+        if missing:
+            raise ValueError(f"fit_figures: {label!r} has measured times for {sorted(missing)}, which its "
+                             f"LinearTimes does not simulate")
+    points, predictions = grid_times({label: linear for label, (linear, _) in cases.items()}, grid)
+    measured = {label: m for label, (_, m) in cases.items()}
+    k = best_point(points, predictions, measured)
+    error = sum(score(m, predictions[k][label])[0] for label, m in measured.items()) / len(measured)
+    return points[k], error

@@ -1,0 +1,121 @@
+"""strategies/overheads.py and apps/calibrate.py: runtime figures at any grid point equal a
+simulation with them, a fit finds the point that made the times, and the calibration command
+runs, fits and writes a machine file."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from apps import calibrate as cal
+from apps.demo import machine_setup
+from strategies.baselines import BASELINES
+from strategies.cost import CostModel
+from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
+from strategies.overheads import (FIGURES, FIT_GRID, LinearTimes, fit_figures, kendall_tau, score,
+                                  with_figures)
+from strategies.random import random_strategy
+from strategies.search import app_graph
+from strategies.simulator import Simulator
+
+
+@pytest.fixture(scope="module")
+def tiny_mlp(tmp_path_factory):
+    """(model, output, strategies, the 2-rank local model, a cost cache path) of the tiny mlp."""
+    setup = machine_setup(2, gpus=0)
+    model, output = app_graph("mlp", 16, tiny=True)
+    machine = setup.machine_model.to_machine()
+    strategies = {name: fn(model, machine) for name, fn in BASELINES.items()}
+    strategies["random1"] = random_strategy(model, machine, 1)
+    costs = str(tmp_path_factory.mktemp("costs") / "costs.json")
+    return model, output, strategies, setup.machine_model, costs
+
+
+@pytest.fixture(scope="module")
+def linear(tiny_mlp):
+    model, output, strategies, mm, costs = tiny_mlp
+    return LinearTimes(model, output, strategies, mm, costs, source_per_sample=20e-6)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(FIT_GRID["launch_overhead"]), st.sampled_from(FIT_GRID["send_overhead"]),
+       st.sampled_from(FIT_GRID["receive_overhead"]), st.sampled_from(FIT_GRID["kernel_slowdown"]))
+def test_linear_times_equal_a_simulation_with_the_figures(tiny_mlp, linear, launch, send, receive, slowdown):
+    model, output, strategies, mm, costs = tiny_mlp
+    figures = dict(zip(FIGURES, (launch, send, receive, slowdown)))
+    fitted = with_figures(mm, figures)
+    cost = CostModel(fitted, cache_path=costs)
+    cost.source_per_sample = 20e-6
+    sim = Simulator.for_model(model, fitted, cost, output=output)
+    times = linear.times(figures)
+    for name, strategy in strategies.items():
+        assert times[name] == pytest.approx(sim.simulate(strategy).time, rel=1e-12, abs=1e-15)
+
+
+def test_a_fit_finds_the_figures_that_made_the_times(linear):
+    made = {"launch_overhead": 70e-6, "send_overhead": 50e-6, "receive_overhead": 200e-6, "kernel_slowdown": 1.4}
+    measured = linear.times(made)
+    figures, error = fit_figures({"mlp": (linear, measured)})
+    assert error == pytest.approx(0.0, abs=1e-12)
+    assert linear.times(figures) == pytest.approx(measured, rel=1e-12)
+    with pytest.raises(ValueError, match="nosuch"):
+        fit_figures({"mlp": (linear, {**measured, "nosuch": 1.0})})
+
+
+def test_score_and_tau():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0 and kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    error, tau = score({"a": 1.0, "b": 2.0}, {"a": 1.5, "b": 2.0})
+    assert error == pytest.approx(0.25) and tau == 1.0
+
+
+def test_bad_figures_and_machines_are_refused(tiny_mlp):
+    model, output, strategies, mm, _ = tiny_mlp
+    with pytest.raises(ValueError, match="launch"):
+        with_figures(mm, {"launch": 1e-6})
+    with pytest.raises(ValueError, match="cpu machines"):
+        LinearTimes(model, output, {}, load_machine("p100"))
+
+
+def test_write_fields_keeps_the_rest_and_checks(tmp_path):
+    path = tmp_path / "m.json"
+    shutil.copy(MACHINES_DIR / "local.json", path)
+    before = load_machine(str(path))
+    write_fields(str(path), {"launch_overhead": 33e-6, "runtime_fitted": "a test"})
+    after = load_machine(str(path))
+    assert after.launch_overhead == 33e-6 and after.runtime_fitted == "a test"
+    assert dataclasses.replace(after, launch_overhead=before.launch_overhead, runtime_fitted=None) == before
+    text = path.read_text()
+    with pytest.raises(MachineError, match="runtime_fitted"):
+        write_fields(str(path), {"runtime_fitted": 3})
+    assert path.read_text() == text
+
+
+def test_calibrate_refuses_bad_flags(capsys, tmp_path):
+    for argv, says in ((["--machine", "p100"], "--machine p100: its devices are gpus"),
+                       (["--machine", "nosuch"], "--machine nosuch:"),
+                       (["--ranks", "1"], "--ranks: 1 must be >= 2"),
+                       (["--json", str(tmp_path / "no" / "r.json")], "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            cal.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_calibrate_runs_fits_and_writes(tmp_path, capsys):
+    """The command end to end on the tiny mlp, one round of its four baselines, under mpiexec."""
+    path = tmp_path / "local.json"
+    shutil.copy(MACHINES_DIR / "local.json", path)
+    out = tmp_path / "result.json"
+    assert cal.main(["--app", "mlp", "--rounds", "1", "--random", "0", "--iterations", "3", "--machine", str(path),
+                     "--write", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["measured"]) == set(BASELINES) and all(t > 0 for t in result["measured"].values())
+    assert set(result["figures"]) == set(FIGURES)
+    assert all(result["figures"][k] in FIT_GRID[k] for k in FIGURES)
+    assert result["mean_error"] <= result["shipped"]["mean_error"] + 1e-12   # the shipped point may be on the grid
+    written = load_machine(str(path))
+    assert {k: getattr(written, k) for k in FIGURES} == result["figures"]
+    assert written.runtime_fitted.startswith("mlp (tiny), 4 strategies x 1 runs on 2 ranks")
+    assert "wrote the figures into" in capsys.readouterr().out
