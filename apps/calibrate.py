@@ -133,7 +133,8 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
             "measured": measured, "predicted": fitted}
 
 
-def _figures_text(figures: dict) -> str:
+def figures_text(figures: dict) -> str:
+    """The runtime figures on one line, overheads in microseconds."""
     return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}" for k, v in figures.items())
 
 
@@ -163,9 +164,9 @@ def main(argv=None) -> int:
     for name, m in result["measured"].items():
         print(f"  {name:9s} measured {m * 1e3:8.2f} ms  fitted {result['predicted'][name] * 1e3:8.2f} ms")
     shipped = result["shipped"]
-    print(f"fitted: {_figures_text(result['figures'])}: mean error {result['mean_error']:.1%}, "
+    print(f"fitted: {figures_text(result['figures'])}: mean error {result['mean_error']:.1%}, "
           f"Kendall tau {result['kendall_tau']:.2f}")
-    print(f"{mm.name}'s own: {_figures_text(shipped['figures'])}: mean error {shipped['mean_error']:.1%}, "
+    print(f"{mm.name}'s own: {figures_text(shipped['figures'])}: mean error {shipped['mean_error']:.1%}, "
           f"Kendall tau {shipped['kendall_tau']:.2f}")
     if args.write:
         note = (f"{args.app} (tiny), {len(result['measured'])} strategies x {args.rounds} runs on {args.ranks} ranks, "

@@ -90,13 +90,17 @@ def table(rows: list[dict]) -> str:
 
 
 def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks: int = 2, seed: int = 0,
-             gpus: int | None = None, say=print) -> dict:
+             gpus: int | None = None, say=print, calibrate_on: str | None = None) -> dict:
     """Search, train both ways, print the table and write the trace files; returns the rows,
-    the search's result and the paths written (strategy, per-rank traces, chrome, timeline)."""
+    the search's result and the paths written (strategy, per-rank traces, chrome, timeline).
+    With `calibrate_on` (an app) on CPUs, the machine model's runtime figures are first fitted
+    to real runs of that tiny app's strategies (apps/calibrate.py), and the search and the
+    predictions use them."""
     from tools.trace import load, write_chrome, write_timeline
 
-    if app not in APPS:
-        raise ValueError(f"demo: app {app!r} is not one of {', '.join(APPS)}")
+    for what, name in (("app", app), ("calibration app", calibrate_on)):
+        if name is not None and name not in APPS:
+            raise ValueError(f"demo: {what} {name!r} is not one of {', '.join(APPS)}")
     batch = 16
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +108,8 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     say(f"demo: the tiny {app} (batch {batch}) on {setup.describe()}, "
         f"machine model {setup.machine_model.name!r} with {setup.machine_model.num_devices} devices")
     t0 = time.perf_counter()
+    if calibrate_on is not None and setup.gpus_per_rank == 0 and setup.ranks > 1:
+        setup = _calibrated(setup, calibrate_on, say)
     strategy, result = search_strategy(app, batch, setup, budget, seed, progress=None)
     path = str(out / f"demo.{app}.strategy.json")
     strategy.save(path)
@@ -136,6 +142,21 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     return {"rows": rows, "search": result, "files": files, "setup": setup}
 
 
+def _calibrated(setup: Setup, app: str, say) -> Setup:
+    """The setup with its machine model's runtime figures fitted to one round of runs of the
+    tiny `app`'s baselines and two random strategies (apps/calibrate.py)."""
+    import tempfile
+
+    from apps.calibrate import calibrate, figures_text
+    from strategies.overheads import with_figures
+    with tempfile.TemporaryDirectory() as tmp:
+        fit = calibrate(app, setup, rounds=1, iterations=20, seeds=(1, 2), out_dir=tmp, say=say)
+    shipped = fit["shipped"]
+    say(f"calibrated: {figures_text(fit['figures'])} (mean error {fit['mean_error']:.1%} over the "
+        f"{app}'s {len(fit['measured'])} strategies; the file's own figures: {shipped['mean_error']:.1%})")
+    return dataclasses.replace(setup, machine_model=with_figures(setup.machine_model, fit["figures"]))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -145,8 +166,12 @@ def main(argv=None) -> None:
     p.add_argument("--iterations", type=at_least(1), default=30, help="training iterations of each run")
     p.add_argument("--seed", type=at_least(0), default=0, help="the search's seed")
     p.add_argument("--out", default="traces", help="folder for the strategy, traces and timeline")
+    p.add_argument("--calibrate-on", default="transformer", choices=[*APPS, "none"],
+                   help="fit the runtime figures to runs of this tiny app first (CPU runs only; none: the "
+                        "machine file's figures)")
     args = p.parse_args(argv)
-    run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed)
+    run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed,
+             calibrate_on=None if args.calibrate_on == "none" else args.calibrate_on)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,19 @@ def test_run_demo_writes_every_file(tmp_path):
     assert all(path in text for path in (files["strategy"], files["chrome"], files["timeline"]))
 
 
+def test_run_demo_calibrates_the_runtime_figures_first(tmp_path):
+    from strategies.overheads import FIGURES, FIT_GRID
+    lines = []
+    out = run_demo(budget=8, iterations=3, out_dir=str(tmp_path), gpus=0, say=lines.append, calibrate_on="mlp")
+    said = [line for line in lines if line.startswith("calibrated: ")]
+    assert len(said) == 1 and "mean error" in said[0], lines
+    mm = out["setup"].machine_model
+    assert all(getattr(mm, k) in FIT_GRID[k] for k in FIGURES)
+    assert out["search"].baselines["data"] * 1e3 == pytest.approx(out["rows"][1]["predicted_ms"])
+    with pytest.raises(ValueError, match="calibration app 'lenet'"):
+        run_demo(budget=8, iterations=3, out_dir=str(tmp_path), gpus=0, calibrate_on="lenet")
+
+
 @pytest.mark.parametrize("flags, said", [(["--ranks", "0"], "argument --ranks: 0 must be >= 1"),
                                          (["--budget", "0"], "argument --budget: 0 must be >= 1"),
                                          (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
