@@ -68,9 +68,9 @@ APPS = ("mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "
 BASELINE_NAMES = ("data", "model", "expert", "tensor")
 DTYPES = ("float32", "float64")
 OPTIMIZERS = {"sgd": lambda lr: SGD(lr=lr, momentum=0.9), "adam": lambda lr: Adam(lr=lr)}
-#: what the last line of a run (one JSON object) holds
 #: the first iterations left out of the timing unless --warmup says (fewer where the run has fewer)
 WARMUP = 2
+#: what the last line of a run (one JSON object) holds
 RESULT_FIELDS = ("app", "ranks", "devices", "batch_size", "iterations", "warmup", "samples_per_s",
                  "mean_iteration_s", "median_iteration_s", "predicted_iteration_s", "first_loss", "final_loss",
                  "strategy", "tiny", "dtype", "seed", "optimizer", "lr", "parameters", "trace")
@@ -267,6 +267,7 @@ def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
     """Rank 0 searches (the cost model may measure kernels, so only one rank decides) and every
     rank takes its strategy; a machine model that does not match this run is a flag error."""
     from strategies.search import search
+
     def searched():
         graph, sim = _simulator(app, args, plan)
         result = search(sim, args.search_budget, seed=args.seed, model=graph,

@@ -1,6 +1,10 @@
 """The main demo: search a strategy for a tiny app, train with it and with data parallelism,
 and set the measured throughputs beside the simulator's predictions.
 
+0. On CPU runs, the machine model's runtime figures (a task's launch, a message's handling,
+   the kernels' slowdown in a run) are fitted to one round of real runs of another tiny app's
+   strategies (`--calibrate-on`, default the transformer; apps/calibrate.py): on a shared
+   machine they move from hour to hour, as kernel times do (docs/accuracy.md).
 1. The MCMC search (strategies.search) times proposals on the simulator for the machine the
    runs will have: `ranks` MPI ranks of one CPU worker each (the `local` machine model, one
    device a node), or one GPU a rank where cupy sees enough of them (the `h100` model, one
@@ -12,6 +16,7 @@ and set the measured throughputs beside the simulator's predictions.
    trace (chrome://tracing, Perfetto) and a timeline PNG (tools/trace.py).
 
     python -m apps.demo [--app mlp] [--ranks 2] [--budget 300] [--iterations 30] [--out traces]
+                        [--calibrate-on transformer|none]
 """
 from __future__ import annotations
 
