@@ -68,11 +68,11 @@ def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model
     return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
 
 
-def source_per_sample(app: str, batch: int, machine_model) -> float:
+def source_per_sample(app: str, batch: int, machine_model, ranks: int = 2) -> float:
     """Seconds a sample of the tiny app's batch source takes here (CostModel.measure_source), at a
-    rank's share of the batch (two ranks)."""
+    rank's share of the batch over `ranks` ranks."""
     model, _ = app_graph(app, batch, tiny=True)
-    return CostModel(machine_model).measure_source(app_source(app, model, tiny=True), -(-batch // 2))
+    return CostModel(machine_model).measure_source(app_source(app, model, tiny=True), -(-batch // ranks))
 
 
 def merge_median_costs(paths: list[str], out: str) -> None:
@@ -100,7 +100,7 @@ def measure_strategies(app: str, batch: int, iterations: int, strategies: dict[s
     for r in range(rounds):
         if before_round is not None:
             before.append(before_round())
-        sources.append(source_per_sample(app, batch, setup.machine_model))
+        sources.append(source_per_sample(app, batch, setup.machine_model, setup.ranks))
         kernels.append(os.path.join(out_dir, f"costs.{app}.round{r}.json"))
         predict(app, batch, strategies, setup.machine_model, sources[-1], kernels[-1])   # measures every kernel
         for name in (list(strategies) if r % 2 == 0 else list(strategies)[::-1]):
