@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from apps.cli import APPS, at_least, output_problem
-from apps.demo import Setup, train_mpi
+from apps.demo import Setup, cores_problem, train_mpi
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true", help="write the fitted figures into the machine file")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result as JSON to FILE")
     args = p.parse_args(argv)
+    if cores_problem(args.ranks) is not None:
+        p.error(f"--ranks {args.ranks}: {cores_problem(args.ranks)}")
     try:
         mm = load_machine(args.machine, nodes=args.ranks)
     except MachineError as e:

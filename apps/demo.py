@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,13 @@ def machine_setup(ranks: int, gpus: int | None = None) -> Setup:
         ranks = min(ranks, gpus)
         return Setup(ranks, 1, dataclasses.replace(load_machine("h100", nodes=ranks), devices_per_node=1))
     return Setup(ranks, 0, dataclasses.replace(load_machine("local", nodes=ranks), devices_per_node=1))
+
+
+def cores_problem(ranks: int) -> str | None:
+    """Why `ranks` ranks of one CPU worker each cannot run here (the apps give each its own core,
+    apps/cli.py), or None."""
+    cores = os.cpu_count() or 1
+    return None if ranks <= cores else f"{ranks} ranks of one CPU worker each need {ranks} cores, this machine has {cores}"
 
 
 def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int = 0,
@@ -175,6 +183,9 @@ def main(argv=None) -> None:
                    help="fit the runtime figures to runs of this tiny app first (CPU runs only; none: the "
                         "machine file's figures)")
     args = p.parse_args(argv)
+    problem = cores_problem(args.ranks) if machine_setup(args.ranks).gpus_per_rank == 0 else None
+    if problem is not None:
+        p.error(f"--ranks {args.ranks}: {problem}")
     run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed,
              calibrate_on=None if args.calibrate_on == "none" else args.calibrate_on)
 

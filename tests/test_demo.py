@@ -5,7 +5,7 @@ import struct
 import pytest
 
 from apps.demo import machine_setup, run_demo, table, train_mpi
-from taskrt.machine import Machine, RankSpec
+from taskrt.machine import Machine, RankSpec, count_gpus
 
 
 def test_cpu_setup_matches_the_runs_machine():
@@ -79,3 +79,15 @@ def test_bad_numbers_are_refused_before_any_work(flags, said, capsys):
     with pytest.raises(SystemExit) as e:
         main(flags)
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.skipif(count_gpus() > 0, reason="where cupy sees GPUs the demo runs one GPU a rank, not a core")
+def test_more_ranks_than_cores_is_refused_before_any_work(capsys):
+    import os
+
+    from apps.demo import main
+    too_many = (os.cpu_count() or 1) + 1
+    with pytest.raises(SystemExit) as e:
+        main(["--ranks", str(too_many)])
+    assert e.value.code == 2 and f"--ranks {too_many}: {too_many} ranks of one CPU worker each need" in \
+        capsys.readouterr().err

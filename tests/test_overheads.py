@@ -3,6 +3,7 @@ simulation with them, a fit finds the point that made the times, and the calibra
 runs, fits and writes a machine file."""
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -94,10 +95,12 @@ def test_write_fields_keeps_the_rest_and_checks(tmp_path):
 
 
 def test_calibrate_refuses_bad_flags(capsys, tmp_path):
+    too_many = (os.cpu_count() or 1) + 1
     for argv, says in ((["--machine", "p100"], "--machine p100: its devices are gpus"),
                        (["--machine", "nosuch"], "--machine nosuch:"),
                        (["--ranks", "1"], "--ranks: 1 must be >= 2"),
-                       (["--json", str(tmp_path / "no" / "r.json")], "does not exist")):
+                       (["--json", str(tmp_path / "no" / "r.json")], "does not exist"),
+                       (["--ranks", str(too_many)], f"--ranks {too_many}: {too_many} ranks of one CPU worker each")):
         with pytest.raises(SystemExit) as e:
             cal.main(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err
