@@ -51,6 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
 from apps.calibrate import COSTS_FILE, calibration_strategies, measure_strategies, predict  # noqa: E402
+from apps.cli import APPS  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.overheads import LinearTimes, best_point, grid_times, score  # noqa: E402
@@ -164,14 +165,14 @@ def _figures_text(figures: dict) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--apps", nargs="+", default=["mlp", "alexnet"])
+    p.add_argument("--apps", nargs="+", default=["mlp", "alexnet"], choices=APPS, metavar="APP")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--budget", type=int, default=40, help="search proposals for the searched strategy")
     p.add_argument("--rounds", type=int, default=3, help="runs of each strategy, taking turns")
     p.add_argument("--random-seeds", type=int, nargs="*", default=[1, 2, 3, 4],
                    help="a random strategy of each app for each seed")
-    p.add_argument("--calibrate-on", nargs="*", default=["transformer"], metavar="APP",
+    p.add_argument("--calibrate-on", nargs="*", default=["transformer"], choices=APPS, metavar="APP",
                    help="apps whose runs fit the runtime figures that then predict the others (none: no calibration)")
     p.add_argument("--fit", action="store_true", help="fit the local model's runtime figures to the runs")
     where = p.add_mutually_exclusive_group()
