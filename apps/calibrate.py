@@ -35,7 +35,7 @@ from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
 from strategies.machine_model import MachineError, load_machine, write_fields
-from strategies.overheads import FIGURES, LinearTimes, fit_figures, score
+from strategies.overheads import LinearTimes, figures_of, fit_figures, score
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_source
 from strategies.simulator import Simulator
@@ -124,12 +124,12 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
     model, output = app_graph(app, BATCH, tiny=True)
     linear = LinearTimes(model, output, strategies, setup.machine_model, runs["costs"], runs["per_sample"])
     figures, _ = fit_figures({app: (linear, measured)})
-    fitted, shipped = linear.times(figures), linear.times({k: getattr(setup.machine_model, k) for k in FIGURES})
+    own = figures_of(setup.machine_model)
+    fitted = linear.times(figures)
     error, tau = score(measured, fitted)
-    shipped_error, shipped_tau = score(measured, shipped)
+    shipped_error, shipped_tau = score(measured, linear.times(own))
     return {"app": app, "figures": figures, "mean_error": error, "kendall_tau": tau,
-            "shipped": {"figures": {k: getattr(setup.machine_model, k) for k in FIGURES},
-                        "mean_error": shipped_error, "kendall_tau": shipped_tau},
+            "shipped": {"figures": own, "mean_error": shipped_error, "kendall_tau": shipped_tau},
             "measured": measured, "predicted": fitted}
 
 
@@ -150,8 +150,9 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true", help="write the fitted figures into the machine file")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result as JSON to FILE")
     args = p.parse_args(argv)
-    if cores_problem(args.ranks) is not None:
-        p.error(f"--ranks {args.ranks}: {cores_problem(args.ranks)}")
+    too_few_cores = cores_problem(args.ranks)
+    if too_few_cores is not None:
+        p.error(f"--ranks {args.ranks}: {too_few_cores}")
     try:
         mm = load_machine(args.machine, nodes=args.ranks)
     except MachineError as e:
@@ -159,8 +160,9 @@ def main(argv=None) -> int:
     if mm.device.kind != "cpu":
         p.error(f"--machine {args.machine}: its devices are {mm.device.kind}s; the runtime figures are fitted "
                 f"on cpu machine models")
-    if args.json is not None and output_problem(args.json) is not None:
-        p.error(f"--json {args.json}: {output_problem(args.json)}")
+    unwritable = None if args.json is None else output_problem(args.json)
+    if unwritable is not None:
+        p.error(f"--json {args.json}: {unwritable}")
     setup = Setup(args.ranks, 0, dataclasses.replace(mm, devices_per_node=1))
     with tempfile.TemporaryDirectory() as tmp:
         result = calibrate(args.app, setup, args.rounds, args.iterations, range(1, args.random + 1), tmp)

@@ -180,7 +180,8 @@ def parser(app: App) -> argparse.ArgumentParser:
                             "(strategies.search), and train with it (default: no search)")
     p.add_argument("--machine", metavar="M", default=None,
                    help="the machine model the search simulates: p100, k80, h100, local or a file, with as many "
-                        "devices as this run (default: this machine, as the 'local' model); without "
+                        "devices as this run, a cpu model shaped as the run (default: this machine, as the "
+                        "'local' model); without "
                         "--search-budget, the strategy trained with is simulated on it, its predicted "
                         "iteration time reported beside the measured one")
     p.add_argument("--export-strategy", metavar="FILE", default=None,
@@ -314,17 +315,18 @@ def _on_rank_zero(work, ranks: int):
 
 
 def _machine_model(args, machine: Machine):
-    """--machine's model, or this machine as the 'local' model (shaped as this run: a node a rank,
-    its processors the node's devices); its devices must be this run's."""
+    """--machine's model (default: this machine, as the 'local' model). A cpu model describes this
+    machine's CPU workers, so it is shaped as this run is (a node a rank, its processors the
+    node's devices); any other model's devices must be this run's."""
     from strategies.machine_model import MachineError, load_machine
     devices = len(compute_processors(machine))
-    if args.machine in (None, "local"):
-        per_rank = devices // machine.num_ranks
-        return dataclasses.replace(load_machine("local", nodes=machine.num_ranks), devices_per_node=per_rank)
+    name = args.machine or "local"
     try:
-        mm = load_machine(args.machine)
+        mm = load_machine(name)
     except MachineError as e:
-        raise FlagError(f"--machine {args.machine}: {e}") from None
+        raise FlagError(f"--machine {name}: {e}") from None
+    if mm.device.kind == "cpu":
+        return dataclasses.replace(mm.with_nodes(machine.num_ranks), devices_per_node=devices // machine.num_ranks)
     if mm.num_devices != devices:
         raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} devices, this run has {devices}")
     return mm

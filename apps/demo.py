@@ -183,7 +183,7 @@ def main(argv=None) -> None:
                    help="fit the runtime figures to runs of this tiny app first (CPU runs only; none: the "
                         "machine file's figures)")
     args = p.parse_args(argv)
-    problem = cores_problem(args.ranks) if machine_setup(args.ranks).gpus_per_rank == 0 else None
+    problem = cores_problem(args.ranks) if count_gpus() == 0 else None   # (with GPUs: one a rank)
     if problem is not None:
         p.error(f"--ranks {args.ranks}: {problem}")
     run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed,

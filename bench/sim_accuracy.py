@@ -50,7 +50,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
-from apps.calibrate import COSTS_FILE, calibration_strategies, measure_strategies, predict  # noqa: E402
+from apps.calibrate import COSTS_FILE, calibration_strategies, figures_text, measure_strategies, predict  # noqa: E402
 from apps.cli import APPS  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
@@ -118,21 +118,21 @@ def _linear(apps: dict, base) -> dict:
     return linear
 
 
-def calibrate(apps: dict, on: list[str], base) -> tuple[dict, dict]:
+def calibrate(apps: dict, on: list[str], grid: tuple) -> tuple[dict, dict]:
     """(the FIT_GRID point with the least mean error over the calibration labels `on`, each
     label's predicted times at it): the runtime figures as they are now, fitted on some apps'
-    runs and then used, held out, on the others."""
-    points, predictions = grid_times(_linear(apps, base))
+    runs and then used, held out, on the others. `grid`: grid_times of every label."""
+    points, predictions = grid
     k = best_point(points, predictions, {label: apps[label]["measured"] for label in on})
     return points[k], predictions[k]
 
 
-def fit(apps: dict, base) -> dict:
+def fit(apps: dict, grid: tuple) -> dict:
     """The FIT_GRID point with the least mean error over `apps` (label -> a saved app's runs), in
     sample and in folds: with runs of one bench run, fitted on the strategies at even places of
     each app and scored on the odd ones, and the other way; with several, fitted on all runs
-    but one and scored on that one, for each."""
-    points, predictions = grid_times(_linear(apps, base))
+    but one and scored on that one, for each. `grid`: grid_times of every label."""
+    points, predictions = grid
     measured = {label: a["measured"] for label, a in apps.items()}
 
     def best(names_of) -> int:
@@ -157,10 +157,6 @@ def fit(apps: dict, base) -> dict:
         k = best(train)
         out["folds"].append({"fitted_on": fitted_on, "figures": points[k], "held_out": scored(k, test)})
     return out
-
-
-def _figures_text(figures: dict) -> str:
-    return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}" for k, v in figures.items())
 
 
 def main(argv=None) -> dict:
@@ -204,11 +200,13 @@ def main(argv=None) -> dict:
         for a in saved.values():
             a["measured"] = {name: float(np.median(r)) for name, r in a["runs"].items()}
         on = [label for label, a in saved.items() if a["app"] in args.calibrate_on]
+        # every label at every grid point, once, for the calibration and --fit alike
+        grid = grid_times(_linear(saved, setup.machine_model)) if on or args.fit else None
         calibrated = {}
         if on:
-            figures, calibrated = calibrate(saved, on, setup.machine_model)
+            figures, calibrated = calibrate(saved, on, grid)
             out["calibration"] = {"on": on, "figures": figures}
-            print(f"calibrated on {', '.join(on)}: {_figures_text(figures)}", flush=True)
+            print(f"calibrated on {', '.join(on)}: {figures_text(figures)}", flush=True)
         for label, a in saved.items():
             app, strategies, runs, per_sample, measured = (a["app"], a["strategies"], a["runs"], a["per_sample"],
                                                            a["measured"])
@@ -243,9 +241,9 @@ def main(argv=None) -> dict:
             print(f"{summary} (its batch source {per_sample * 1e6:.1f} us a sample; the runtime probe: "
                   f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)
         if args.fit:
-            out["fit"] = fit(saved, setup.machine_model)
+            out["fit"] = fit(saved, grid)
             f = out["fit"]
-            print(f"fit: {_figures_text(f['figures'])}", flush=True)
+            print(f"fit: {figures_text(f['figures'])}", flush=True)
             for app, s in f["in_sample"].items():
                 print(f"  in sample, {app}: mean error {s['mean_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}")
             for fold in f["folds"]:

@@ -57,6 +57,11 @@ def score(measured: Mapping[str, float], predicted: Mapping[str, float], names=N
     return error, kendall_tau([measured[n] for n in names], [predicted[n] for n in names])
 
 
+def figures_of(machine_model: MachineModel) -> dict[str, float]:
+    """The machine model's runtime figures (FIGURES), by name."""
+    return {name: getattr(machine_model, name) for name in FIGURES}
+
+
 def with_figures(machine_model: MachineModel, figures: Mapping[str, float]) -> MachineModel:
     """The machine model with its runtime figures replaced by `figures` (some of FIGURES)."""
     unknown = set(figures) - set(FIGURES)
