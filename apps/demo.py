@@ -73,13 +73,13 @@ def cores_problem(ranks: int) -> str | None:
 
 
 def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int = 0,
-                    progress=None) -> tuple[Strategy, SearchResult]:
+                    progress=None) -> tuple[Strategy, SearchResult, Simulator]:
     """(the best strategy for the tiny `app` at `batch` on the setup's machine, named after the app;
-    the search's result, whose baselines hold the data-parallel prediction)."""
+    the search's result, whose baselines hold the data-parallel prediction; the simulator it used)."""
     model, output = app_graph(app, batch, tiny=True)
     sim = Simulator.for_model(model, setup.machine_model, output=output, source=app_source(app, model, tiny=True))
     result = search(sim, budget, seed, model=model, progress=progress)
-    return Strategy(app, {op.name: result.best.ops[op.name] for op in model.ops}), result
+    return Strategy(app, {op.name: result.best.ops[op.name] for op in model.ops}), result, sim
 
 
 def train_mpi(app: str, setup: Setup, batch: int, iterations: int, which: list[str], trace: str,
@@ -92,14 +92,28 @@ def train_mpi(app: str, setup: Setup, batch: int, iterations: int, which: list[s
 
 
 def table(rows: list[dict]) -> str:
-    """Strategy, measured samples/s and ms per iteration, predicted ms and measured over predicted."""
+    """Strategy, measured samples/s and ms per iteration (the median: a shared machine has slow
+    outliers), predicted ms and measured over predicted."""
     head = f"{'strategy':10s} {'samples/s':>10s} {'iter ms':>9s} {'predicted ms':>13s} {'measured/pred':>14s}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        ms = r["mean_iteration_s"] * 1e3
+        ms = r["median_iteration_s"] * 1e3
         lines.append(f"{r['name']:10s} {r['samples_per_s']:10.1f} {ms:9.2f} {r['predicted_ms']:13.2f} "
                      f"{ms / r['predicted_ms']:14.2f}")
     return "\n".join(lines)
+
+
+def where_off(compare: dict, most: int = 3) -> str:
+    """Two lines from tools.trace's comparison of the searched run with its simulation: the
+    iteration's time, and the operators whose task time is furthest off (at least 10 us)."""
+    it = compare["iteration"]
+    ops = sorted((r for r in compare["operators"] if r["error"] is not None and r["measured_us"] >= 10),
+                 key=lambda r: -abs(r["simulated_us"] - r["measured_us"]))[:most]
+    what = "median iteration" if compare["per_iteration"] else "mean iteration"
+    return (f"searched, simulated against traced ({what}): {it['simulated_us'] / 1e3:.2f} ms against "
+            f"{it['measured_us'] / 1e3:.2f} ms; furthest off: "
+            + ", ".join(f"{r['name']} {r['simulated_us'] / 1e3:.2f} against {r['measured_us'] / 1e3:.2f} ms"
+                        for r in ops))
 
 
 def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks: int = 2, seed: int = 0,
@@ -109,7 +123,7 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     With `calibrate_on` (an app) on CPUs, the machine model's runtime figures are first fitted
     to real runs of that tiny app's strategies (apps/calibrate.py), and the search and the
     predictions use them."""
-    from tools.trace import load, write_chrome, write_timeline
+    from tools.trace import load, write_chrome, write_compare, write_timeline
 
     for what, name in (("app", app), ("calibration app", calibrate_on)):
         if name is not None and name not in APPS:
@@ -123,7 +137,7 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     t0 = time.perf_counter()
     if calibrate_on is not None and setup.gpus_per_rank == 0 and setup.ranks > 1:
         setup = _calibrated(setup, calibrate_on, say)
-    strategy, result = search_strategy(app, batch, setup, budget, seed, progress=None)
+    strategy, result, sim = search_strategy(app, batch, setup, budget, seed, progress=None)
     path = str(out / f"demo.{app}.strategy.json")
     strategy.save(path)
     say(f"search: {result.proposals} proposals in {result.seconds:.1f} s, predicted {result.best_time * 1e3:.2f} ms "
@@ -134,7 +148,7 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
         report = train_mpi(app, setup, batch, iterations, which, trace)
         predicted = result.best_time if name == "searched" else result.baselines["data"]
         rows.append({"name": name, "samples_per_s": report["samples_per_s"],
-                     "mean_iteration_s": report["mean_iteration_s"], "predicted_ms": predicted * 1e3,
+                     "median_iteration_s": report["median_iteration_s"], "predicted_ms": predicted * 1e3,
                      "final_loss": report["final_loss"]})
         files[f"{name}_traces"] = [report["trace"]] + [rank_trace_path(trace, r) for r in range(1, setup.ranks)]
         say(f"trained {name}: {iterations} iterations, loss {report['first_loss']:.3f} -> {report['final_loss']:.3f}")
@@ -145,6 +159,10 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     files["timeline"] = str(out / "demo.searched.timeline.png")
     write_chrome(trace, files["chrome"])
     write_timeline(trace, files["timeline"], title=f"{app} (tiny), searched strategy, {setup.describe()}")
+    files["simulated"] = sim.simulate(dict(strategy.ops)).write_trace(str(out / "demo.searched.simulated.jsonl"))
+    files["compare"] = str(out / "demo.searched.compare.png")
+    say("")
+    say(where_off(write_compare(load(files["simulated"]), trace, files["compare"])))
     say("")
     say(f"files ({time.perf_counter() - t0:.0f} s in all):")
     say(f"  strategy        {files['strategy']}")
@@ -152,6 +170,8 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
         say(f"  {name + ' traces':15s} {', '.join(files[name + '_traces'])}")
     say(f"  chrome trace    {files['chrome']}  (chrome://tracing or ui.perfetto.dev)")
     say(f"  timeline        {files['timeline']}")
+    say(f"  simulated trace {files['simulated']}")
+    say(f"  compare         {files['compare']}  (simulated above, the median measured iteration below)")
     return {"rows": rows, "search": result, "files": files, "setup": setup}
 
 

@@ -27,7 +27,7 @@ def test_gpu_setup_one_gpu_a_rank():
 
 
 def test_table_rows():
-    text = table([{"name": "searched", "samples_per_s": 400.0, "mean_iteration_s": 0.04, "predicted_ms": 5.0}])
+    text = table([{"name": "searched", "samples_per_s": 400.0, "median_iteration_s": 0.04, "predicted_ms": 5.0}])
     assert text.splitlines()[2].split() == ["searched", "400.0", "40.00", "5.00", "8.00"]
 
 
@@ -54,7 +54,24 @@ def test_run_demo_writes_every_file(tmp_path):
     assert head[:8] == b"\x89PNG\r\n\x1a\n" and min(struct.unpack(">II", head[16:24])) > 100
     text = "\n".join(lines)
     assert "samples/s" in text and "predicted ms" in text
-    assert all(path in text for path in (files["strategy"], files["chrome"], files["timeline"]))
+    assert all(path in text for path in (files["strategy"], files["chrome"], files["timeline"], files["simulated"],
+                                         files["compare"]))
+    # the searched run against its simulation, iteration by iteration (tools.trace compare)
+    with open(files["compare"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    said = [line for line in lines if line.startswith("searched, simulated against traced (median iteration): ")]
+    assert len(said) == 1 and "furthest off: " in said[0], lines
+
+
+def test_where_off_names_the_operators_furthest_off():
+    from apps.demo import where_off
+    row = lambda name, sim, meas: {"name": name, "simulated_us": sim, "measured_us": meas,  # noqa: E731
+                                   "error": (sim - meas) / meas if meas else None}
+    compare = {"per_iteration": True, "iteration": row(None, 3000.0, 6000.0),
+               "operators": [row("fc1", 300.0, 200.0), row("source", 900.0, 2000.0), row("loss", 300.0, 600.0),
+                             row("attach", 0.0, 5.0), row("drop", 100.0, 110.0)]}
+    assert where_off(compare, most=2) == ("searched, simulated against traced (median iteration): 3.00 ms against "
+                                          "6.00 ms; furthest off: source 0.90 against 2.00 ms, loss 0.30 against 0.60 ms")
 
 
 def test_run_demo_calibrates_the_runtime_figures_first(tmp_path):

@@ -6,6 +6,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ops import SGD, Model
 from strategies import data_parallel
@@ -151,7 +153,9 @@ def test_compare(simulated, measured, tmp_path, capsys):
     result = tt.write_compare(tt.load(simulated), tt.load(measured), str(tmp_path / "cmp.png"))
     s, m = tt.load(simulated), tt.load(measured)
     assert png_size(tmp_path / "cmp.png") == (1400, 2 * 160 + 18 * (len(s.rows()) + len(m.rows())))
-    assert result["iterations"] == 3
+    # Model.fit from arrays has no batch source: its first forward task marks the iterations
+    assert tt.cut_iterations(s, m).marker == {0: "d1.fwd"}
+    assert result["per_iteration"] and result["iterations"] == 3 and result["skipped"] == 1
     ops = {r["name"]: r for r in result["operators"]}
     assert {"d1", "d2", "loss"} <= set(ops) and ops["d1"]["simulated_us"] > 0 and ops["d1"]["measured_us"] > 0
     d1 = ops["d1"]
@@ -159,9 +163,67 @@ def test_compare(simulated, measured, tmp_path, capsys):
     assert {r["name"] for r in result["processors"]} == {"r0.cpu0", "r0.cpu1"}
     assert result["iteration"]["simulated_us"] == pytest.approx(s.span_us)
     rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c2.png")
-    assert rc == 0 and "iteration time" in out and "r0.cpu1" in out
-    rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c3.png", "--json")
-    assert json.loads(out)["iterations"] == 3
+    assert rc == 0 and "iteration time" in out and "r0.cpu1" in out and "the first 1 left out" in out
+    rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c3.png", "--json", "--skip", "0")
+    assert json.loads(out)["iterations"] == 3 and json.loads(out)["skipped"] == 0
+    rc, out, err = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c4.png", "--skip", "3")
+    assert rc == 2 and out == "" and "cannot leave out 3 iteration(s): the measured run has 3" in err
+    with pytest.raises(SystemExit):
+        tt.main(["compare", simulated, measured, "-o", str(tmp_path / "c5.png"), "--skip", "-1"])
+    assert "'-1' is not a whole number >= 0" in capsys.readouterr().err
+
+
+def _task(i: int, name: str, rank: int, start: float, dur: float) -> dict:
+    return {"id": i, "name": name, "kind": "task", "op": name.split(".")[0], "rank": rank, "proc": f"r{rank}.cpu0",
+            "start": start, "end": start + dur, "bytes": 0, "point": [rank]}
+
+
+def _synthetic_run(durations: list[list[list[float]]], gap: float) -> tuple[tt.Trace, tt.Trace]:
+    """(a simulated iteration, a measured run) of `source`, `a.fwd` and `b.fwd` on each rank, one
+    after another; durations[k][r] = those three tasks' durations in iteration k on rank r. The
+    run starts with an `attach` before its first source, and ranks wait `gap` between iterations."""
+    names = ("source", "a.fwd", "b.fwd")
+    sim = [_task(3 * r + j, names[j], r, 10.0 * j, 10.0) for r in range(len(durations[0])) for j in range(3)]
+    events, clock = [], {r: 50.0 for r in range(len(durations[0]))}
+    for r in clock:
+        events.append(_task(len(events), "attach", r, 0.0, 20.0))
+    for per_rank in durations:
+        for r, durs in enumerate(per_rank):
+            for name, d in zip(names, durs):
+                events.append(_task(len(events), name, r, clock[r], d))
+                clock[r] += d
+            clock[r] += gap
+    return tt.Trace(sim, {"simulated": True}), tt.Trace(sorted(events, key=lambda e: e["start"]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 2).flatmap(lambda ranks: st.lists(
+           st.lists(st.lists(st.floats(1.0, 1000.0), min_size=3, max_size=3), min_size=ranks, max_size=ranks),
+           min_size=2, max_size=7)),
+       st.floats(0.0, 50.0), st.integers(0, 1))
+def test_compare_takes_medians_over_the_iterations_after_the_skipped(durations, gap, skip):
+    sim, run = _synthetic_run(durations, gap)
+    c = tt.compare(sim, run, skip)
+    kept = durations[skip:]
+    assert c["per_iteration"] and c["iterations"] == len(durations) and c["skipped"] == skip
+    ops = {r["name"]: r["measured_us"] for r in c["operators"]}
+    for j, op in enumerate(("source", "a", "b")):
+        assert ops[op] == pytest.approx(np.median([sum(rank[j] for rank in it) for it in kept]))
+    assert "attach" not in ops or ops["attach"] == 0.0   # before the first iteration
+    # an iteration's time: the slowest rank's, from its start to the next one's (the last: to its end)
+    times = [max(sum(rank) + (gap if k + 1 < len(durations) else 0.0) for rank in it) for k, it in enumerate(durations)]
+    assert c["iteration"]["measured_us"] == pytest.approx(np.median(times[skip:]))
+    assert c["iteration"]["measured_max_us"] == pytest.approx(max(times[skip:]))
+    assert c["task_time"]["measured_us"] == pytest.approx(np.median([sum(map(sum, it)) for it in kept]))
+
+
+def test_compare_a_run_it_cannot_cut_is_averaged():
+    sim, run = _synthetic_run([[[5.0, 1.0, 1.0]], [[5.0, 1.0, 1.0]]], 0.0)
+    run.events.append(_task(99, "source", 0, 1000.0, 5.0))   # a third source with no iteration after it
+    sim.events.append(_task(9, "source", 0, 0.0, 1.0))       # two sources an iteration: 3 is no multiple
+    c = tt.compare(sim, run)
+    assert not c["per_iteration"] and "rank 0 ran 3 'source' tasks, not a multiple of the 2" in c["why"]
+    assert "not cut into iterations (rank 0 ran 3" in tt.format_compare(c)
 
 
 # ---- summary and critical path -------------------------------------------------------------------

@@ -5,7 +5,7 @@
     python -m tools.trace timeline run.jsonl -o run.png
     python -m tools.trace summary run.jsonl [--json]
     python -m tools.trace critical-path sim.jsonl [--json]
-    python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json]
+    python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json] [--skip N]
 
 A path that does not exist but whose rank files do (run.jsonl -> run.rank0.jsonl, ...) stands
 for all of them. Every command reads its traces with `load`, which checks them: a truncated,
@@ -24,6 +24,7 @@ import bisect
 import json
 import os
 import re
+import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -529,10 +530,109 @@ def _default_title(trace: Trace) -> str:
     return f"{what}: {len(trace.events)} events on ranks {trace.ranks}, {trace.span_us / 1e3:.3f} ms"
 
 
-def compare(simulated: Trace, measured: Trace) -> dict:
-    """Predicted against measured task time per operator and per processor, per iteration (the
-    measured run's iterations: its task count over the simulated one's), with relative errors."""
+# ---- comparing a simulated iteration with a measured run ---------------------------------------
+@dataclass(frozen=True)
+class Iterations:
+    """A measured run cut into its training iterations: on each rank, iteration k starts at the
+    k-th start of the task that starts the simulated iteration there (the batch source in the
+    apps), and holds the events that start from then until the next one."""
+
+    marker: dict[int, str]          # rank -> the name of the task that starts an iteration there
+    starts: dict[int, list[float]]  # rank -> each iteration's start (us)
+
+    def __repr__(self) -> str:
+        return f"Iterations({self.count} on ranks {sorted(self.starts)}, marked by {sorted(set(self.marker.values()))})"
+
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.starts.values()), []))
+
+    def index(self, event: dict) -> int:
+        """The iteration an event falls in; -1 before the first (the run's set-up)."""
+        return bisect.bisect_right(self.starts[event["rank"]], event["start"]) - 1
+
+    def times_us(self, measured: Trace) -> list[float]:
+        """Each iteration's time, the slowest rank's: from its start to the next one's (as an app
+        times its loop); the last to the end of its rank's last event."""
+        end: dict[int, float] = defaultdict(float)
+        for e in measured.events:
+            end[e["rank"]] = max(end[e["rank"]], e["end"])
+        return [max((s[k + 1] if k + 1 < len(s) else end[r]) - s[k] for r, s in self.starts.items())
+                for k in range(self.count)]
+
+
+def cut_iterations(simulated: Trace, measured: Trace) -> Iterations | str:
+    """The measured run's iterations (`Iterations`), or why it cannot be cut into them. On each
+    rank the marker is the simulated iteration's first task in program order (node ids) that the
+    run has too: the batch source in the apps (a model fed from arrays has none, and its first
+    forward task marks it). The run's count of it must be a whole number of iterations, the same on every rank."""
+    starts: dict[int, list[float]] = {}
+    marker: dict[int, str] = {}
+    for rank in measured.ranks:
+        ran: dict[str, list[float]] = defaultdict(list)
+        for e in measured.events:
+            if e["rank"] == rank and is_task(e):
+                ran[e["name"]].append(e["start"])
+        tasks = sorted((e for e in simulated.events if e["rank"] == rank and is_task(e) and e["name"] in ran),
+                       key=lambda e: e["id"])
+        if not tasks:
+            return f"the simulated trace has no task on rank {rank} that the run has"
+        name = marker[rank] = tasks[0]["name"]
+        each = sum(e["name"] == name for e in tasks)
+        seen = sorted(ran[name])
+        if len(seen) % each:
+            return f"rank {rank} ran {len(seen)} {name!r} tasks, not a multiple of the {each} an iteration has"
+        starts[rank] = seen[::each]
+    counts = {len(s) for s in starts.values()}
+    if len(counts) != 1:
+        return f"the ranks ran different numbers of iterations: {sorted(counts)}"
+    return Iterations(marker, starts)
+
+
+def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
+    """Predicted against measured times per iteration, with relative errors: the iteration's time,
+    and task time per operator and per processor. The measured run is cut into its iterations
+    (`cut_iterations`); the first `skip` are left out (the first compiles kernels and starts from
+    the weights' attach), and each figure is the median over the rest, so a slow outlier does
+    not move it. A run that cannot be cut is averaged over all its iterations (its task count
+    over the simulated one's), which the result says ("per_iteration": false, "why")."""
     sim_tasks = [e for e in simulated.events if is_task(e)]
+    cut = cut_iterations(simulated, measured)
+    if isinstance(cut, str):
+        return _compare_averaged(simulated, measured, sim_tasks, cut)
+    if not 0 <= skip < cut.count:
+        raise TraceError(f"compare: cannot leave out {skip} iteration(s): the measured run has {cut.count}")
+    kept = range(skip, cut.count)
+    sums: dict[str, list[dict]] = {"op": [defaultdict(float) for _ in kept], "proc": [defaultdict(float) for _ in kept]}
+    totals = [0.0 for _ in kept]
+    for e in measured.events:
+        k = cut.index(e) - skip
+        if k >= 0 and is_task(e):
+            dur = e["end"] - e["start"]
+            sums["op"][k][operator(e)] += dur
+            sums["proc"][k][e["proc"]] += dur
+            totals[k] += dur
+    times = cut.times_us(measured)[skip:]
+
+    def table(key, which) -> list[dict]:
+        sim: dict[str, float] = defaultdict(float)
+        for e in sim_tasks:
+            sim[key(e)] += e["end"] - e["start"]
+        names = set(sim).union(*sums[which])
+        rows = [_row(k, sim.get(k, 0.0), _median([s.get(k, 0.0) for s in sums[which]])) for k in names]
+        return sorted(rows, key=lambda r: -max(r["simulated_us"], r["measured_us"]))
+
+    sim_total = sum(e["end"] - e["start"] for e in sim_tasks)
+    median_k = skip + min(range(len(times)), key=lambda i: (abs(times[i] - _median(times)), i))
+    return {"iterations": cut.count, "skipped": skip, "per_iteration": True, "median_iteration": median_k,
+            "iteration": {**_row(None, simulated.span_us, _median(times)), "measured_min_us": min(times),
+                          "measured_max_us": max(times)},
+            "task_time": _row(None, sim_total, _median(totals)),
+            "operators": table(operator, "op"), "processors": table(lambda e: e["proc"], "proc")}
+
+
+def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], why: str) -> dict:
+    """`compare` for a run that cannot be cut into iterations: its totals over its iteration count."""
     meas_tasks = [e for e in measured.events if is_task(e)]
     iterations = max(1, round(len(meas_tasks) / max(1, len(sim_tasks))))
 
@@ -542,18 +642,24 @@ def compare(simulated: Trace, measured: Trace) -> dict:
             sim[key(e)] += e["end"] - e["start"]
         for e in meas_tasks:
             meas[key(e)] += (e["end"] - e["start"]) / iterations
-        rows = [{"name": k, "simulated_us": sim.get(k, 0.0), "measured_us": meas.get(k, 0.0),
-                 "error": _rel(sim.get(k, 0.0), meas.get(k, 0.0))} for k in set(sim) | set(meas)]
+        rows = [_row(k, sim.get(k, 0.0), meas.get(k, 0.0)) for k in set(sim) | set(meas)]
         return sorted(rows, key=lambda r: -max(r["simulated_us"], r["measured_us"]))
 
     sim_total = sum(e["end"] - e["start"] for e in sim_tasks)
     meas_total = sum(e["end"] - e["start"] for e in meas_tasks) / iterations
-    sim_iter = simulated.span_us
-    meas_iter = measured.span_us / iterations
-    return {"iterations": iterations,
-            "iteration": {"simulated_us": sim_iter, "measured_us": meas_iter, "error": _rel(sim_iter, meas_iter)},
-            "task_time": {"simulated_us": sim_total, "measured_us": meas_total, "error": _rel(sim_total, meas_total)},
+    return {"iterations": iterations, "skipped": 0, "per_iteration": False, "why": why,
+            "iteration": _row(None, simulated.span_us, measured.span_us / iterations),
+            "task_time": _row(None, sim_total, meas_total),
             "operators": table(operator), "processors": table(lambda e: e["proc"])}
+
+
+def _row(name: str | None, simulated_us: float, measured_us: float) -> dict:
+    row = {"simulated_us": simulated_us, "measured_us": measured_us, "error": _rel(simulated_us, measured_us)}
+    return row if name is None else {"name": name, **row}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def _rel(predicted: float, measured: float) -> float | None:
@@ -565,7 +671,14 @@ def format_compare(c: dict) -> str:
         return "-" if x is None else f"{x:+.0%}"
 
     it, tt = c["iteration"], c["task_time"]
-    lines = [f"measured run: {c['iterations']} iteration(s); per iteration, simulated against measured:",
+    if c["per_iteration"]:
+        head = (f"measured run: {c['iterations']} iterations, the first {c['skipped']} left out; medians of the "
+                f"other {c['iterations'] - c['skipped']} (iteration {it['measured_min_us'] / 1e3:.3f}-"
+                f"{it['measured_max_us'] / 1e3:.3f} ms), simulated against measured:")
+    else:
+        head = (f"measured run: not cut into iterations ({c['why']}); its totals over {c['iterations']} "
+                f"iteration(s), simulated against measured:")
+    lines = [head,
              f"iteration time {it['simulated_us'] / 1e3:.3f} ms vs {it['measured_us'] / 1e3:.3f} ms ({err(it['error'])}); "
              f"task time {tt['simulated_us'] / 1e3:.3f} ms vs {tt['measured_us'] / 1e3:.3f} ms ({err(tt['error'])})"]
     for title, rows in (("operator", c["operators"]), ("processor", c["processors"])):
@@ -576,26 +689,37 @@ def format_compare(c: dict) -> str:
     return "\n".join(lines)
 
 
-def write_compare(simulated: Trace, measured: Trace, path: str) -> dict:
-    """Both timelines in one PNG (simulated above, measured below, on one time scale, one legend)
-    and the comparison table (`compare`), which it returns."""
+def write_compare(simulated: Trace, measured: Trace, path: str, skip: int = 1) -> dict:
+    """Both timelines in one PNG on one time scale, one legend: the simulated iteration above and,
+    below, the measured iteration whose time is the median (the whole run where it cannot be cut
+    into iterations); and the comparison table (`compare`), which it returns."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = compare(simulated, measured)
-    colors = _colors([simulated, measured])
-    rs, rm = len(simulated.rows()), len(measured.rows())
+    result = compare(simulated, measured, skip)
+    if result["per_iteration"]:
+        cut = cut_iterations(simulated, measured)
+        k = result["median_iteration"]
+        shown = Trace([e for e in measured.events if cut.index(e) == k], measured.meta)
+        title = f"measured: iteration {k + 1} of {result['iterations']} (the median), {cut.times_us(measured)[k] / 1e3:.3f} ms"
+        xmax = max(simulated.span_us, shown.span_us) / 1e3
+        xmax_measured = xmax
+    else:
+        shown = measured
+        title = f"measured: {measured.span_us / 1e3:.3f} ms for {result['iterations']} iteration(s)"
+        xmax = max(simulated.span_us, measured.span_us / result["iterations"]) / 1e3
+        xmax_measured = measured.span_us / 1e3 if result["iterations"] == 1 else xmax * result["iterations"]
+    colors = _colors([simulated, shown])
+    rs, rm = len(simulated.rows()), len(shown.rows())
     height = 2 * MARGIN_PX + ROW_PX * (max(rs, 1) + max(rm, 1))
     fig = plt.figure(figsize=(WIDTH_PX / DPI, height / DPI), dpi=DPI)
     split = 1.0 - (MARGIN_PX + ROW_PX * max(rs, 1)) / height
-    xmax = max(simulated.span_us, measured.span_us / result["iterations"]) / 1e3
     ax_s = fig.add_axes(_axes_rect(split, 1.0, fig))
     ax_m = fig.add_axes(_axes_rect(0.0, split, fig))
     _draw(ax_s, simulated, colors, xmax, f"simulated: {simulated.span_us / 1e3:.3f} ms an iteration")
-    _draw(ax_m, measured, colors, measured.span_us / 1e3 if result["iterations"] == 1 else xmax * result["iterations"],
-          f"measured: {measured.span_us / 1e3:.3f} ms for {result['iterations']} iteration(s)")
-    _legend(fig, colors, _used_keys([simulated, measured], colors))
+    _draw(ax_m, shown, colors, xmax_measured, title)
+    _legend(fig, colors, _used_keys([simulated, shown], colors))
     fig.savefig(path, dpi=DPI, format="png")
     plt.close(fig)
     return result
@@ -628,7 +752,20 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("measured", nargs="+")
     q.add_argument("-o", "--output", required=True)
     q.add_argument("--json", action="store_true")
+    q.add_argument("--skip", type=_count, default=1, metavar="N",
+                   help="measured iterations left out first (default: 1, the one that compiles kernels)")
     return p
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return n
 
 
 def main(argv=None) -> int:
@@ -647,7 +784,7 @@ def main(argv=None) -> int:
 
 def _run(args) -> int:
     if args.command == "compare":
-        result = write_compare(load(args.simulated), load(args.measured), args.output)
+        result = write_compare(load(args.simulated), load(args.measured), args.output, args.skip)
         print(json.dumps(result, indent=1) if args.json else format_compare(result) + f"\nwrote {args.output}")
         return 0
     trace = load(args.traces)
