@@ -66,7 +66,7 @@ RUNS_FILE = "runs.json"
 def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> dict[str, Strategy]:
     """The four baselines, a searched strategy and a random one for each of `seeds`."""
     made = calibration_strategies(app, batch, setup, seeds)
-    searched, _ = search_strategy(app, batch, setup, budget)
+    searched, _, _ = search_strategy(app, batch, setup, budget)
     baselines = {name: s for name, s in made.items() if not name.startswith("random")}
     return {**baselines, "searched": searched, **{name: s for name, s in made.items() if name not in baselines}}
 

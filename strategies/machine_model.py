@@ -124,6 +124,11 @@ class LinkSpec:
 SAME_MEMORY = LinkSpec(math.inf, 0.0)
 
 
+#: the most devices a machine model may have: 4 million took 4 GB and a minute and a half to
+#: search the tiny mlp on, and 400 million ran this machine out of memory
+MAX_DEVICES = 1 << 20
+
+
 @dataclass(frozen=True)
 class MachineModel:
     """`nodes` nodes of `devices_per_node` devices, their links, and the roofline's efficiencies.
@@ -153,6 +158,10 @@ class MachineModel:
 
     def __post_init__(self):
         object.__setattr__(self, "efficiency", dict(self.efficiency))
+        if self.nodes * self.devices_per_node > MAX_DEVICES:
+            raise MachineError(f"{self.source or self.name}: {self.nodes:,} nodes of {self.devices_per_node} devices "
+                               f"are {self.nodes * self.devices_per_node:,} devices; a machine model has at most "
+                               f"{MAX_DEVICES:,} (the simulator's machine alone holds about a kilobyte a device)")
         if self.host is None:
             object.__setattr__(self, "host", self.device)
         if self.host_link is None:

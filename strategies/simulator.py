@@ -40,6 +40,9 @@ from strategies.timing import Handling, Timing, schedule_successors
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
 
+#: the most entries _pair_columns's dense tables may have (32 bytes each: 1 GiB; about 5,800
+#: memories): past it, a dict lookup per distinct memory pair
+DENSE_PAIRS = 1 << 25
 
 @dataclass
 class SimResult:
@@ -273,7 +276,13 @@ class Simulator:
         """_copy_pair's four figures for each of `codes` (an array), as arrays: read from dense
         tables by code, which _copy_pair fills for the codes not seen before (at 1,024 devices
         most copies of a redistribution have a pair of their own: a lookup each was most of
-        their costing). The tables have 2 * memories^2 entries, made on first use."""
+        their costing). The tables have 2 * memories^2 entries, made on first use; past
+        DENSE_PAIRS entries (tens of thousands of devices, where they would take gigabytes)
+        each distinct code is looked up in _copy_pair's dict instead."""
+        if 2 * len(self._memory_number) ** 2 > DENSE_PAIRS:
+            distinct, where = np.unique(codes, return_inverse=True)
+            columns = np.array([self._copy_pair(code) for code in distinct.tolist()], float).reshape(-1, 4).T
+            return columns[0].astype(np.int64)[where], columns[1][where], columns[2][where], columns[3][where]
         if self._pair_tables is None:
             size = 2 * len(self._memory_number) ** 2
             self._pair_tables = (np.full(size, -1, np.int64), np.zeros(size), np.zeros(size), np.zeros(size))

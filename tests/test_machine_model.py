@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ops.lower import compute_processors
-from strategies.machine_model import (SAME_MEMORY, DeviceSpec, MachineError, format_machine, load_machine,
+from strategies.machine_model import (MAX_DEVICES, SAME_MEMORY, DeviceSpec, MachineError, format_machine, load_machine,
                                       machine_path, shipped_machines, write_efficiency)
 from taskrt.machine import Memory
 
@@ -41,6 +41,14 @@ def test_nodes_override_and_a_path_load(tmp_path):
     assert load_machine(str(copied), nodes=2).to_machine().num_ranks == 2
     with pytest.raises(MachineError, match=r"nodes must be a whole number >= 1, got 0"):
         load_machine("p100", nodes=0)
+
+
+def test_a_machine_past_the_device_limit_is_refused_before_anything_is_built():
+    most = MAX_DEVICES // 4
+    assert load_machine("p100", nodes=most).num_devices == MAX_DEVICES
+    with pytest.raises(MachineError, match=r"p100.json: 262,145 nodes of 4 devices are 1,048,580 devices; "
+                                           r"a machine model has at most 1,048,576"):
+        load_machine("p100", nodes=most + 1)
 
 
 def test_an_unknown_name_lists_the_shipped_ones():

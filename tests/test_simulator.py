@@ -223,6 +223,30 @@ def test_delta_simulation_equals_full_simulation_exactly(seed, machine, nodes):
         assert len(delta.graph.nodes) == len(full.graph.nodes)
 
 
+def test_copies_costed_without_the_dense_pair_tables_are_costed_the_same(monkeypatch):
+    """Past DENSE_PAIRS (machines of tens of thousands of devices) the copies' link figures come
+    from a lookup per distinct memory pair: the same times as the dense tables give."""
+    import strategies.simulator as simulator
+    model = MODELS["cnn"](Runtime(execute=False))
+    mm = load_machine("k80", nodes=3)
+
+    def run() -> list:
+        sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), loss=data("cnn")[2])
+        rng = np.random.default_rng(3)
+        configs, out = {}, []
+        for _ in range(4):
+            op = sim.ops[int(rng.integers(len(sim.ops)))]
+            configs[op.name] = random_config(op, sim.machine, rng)
+            r = sim.simulate(dict(configs))
+            out.append((r.time, r.busy, sim.node_costs(r.graph)[1].tolist()))
+        return out, sim._pair_tables is not None
+    dense, used_tables = run()
+    monkeypatch.setattr(simulator, "DENSE_PAIRS", 0)
+    looked_up, used_no_tables = run()
+    assert used_tables and not used_no_tables
+    assert dense == looked_up
+
+
 def test_delta_simulation_with_its_caches_dropped_between_proposals_is_unchanged():
     """Dropping the segment caches (a one-byte budget: after every build) changes no result:
     the simulator drops its costs of the old parts with them."""
