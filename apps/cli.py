@@ -401,6 +401,10 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
     """Build the graph alone (no weights) and check the dtype, the strategy and the batch against it."""
     graph, _ = build_model(app.build, sizes, batch, dtype=args.dtype, weights=False,
                            runtime=Runtime(machine=machine, execute=False))
+    for op in graph.ops:
+        problem = op.training_problem()
+        if problem is not None:
+            raise FlagError(f"--batch-size {batch}: {op.fail(problem)}")
     floats = {t.dtype for op in graph.ops for t in op.outputs if np.dtype(t.dtype).kind == "f"}
     if floats - {args.dtype}:
         raise FlagError(f"--dtype {args.dtype}: {app.name} computes in {', '.join(sorted(floats))} "

@@ -159,6 +159,11 @@ class Op(ABC):
         """Trainable parameters: short name ('weight', 'bias') to shape. Default: none."""
         return {}
 
+    def training_problem(self) -> str | None:
+        """Why this op cannot train at its shapes (a batch norm over one value a channel), for the
+        model API to refuse before any work; None where it can (the default)."""
+        return None
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Non-trained state updated in training forward (batch_norm's running stats)."""
         return {}

@@ -355,6 +355,10 @@ class Model:
             raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
                              f"{[(t.name, t.shape) for t in self.inputs]}")
         graph, inputs, loss_op = self.training_graph(loss, output)
+        for op in graph:
+            problem = op.training_problem()
+            if problem is not None:
+                raise op.fail(problem)
         out = loss_op.inputs[0]
         configs = dict(configs or {})
         known = {op.name: op for op in graph}

@@ -285,11 +285,16 @@ class BatchNorm(Op):
         """The tile at 0 along every dim but the channels: one per channel group."""
         return all(a == 0 for d, a in enumerate(tile.lo) if d != 1)
 
+    def training_problem(self) -> str | None:
+        count = self._count
+        return None if count >= 2 else f"needs more than 1 value per channel in training, got {count}"
+
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None, sums=None, out=None):
         (x,) = inputs
         count = self._count
-        if training and count < 2:
-            raise self.fail(f"needs more than 1 value per channel in training, got {count}")
+        problem = self.training_problem() if training else None
+        if problem is not None:
+            raise self.fail(problem)
         if training:
             if sums is None:
                 mean, var = self._local_stats(xp, x)

@@ -321,6 +321,13 @@ def test_bad_batch_size_value(capsys):
     assert bad(capsys, mlp, "--batch-size", 0) == "error: argument --batch-size: 0 must be >= 1"
 
 
+def test_a_batch_a_batch_norm_cannot_train_on_is_refused_before_any_work(capsys):
+    """One sample whose last grids are 1x1: a batch norm there has one value a channel."""
+    assert bad(capsys, inception_v3, "--tiny", "--batch-size", 1) == (
+        "error: --batch-size 1: batch_norm 'Mixed_7a.branch3x3_2.bn': needs more than 1 value per channel in "
+        "training, got 1 (input shapes [(1, 40, 1, 1)])")
+
+
 def test_warmup_must_leave_an_iteration_to_time(capsys):
     assert bad(capsys, mlp, "--tiny", "--iterations", 3, "--warmup", 3) == (
         "error: --warmup 3: must be less than --iterations (3): no iteration would be timed")

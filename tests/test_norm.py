@@ -192,6 +192,22 @@ def test_batch_norm_bad_inputs_name_the_op():
     x = np.ones((1, 3), np.float32)
     with pytest.raises(ShapeError, match=r"batch_norm 'bn': needs more than 1 value per channel in training"):
         run_whole(op, [x], {"weight": np.ones(3, np.float32), "bias": np.zeros(3, np.float32)})
+    assert op.training_problem() == "needs more than 1 value per channel in training, got 1"
+    assert BatchNorm("bn", [spec((1, 3, 1, 2))]).training_problem() is None
+
+
+def test_a_model_whose_batch_norm_cannot_train_is_refused_at_compile():
+    from ops import Model
+    from taskrt import Runtime
+    rt = Runtime(cpus=1)
+    try:
+        m = Model(runtime=rt)
+        m.dense(m.batch_norm(m.input((1, 3, 1, 1), name="x"), name="bn"), 2, name="fc")
+        with pytest.raises(ShapeError, match=r"batch_norm 'bn': needs more than 1 value per channel in training, "
+                                             r"got 1 \(input shapes \[\(1, 3, 1, 1\)\]\)"):
+            m.compile()
+    finally:
+        rt.shutdown()
 
 
 def ln_data(shape, normalized_shape, seed=0, dtype=np.float32):
