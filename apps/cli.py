@@ -61,7 +61,7 @@ from ops.optimizers import SGD, Adam
 from ops.strategy import Strategy, StrategyError
 from ops.strategy import load as load_strategy
 from taskrt import Runtime
-from taskrt.machine import Machine, count_gpus, gpus_from_env, mpi_world_size_from_env
+from taskrt.machine import Machine, count_gpus, gpus_from_env, mpi_rank_from_env, mpi_world_size_from_env
 
 #: the benchmark apps, each a module apps.NAME whose main() calls run_app
 APPS = ("mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm", "nmt")
@@ -122,8 +122,10 @@ def run(app: App, argv=None) -> dict:
 
 
 def fail(message: str) -> NoReturn:
-    """One line on stderr and exit status 2 (every rank calls it with the same message)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """One line on stderr and exit status 2. Every rank calls it with the same message (the same
+    flags, or the problem the ranks agreed on), so only rank 0 prints it."""
+    if mpi_rank_from_env() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 

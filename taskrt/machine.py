@@ -225,6 +225,18 @@ def mpi_world_size_from_env() -> int:
     return 1
 
 
+def mpi_rank_from_env() -> int:
+    """This process's rank among those mpiexec started, from the environment, without
+    initializing MPI; 0 outside mpiexec or with TASKRT_MPI=0."""
+    if mpi_world_size_from_env() == 1:
+        return 0
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
 def gpus_from_env() -> int | None:
     """TASKRT_GPUS as a count of GPUs (per rank); None when unset or empty."""
     value = os.environ.get("TASKRT_GPUS", "").strip()

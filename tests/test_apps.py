@@ -317,6 +317,16 @@ def test_files_the_run_writes_are_checked_before_it_trains(tmp_path, capsys):
     assert err.startswith("error: --export-strategy ") and "does not exist" in err
 
 
+def test_under_mpiexec_only_rank_zero_prints_a_flag_error(capsys, monkeypatch):
+    """Every rank finds the same problem and exits 2; one line is printed, not one a rank."""
+    monkeypatch.setenv("PMI_SIZE", "2")
+    for rank, said in (("1", ""), ("0", "error: argument --batch-size: 0 must be >= 1\n")):
+        monkeypatch.setenv("PMI_RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            mlp.main(["--batch-size", "0"])
+        assert e.value.code == 2 and capsys.readouterr().err == said
+
+
 def test_bad_batch_size_value(capsys):
     assert bad(capsys, mlp, "--batch-size", 0) == "error: argument --batch-size: 0 must be >= 1"
 
@@ -398,7 +408,7 @@ def test_bad_strategy_stops_every_rank_before_work(tmp_path):
     proc, seconds = run_mpi_app(2, "mlp", "--tiny", "--cpus-per-rank", 1, "--strategy", path, timeout=60)
     assert proc.returncode != 0 and seconds < 30, output(proc)
     line = f"error: --strategy {path}: made for model 'alexnet', but this model is 'mlp'"
-    assert proc.stderr.count(line) == 2 and "iteration" not in proc.stdout, output(proc)
+    assert proc.stderr.count(line) == 1 and "iteration" not in proc.stdout, output(proc)   # rank 0 says it
 
 
 # ---- searching before training (strategies.search through --search-budget) ----------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from taskrt import Machine
-from taskrt.machine import gpus_from_env
+from taskrt.machine import gpus_from_env, mpi_rank_from_env, mpi_world_size_from_env
 
 
 def test_build_gives_each_rank_its_processors_and_memories():
@@ -19,6 +19,18 @@ def test_build_gives_each_rank_its_processors_and_memories():
 def test_taskrt_gpus_is_a_count_or_unset(monkeypatch, value, want):
     monkeypatch.setenv("TASKRT_GPUS", value)
     assert gpus_from_env() == want
+
+
+@pytest.mark.parametrize("env, size, rank", [({}, 1, 0), ({"PMI_SIZE": "4", "PMI_RANK": "3"}, 4, 3),
+                                             ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}, 2, 1),
+                                             ({"PMI_SIZE": "4", "PMI_RANK": "3", "TASKRT_MPI": "0"}, 1, 0)])
+def test_the_ranks_mpiexec_started_read_from_the_environment(monkeypatch, env, size, rank):
+    for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
+                "MV2_COMM_WORLD_RANK", "PMIX_SIZE", "PMIX_RANK", "TASKRT_MPI"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert (mpi_world_size_from_env(), mpi_rank_from_env()) == (size, rank)
 
 
 def test_a_bad_taskrt_gpus_names_the_value(monkeypatch):
