@@ -45,7 +45,7 @@ sys.path[0] = ROOT
 
 import importlib  # noqa: E402
 
-from apps.cli import APPS  # noqa: E402
+from apps.cli import APPS, at_least  # noqa: E402
 
 TARGET = 0.8
 
@@ -374,14 +374,16 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="fewer iterations")
-    p.add_argument("--only", nargs="+", default=None, help="these apps only")
-    p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--only", nargs="+", default=None, choices=APPS, metavar="APP", help="these apps only")
+    p.add_argument("--iterations", type=at_least(1), default=20)
+    p.add_argument("--warmup", type=at_least(0), default=5)
     p.add_argument("--local-bn", action="store_true",
                    help="PyTorch's 2 ranks with DDP's per-rank batch norm statistics (default: summed over ranks)")
     args = p.parse_args(argv)
     if args.quick:
         args.iterations, args.warmup = 8, 3
+    if args.warmup >= args.iterations:
+        p.error(f"--warmup {args.warmup}: must be less than --iterations ({args.iterations})")
     if args.side == "torch":
         report = torch_side(args)
         if args.rank == 0:

@@ -40,8 +40,11 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from taskrt import READ, READ_WRITE, Runtime, req
-from taskrt.machine import mpi_world_size_from_env
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # (bench/apps.py is not the apps)
+
+from apps.cli import at_least  # noqa: E402
+from taskrt import READ, READ_WRITE, Runtime, req  # noqa: E402
+from taskrt.machine import mpi_world_size_from_env  # noqa: E402
 
 
 def relaunch_on_two_ranks() -> None:
@@ -132,12 +135,17 @@ def runtime_seconds(rt, comm, tiles: list, reps: int, stream: bool) -> float:
     return t
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (before the relaunch under mpiexec, so a bad one stops it at once)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-mib", type=int, default=64)
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--tiles", type=int, default=4, help="tiles in turn in the stream measurement")
-    args = ap.parse_args()
+    ap.add_argument("--max-mib", type=at_least(1), default=64, help="the largest copy, in MiB")
+    ap.add_argument("--trials", type=at_least(1), default=3)
+    ap.add_argument("--tiles", type=at_least(1), default=4, help="tiles in turn in the stream measurement")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -183,5 +191,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if mpi_world_size_from_env() == 1:
+        parse_args()
         relaunch_on_two_ranks()
     main()

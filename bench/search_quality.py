@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
+from apps.cli import at_least  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
 from strategies.search import app_graph, search  # noqa: E402
@@ -54,10 +55,11 @@ def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny configurations, the smallest machine of each cluster")
-    p.add_argument("--budget", type=int, default=None, help="proposals per search (default 200; 20 with --quick)")
+    p.add_argument("--budget", type=at_least(1), default=None,
+                   help="proposals per search (default 200; 20 with --quick)")
     p.add_argument("--only", nargs="*", choices=APPS, default=None, help="networks")
     p.add_argument("--machines", nargs="*", default=None, help="entries like p100x2 or k80x16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     args = p.parse_args(argv)
     budget = args.budget or (20 if args.quick else 200)
     machines = MACHINES

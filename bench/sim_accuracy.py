@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
 from apps.calibrate import COSTS_FILE, calibration_strategies, figures_text, measure_strategies, predict  # noqa: E402
-from apps.cli import APPS  # noqa: E402
+from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.overheads import LinearTimes, best_point, grid_times, score  # noqa: E402
@@ -162,11 +162,11 @@ def fit(apps: dict, grid: tuple) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--apps", nargs="+", default=["mlp", "alexnet"], choices=APPS, metavar="APP")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--budget", type=int, default=40, help="search proposals for the searched strategy")
-    p.add_argument("--rounds", type=int, default=3, help="runs of each strategy, taking turns")
-    p.add_argument("--random-seeds", type=int, nargs="*", default=[1, 2, 3, 4],
+    p.add_argument("--batch-size", type=at_least(1), default=16)
+    p.add_argument("--iterations", type=at_least(2), default=20)
+    p.add_argument("--budget", type=at_least(1), default=40, help="search proposals for the searched strategy")
+    p.add_argument("--rounds", type=at_least(1), default=3, help="runs of each strategy, taking turns")
+    p.add_argument("--random-seeds", type=at_least(0), nargs="*", default=[1, 2, 3, 4],
                    help="a random strategy of each app for each seed")
     p.add_argument("--calibrate-on", nargs="*", default=["transformer"], choices=APPS, metavar="APP",
                    help="apps whose runs fit the runtime figures that then predict the others (none: no calibration)")
@@ -176,8 +176,6 @@ def main(argv=None) -> dict:
     where.add_argument("--rescore", metavar="DIR", nargs="+",
                        help="train nothing: score the runs that --save kept in DIR (several: fit them pooled)")
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds}: must be at least 1")
     both = sorted(set(args.apps) & set(args.calibrate_on))
     if both:
         p.error(f"--calibrate-on {' '.join(both)}: scored by --apps as well (the calibration apps are held out of the score)")

@@ -8,6 +8,7 @@ Last line: one JSON object.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from contextlib import nullcontext
@@ -145,7 +146,8 @@ def raw_threads_speedup(tiles: int = 8, rows: int = 1024, n: int = 384, reps: in
         return best(lambda: work(range(tiles))) / best(two_threads)
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)   # --help; no flags
     cpus = 2
     ours = taskrt_graphs(cpus, replay=False)
     ours_replay = taskrt_graphs(cpus, replay=True)
