@@ -7,7 +7,8 @@
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
 device a node, as apps/demo.py sets up): the four baselines, a searched strategy and a
 random one for each of `--random-seeds` are trained for real (`mpiexec -n 2 python -m apps.NAME --strategy
-FILE`) `--rounds` times each, taking turns, and simulated with the cost model (the local
+FILE`) `--rounds` times each, taking turns (a strategy another of them already is, as when the
+search ends at data parallelism, once: it says which), and simulated with the cost model (the local
 model's runtime figures; kernels and batch source as measured here during the bench). A
 strategy's measured time is the median over its runs of each run's median iteration after
 the warm-up. This machine's speed drifts by up to two times within an hour, so a shared cost
@@ -63,12 +64,24 @@ from strategies.search import app_graph  # noqa: E402
 RUNS_FILE = "runs.json"
 
 
-def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> dict[str, Strategy]:
-    """The four baselines, a searched strategy and a random one for each of `seeds`."""
+def strategies_for(app: str, batch: int, setup, budget: int, seeds) -> tuple[dict[str, Strategy], dict[str, str]]:
+    """(the four baselines, a searched strategy and a random one for each of `seeds`, each distinct
+    strategy once; name -> the earlier name of the same strategy, for those left out). The
+    search often ends where data parallelism is, and a strategy trained and scored twice
+    would count twice in the mean error and tie with itself in Kendall's tau."""
     made = calibration_strategies(app, batch, setup, seeds)
     searched, _, _ = search_strategy(app, batch, setup, budget)
     baselines = {name: s for name, s in made.items() if not name.startswith("random")}
-    return {**baselines, "searched": searched, **{name: s for name, s in made.items() if name not in baselines}}
+    ordered = {**baselines, "searched": searched, **{name: s for name, s in made.items() if name not in baselines}}
+    kept: dict[str, Strategy] = {}
+    same: dict[str, str] = {}
+    for name, strategy in ordered.items():
+        twin = next((k for k, t in kept.items() if t.ops == strategy.ops), None)
+        if twin is None:
+            kept[name] = strategy
+        else:
+            same[name] = twin
+    return kept, same
 
 
 def run_apps(args, setup, out_dir: str) -> dict:
@@ -77,14 +90,15 @@ def run_apps(args, setup, out_dir: str) -> dict:
     "costs"}; RUNS_FILE in `out_dir` records the runs."""
     saved = {}
     for app in args.apps:
-        strategies = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
+        strategies, same = strategies_for(app, args.batch_size, setup, args.budget, args.random_seeds)
         measured = measure_strategies(app, args.batch_size, args.iterations, strategies, setup, args.rounds, out_dir,
                                       before_round=lambda: measure_overheads(2))
         saved[app] = {"strategies": strategies, "runs": measured["runs"], "probes": measured["before"],
-                      "per_sample": measured["per_sample"], "costs": measured["costs"]}
+                      "per_sample": measured["per_sample"], "costs": measured["costs"], "same_as": same}
         with open(os.path.join(out_dir, RUNS_FILE), "w") as f:
             json.dump({"batch_size": args.batch_size, "apps": {
-                a: {k: s[k] for k in ("runs", "probes", "per_sample")} for a, s in saved.items()}}, f, indent=1)
+                a: {k: s[k] for k in ("runs", "probes", "per_sample", "same_as")} for a, s in saved.items()}}, f,
+                      indent=1)
     return saved
 
 
@@ -105,6 +119,7 @@ def load_runs(directory: str, apps: list[str]) -> tuple[int, dict]:
     return batch, {app: {"strategies": {name: load_strategy(os.path.join(directory, f"{app}.{name}.json"))
                                         for name in recorded[app]["runs"]},
                          "runs": recorded[app]["runs"], "probes": recorded[app].get("probes", []),
+                         "same_as": recorded[app].get("same_as", {}),
                          "per_sample": recorded[app]["per_sample"],
                          "costs": costs if os.path.exists(costs) else None} for app in apps}
 
@@ -223,12 +238,14 @@ def main(argv=None) -> dict:
                     rows[name].update(calibrated_ms=round(c * 1e3, 3), calibrated_error=round(abs(c - m) / m, 4))
                     line += f"  calibrated {c * 1e3:8.2f} ms  error {rows[name]['calibrated_error']:6.1%}"
                 print(line, flush=True)
+            for name, twin in a["same_as"].items():
+                print(f"{label:8s} {name:9s} the same strategy as {twin} (trained and scored once)", flush=True)
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("chain", "pingpong")} if a["probes"] else {}
             out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
                                   "source_us_per_sample": round(per_sample * 1e6, 2),
                                   "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()},
-                                  "role": "calibration" if label in on else "scored"}
+                                  "role": "calibration" if label in on else "scored", "same_as": a["same_as"]}
             summary = f"{label}: mean error {error:.1%}, Kendall tau {tau:.2f}"
             if held_out is not None:
                 c_error, c_tau = score(measured, held_out)
