@@ -218,11 +218,7 @@ def mpi_world_size_from_env() -> int:
     the environment, without initializing MPI; 1 outside mpiexec or with TASKRT_MPI=0."""
     if os.environ.get("TASKRT_MPI", "") == "0":
         return 1
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE"):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    return 1
+    return _env_count("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE") or 1
 
 
 def mpi_rank_from_env() -> int:
@@ -230,11 +226,16 @@ def mpi_rank_from_env() -> int:
     initializing MPI; 0 outside mpiexec or with TASKRT_MPI=0."""
     if mpi_world_size_from_env() == 1:
         return 0
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK"):
+    return _env_count("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK") or 0
+
+
+def _env_count(*names: str) -> int | None:
+    """The first of these environment variables that holds a whole number, as one; else None."""
+    for var in names:
         value = os.environ.get(var)
         if value and value.isdigit():
             return int(value)
-    return 0
+    return None
 
 
 def gpus_from_env() -> int | None:
