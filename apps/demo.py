@@ -104,7 +104,7 @@ def table(rows: list[dict]) -> str:
 
 
 def where_off(compare: dict, most: int = 3) -> str:
-    """Two lines from tools.trace's comparison of the searched run with its simulation: the
+    """One line from tools.trace's comparison of the searched run with its simulation: the
     iteration's time, and the operators whose task time is furthest off (at least 10 us)."""
     it = compare["iteration"]
     ops = sorted((r for r in compare["operators"] if r["error"] is not None and r["measured_us"] >= 10),

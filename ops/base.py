@@ -114,6 +114,9 @@ class Op(ABC):
     #: them the output (gradient) views to write into rather than copying their results in, and
     #: their backward skips an input gradient that nothing reads
     writes_out: ClassVar[bool] = False
+    #: True for ops whose backward takes `weight_out=` (see backward): lowering then hands them
+    #: the weight gradients' views to write into rather than copying their results in
+    writes_weight_out: ClassVar[bool] = False
 
     def __init__(self, name: str, inputs: Sequence[TensorSpec], **attrs: Any):
         self.name = name
@@ -296,6 +299,10 @@ class Op(ABC):
         `out=` (ops with `writes_out`): per input, an array to write its gradient into and
         return, as in forward, None, or False where nothing reads that gradient (a model
         input's): the kernel then skips it and returns None (see `given_out`).
+        `weight_out=` (ops with `writes_weight_out`): weight name -> a C-contiguous array of its
+        gradient's shape to write the gradient into (overwriting it) and return, or None
+        (see `weight_target`). A large table's gradient is then neither allocated (zeroed) nor
+        copied each step.
         """
 
     # ---- costs for the analytic model ----------------------------------------------
@@ -329,6 +336,12 @@ def given_out(out, i: int):
     if not out:
         return None, True
     return (None if out[i] is False else out[i]), out[i] is not False
+
+
+def weight_target(weight_out, name: str):
+    """What a `writes_weight_out` kernel was given for weight `name`'s gradient: an array of its
+    shape to write it into and return, or None (the kernel allocates it)."""
+    return None if not weight_out else weight_out.get(name)
 
 
 def int_attr(kind: str, name: str, attr: str, value, least: int = 1) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, register_op, weight_target
 from taskrt.geometry import Rect
 
 
@@ -45,6 +45,7 @@ class Embedding(Op):
     """
 
     kind = "embedding"
+    writes_weight_out = True
 
     def __init__(self, name, inputs, num_embeddings: int, embedding_dim: int):
         super().__init__(name, inputs, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
@@ -125,11 +126,15 @@ class Embedding(Op):
             out[held[0]] = xp.take(w, held[1], axis=0)
         return [out.reshape(idx.shape + (w.shape[1],))], None
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, weight_out=None):
         (idx,), (dy,) = inputs, grad_outputs
         w = weights["weight"]
         flat = self._flat_indices(idx)
-        gw = xp.zeros(w.shape, dtype=w.dtype)
+        gw = weight_target(weight_out, "weight")
+        if gw is None:
+            gw = xp.zeros(w.shape, dtype=w.dtype)
+        else:   # the runtime's buffer, in memory already in use: zeroed in place, not faulted in
+            gw.fill(0)
         dy2 = dy.reshape(flat.size, w.shape[1])
         held = self._held(xp, tile, flat)
         if held is None:

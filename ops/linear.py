@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, register_op
+from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, register_op, weight_target
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from ops.thin_gemm import thin_matmul
 from taskrt.geometry import Rect
@@ -49,6 +49,7 @@ class Dense(Op):
 
     kind = "dense"
     writes_out = True
+    writes_weight_out = True
 
     def __init__(self, name, inputs, out_features: int, use_bias: bool = True, activation: str | None = None):
         super().__init__(name, inputs, out_features=out_features, use_bias=use_bias, activation=activation)
@@ -128,7 +129,7 @@ class Dense(Op):
         saved = z if self.activation == "gelu" else None
         return [y.reshape(x.shape[:-1] + (w.shape[0],))], saved
 
-    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
+    def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None, weight_out=None):
         (x,), (y,), (dy,) = inputs, outputs, grad_outputs
         w = weights["weight"]
         n_out = w.shape[0]
@@ -143,9 +144,9 @@ class Dense(Op):
             xp.matmul(dz, w, out=dx.reshape(-1, w.shape[1]))
         else:
             dx = (dz @ w).reshape(x.shape)
-        grads = {"weight": dz.T @ x2}
+        grads = {"weight": xp.matmul(dz.T, x2, out=weight_target(weight_out, "weight"))}
         if "bias" in weights:
-            grads["bias"] = dz.sum(axis=0)
+            grads["bias"] = dz.sum(axis=0, out=weight_target(weight_out, "bias"))
         return [dx], grads
 
     def flops(self, tile: Rect) -> int:

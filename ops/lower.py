@@ -554,6 +554,9 @@ class OpPlan:
         extra = self._extra(sums, carry)
         if op.writes_out:
             extra["out"] = [False if buf is None else _target(buf, r) for buf, r in zip(grad_in_bufs, in_rects)]
+        if op.writes_weight_out:
+            rects = self.weight_rects[color]
+            extra["weight_out"] = {k: _target(buf, rects[k]) for k, buf in grad_w_bufs.items()}
         grad_inputs, grad_weights = op.backward(ctx.xp, self.tiles[color], inputs, in_rects, weights, outputs,
                                                 grad_outputs, saved, **extra)
         for i, buf in enumerate(grad_in_bufs):
@@ -572,6 +575,8 @@ class OpPlan:
             if k not in grad_weights:
                 raise self._fail(color, f"backward returned no gradient for weight {k!r}")
             g = grad_weights[k]
+            if g is buf:
+                continue
             if tuple(g.shape) != buf.shape:
                 raise self._fail(color, f"grad of weight {k!r} has shape {tuple(g.shape)}, its rect has "
                                         f"shape {buf.shape}")

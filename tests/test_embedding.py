@@ -154,3 +154,20 @@ def test_a_vocabulary_tile_looks_up_only_its_rows():
     want = np.zeros((6, 5), np.float32)
     np.add.at(want, idx.reshape(-1), g.reshape(-1, 5))
     np.testing.assert_allclose(gw["weight"], want[2:4], rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 30), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_backward_into_the_runtimes_buffer_overwrites_it_with_the_gradient(n, num, dim, seed):
+    """weight_out (what lowering hands a writes_weight_out op): the gradient is written into that
+    array, whatever it held, and the array is returned; the values are those of the allocating path."""
+    op, idx, w, g = embedding_case((n, 3), num, dim, seed=seed)
+    tile = Rect.from_shape(op.tile_shape)
+    outs, _ = op.forward(np, tile, [idx], op.input_rects(tile), w)
+    _, allocated = op.backward(np, tile, [idx], op.input_rects(tile), w, outs, [g], None)
+    buf = np.full((num, dim), np.nan, np.float32)
+    _, given_buf = op.backward(np, tile, [idx], op.input_rects(tile), w, outs, [g], None, weight_out={"weight": buf})
+    assert given_buf["weight"] is buf
+    np.testing.assert_array_equal(buf, allocated["weight"])
+    _, none_given = op.backward(np, tile, [idx], op.input_rects(tile), w, outs, [g], None, weight_out={"weight": None})
+    np.testing.assert_array_equal(none_given["weight"], allocated["weight"])

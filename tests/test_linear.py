@@ -203,3 +203,22 @@ def test_batch_matmul_bad_inputs_name_the_op(sa, sb, needle):
 def test_batch_matmul_rejects_mixed_dtypes():
     with pytest.raises(ShapeError, match="dtypes differ"):
         BatchMatmul("mm", [spec((2, 3, 4), name="a"), spec((2, 4, 5), "float64", name="b")])
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_dense_backward_into_the_runtimes_buffers(use_bias):
+    """weight_out: the weight (and bias) gradients are written into the arrays given and returned,
+    bit for bit the allocating path's."""
+    rng = np.random.default_rng(3)
+    op = Dense("d", [spec((6, 5))], out_features=4, use_bias=use_bias, activation="relu")
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    w = op.init_weights(rng)
+    tile = Rect.from_shape(op.tile_shape)
+    outs, saved = op.forward(np, tile, [x], op.input_rects(tile), w)
+    dy = [rng.standard_normal(outs[0].shape).astype(np.float32)]
+    _, allocated = op.backward(np, tile, [x], op.input_rects(tile), w, outs, dy, saved)
+    bufs = {k: np.full(v.shape, np.nan, np.float32) for k, v in w.items()}
+    _, given = op.backward(np, tile, [x], op.input_rects(tile), w, outs, dy, saved, weight_out=dict(bufs))
+    assert set(given) == set(w) and all(given[k] is bufs[k] for k in w)
+    for k in w:
+        np.testing.assert_array_equal(bufs[k], allocated[k])

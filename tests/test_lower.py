@@ -10,6 +10,7 @@ import pytest
 from ops import SGD, ConfigError, Model, TileConfig, default_config
 from ops.base import OP_REGISTRY
 from ops.conv import Conv2d
+from ops.embedding import Embedding
 from ops.linear import Dense
 from ops.lower import Lowering, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
@@ -349,6 +350,43 @@ def test_lowering_gives_writing_kernels_its_views_and_skips_the_copy(rt1, monkey
     m.compile(SGD(lr=0.1), configs=_ones(m))
     m.fit(x, y, iterations=2, shuffle=False, verbose=False)
     assert seen and all(seen)  # one tile, a contiguous view: written in place every time
+
+
+def test_lowering_gives_weight_writing_kernels_the_gradients_views(rt1, rt4, monkeypatch):
+    """An embedding's and a dense layer's weight gradients are written into the runtime's views
+    (Op.writes_weight_out): the same training as when they allocate and lowering copies, bit for
+    bit, on one tile and on the table split by rows, columns and samples."""
+    seen = []
+    backward = Embedding.backward
+
+    def spy(self, *args, weight_out=None, **kw):
+        grads_in, grads = backward(self, *args, weight_out=weight_out, **kw)
+        seen.append(weight_out is not None and grads["weight"] is weight_out["weight"])
+        return grads_in, grads
+
+    def build(rt):
+        m = Model(rt, seed=7)
+        m.dense(m.embedding(m.input((4, 3), dtype="int64", name="tok"), 12, 6, name="emb"), 5, name="fc")
+        return m
+
+    rng = np.random.default_rng(8)
+    x, y = rng.integers(0, 12, (4, 3)), rng.standard_normal((4, 3, 5)).astype(np.float32)
+    split = {"emb": TileConfig((1, 1, 2, 2)), "fc": TileConfig((2, 1, 1, 2))}
+    runs = {}
+    for writes in (False, True):
+        for name, rt, configs in (("one tile", rt1, None), ("split", rt4, split)):
+            monkeypatch.setattr(Embedding, "writes_weight_out", writes)
+            monkeypatch.setattr(Dense, "writes_weight_out", writes)
+            monkeypatch.setattr(Embedding, "backward", spy)
+            m = build(rt)
+            m.compile(SGD(lr=0.1), loss="mean_squared_error", configs=configs or _ones(m))
+            m.fit(x, y, iterations=3, shuffle=False, verbose=False)
+            runs[writes, name] = m.parameters()
+            m.close()
+    assert seen.count(True) >= 6 and seen.count(False) >= 6   # given and written when asked, not before
+    for name in ("one tile", "split"):
+        for k, v in runs[False, name].items():
+            np.testing.assert_array_equal(runs[True, name][k], v, err_msg=f"{name}: {k}")
 
 
 def test_training_steps_are_replayed(rt4):

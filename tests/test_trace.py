@@ -214,6 +214,7 @@ def test_compare_takes_medians_over_the_iterations_after_the_skipped(durations, 
     times = [max(sum(rank) + (gap if k + 1 < len(durations) else 0.0) for rank in it) for k, it in enumerate(durations)]
     assert c["iteration"]["measured_us"] == pytest.approx(np.median(times[skip:]))
     assert c["iteration"]["measured_max_us"] == pytest.approx(max(times[skip:]))
+    assert c["iteration"]["measured_each_us"] == pytest.approx(times[skip:])
     assert c["task_time"]["measured_us"] == pytest.approx(np.median([sum(map(sum, it)) for it in kept]))
 
 

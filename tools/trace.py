@@ -596,10 +596,15 @@ def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
     the weights' attach), and each figure is the median over the rest, so a slow outlier does
     not move it. A run that cannot be cut is averaged over all its iterations (its task count
     over the simulated one's), which the result says ("per_iteration": false, "why")."""
+    return _compared(simulated, measured, skip)[0]
+
+
+def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Iterations | None]:
+    """(`compare`'s result, the run's iterations where it could be cut, else None)."""
     sim_tasks = [e for e in simulated.events if is_task(e)]
     cut = cut_iterations(simulated, measured)
     if isinstance(cut, str):
-        return _compare_averaged(simulated, measured, sim_tasks, cut)
+        return _compare_averaged(simulated, measured, sim_tasks, cut), None
     if not 0 <= skip < cut.count:
         raise TraceError(f"compare: cannot leave out {skip} iteration(s): the measured run has {cut.count}")
     kept = range(skip, cut.count)
@@ -623,12 +628,13 @@ def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
         return sorted(rows, key=lambda r: -max(r["simulated_us"], r["measured_us"]))
 
     sim_total = sum(e["end"] - e["start"] for e in sim_tasks)
-    median_k = skip + min(range(len(times)), key=lambda i: (abs(times[i] - _median(times)), i))
+    median = _median(times)
+    median_k = skip + min(range(len(times)), key=lambda i: (abs(times[i] - median), i))
     return {"iterations": cut.count, "skipped": skip, "per_iteration": True, "median_iteration": median_k,
-            "iteration": {**_row(None, simulated.span_us, _median(times)), "measured_min_us": min(times),
-                          "measured_max_us": max(times)},
+            "iteration": {**_row(None, simulated.span_us, median), "measured_min_us": min(times),
+                          "measured_max_us": max(times), "measured_each_us": times},
             "task_time": _row(None, sim_total, _median(totals)),
-            "operators": table(operator, "op"), "processors": table(lambda e: e["proc"], "proc")}
+            "operators": table(operator, "op"), "processors": table(lambda e: e["proc"], "proc")}, cut
 
 
 def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], why: str) -> dict:
@@ -697,12 +703,12 @@ def write_compare(simulated: Trace, measured: Trace, path: str, skip: int = 1) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = compare(simulated, measured, skip)
-    if result["per_iteration"]:
-        cut = cut_iterations(simulated, measured)
+    result, cut = _compared(simulated, measured, skip)
+    if cut is not None:
         k = result["median_iteration"]
         shown = Trace([e for e in measured.events if cut.index(e) == k], measured.meta)
-        title = f"measured: iteration {k + 1} of {result['iterations']} (the median), {cut.times_us(measured)[k] / 1e3:.3f} ms"
+        took = result["iteration"]["measured_each_us"][k - skip]
+        title = f"measured: iteration {k + 1} of {result['iterations']} (the median), {took / 1e3:.3f} ms"
         xmax = max(simulated.span_us, shown.span_us) / 1e3
         xmax_measured = xmax
     else:
