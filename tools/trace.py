@@ -565,21 +565,22 @@ def cut_iterations(simulated: Trace, measured: Trace) -> Iterations | str:
     """The measured run's iterations (`Iterations`), or why it cannot be cut into them. On each
     rank the marker is the simulated iteration's first task in program order (node ids) that the
     run has too: the batch source in the apps (a model fed from arrays has none, and its first
-    forward task marks it). The run's count of it must be a whole number of iterations, the same on every rank."""
+    forward task marks it). The run's count of it must be a whole number of iterations, the
+    same on every rank."""
+    ran: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))   # rank -> name -> starts
+    for e in measured.events:
+        if is_task(e):
+            ran[e["rank"]][e["name"]].append(e["start"])
     starts: dict[int, list[float]] = {}
     marker: dict[int, str] = {}
     for rank in measured.ranks:
-        ran: dict[str, list[float]] = defaultdict(list)
-        for e in measured.events:
-            if e["rank"] == rank and is_task(e):
-                ran[e["name"]].append(e["start"])
-        tasks = sorted((e for e in simulated.events if e["rank"] == rank and is_task(e) and e["name"] in ran),
+        tasks = sorted((e for e in simulated.events if e["rank"] == rank and is_task(e) and e["name"] in ran[rank]),
                        key=lambda e: e["id"])
         if not tasks:
             return f"the simulated trace has no task on rank {rank} that the run has"
         name = marker[rank] = tasks[0]["name"]
         each = sum(e["name"] == name for e in tasks)
-        seen = sorted(ran[name])
+        seen = sorted(ran[rank][name])
         if len(seen) % each:
             return f"rank {rank} ran {len(seen)} {name!r} tasks, not a multiple of the {each} an iteration has"
         starts[rank] = seen[::each]
