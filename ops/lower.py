@@ -38,6 +38,8 @@ its weight rects, so sample-split tiles add up. One exception: a tensor used by 
 whose tiles' input rects tile it exactly (no halo, no gap, no two tiles reading the same
 part), has its gradient WRITTEN by that op's backward, with no fill before it and no folds
 (PyTorch's autograd does the same: a gradient with one contribution is not accumulated).
+So has a weight whose tiles' weight rects tile it exactly (one tile, or a split that cuts
+the weight rather than replicating it): `OpPlan.writes_weight_grads`.
 The optimizer update is an index launch over a disjoint tiling of each weight.
 
 Replay: one training iteration (forward, fills, backward, updates) is one program
@@ -333,6 +335,7 @@ class OpPlan:
         # would miss the runtime's cache of mapped launches)
         self._made: dict[tuple, list] = {}
         self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
+        self.writes_weight_grads = {k: False for k in self.weight_names}
         if not backward:
             return
         grads = low.grads
@@ -350,6 +353,10 @@ class OpPlan:
                              for i, t in enumerate(op.inputs)]
         self._gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in self.weight_rects.items()},
                           f"{k}.grad") for k in self.weight_names]
+        # a weight gradient whose tiles' rects tile the weight exactly (no two tiles share a block:
+        # no replicas, no chunks of an ordered dim) is WRITTEN by them: no zero fill, no folds
+        self.writes_weight_grads = {k: disjoint_cover(list(p.rects.values()), p.region.rect)
+                                    for k, p in zip(self.weight_names, self._gws)}
         self._carry_grads = [part(Region(p.region.shape, carry_dtype, f"{p.region.name}.grad"), p.rects,
                                   f"carry.{k}.grad") for k, p in zip(self.carry_names, self._carries)]
         self.bwd_reqs = self._backward_reqs(self._positions()[-1][0])
@@ -396,7 +403,7 @@ class OpPlan:
                 + [req(p, WRITE if position == last else READ_WRITE) for p in self._carry_grads]
                 + [req(p, WRITE if whole else SUM)
                    for p, whole in zip(self._gins, [w for w, has in zip(self.writes_grads, self.grad_inputs) if has])]
-                + [req(p, SUM) for p in self._gws])
+                + [req(p, WRITE if self.writes_weight_grads[k] else SUM) for k, p in zip(self.weight_names, self._gws)])
 
     def _sum_launches(self, names: list[str], backward: bool) -> list[PlanLaunch]:
         """Per sum in `names`: its zero fill, then every tile REDUCEs its part of it."""
@@ -652,6 +659,9 @@ class UpdatePlan:
     def __init__(self, param: ParamRegions, plan: OpPlan, short: str, optimizer, rotate: int = 0):
         self.param = param
         self.op_name = plan.op.name
+        self.short = short
+        #: whether the op's backward WRITES the whole gradient (OpPlan.writes_weight_grads): no zero fill then
+        self.grad_written = plan.writes_weight_grads[short]
         self.optimizer = optimizer
         self.state_names = list(optimizer.state_names())
         shards = {}
@@ -814,7 +824,11 @@ class Lowering:
         return frozenset(out)
 
     def zero_grad_segment(self, update: "UpdatePlan") -> Segment:
-        """The zero fill of a sharded weight gradient, each shard on its own device."""
+        """The zero fill of a sharded weight gradient, each shard on its own device; none (an empty
+        segment, so that a program's segments keep their places) where the op's backward writes
+        the whole gradient."""
+        if update.grad_written:
+            return Segment(update.op_name, ZERO_GRAD_PHASE, ())
         launch = PlanLaunch(f"fill:{update.param.grad.name}", _fill_kernel, update.colors, [update.grad_fill],
                             update.placement, (0.0,))
         return Segment(update.op_name, ZERO_GRAD_PHASE, (launch,))

@@ -108,7 +108,10 @@ def test_lowering_builds_tile_partitions_halos_reductions_and_updates():
         assert part[(0, 0, 0, 0)] == Rect.make((0, 0, 0, 0), (4, 2, 4, 6))  # rows 0..2 plus a halo row
         assert part[(0, 0, 1, 0)] == Rect.make((0, 0, 2, 0), (4, 2, 6, 6))
         assert plan.placement == {(0, 0, 0, 0): 0, (0, 0, 1, 0): 1}
-        assert [r.privilege.mode for r in low.plans["fc"].bwd_reqs] == ["R"] * 5 + ["Reduce"] * 3
+        # its input gradient adds up over the tiles; its weight and bias blocks are each one tile's
+        assert [r.privilege.mode for r in low.plans["fc"].bwd_reqs] == ["R"] * 5 + ["Reduce", "WD", "WD"]
+        assert low.plans["fc"].writes_weight_grads == {"weight": True, "bias": True}
+        assert low.plans["conv"].writes_weight_grads == {"weight": False, "bias": False}
         assert low.plans["conv"].grad_inputs == [False]  # no gradient for model inputs
         # the parameter-split dense weight updates in two disjoint row blocks on its tiles' processors
         fc_update = next(u for u in low.updates if u.param.name == "fc.weight")
@@ -133,6 +136,9 @@ def test_lowering_builds_tile_partitions_halos_reductions_and_updates():
         # both fc tiles read all of flat's output: their input gradients add up; flat's sample
         # halves and the loss's tile their inputs exactly: they write their gradients whole
         assert {f.region.name for f in folds} >= {"conv.weight.grad", "flat.out.grad"}
+        # the conv weight's replicas add up into a zero-filled gradient; the fc's blocks are written
+        assert "fill:conv.weight.grad" in names and not {"fill:fc.weight.grad", "fill:fc.bias.grad"} & names
+        assert not {f.region.name for f in folds} & {"fc.weight.grad", "fc.bias.grad"}
         assert not {"fill:conv.out.grad", "fill:fc.out.grad"} & names
         assert not {f.region.name for f in folds} & {"conv.out.grad", "fc.out.grad"}
         assert [r.privilege.mode for r in low.plans["flat"].bwd_reqs][-1] == "WD"
@@ -355,7 +361,8 @@ def test_lowering_gives_writing_kernels_its_views_and_skips_the_copy(rt1, monkey
 def test_lowering_gives_weight_writing_kernels_the_gradients_views(rt1, rt4, monkeypatch):
     """An embedding's and a dense layer's weight gradients are written into the runtime's views
     (Op.writes_weight_out): the same training as when they allocate and lowering copies, bit for
-    bit, on one tile and on the table split by rows, columns and samples."""
+    bit, on one tile and split (the table by rows, each block written whole; the dense layer's
+    weight over samples, its replicas' gradients added up)."""
     seen = []
     backward = Embedding.backward
 
@@ -371,19 +378,23 @@ def test_lowering_gives_weight_writing_kernels_the_gradients_views(rt1, rt4, mon
 
     rng = np.random.default_rng(8)
     x, y = rng.integers(0, 12, (4, 3)), rng.standard_normal((4, 3, 5)).astype(np.float32)
-    split = {"emb": TileConfig((1, 1, 2, 2)), "fc": TileConfig((2, 1, 1, 2))}
+    split = {"emb": TileConfig((1, 1, 1, 2)), "fc": TileConfig((2, 1, 1, 2))}
+    monkeypatch.setattr(Embedding, "backward", spy)
     runs = {}
     for writes in (False, True):
+        monkeypatch.setattr(Embedding, "writes_weight_out", writes)
+        monkeypatch.setattr(Dense, "writes_weight_out", writes)
         for name, rt, configs in (("one tile", rt1, None), ("split", rt4, split)):
-            monkeypatch.setattr(Embedding, "writes_weight_out", writes)
-            monkeypatch.setattr(Dense, "writes_weight_out", writes)
-            monkeypatch.setattr(Embedding, "backward", spy)
+            seen.clear()
             m = build(rt)
             m.compile(SGD(lr=0.1), loss="mean_squared_error", configs=configs or _ones(m))
+            if name == "split":
+                assert m._low.plans["emb"].writes_weight_grads == {"weight": True}
+                assert m._low.plans["fc"].writes_weight_grads == {"weight": False, "bias": False}
             m.fit(x, y, iterations=3, shuffle=False, verbose=False)
             runs[writes, name] = m.parameters()
             m.close()
-    assert seen.count(True) >= 6 and seen.count(False) >= 6   # given and written when asked, not before
+            assert seen and set(seen) == {writes}, (name, seen)   # given and written exactly when asked
     for name in ("one tile", "split"):
         for k, v in runs[False, name].items():
             np.testing.assert_array_equal(runs[True, name][k], v, err_msg=f"{name}: {k}")
