@@ -366,6 +366,9 @@ class SegmentBuilder:
         #: the last build's program, and per region uid its positions in it and its result: the
         #: next build (a proposal changes one op) redoes only the regions of the segments it changed
         self._last: tuple[list, dict, dict] | None = None
+        #: the step's segment count: every program has it (each op always makes the same segments,
+        #: empty or not), since the cached region analyses name segments by their places
+        self._step_length: int | None = None
         self._columns = Joiner(5, np.int64)    # the results' columns and edges, joined from the last build's
         self._edges = Joiner(6, np.int64)
 
@@ -426,6 +429,11 @@ class SegmentBuilder:
         step = ([part.forward for part in parts] + [rec for _, rec in fills] + [host]
                 + [rec for part in parts for rec in part.zero_grads] + [self._zero]
                 + [part.backward for part in reversed(parts)] + [rec for part in parts for rec in part.updates])
+        if self._step_length is None:
+            self._step_length = len(step)
+        elif len(step) != self._step_length:
+            raise RuntimeError(f"SegmentBuilder: a step of {len(step)} segments after one of {self._step_length}: "
+                               f"an op's segments must not come and go with its config")
         return [self._init, self._source, *step, self._source, *step], 2 + len(step)
 
     def _fill_of(self, op: Op, part: "_OpSegments", plans: dict[str, OpPlan]) -> tuple[frozenset, RecordedSegment]:

@@ -134,6 +134,33 @@ def test_a_change_reanalyzes_only_the_regions_of_the_op_it_changes():
     assert recorded == 3 + 2 * len(conv.weight_shapes())
 
 
+def test_a_weight_gradient_written_whole_keeps_an_empty_zeroing_in_its_place():
+    """One tile writes its weights' gradients whole: their zeroing segments are empty but there,
+    so the step has as many segments as under data parallelism (the caches name segments by
+    place); a step of another length is refused before its layout reads the caches wrong."""
+    ops, inputs, loss = _graph_of("cnn")
+    machine = _machine(2, 2)
+    builder = SegmentBuilder(ops, inputs, loss, machine)
+    replicated = {op.name: default_config(op, machine) for op in ops}
+    one_tile = {op.name: TileConfig((1,) * len(op.tile_shape), (1,)) for op in ops}
+    lengths = []
+    for configs in (replicated, one_tile, replicated):
+        program, second = builder._program(configs)
+        lengths.append(len(program) - second)
+        zeroing = [rec for rec in program[second:] if rec.phase == "zero_grad" and rec.op]
+        assert zeroing and all((rec.n_tasks == 0) == (configs is one_tile) for rec in zeroing)
+        assert builds_the_runtimes_graph(builder, configs, ops, inputs, loss, machine)
+    assert len(set(lengths)) == 1
+    builder._step_length += 1
+    with pytest.raises(RuntimeError, match="segments must not come and go with its config"):
+        builder.build(replicated)
+
+
+def builds_the_runtimes_graph(builder, configs, ops, inputs, loss, machine) -> bool:
+    """The assembled graph is the runtime's."""
+    return assembled_graph(builder, configs) == runtime_graph(ops, inputs, loss, configs, machine)
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.sampled_from(sorted(MODELS)), st.integers(0, 2**16), st.integers(1, 4))
 def test_what_timing_reads_of_a_segment_is_what_its_tasks_say(kind, seed, ranks):
