@@ -14,6 +14,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+import numba
+import numpy as np
+
 
 def _check_number(cls_name: str, field: str, value, lo: float, lo_open: bool, hi: float | None = None,
                    hi_open: bool = True) -> None:
@@ -63,6 +66,12 @@ class SGD:
 
     def update(self, xp, param, grad, state: dict, step: int) -> None:
         _check_step("SGD", step)
+        if _one_pass(xp, param, grad, *state.values()):
+            t = param.dtype.type
+            buf = state["momentum"].reshape(-1) if self.momentum != 0 else param.reshape(-1)
+            _sgd_cpu(param.reshape(-1), grad.reshape(-1), buf, t(self.lr), t(self.momentum), t(self.weight_decay),
+                     self.nesterov, step == 1)
+            return
         d_p = grad + self.weight_decay * param if self.weight_decay != 0 else grad
         if self.momentum != 0:
             buf = state["momentum"]
@@ -76,6 +85,45 @@ class SGD:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
+
+
+def _one_pass(xp, *arrays) -> bool:
+    """Whether an update can take its compiled one-pass form: numpy arrays, all C-contiguous
+    and of one float dtype (a tile of a weight split by columns is not contiguous)."""
+    first = arrays[0]
+    return xp is np and all(a.flags.c_contiguous and a.dtype == first.dtype for a in arrays) and first.dtype.kind == "f"
+
+
+@numba.njit(nogil=True, cache=True)
+def _sgd_cpu(param, grad, buf, lr, momentum, weight_decay, nesterov, first):
+    """SGD.update on contiguous arrays in one pass (numpy's takes several, and a temporary the
+    size of the weight): each element's operations in the same order and precision (scalars
+    in the arrays' dtype, no fused multiply-adds), so the same bits."""
+    for i in range(param.shape[0]):
+        d = grad[i]
+        if weight_decay != 0:
+            d = d + weight_decay * param[i]
+        if momentum != 0:
+            b = d if first else buf[i] * momentum + d
+            buf[i] = b
+            d = d + momentum * b if nesterov else b
+        param[i] = param[i] - lr * d
+
+
+@numba.njit(nogil=True, cache=True)
+def _adam_cpu(param, grad, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps,
+              weight_decay):
+    """Adam.update on contiguous arrays in one pass, each element's operations as numpy's
+    expressions do them (same order, scalars in the arrays' dtype): the same bits."""
+    for i in range(param.shape[0]):
+        g = grad[i]
+        if weight_decay != 0:
+            g = g + weight_decay * param[i]
+        m = exp_avg[i] + one_minus_beta1 * (g - exp_avg[i])
+        v = exp_avg_sq[i] * beta2 + one_minus_beta2 * (g * g)
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        param[i] = param[i] - step_size * (m / (np.sqrt(v) / bias2_sqrt + eps))
 
 
 @dataclass(frozen=True)
@@ -108,13 +156,19 @@ class Adam:
     def update(self, xp, param, grad, state: dict, step: int) -> None:
         _check_step("Adam", step)
         beta1, beta2 = self.betas
-        g = grad + self.weight_decay * param if self.weight_decay != 0 else grad
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        step_size = self.lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+        if _one_pass(xp, param, grad, exp_avg, exp_avg_sq):
+            t = param.dtype.type
+            _adam_cpu(param.reshape(-1), grad.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1),
+                      t(1 - beta1), t(beta2), t(1 - beta2), t(step_size), t(bias_correction2_sqrt), t(self.eps),
+                      t(self.weight_decay))
+            return
+        g = grad + self.weight_decay * param if self.weight_decay != 0 else grad
         exp_avg += (1 - beta1) * (g - exp_avg)  # torch's lerp_(g, 1 - beta1)
         exp_avg_sq *= beta2
         exp_avg_sq += (1 - beta2) * (g * g)
-        step_size = self.lr / (1 - beta1 ** step)
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
         denom = xp.sqrt(exp_avg_sq) / bias_correction2_sqrt + self.eps
         param -= step_size * (exp_avg / denom)
 

@@ -143,3 +143,21 @@ def test_random_settings_match_torch(lr, momentum, nesterov, wd, beta1, beta2, s
     run_both(SGD(lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, weight_decay=wd),
              shape=(7,), steps=4, seed=seed)
     run_both(Adam(lr=lr, betas=(beta1, beta2), weight_decay=wd), shape=(7,), steps=4, seed=seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(SGDS + ADAMS + [SGD(lr=0.3, momentum=0.7, weight_decay=0.05, nesterov=True)]),
+       st.sampled_from([np.float32, np.float64]), st.integers(1, 40), st.integers(0, 2**32 - 1))
+def test_an_update_in_one_pass_gives_the_numpy_rules_bits(opt, dtype, n, seed):
+    """Contiguous arrays take the compiled one-pass update; others (here the same values in
+    Fortran order) take numpy's expressions: the same bits after several steps, state included."""
+    rng = np.random.default_rng(seed)
+    start = rng.standard_normal((n, 3)).astype(dtype)
+    fast, slow = start.copy(), np.asfortranarray(start.copy())
+    fast_state, slow_state = opt.init_state(np, fast), {k: np.asfortranarray(v) for k, v in opt.init_state(np, slow).items()}
+    for step in range(1, 5):
+        g = (rng.standard_normal((n, 3)) * (rng.random((n, 1)) < 0.7)).astype(dtype)   # some zero rows
+        opt.update(np, fast, g, fast_state, step)
+        opt.update(np, slow, np.asfortranarray(g), slow_state, step)
+    assert fast.dtype == dtype and np.array_equal(fast, slow)
+    assert all(np.array_equal(fast_state[k], slow_state[k]) for k in fast_state)
