@@ -89,9 +89,10 @@ class SGD:
 
 def _one_pass(xp, *arrays) -> bool:
     """Whether an update can take its compiled one-pass form: numpy arrays, all C-contiguous
-    and of one float dtype (a tile of a weight split by columns is not contiguous)."""
+    and all float32 or all float64 (a tile of a weight split by columns is not contiguous)."""
     first = arrays[0]
-    return xp is np and all(a.flags.c_contiguous and a.dtype == first.dtype for a in arrays) and first.dtype.kind == "f"
+    return (xp is np and first.dtype in (np.float32, np.float64)
+            and all(a.flags.c_contiguous and a.dtype == first.dtype for a in arrays))
 
 
 @numba.njit(nogil=True, cache=True)
