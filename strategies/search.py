@@ -164,9 +164,11 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
 
 def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dict, starts, share, rng, beta: float,
             deadline: float | None, bar: "_Bar", known: dict) -> None:
-    """The Metropolis-Hastings chains, one per start with its share of the budget, into `result`."""
-    ops = sim.ops
-    neighbours = _neighbours(ops)
+    """The Metropolis-Hastings chains, one per start with its share of the budget, into `result`.
+    Proposals change the model's ops, not the loss op: a strategy file names the model's ops, and
+    a run gives the loss its default config, as _complete does here."""
+    ops = [op for op in sim.ops if op.name != sim.loss]
+    neighbours = _neighbours(sim.ops)
     for start, n in zip(starts, share):
         if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
             continue

@@ -41,6 +41,19 @@ def test_search_is_reproducible_and_no_worse_than_every_baseline():
     assert simulator(model).simulate(a.best).time == pytest.approx(a.best_time)
 
 
+def test_the_loss_keeps_the_config_a_run_gives_it():
+    """A strategy file names the model's ops and a run gives the loss its default config, so the
+    search leaves the loss there: the predicted time is that of the strategy as it will run."""
+    from ops.lower import default_config
+    model = mlp()
+    sim = simulator(model)
+    loss = next(op for op in sim.ops if op.name == sim.loss)
+    result = search(sim, budget=60, seed=5, model=model)
+    assert result.accepted > 0 and result.best.ops[sim.loss] == default_config(loss, sim.machine)
+    as_run = {name: config for name, config in result.best.ops.items() if name != sim.loss}
+    assert simulator(model).simulate(as_run).time == result.best_time
+
+
 def test_strategies_that_do_not_fit_are_rejected():
     model = mlp()
     mm = dataclasses.replace(load_machine("p100", nodes=1), devices_per_node=2)
