@@ -54,7 +54,7 @@ from typing import Callable, NoReturn
 
 import numpy as np
 
-from ops.base import SAMPLE
+from ops.base import SAMPLE, training_error
 from ops.lower import compute_processors
 from ops.model import Model
 from ops.optimizers import SGD, Adam
@@ -403,10 +403,9 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
     """Build the graph alone (no weights) and check the dtype, the strategy and the batch against it."""
     graph, _ = build_model(app.build, sizes, batch, dtype=args.dtype, weights=False,
                            runtime=Runtime(machine=machine, execute=False))
-    for op in graph.ops:
-        problem = op.training_problem()
-        if problem is not None:
-            raise FlagError(f"--batch-size {batch}: {op.fail(problem)}")
+    cannot_train = training_error(graph.ops)
+    if cannot_train is not None:
+        raise FlagError(f"--batch-size {batch}: {cannot_train}")
     floats = {t.dtype for op in graph.ops for t in op.outputs if np.dtype(t.dtype).kind == "f"}
     if floats - {args.dtype}:
         raise FlagError(f"--dtype {args.dtype}: {app.name} computes in {', '.join(sorted(floats))} "

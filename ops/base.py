@@ -338,6 +338,16 @@ def given_out(out, i: int):
     return (None if out[i] is False else out[i]), out[i] is not False
 
 
+def training_error(ops) -> "ShapeError | None":
+    """The ShapeError of the first of `ops` that cannot train at its shapes (Op.training_problem),
+    or None: what the model API and the apps refuse before any work."""
+    for op in ops:
+        problem = op.training_problem()
+        if problem is not None:
+            return op.fail(problem)
+    return None
+
+
 def weight_target(weight_out, name: str):
     """What a `writes_weight_out` kernel was given for weight `name`'s gradient: an array of its
     shape to write it into and return, or None (the kernel allocates it)."""

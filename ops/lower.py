@@ -659,7 +659,6 @@ class UpdatePlan:
     def __init__(self, param: ParamRegions, plan: OpPlan, short: str, optimizer, rotate: int = 0):
         self.param = param
         self.op_name = plan.op.name
-        self.short = short
         #: whether the op's backward WRITES the whole gradient (OpPlan.writes_weight_grads): no zero fill then
         self.grad_written = plan.writes_weight_grads[short]
         self.optimizer = optimizer

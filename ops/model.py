@@ -26,7 +26,7 @@ import numpy as np
 from ops.activation import ElementUnary, Softmax
 from ops.attention import MultiHeadAttention
 from ops import checkpoint
-from ops.base import Op, TensorSpec
+from ops.base import Op, TensorSpec, training_error
 from ops.conv import Conv2d
 from ops.pool import Pool2d
 from ops.dropout import Dropout
@@ -355,10 +355,9 @@ class Model:
             raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
                              f"{[(t.name, t.shape) for t in self.inputs]}")
         graph, inputs, loss_op = self.training_graph(loss, output)
-        for op in graph:
-            problem = op.training_problem()
-            if problem is not None:
-                raise op.fail(problem)
+        cannot_train = training_error(graph)
+        if cannot_train is not None:
+            raise cannot_train
         out = loss_op.inputs[0]
         configs = dict(configs or {})
         known = {op.name: op for op in graph}

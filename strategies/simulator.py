@@ -44,6 +44,7 @@ from taskrt.taskgraph import CopyNode
 #: memories): past it, a dict lookup per distinct memory pair
 DENSE_PAIRS = 1 << 25
 
+
 @dataclass
 class SimResult:
     """A simulated iteration: its time (seconds), the busy seconds of each processor (global

@@ -65,8 +65,9 @@ def test_run_demo_writes_every_file(tmp_path):
 
 def test_where_off_names_the_operators_furthest_off():
     from apps.demo import where_off
-    row = lambda name, sim, meas: {"name": name, "simulated_us": sim, "measured_us": meas,  # noqa: E731
-                                   "error": (sim - meas) / meas if meas else None}
+    def row(name, sim, meas):
+        return {"name": name, "simulated_us": sim, "measured_us": meas, "error": (sim - meas) / meas if meas else None}
+
     compare = {"per_iteration": True, "iteration": row(None, 3000.0, 6000.0),
                "operators": [row("fc1", 300.0, 200.0), row("source", 900.0, 2000.0), row("loss", 300.0, 600.0),
                              row("attach", 0.0, 5.0), row("drop", 100.0, 110.0)]}

@@ -611,9 +611,9 @@ def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Itera
     kept = range(skip, cut.count)
     sums: dict[str, list[dict]] = {"op": [defaultdict(float) for _ in kept], "proc": [defaultdict(float) for _ in kept]}
     totals = [0.0 for _ in kept]
-    for e in measured.events:
+    for e in filter(is_task, measured.events):
         k = cut.index(e) - skip
-        if k >= 0 and is_task(e):
+        if k >= 0:
             dur = e["end"] - e["start"]
             sums["op"][k][operator(e)] += dur
             sums["proc"][k][e["proc"]] += dur
