@@ -113,6 +113,7 @@ class Softmax(Op):
     """
 
     kind = "softmax"
+    float_inputs = True
 
     def __init__(self, name, inputs, axis: int = -1):
         super().__init__(name, inputs, axis=axis)
@@ -153,6 +154,7 @@ class ElementUnary(Op):
     """y = fn(x) element-wise for fn in ops.functions.ACTIVATIONS; every dimension may be split."""
 
     kind = "unary"
+    float_inputs = True
 
     def __init__(self, name, inputs, fn: str = "relu"):
         super().__init__(name, inputs, fn=fn)

@@ -139,6 +139,7 @@ class MultiHeadAttention(Op):
     """
 
     kind = "multihead_attention"
+    float_inputs = True
 
     def __init__(self, name, inputs, num_heads: int, use_bias: bool = True, causal: bool = False):
         super().__init__(name, inputs, num_heads=num_heads, use_bias=use_bias, causal=causal)
@@ -157,9 +158,6 @@ class MultiHeadAttention(Op):
             raise self.fail(f"key and value lengths differ: {k[1]} and {v[1]}")
         if q[1] < 1 or k[1] < 1:
             raise self.fail(f"query and key lengths must be >= 1, got Lq={q[1]}, Lk={k[1]}")
-        for t in self.inputs:
-            if np.dtype(t.dtype).kind != "f":
-                raise self.fail(f"input {t.name} must be floating point, got {t.dtype}")
         e = q[2]
         if not isinstance(self.num_heads, (int, np.integer)) or self.num_heads < 1:
             raise self.fail(f"num_heads must be a positive int, got {self.num_heads!r}")

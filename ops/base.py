@@ -117,6 +117,9 @@ class Op(ABC):
     #: True for ops whose backward takes `weight_out=` (see backward): lowering then hands them
     #: the weight gradients' views to write into rather than copying their results in
     writes_weight_out: ClassVar[bool] = False
+    #: True for ops whose arithmetic needs floating-point inputs (every input; the ops that take
+    #: integers somewhere, embedding's indices or a loss's labels, check their own)
+    float_inputs: ClassVar[bool] = False
 
     def __init__(self, name: str, inputs: Sequence[TensorSpec], **attrs: Any):
         self.name = name
@@ -124,6 +127,10 @@ class Op(ABC):
         self._attrs = dict(attrs)
         for k, v in attrs.items():
             setattr(self, k, v)
+        if self.float_inputs:
+            for t in self.inputs:
+                if np.dtype(t.dtype).kind != "f":
+                    raise self.fail(f"input {t.name} must be floating point, got {t.dtype}")
         shapes = self.infer_shapes([t.shape for t in self.inputs])
         self._num_outputs = len(shapes)
         dtypes = self.output_dtypes()

@@ -471,6 +471,7 @@ class Conv2d(Op):
     """PyTorch's nn.Conv2d (dilation 1). Splits: batch, out channels, height, width."""
 
     kind = "conv2d"
+    float_inputs = True
     writes_out = True
 
     def __init__(self, name, inputs, out_channels: int, kernel, stride=1, padding=0, groups: int = 1,

@@ -97,6 +97,7 @@ class Dropout(Op):
     """
 
     kind = "dropout"
+    float_inputs = True
     has_training_mode = True
     uses_step = True
 

@@ -48,6 +48,7 @@ class Dense(Op):
     """
 
     kind = "dense"
+    float_inputs = True
     writes_out = True
     writes_weight_out = True
 
@@ -166,6 +167,7 @@ class BatchMatmul(Op):
     """
 
     kind = "batch_matmul"
+    float_inputs = True
 
     def __init__(self, name, inputs):
         super().__init__(name, inputs)

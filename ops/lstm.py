@@ -248,6 +248,7 @@ class LSTM(Op):
     """
 
     kind = "lstm"
+    float_inputs = True
 
     def __init__(self, name, inputs, hidden_size: int, with_initial_state: bool = False):
         super().__init__(name, inputs, hidden_size=hidden_size, with_initial_state=with_initial_state)
@@ -262,9 +263,6 @@ class LSTM(Op):
         x = in_shapes[0]
         if len(x) != 3 or x[1] < 1:
             raise self.fail(f"x must be [batch, seq, in] with seq >= 1, got shape {x}")
-        for t in self.inputs:
-            if np.dtype(t.dtype).kind != "f":
-                raise self.fail(f"input {t.name} must be floating point, got {t.dtype}")
         batch, seq, _ = x
         hidden = int(self.hidden_size)
         for label, s in zip(("h0", "c0"), in_shapes[1:]):

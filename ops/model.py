@@ -165,6 +165,12 @@ class Model:
         shape = as_int_tuple("input shape", shape, least=1)
         if len(shape) < 1:
             raise ValueError(f"input shape must have at least 1 dim (the batch), got {shape}")
+        try:
+            kind = np.dtype(dtype).kind
+        except TypeError:
+            kind = None
+        if kind is None or kind not in "fiu":
+            raise ValueError(f"input dtype must be a float or integer dtype (float32, int64, ...), got {dtype!r}")
         t = TensorSpec(shape, np.dtype(dtype).name, self._name("input", name))
         self._count("input", t.name)
         self.inputs.append(t)

@@ -154,6 +154,7 @@ class BatchNorm(Op):
     """
 
     kind = "batch_norm"
+    float_inputs = True
     writes_out = True
     has_training_mode = True
 
@@ -421,6 +422,7 @@ class LayerNorm(Op):
     """nn.LayerNorm over the trailing `normalized_shape` dims; the leading dims may be split."""
 
     kind = "layer_norm"
+    float_inputs = True
 
     def __init__(self, name, inputs, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True):
         if isinstance(normalized_shape, int):

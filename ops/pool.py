@@ -204,6 +204,7 @@ class Pool2d(Op):
     """PyTorch's max_pool2d / avg_pool2d (count_include_pad=True, floor mode). Every dim splits."""
 
     kind = "pool2d"
+    float_inputs = True
     writes_out = True
     POOL_TYPES = ("max", "avg")
 

@@ -188,3 +188,35 @@ def test_operator_attributes_are_checked_not_truncated(build, match):
     with pytest.raises((TypeError, ValueError), match=match):
         build(m, x)
     assert len(m.ops) == 0
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "bool", "U3", "object"])
+def test_a_model_input_holds_floats_or_integers(dtype):
+    with pytest.raises(ValueError, match=rf"input dtype must be a float or integer dtype .*got '{dtype}'"):
+        Model(seed=0).input((2, 3), dtype=dtype)
+
+
+@pytest.mark.parametrize("build", [
+    lambda m, x: m.dense(x, 3),
+    lambda m, x: m.softmax(x),
+    lambda m, x: m.relu(x),
+    lambda m, x: m.dropout(x, 0.5),
+    lambda m, x: m.layer_norm(x),
+    lambda m, x: m.batch_matmul(m.reshape(x, (2, 2, 3)), m.reshape(x, (2, 3, 2))),
+    lambda m, x: m.lstm(m.reshape(x, (2, 2, 3)), 4),
+])
+def test_arithmetic_ops_refuse_integer_inputs_when_built(build):
+    """An int32 input into a dense layer used to build, and compile failed later on the loss's
+    dtype; the op that needs floats now says so itself."""
+    m = Model(seed=0)
+    x = m.input((2, 6), dtype="int32", name="ids")
+    with pytest.raises(ValueError, match=r"input ids(\.out)? must be floating point, got int32|"
+                                         r"input reshape_\d\.out must be floating point, got int32"):
+        build(m, x)
+
+
+def test_integer_inputs_still_feed_embeddings_and_shape_ops():
+    m = Model(seed=0)
+    x = m.input((2, 6), dtype="int64", name="ids")
+    assert m.embedding(m.reshape(x, (2, 3, 2)), 10, 4).shape == (2, 3, 2, 4)
+    assert m.add(x, x).dtype == "int64"
