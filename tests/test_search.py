@@ -166,3 +166,28 @@ def test_a_proposal_that_repeats_a_strategy_is_not_simulated_again(monkeypatch):
     result = search(sim, budget=60, seed=1, model=model)
     assert len(timed) == len(set(timed)), "a strategy simulated twice"
     assert len(timed) < result.proposals
+
+
+def test_the_chains_take_a_tenth_in_turn_then_the_lowest_goes_on_alone(monkeypatch):
+    """Each start's chain walks its share of BURN_IN of the budget; then the chain that stands
+    lowest walks the rest, from where it stood."""
+    import strategies.search as searching
+    walks = []
+    walk = searching._walk
+
+    def recording(sim, chain, n, *args):
+        done = args[2].proposals
+        walks.append((chain.start, n, chain.current_time, chain.current))
+        walk(sim, chain, n, *args)
+        walks[-1] += (args[2].proposals - done, chain.current_time, chain.current)
+    monkeypatch.setattr(searching, "_walk", recording)
+    model = mlp()
+    result = search(simulator(model), budget=90, seed=2, model=model)
+    burn = walks[:3]
+    assert [w[0] for w in burn] == ["data", "expert", "random"]
+    assert [w[1] for w in burn] == [3, 3, 3]   # round(90 * 0.1) = 9 in turn
+    start, n, time_then, where_then = walks[3][:4]
+    leader = min(burn, key=lambda w: w[5])
+    assert start == leader[0] and time_then == leader[5] and where_then is leader[6]
+    assert n == 90 - sum(w[4] for w in burn)
+    assert result.proposals == sum(w[4] for w in walks)
