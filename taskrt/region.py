@@ -13,6 +13,18 @@ from .geometry import Rect, as_int_tuple, equal_rects, pairwise_disjoint
 Color = tuple[int, ...]
 
 
+def numeric_dtype(what: str, dtype) -> np.dtype:
+    """`dtype` as a numpy dtype of numbers (bool, integers, floats, complex); anything else (strings,
+    objects, dates) names `what` in a ValueError: the runtime's copies, folds and fills work on numbers."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "biufc":
+        raise ValueError(f"{what}: dtype must be numeric (bool, int, float or complex), got {dtype!r}")
+    return dt
+
+
 class Region:
     """A logical n-d tensor: shape, dtype and name. Data lives in the runtime's instances."""
 
@@ -21,7 +33,7 @@ class Region:
     def __init__(self, shape: Sequence[int], dtype="float32", name: str | None = None):
         shape = as_int_tuple(f"region {name!r} shape", shape, least=0)
         self.shape = shape
-        self.dtype = np.dtype(dtype)
+        self.dtype = numeric_dtype(f"region {name!r}" if name else "region", dtype)
         self.uid = next(Region._next_uid)
         self.name = name or f"region{self.uid}"
         self.rect = Rect.from_shape(shape)

@@ -175,6 +175,10 @@ class Runtime:
         if array.shape != rect.shape:
             raise ValueError(f"attach: array of shape {array.shape} does not fit {region!r}{rect!r} "
                              f"of shape {rect.shape}")
+        if not np.can_cast(array.dtype, region.dtype, casting="same_kind"):
+            raise ValueError(f"attach: an array of dtype {array.dtype} does not convert to {region!r}'s "
+                             f"{region.dtype} without losing its kind (a complex or non-numeric array into a "
+                             f"real region)")
         if self.home.rank == self.rank:
             array = array.astype(region.dtype, copy=True)
         else:
@@ -183,6 +187,11 @@ class Runtime:
                            proc=self.home)
 
     def fill(self, region: Region, value, rect: Rect | None = None) -> Future:
+        """Set `rect` of the region (whole by default) to the number `value`, in program order."""
+        if isinstance(value, (str, bytes)) or not isinstance(value, (bool, int, float, complex, np.number)) or \
+                not np.can_cast(np.asarray(value).dtype, region.dtype, casting="same_kind"):
+            raise ValueError(f"fill: {value!r} ({type(value).__name__}) is not a number that {region!r} "
+                             f"({region.dtype}) can hold")
         return self.launch(_fill_kernel, req(region, WRITE, rect), args=(value,), name=f"fill:{region.name}",
                            proc=self.home)
 

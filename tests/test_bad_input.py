@@ -220,3 +220,30 @@ def test_integer_inputs_still_feed_embeddings_and_shape_ops():
     x = m.input((2, 6), dtype="int64", name="ids")
     assert m.embedding(m.reshape(x, (2, 3, 2)), 10, 4).shape == (2, 3, 2, 4)
     assert m.add(x, x).dtype == "int64"
+
+
+@pytest.mark.parametrize("dtype", ["U4", "object", "datetime64[s]", "no-such-dtype"])
+def test_a_region_holds_numbers(dtype):
+    with pytest.raises(ValueError, match=r"region 'r': dtype must be numeric .*got"):
+        Runtime(cpus=1, execute=False).region((2,), dtype=dtype, name="r")
+
+
+def test_attach_refuses_an_array_that_would_lose_its_kind():
+    """A complex array into a float region used to drop its imaginary parts with a warning."""
+    with Runtime(cpus=1) as rt:
+        r = rt.region((2, 2), name="r")
+        with pytest.raises(ValueError, match=r"attach: an array of dtype complex64 does not convert"):
+            rt.attach(r, np.ones((2, 2), np.complex64))
+        rt.attach(r, np.arange(4, dtype=np.int64).reshape(2, 2)).wait()   # integers into floats: kept
+        assert rt.read(r).tolist() == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("value,dtype", [("x", "float32"), (None, "float32"), (1.5, "int32"), (1j, "float64")])
+def test_fill_refuses_what_the_region_cannot_hold_before_any_task(value, dtype):
+    """A string fill used to fail inside its task and stop the runtime."""
+    with Runtime(cpus=1) as rt:
+        r = rt.region((3,), dtype=dtype, name="r")
+        with pytest.raises(ValueError, match=r"fill: .* is not a number that Region\('r'"):
+            rt.fill(r, value)
+        rt.fill(r, 2).wait()
+        assert rt.read(r).tolist() == [2, 2, 2]
