@@ -188,8 +188,7 @@ class Runtime:
 
     def fill(self, region: Region, value, rect: Rect | None = None) -> Future:
         """Set `rect` of the region (whole by default) to the number `value`, in program order."""
-        if isinstance(value, (str, bytes)) or not isinstance(value, (bool, int, float, complex, np.number)) or \
-                not np.can_cast(np.asarray(value).dtype, region.dtype, casting="same_kind"):
+        if not _holds(region.dtype, value):
             raise ValueError(f"fill: {value!r} ({type(value).__name__}) is not a number that {region!r} "
                              f"({region.dtype}) can hold")
         return self.launch(_fill_kernel, req(region, WRITE, rect), args=(value,), name=f"fill:{region.name}",
@@ -547,6 +546,22 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
 
 def _attach_kernel(view, array):
     view[...] = array
+
+
+def _holds(dtype: np.dtype, value) -> bool:
+    """Whether an array of `dtype` holds the number `value` as it is: no imaginary part dropped, no
+    fraction cut off an integer, nothing out of an integer type's range."""
+    if not isinstance(value, (bool, int, float, complex, np.number)):
+        return False
+    v = complex(value)
+    if dtype.kind == "c":
+        return True
+    if v.imag != 0:
+        return False
+    if dtype.kind in "biu":
+        low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        return v.real.is_integer() and low <= v.real <= high
+    return True
 
 
 def _fill_kernel(view, value):

@@ -247,3 +247,12 @@ def test_fill_refuses_what_the_region_cannot_hold_before_any_task(value, dtype):
             rt.fill(r, value)
         rt.fill(r, 2).wait()
         assert rt.read(r).tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("value,dtype,ok", [(0, "uint8", True), (255, "uint8", True), (256, "uint8", False),
+                                            (-1, "uint8", False), (2.0, "int32", True), (float("nan"), "int32", False),
+                                            (float("-inf"), "float32", True), (1 + 2j, "complex64", True),
+                                            (np.float64(0.5), "float16", True), (True, "bool", True), (2, "bool", False)])
+def test_fill_takes_every_number_its_region_holds(value, dtype, ok):
+    from taskrt.runtime import _holds
+    assert _holds(np.dtype(dtype), value) == ok
