@@ -33,11 +33,7 @@ from strategies.timing import Handling, schedule_successors
 #: the figures a fit tries: each runtime figure of the machine model and its values
 FIT_GRID = {
     "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6, 250e-6),
-    # a message's handling on this runtime is its receipt (the send is posted and, small, done
-    # in the worker's thread): fitted to one app's runs, a free send figure traded off against
-    # the receive one and put the cost on the wrong end for the other apps (docs/accuracy.md,
-    # session 27: 21.1% -> 17.7% over ten held-out app-runs with the send fixed at 0)
-    "send_overhead": (0.0,),
+    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6),
     "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
     "kernel_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
 }
