@@ -178,6 +178,30 @@ def test_phase_planes_give_the_columns_and_their_sums_of_strided_reads(n, c, h, 
     np.testing.assert_allclose(dx_phased, dx_rows, rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(1, 11), w=st.integers(1, 11), kh=st.integers(1, 5),
+       kw=st.integers(1, 5), sh=st.integers(1, 4), sw=st.integers(1, 4), ph=st.integers(0, 3), pw=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_the_window_index_gives_the_columns_and_their_sums_of_the_row_kernels(n, c, h, w, kh, kw, sh, sw, ph, pw,
+                                                                              seed):
+    """im2col and col2im through the window index (small planes) against the row kernels: the same
+    columns exactly, the same input gradient to rounding, padding on every side included."""
+    assume(kh <= h + 2 * ph and kw <= w + 2 * pw)
+    oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w))
+    rows, indexed = (np.full((c * kh * kw, n, oh, ow), np.nan) for _ in range(2))
+    index = conv_module._window_index((kh, kw), (sh, sw), (ph, pw), (h, w), (oh, ow))
+    conv_module._im2col_rows_cpu(x, (kh, kw), (sh, sw), (ph, pw), rows)
+    conv_module._im2col_index_cpu(x, index, indexed)
+    np.testing.assert_array_equal(indexed, rows)
+    g = rng.standard_normal(rows.shape)
+    dx_rows, dx_indexed = np.full(x.shape, np.nan), np.full(x.shape, np.nan)
+    conv_module._col2im_rows_cpu(g.copy(), (kh, kw), (sh, sw), (ph, pw), dx_rows)
+    conv_module._col2im_index_cpu(g.copy(), index, dx_indexed)
+    np.testing.assert_allclose(dx_indexed, dx_rows, rtol=1e-12, atol=1e-12)
+
+
 def test_conv_batched_path_takes_small_images_and_tiles_of_views(monkeypatch):
     """The samples-side-by-side path on the small CNN's shapes, whole and on tiles that are views
     of the batch and the channels (as the runtime hands them over), against the per-sample path
