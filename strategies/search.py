@@ -126,6 +126,8 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
         raise ValueError(f"search: budget must be a positive int (proposals), got {budget!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"search: seed must be an int >= 0, got {seed!r}")
+    if beta is not None and not (isinstance(beta, (int, float, np.floating)) and 0 < beta < math.inf):
+        raise ValueError(f"search: beta must be a positive finite number (1/seconds), got {beta!r}")
     if seconds is not None and not seconds > 0:
         raise ValueError(f"search: seconds must be more than 0 (or None), got {seconds!r}")
     unknown = [s for s in starts if s not in STARTS]
@@ -266,7 +268,9 @@ def app_graph(name: str, batch_size: int | None = None, tiny: bool = False):
     or tiny sizes; batch 64 (16 tiny) unless given."""
     import importlib
 
-    from apps.cli import build_model
+    from apps.cli import APPS, build_model
+    if name not in APPS:
+        raise ValueError(f"app_graph: no app named {name!r}; the apps are {', '.join(APPS)}")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"app_graph: batch_size must be at least 1, got {batch_size}")
     module = importlib.import_module(f"apps.{name}")

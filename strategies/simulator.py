@@ -162,7 +162,14 @@ class Simulator:
             configs, _ = strategy.resolve(self.ops, self.machine, fingerprint=self.fingerprint)
             known.update({(n, c): configs[n] for n, c in strategy.ops.items()})
             return configs
+        if strategy is not None and not isinstance(strategy, dict):
+            raise TypeError(f"simulate: a strategy is a Strategy, a dict of op name -> TileConfig, or None "
+                            f"(every op data parallel); got {type(strategy).__name__} {strategy!r}")
         given = dict(strategy or {})
+        unknown = [name for name in given if name not in self._by_name]
+        if unknown:
+            raise ValueError(f"simulate: no op named {', '.join(map(repr, unknown))} in the model "
+                             f"(its ops: {', '.join(op.name for op in self.ops)})")
         return {op.name: resolve_config(op, given[op.name], self.machine) if op.name in given
                 else default_config(op, self.machine) for op in self.ops}
 

@@ -77,6 +77,19 @@ def test_bad_seeds_and_seconds_are_refused():
         search(simulator(mlp()), budget=5, seconds=0)
 
 
+@pytest.mark.parametrize("beta", [-1.0, 0.0, float("nan"), float("inf"), "hot"])
+def test_bad_betas_are_refused(beta):
+    """A negative or NaN beta used to run: a chain that takes every proposal, or none."""
+    with pytest.raises(ValueError, match="beta must be a positive finite number"):
+        search(simulator(mlp()), budget=5, beta=beta)
+
+
+def test_an_unknown_app_is_named():
+    from strategies.search import app_graph
+    with pytest.raises(ValueError, match="no app named 'nosuch'; the apps are mlp, alexnet"):
+        app_graph("nosuch")
+
+
 @pytest.mark.parametrize("flags, said", [(["--budget", "0"], "--budget 0: must be at least 1"),
                                          (["--nodes", "0"], "--nodes 0: must be at least 1"),
                                          (["--batch-size", "0"], "--batch-size 0: must be at least 1"),

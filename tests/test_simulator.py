@@ -46,6 +46,18 @@ def test_one_device_runs_every_task_in_turn():
     assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
 
 
+def test_a_strategy_that_names_no_op_of_the_model_is_refused():
+    """A dict naming an op the model does not have used to be simulated as data parallelism."""
+    model = mlp()
+    mm = load_machine("p100", nodes=1)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False))
+    first = model.ops[0].name
+    with pytest.raises(ValueError, match=r"simulate: no op named 'nosuch' in the model \(its ops: "):
+        sim.simulate({"nosuch": sim.configs(None)[first]})
+    with pytest.raises(TypeError, match="simulate: a strategy is a Strategy, a dict .* got str 'data'"):
+        sim.simulate("data")
+
+
 def test_the_graph_is_the_runtimes_second_iteration():
     m = mlp(batch=8, width=64)
     ops, inputs, loss = m.training_graph()
