@@ -227,6 +227,20 @@ def test_compare_a_run_it_cannot_cut_is_averaged():
     assert "not cut into iterations (rank 0 ran 3" in tt.format_compare(c)
 
 
+def test_compare_refuses_traces_of_different_models():
+    """A simulation of one model against a run of another (the mlp's against alexnet's) used to
+    print a table of operators that were 100% off on one side or the other."""
+    sim, run = _synthetic_run([[[5.0, 1.0, 1.0]], [[5.0, 1.0, 1.0]]], 0.0)
+    for e in run.events:
+        if e["op"] in ("a", "b"):
+            e["op"] = "other_" + e["op"]
+    with pytest.raises(tt.TraceError, match=r"different models: 2 of the simulated trace's 3 operators are not in "
+                                            r"the measured run \(a, b\)"):
+        tt.compare(sim, run)
+    run.events[-1]["op"] = "b"   # one of three missing: the same model under another strategy, say
+    assert tt.compare(sim, run)["per_iteration"]
+
+
 # ---- summary and critical path -------------------------------------------------------------------
 def test_summary(measured, two_ranks, capsys):
     t = tt.load(measured)

@@ -603,6 +603,12 @@ def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
 def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Iterations | None]:
     """(`compare`'s result, the run's iterations where it could be cut, else None)."""
     sim_tasks = [e for e in simulated.events if is_task(e)]
+    sim_ops = {operator(e) for e in sim_tasks}
+    absent = sorted(sim_ops - {operator(e) for e in measured.events if is_task(e)})
+    if len(absent) > len(sim_ops) / 2:
+        raise TraceError(f"compare: the traces look like runs of different models: {len(absent)} of the simulated "
+                         f"trace's {len(sim_ops)} operators are not in the measured run "
+                         f"({', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''})")
     cut = cut_iterations(simulated, measured)
     if isinstance(cut, str):
         return _compare_averaged(simulated, measured, sim_tasks, cut), None
