@@ -296,14 +296,20 @@ def _window_index(kernel, stride, pads, in_hw, out_hw) -> np.ndarray:
 # entries, and the run kernels above spend their time on each run's bounds and calls. There a
 # gather through the window index (_window_index) does im2col in one loop per row of columns,
 # and a scatter-add through it col2im.
+@numba.njit(nogil=True, inline="always")
+def _index_views(planes, cols, index):
+    """(planes [N, C, H*W], cols [C*KK, N, OH*OW]): flat views of the index kernels' image side (x
+    or dx, [N, C, H, W]) and column side ([C*KK, N, OH, OW]), both C-contiguous."""
+    n_, c_ = planes.shape[0], planes.shape[1]
+    return (planes.reshape(n_, c_, planes.shape[2] * planes.shape[3]),
+            cols.reshape(c_ * index.shape[0], n_, index.shape[1]))
+
+
 @numba.njit(nogil=True, cache=True)
 def _im2col_index_cpu(x, index, cols):
-    """cols[c*KK + t, s, p] = x[s, c].flat[index[t, p]], 0 where index is -1; x [N, C, H, W] and
-    cols [C*KK, N, OH, OW] C-contiguous."""
-    n_, c_ = x.shape[0], x.shape[1]
-    kk, npos = index.shape
-    xf = x.reshape(n_, c_, x.shape[2] * x.shape[3])
-    cf = cols.reshape(c_ * kk, n_, npos)
+    """cols[c*KK + t, s, p] = x[s, c].flat[index[t, p]], 0 where index is -1."""
+    xf, cf = _index_views(x, cols, index)
+    n_, c_, (kk, npos) = x.shape[0], x.shape[1], index.shape
     zero = cols.dtype.type(0)
     for c in range(c_):
         for t in range(kk):
@@ -320,10 +326,8 @@ def _im2col_index_cpu(x, index, cols):
 def _col2im_index_cpu(cols, index, dx):
     """dx[s, c].flat[index[t, p]] summed over cols[c*KK + t, s, p] where index is not -1: the
     gradient of _im2col_index_cpu, written into dx."""
-    n_, c_ = dx.shape[0], dx.shape[1]
-    kk, npos = index.shape
-    df = dx.reshape(n_, c_, dx.shape[2] * dx.shape[3])
-    cf = cols.reshape(c_ * kk, n_, npos)
+    df, cf = _index_views(dx, cols, index)
+    n_, c_, (kk, npos) = dx.shape[0], dx.shape[1], index.shape
     zero = dx.dtype.type(0)
     for s in range(n_):
         for c in range(c_):
