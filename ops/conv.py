@@ -77,13 +77,11 @@ _DIRECT_MAX_CHANNELS = 4
 #: 17x17, 14x14 and 7x7 (16 to 512 channels), 0.77x for a 5x5 on 3 channels to 32x32
 _BATCHED_MAX_PIXELS = 32 * 32
 #: batched tiles of at most this many output pixels make their columns through the window index
-#: (_im2col_index_cpu, _col2im_index_cpu) rather than by runs of rows; where stride 1 and "same"
-#: width make a sample's window one run of its plane, up to _INDEX_MAX_PLANE_PIXELS only. One core,
-#: forward + backward, against the runs: 3x3 at 3x3 outputs (48-96 channels, 8 samples)
-#: 0.78-0.91x, stride 2 to 4x4 and 8x8 0.62x and 0.88x, 256 channels at 4x4 0.88x; but a 5x5 at
-#: 7x7 (one run a plane) 1.03x
+#: (_im2col_index_cpu, _col2im_index_cpu) rather than by runs of rows. One core, forward +
+#: backward, against the runs: a 3x3 at 3x3 outputs (96 channels, 8 samples) 0.69x, a stride-2
+#: 3x3 to 4x4 0.62x (measured before the index was cached), and where a window is one run of its
+#: plane (stride 1, "same" width) 0.90-0.97x from 6x6 to 8x8 (a 5x5 at 7x7 0.91x)
 _INDEX_MAX_PIXELS = 8 * 8
-_INDEX_MAX_PLANE_PIXELS = 4 * 4
 
 
 def _im2col_view(xp, xpad, kernel, stride, out_hw):
@@ -727,12 +725,10 @@ class Conv2d(Op):
         return (sh > 1 or sw > 1) and kh * kw > sh * sw
 
     def _index_of(self, tile: Rect, x, pads) -> np.ndarray | None:
-        """The window index of a batched tile of at most _INDEX_MAX_PIXELS outputs (of
-        _INDEX_MAX_PLANE_PIXELS where a window is one run of a plane): its im2col and col2im go
-        through it. Else None."""
+        """The window index of a batched tile of at most _INDEX_MAX_PIXELS outputs (its im2col and
+        col2im go through it), else None."""
         out_hw = tuple(tile.shape[2:])
-        planes = self.stride == (1, 1) and out_hw[1] == x.shape[3]
-        if out_hw[0] * out_hw[1] > (_INDEX_MAX_PLANE_PIXELS if planes else _INDEX_MAX_PIXELS):
+        if out_hw[0] * out_hw[1] > _INDEX_MAX_PIXELS:
             return None
         return _window_index(self.kernel, self.stride, (pads[0][0], pads[1][0]), x.shape[2:], out_hw)
 
