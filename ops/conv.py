@@ -732,11 +732,11 @@ class Conv2d(Op):
             return None
         return _window_index(self.kernel, self.stride, (pads[0][0], pads[1][0]), x.shape[2:], out_hw)
 
-    def _sample_columns(self, tile: Rect, x, pads):
+    def _sample_columns(self, tile: Rect, x, pads, index):
         """Yield (a, b, cols, phases): the im2col matrix [K, (b-a)*OH*OW] of samples [a, b) of the
         unpadded input tile x, the samples side by side in the column index, in one reused
-        buffer, and the phase planes' scratch that made it (None for stride 1 and for tiles whose
-        columns go through the window index, _index_of; col2im reuses it)."""
+        buffer, and the phase planes' scratch that made it (None for stride 1 and where `index`,
+        the tile's window index from _index_of or None, makes the columns; col2im reuses it)."""
         n, c, h, w = x.shape
         oh, ow = tile.shape[2:]
         k = c * self.kernel[0] * self.kernel[1]
@@ -745,7 +745,6 @@ class Conv2d(Op):
         buf = np.empty(k * most * oh * ow, x.dtype)
         x = np.ascontiguousarray(x)
         top_left = (pads[0][0], pads[1][0])
-        index = self._index_of(tile, x, pads)
         phased = index is None and self._phased()
         if phased:
             sh, sw = self.stride
@@ -770,7 +769,7 @@ class Conv2d(Op):
         ng, ocpg, off = self._layout(tile)
         wg = self._grouped(np, w.reshape(oct_, -1), tile)
         out = None
-        for a, b, cols, _ in self._sample_columns(tile, x, pads):
+        for a, b, cols, _ in self._sample_columns(tile, x, pads, self._index_of(tile, x, pads)):
             out = np.empty(ng * ocpg * cols.shape[1], x.dtype) if out is None else out
             yt = np.matmul(wg, cols.reshape(ng, -1, cols.shape[1]),
                            out=out[:ng * ocpg * cols.shape[1]].reshape(ng, ocpg, -1))
@@ -791,7 +790,7 @@ class Conv2d(Op):
         top_left = (pads[0][0], pads[1][0])
         index = self._index_of(tile, x, pads)
         dyt_buf = None
-        for a, b, cols, phases in self._sample_columns(tile, x, pads):
+        for a, b, cols, phases in self._sample_columns(tile, x, pads, index):
             m = b - a
             dyt_buf = np.empty(oct_ * m * oh * ow, x.dtype) if dyt_buf is None else dyt_buf
             dyt = dyt_buf[:oct_ * m * oh * ow].reshape(oct_, m, oh, ow)

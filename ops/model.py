@@ -43,6 +43,7 @@ from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
 from taskrt import Runtime, TaskError
 from taskrt.geometry import as_int, as_int_tuple
+from taskrt.region import dtype_of_kind
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
@@ -165,13 +166,10 @@ class Model:
         shape = as_int_tuple("input shape", shape, least=1)
         if len(shape) < 1:
             raise ValueError(f"input shape must have at least 1 dim (the batch), got {shape}")
-        try:
-            kind = np.dtype(dtype).kind
-        except TypeError:
-            kind = None
-        if kind is None or kind not in "fiu":
+        dt = dtype_of_kind(dtype, "fiu")
+        if dt is None:
             raise ValueError(f"input dtype must be a float or integer dtype (float32, int64, ...), got {dtype!r}")
-        t = TensorSpec(shape, np.dtype(dtype).name, self._name("input", name))
+        t = TensorSpec(shape, dt.name, self._name("input", name))
         self._count("input", t.name)
         self.inputs.append(t)
         self.tensors[t.name] = t

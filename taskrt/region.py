@@ -13,14 +13,21 @@ from .geometry import Rect, as_int_tuple, equal_rects, pairwise_disjoint
 Color = tuple[int, ...]
 
 
-def numeric_dtype(what: str, dtype) -> np.dtype:
-    """`dtype` as a numpy dtype of numbers (bool, integers, floats, complex); anything else (strings,
-    objects, dates) names `what` in a ValueError: the runtime's copies, folds and fills work on numbers."""
+def dtype_of_kind(dtype, kinds: str) -> np.dtype | None:
+    """`dtype` as a numpy dtype where numpy understands it and its kind is one of `kinds` (numpy's
+    letters: "f" floats, "iu" integers, ...), else None."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        dt = None
-    if dt is None or dt.kind not in "biufc":
+        return None
+    return dt if dt.kind in kinds else None
+
+
+def numeric_dtype(what: str, dtype) -> np.dtype:
+    """`dtype` as a numpy dtype of numbers (bool, integers, floats, complex); anything else (strings,
+    objects, dates) names `what` in a ValueError: the runtime's copies, folds and fills work on numbers."""
+    dt = dtype_of_kind(dtype, "biufc")
+    if dt is None:
         raise ValueError(f"{what}: dtype must be numeric (bool, int, float or complex), got {dtype!r}")
     return dt
 
