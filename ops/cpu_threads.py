@@ -21,11 +21,11 @@ def task_threads() -> int:
     return max(1, min(cpu_pool.threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-#: values below which a row kernel runs on one thread: one core does them in a few tenths of a
-#: millisecond, about what waking a second thread can cost while other processes hold the
-#: cores (at 2M, a quarter-batch tile of BERT-base's layer norm, 786k values, ran on one
-#: thread in 1.8 ms; on two it takes 0.8, PyTorch 1.3)
-PARALLEL_MIN_VALUES = 1 << 19
+#: values below which a row kernel runs on one thread: waking a second thread costs a few tens
+#: of microseconds, which pays from about 100k values (a layer norm of 512 x 768 values, forward
+#: and backward, took 308 us on one thread and 200 us on two, PyTorch 288; of 256 x 768, 208
+#: and 146 us; of 64 x 768, 61 and 65 us)
+PARALLEL_MIN_VALUES = 1 << 17
 
 
 def use_task_threads(values: int) -> int:
