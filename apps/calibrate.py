@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apps.cli import APPS, at_least, output_problem
+from apps.cli import APPS, at_least
 from apps.demo import Setup, cores_problem, train_mpi
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
@@ -39,6 +39,7 @@ from strategies.overheads import LinearTimes, figures_of, fit_figures, score
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_source
 from strategies.simulator import Simulator
+from taskrt.outputs import output_problem
 
 #: the batch of the calibration runs (the tiny apps' own)
 BATCH = 16

@@ -61,7 +61,10 @@ from ops.optimizers import SGD, Adam
 from ops.strategy import Strategy, StrategyError
 from ops.strategy import load as load_strategy
 from taskrt import Runtime
-from taskrt.machine import Machine, count_gpus, gpus_from_env, mpi_rank_from_env, mpi_world_size_from_env
+from taskrt.machine import (Machine, count_from_env, count_gpus, cpus_from_env, gpus_from_env, mpi_rank_from_env,
+                            mpi_world_size_from_env)
+from taskrt.mpi_watchdog import timeout_from_env
+from taskrt.outputs import output_problem
 
 #: the benchmark apps, each a module apps.NAME whose main() calls run_app
 APPS = ("mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm", "nmt")
@@ -234,7 +237,9 @@ def check(app: App, args) -> Plan:
         _check_devices(args, ranks)
         if args.strategy is not None:
             strategy = _load_strategy(args.strategy)
-        for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy)):
+        env_trace = (os.environ.get("TASKRT_TRACE") or None) if args.trace is None else None
+        for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy),
+                           ("TASKRT_TRACE", env_trace)):
             problem = None if path is None else output_problem(path)
             if problem is not None:
                 raise FlagError(f"{flag} {path}: {problem}")
@@ -334,17 +339,6 @@ def _machine_model(args, machine: Machine):
     return mm
 
 
-def output_problem(path: str) -> str | None:
-    """Why a file written at the end of some work could not be (its folder is missing, or it is
-    a folder), or None: checked before the work, so that none is lost to a typo in the name."""
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        return f"the folder {folder} does not exist"
-    if os.path.isdir(path):
-        return "is a folder, not a file"
-    return None
-
-
 def _check_devices(args, ranks: int) -> None:
     """GPUs and CPU workers that this node has, for its ranks (all ranks of a one-node run)."""
     local = _ranks_on_this_host(ranks)
@@ -360,6 +354,9 @@ def _check_devices(args, ranks: int) -> None:
                             f"need {args.gpus_per_rank * local} GPUs, cupy sees {visible}")
     try:
         gpus_from_env()
+        cpus_from_env()
+        count_from_env("TASKRT_BLAS_THREADS", "BLAS threads", 1)
+        timeout_from_env()
     except ValueError as e:
         raise FlagError(str(e)) from None
 
@@ -406,6 +403,9 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
     cannot_train = training_error(graph.ops)
     if cannot_train is not None:
         raise FlagError(f"--batch-size {batch}: {cannot_train}")
+    too_big = _inputs_memory_problem(graph, machine)
+    if too_big is not None:
+        raise FlagError(f"--batch-size {batch}: {too_big}")
     floats = {t.dtype for op in graph.ops for t in op.outputs if np.dtype(t.dtype).kind == "f"}
     if floats - {args.dtype}:
         raise FlagError(f"--dtype {args.dtype}: {app.name} computes in {', '.join(sorted(floats))} "
@@ -422,6 +422,22 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
         except StrategyError as e:
             raise FlagError(f"--strategy {args.strategy}: {_problems(e, args.strategy)}") from None
     return Plan(batch, sizes, machine, strategy, name, count_parameters(graph))
+
+
+def _inputs_memory_problem(graph: Model, machine: Machine) -> str | None:
+    """Why this node could not even hold its ranks' shares of the input batch (a lower bound on
+    what a step needs, whatever the strategy), or None; None too where the memory is not known."""
+    try:
+        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    inputs = sum(np.dtype(t.dtype).itemsize * math.prod(t.shape) for t in graph.inputs)
+    ranks_here = len(machine.ranks_on_host(mpi_rank_from_env()))
+    need = inputs * ranks_here / machine.num_ranks
+    if need <= node:
+        return None
+    return (f"the input batch alone needs {need / 2**30:.1f} GiB on {socket.gethostname()} "
+            f"({ranks_here} of {machine.num_ranks} ranks' shares), which has {node / 2**30:.1f} GiB")
 
 
 def _check_batch(graph: Model, strategy: Strategy, batch: int, path: str) -> None:

@@ -34,6 +34,7 @@ from strategies.search import SearchResult, app_graph, app_source, search
 from strategies.simulator import Simulator
 from taskrt.machine import count_gpus
 from taskrt.mpiexec import run_module_json
+from taskrt.outputs import folder_problem
 from taskrt.tracing import rank_trace_path
 
 
@@ -190,13 +191,25 @@ def _calibrated(setup: Setup, app: str, say) -> Setup:
     return dataclasses.replace(setup, machine_model=with_figures(setup.machine_model, fit["figures"]))
 
 
+def out_problem(out: str) -> str | None:
+    """Why the folder `out` cannot take the demo's files (made here if missing), or None."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return "is a file, not a folder"
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        return f"cannot be made: {e.strerror}"
+    return folder_problem(out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
     p.add_argument("--ranks", type=at_least(1), default=2, help="MPI ranks")
     p.add_argument("--budget", type=at_least(1), default=300, help="search proposals")
-    p.add_argument("--iterations", type=at_least(1), default=30, help="training iterations of each run")
+    p.add_argument("--iterations", type=at_least(2), default=30,
+                   help="training iterations of each run (the comparison leaves out the first)")
     p.add_argument("--seed", type=at_least(0), default=0, help="the search's seed")
     p.add_argument("--out", default="traces", help="folder for the strategy, traces and timeline")
     p.add_argument("--calibrate-on", default="transformer", choices=[*APPS, "none"],
@@ -206,6 +219,9 @@ def main(argv=None) -> None:
     problem = cores_problem(args.ranks) if count_gpus() == 0 else None   # (with GPUs: one a rank)
     if problem is not None:
         p.error(f"--ranks {args.ranks}: {problem}")
+    problem = out_problem(args.out)
+    if problem is not None:
+        p.error(f"--out {args.out}: {problem}")
     run_demo(args.budget, args.iterations, args.out, args.app, args.ranks, args.seed,
              calibrate_on=None if args.calibrate_on == "none" else args.calibrate_on)
 

@@ -124,7 +124,8 @@ class Softmax(Op):
         (shape,) = in_shapes
         if len(shape) < 2:
             raise self.fail(f"needs at least 2 dims (dim 0 is the batch), got shape {shape}")
-        if self.axis not in (-1, len(shape) - 1):
+        if (not isinstance(self.axis, (int, np.integer)) or isinstance(self.axis, bool)
+                or self.axis not in (-1, len(shape) - 1)):
             raise self.fail(f"axis={self.axis!r} is not supported; only the last dim (axis=-1) is")
         return [shape]
 

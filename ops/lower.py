@@ -163,6 +163,21 @@ def default_config(op: Op, machine: Machine) -> TileConfig:
 
 def resolve_config(op: Op, config: TileConfig, machine: Machine) -> TileConfig:
     """`config` checked against the op and the machine, with its devices filled in."""
+    check_degrees(op, config)
+    where = f"{op.kind} {op.name!r}"
+    devices = config.devices if config.devices is not None else default_devices(machine, config.num_tiles)
+    nprocs = len(machine.processors)
+    for i, dev in enumerate(devices):
+        if dev >= nprocs:
+            raise ConfigError(f"{where}: config {config} places tile {i} on processor {dev}, but {machine!r} has "
+                              f"processors 0..{nprocs - 1}")
+    return TileConfig(config.degrees, devices)
+
+
+def check_degrees(op: Op, config: TileConfig) -> None:
+    """`config`'s degrees checked against the op alone (a degree per tile dim, splitting only
+    dims that may be split, no more ways than a dim's extent); ConfigError naming the first
+    problem."""
     where = f"{op.kind} {op.name!r}"
     if not isinstance(config, TileConfig):
         raise ConfigError(f"{where}: a config must be a TileConfig, got {type(config).__name__}: {config!r}")
@@ -179,13 +194,6 @@ def resolve_config(op: Op, config: TileConfig, machine: Machine) -> TileConfig:
         if deg > max(shape[d], 1):
             raise ConfigError(f"{where}: config {config} splits dim {d} ({kinds[d]}) {deg} ways, more than its "
                               f"extent {shape[d]}")
-    devices = config.devices if config.devices is not None else default_devices(machine, config.num_tiles)
-    nprocs = len(machine.processors)
-    for i, dev in enumerate(devices):
-        if dev >= nprocs:
-            raise ConfigError(f"{where}: config {config} places tile {i} on processor {dev}, but {machine!r} has "
-                              f"processors 0..{nprocs - 1}")
-    return TileConfig(config.degrees, devices)
 
 
 def _is_float(spec: TensorSpec) -> bool:

@@ -363,6 +363,10 @@ class Model:
         if cannot_train is not None:
             raise cannot_train
         out = loss_op.inputs[0]
+        if batches and out.shape[0] not in batches:
+            raise ValueError(f"compile: the output {out.name!r} {tuple(out.shape)} does not keep the batch "
+                             f"({batches.pop()} samples) as dim 0, and the loss goes by sample: does a transpose "
+                             f"move the batch?")
         configs = dict(configs or {})
         known = {op.name: op for op in graph}
         for k in configs:

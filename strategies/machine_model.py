@@ -251,6 +251,8 @@ def machine_path(name_or_path) -> Path:
     path = Path(text)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise MachineError(f"machine {text!r}: is a folder, not a machine file")
     raise MachineError(f"machine {text!r}: no such file, and not a shipped machine ({', '.join(shipped_machines())})")
 
 
@@ -321,7 +323,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     _known(data, _FIELDS, "", where, "a machine file")
     if "version" not in data:
         raise MachineError(f"{where}: missing field 'version' (this format is version {VERSION})")
-    if data["version"] != VERSION:
+    if data["version"] != VERSION or isinstance(data["version"], bool):
         raise MachineError(f"{where}: field 'version' must be {VERSION}, got {data['version']!r}")
     name = _string(data, "name", "", where)
     notes = data.get("notes", [])
@@ -352,18 +354,26 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     efficiency = _object(data, "efficiency", "", where)
     if "default" not in efficiency:
         raise MachineError(f"{where}: field 'efficiency' needs a 'default' entry (for op kinds not listed)")
+    kinds = _op_kinds()
     for kind, frac in efficiency.items():
+        if kind != "default" and kind not in kinds:
+            raise MachineError(f"{where}: field 'efficiency.{kind}': {kind!r} is not an op kind; the kinds are "
+                               f"{', '.join(sorted(kinds))} (and 'default' for the rest)")
         if not _number(frac) or not 0 < frac <= 1:
             raise MachineError(f"{where}: field 'efficiency.{kind}' must be a fraction in (0, 1], got {frac!r}")
     fitted, runtime_fitted = (data.get(key) for key in ("fitted", "runtime_fitted"))
     for key, value in (("fitted", fitted), ("runtime_fitted", runtime_fitted)):
         if value is not None and not isinstance(value, str):
             raise MachineError(f"{where}: field {key!r} must be a string or null, got {value!r}")
+    host = None if cpu else _device(_object(data, "host", "", where), "host.", where, discover=False)
+    if host is not None and host.kind != "cpu":
+        raise MachineError(f"{where}: field 'host.kind' must be 'cpu' (a node's host runs the runtime), got "
+                           f"{host.kind!r}")
     return MachineModel(
         name=name, nodes=_count("nodes", data.get("nodes", _MISSING), where), devices_per_node=devices,
         device=device, intra_node=_link(data, "intra_node", where), inter_node=_link(data, "inter_node", where),
         efficiency={k: float(v) for k, v in efficiency.items()},
-        host=None if cpu else _device(_object(data, "host", "", where), "host.", where, discover=False),
+        host=host,
         host_link=None if cpu else _link(data, "host_link", where),
         launch_overhead=_positive(data, "launch_overhead", "", where, zero=True),
         send_overhead=_positive(data, "send_overhead", "", where, zero=True) if "send_overhead" in data else 0.0,
@@ -371,6 +381,15 @@ def from_dict(data, where: str = "machine") -> MachineModel:
                           if "receive_overhead" in data else 0.0),
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
         notes=tuple(notes), fitted=fitted, runtime_fitted=runtime_fitted, source=where)
+
+
+def _op_kinds() -> set[str]:
+    """The operator kinds an efficiency may name (every operator module registers its kind)."""
+    import importlib
+
+    from ops.base import OP_REGISTRY
+    importlib.import_module("ops.model")   # (it imports every operator module)
+    return set(OP_REGISTRY)
 
 
 def _number(v) -> bool:

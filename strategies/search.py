@@ -292,7 +292,7 @@ def app_source(name: str, model, tiny: bool = False, seed: int = 0):
 def _bad_flag(args) -> str | None:
     """What is wrong with the first out-of-range number flag or an output file that could not be
     written ('--flag value: why'), or None: checked before the graph is built."""
-    from apps.cli import output_problem
+    from taskrt.outputs import output_problem
     checks = (("--budget", args.budget, args.budget >= 1, "must be at least 1"),
               ("--nodes", args.nodes, args.nodes is None or args.nodes >= 1, "must be at least 1"),
               ("--batch-size", args.batch_size, args.batch_size is None or args.batch_size >= 1, "must be at least 1"),

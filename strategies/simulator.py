@@ -40,6 +40,9 @@ from strategies.timing import Handling, Timing, schedule_successors
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
 
+#: the most samples a batch source is timed on (CostModel.measure_source keeps seconds a sample;
+#: a source makes its samples one at a time, so a batch of a million took minutes to time)
+SOURCE_SAMPLES = 64
 #: the most entries _pair_columns's dense tables may have (32 bytes each: 1 GiB; about 5,800
 #: memories): past it, a dict lookup per distinct memory pair
 DENSE_PAIRS = 1 << 25
@@ -107,7 +110,8 @@ class Simulator:
         self.cost = cost or CostModel(machine_model)
         if source is not None and self.cost.measures(self.machine.host_processor(0)):
             batch, ranks = self.inputs[0].shape[0], self.machine.num_ranks
-            self.cost.measure_source(source, -(-batch // ranks))   # the largest rank share
+            # the largest rank share, at most SOURCE_SAMPLES of it: a figure a sample
+            self.cost.measure_source(source, min(-(-batch // ranks), SOURCE_SAMPLES))
         self.optimizer = optimizer
         self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}

@@ -137,7 +137,7 @@ class Machine:
         """This process alone: `cpus` workers (flag, else TASKRT_CPUS, else the core count)
         and `gpus` GPUs (flag, else TASKRT_GPUS, else every GPU that cupy sees)."""
         if cpus is None:
-            cpus = int(os.environ.get("TASKRT_CPUS", os.cpu_count() or 1))
+            cpus = cpus_from_env() or os.cpu_count() or 1
         cpus = as_int("cpus", cpus, least=1)
         if gpus is None:
             gpus = gpus_from_env()
@@ -163,8 +163,7 @@ class Machine:
         local_rank = hosts[:comm.rank].count(host)
         local_size = hosts.count(host)
         if cpus_per_rank is None:
-            env = os.environ.get("TASKRT_CPUS")
-            cpus_per_rank = int(env) if env else max(1, (os.cpu_count() or 1) // local_size)
+            cpus_per_rank = cpus_from_env() or max(1, (os.cpu_count() or 1) // local_size)
         cpus_per_rank = as_int("cpus per rank", cpus_per_rank, least=1)
         if gpus is None:
             gpus = gpus_from_env()
@@ -238,14 +237,26 @@ def _env_count(*names: str) -> int | None:
     return None
 
 
-def gpus_from_env() -> int | None:
-    """TASKRT_GPUS as a count of GPUs (per rank); None when unset or empty."""
-    value = os.environ.get("TASKRT_GPUS", "").strip()
+def count_from_env(name: str, what: str, least: int) -> int | None:
+    """Environment variable `name` as a count of `what` of at least `least`; None when unset or
+    empty; a ValueError naming the variable and its value otherwise."""
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if not value.isdigit():
-        raise ValueError(f"TASKRT_GPUS must be a count of GPUs (0, 1, ...), got {value!r}")
+    if not value.isdigit() or int(value) < least:
+        counts = ", ".join(str(k) for k in range(least, least + 2))
+        raise ValueError(f"{name} must be a count of {what} ({counts}, ...), got {value!r}")
     return int(value)
+
+
+def gpus_from_env() -> int | None:
+    """TASKRT_GPUS as a count of GPUs (per rank); None when unset or empty."""
+    return count_from_env("TASKRT_GPUS", "GPUs", 0)
+
+
+def cpus_from_env() -> int | None:
+    """TASKRT_CPUS as a count of CPU workers (per rank); None when unset or empty."""
+    return count_from_env("TASKRT_CPUS", "CPU workers", 1)
 
 
 def count_gpus() -> int:

@@ -17,6 +17,7 @@ values read without a lock: a stale read only moves a decision by one turn. Abor
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -36,8 +37,17 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 def timeout_from_env() -> float:
-    """TASKRT_MPI_TIMEOUT, else DEFAULT_TIMEOUT_S."""
-    return float(os.environ.get("TASKRT_MPI_TIMEOUT", DEFAULT_TIMEOUT_S))
+    """TASKRT_MPI_TIMEOUT (seconds, at least 0; 0: never), else DEFAULT_TIMEOUT_S."""
+    value = os.environ.get("TASKRT_MPI_TIMEOUT", "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (0 <= seconds < math.inf):
+        raise ValueError(f"TASKRT_MPI_TIMEOUT must be seconds, at least 0 (0: never), got {value!r}")
+    return seconds
 
 
 class Abort:

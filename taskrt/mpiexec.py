@@ -1,8 +1,9 @@
 """Running a Python module under this environment's mpiexec and reading its JSON report.
 
-The mpich wheel puts `mpiexec` beside the interpreter; the module runs from the repository
-root with it on PYTHONPATH, and rank 0's last line of output is a JSON object (the apps'
-report, strategies.probe's figures).
+The mpich wheel puts `mpiexec` beside the interpreter; the module runs in the caller's folder
+(so the paths given to it mean what they mean to the caller) with the repository root on
+PYTHONPATH, and rank 0's last line of output is a JSON object (the apps' report,
+strategies.probe's figures).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def run_module_json(ranks: int, module: str, args: list[str], timeout: float = 6
     fails or prints none raises RuntimeError with the command and its last lines of output."""
     cmd = [str(Path(sys.executable).with_name("mpiexec")), "-n", str(ranks), sys.executable, "-m", module, *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])

@@ -28,8 +28,9 @@ from .geometry import Rect
 from .heap import collect_cycles_less, keep_freed_memory
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, check_launch, req
-from .machine import Machine, Memory, Processor, mpi_world_size_from_env
+from .machine import Machine, Memory, Processor, count_from_env, mpi_world_size_from_env
 from .mapper import DefaultMapper, Mapper
+from .outputs import output_problem
 from .privilege import READ, WRITE
 from .program import Launch, check_program
 from .region import Partition, Region
@@ -115,6 +116,9 @@ class Runtime:
         self.trace_path = trace if isinstance(trace, str) and trace else None
         if self.trace_path and transport is not None:
             self.trace_path = rank_trace_path(self.trace_path, rank)
+        problem = output_problem(self.trace_path) if self.trace_path else None
+        if problem is not None:
+            raise ValueError(f"Runtime: the trace {self.trace_path}: {problem}")
         self.tracer = TraceRecorder(rank) if trace else None
         self.transport = transport
         self.executor = None
@@ -271,6 +275,14 @@ class Runtime:
                 known = self._mapped_launches.get(key)
                 if known is not None:
                     return known
+        if placement and points:
+            # (a placement may name more points than this launch has: lowering gives each launch
+            # of an ordered op's positions the whole op's placement)
+            ndim = len(points[0])
+            unknown = [p for p in placement if not (isinstance(p, tuple) and len(p) == ndim)]
+            if unknown:
+                raise ValueError(f"launch {name!r}: placement keys {unknown[:4]} are not points of its domain "
+                                 f"(points are tuples of {ndim}, such as {points[0]!r})")
         rects = [[r.rect_for(p) for r in reqs] for p in points]
         _check_interference(name, reqs, rects)
         procs = []
@@ -529,10 +541,8 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
     shutdown), or None when nothing is limited."""
     cpus = sum(p.kind == "cpu" for p in machine.rank_processors(rank))
     if threads is None:
-        env = os.environ.get("TASKRT_BLAS_THREADS")
-        if env:
-            threads = int(env)
-        else:
+        threads = count_from_env("TASKRT_BLAS_THREADS", "BLAS threads", 1)
+        if threads is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             ranks_here = max(1, len(machine.ranks_on_host(rank)))
             threads = max(1, cores // (ranks_here * max(1, cpus)))

@@ -65,6 +65,9 @@ def test_softmax_accepts_the_last_axis_by_index_and_rejects_others():
     Softmax("sm", [spec((2, 3))], axis=1)
     with pytest.raises(ShapeError, match=r"softmax 'sm': axis=0 is not supported; only the last dim"):
         Softmax("sm", [spec((2, 3))], axis=0)
+    for axis in (1.0, True):   # (1.0 == 1 and True == 1 were taken)
+        with pytest.raises(ShapeError, match=rf"axis={axis!r} is not supported"):
+            Softmax("sm", [spec((2, 2))], axis=axis)
     with pytest.raises(ShapeError, match=r"at least 2 dims"):
         Softmax("sm", [spec((5,))])
     with pytest.raises(ShapeError, match=r"takes 1 input, got 2"):

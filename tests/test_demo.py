@@ -91,7 +91,10 @@ def test_run_demo_calibrates_the_runtime_figures_first(tmp_path):
 @pytest.mark.parametrize("flags, said", [(["--ranks", "0"], "argument --ranks: 0 must be >= 1"),
                                          (["--budget", "0"], "argument --budget: 0 must be >= 1"),
                                          (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
-                                         (["--iterations", "x"], "argument --iterations: 'x' is not an integer")])
+                                         (["--iterations", "x"], "argument --iterations: 'x' is not an integer"),
+                                         (["--iterations", "1"], "argument --iterations: 1 must be >= 2"),
+                                         (["--out", "/proc/demo"], "--out /proc/demo: cannot be made"),
+                                         (["--out", __file__], f"--out {__file__}: is a file, not a folder")])
 def test_bad_numbers_are_refused_before_any_work(flags, said, capsys):
     from apps.demo import main
     with pytest.raises(SystemExit) as e:

@@ -72,3 +72,14 @@ def test_values_pickled_in_another_process_hash_as_made_here():
     here = Memory("sys", 1, 0)
     for theirs, mine in zip(pickle.loads(out), (here, Processor("cpu", 1, 2, here), Privilege("Reduce", "sum"))):
         assert theirs == mine and hash(theirs) == hash(mine) and {mine: 1}[theirs] == 1
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5"])
+def test_a_bad_taskrt_cpus_names_the_value(monkeypatch, value):
+    from taskrt.machine import cpus_from_env
+    monkeypatch.setenv("TASKRT_CPUS", value)
+    with pytest.raises(ValueError, match=f"TASKRT_CPUS must be a count of CPU workers \\(1, 2, ...\\), got '{value}'"):
+        cpus_from_env()
+    with pytest.raises(ValueError, match="TASKRT_CPUS"):
+        Machine.local()
+

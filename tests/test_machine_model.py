@@ -54,6 +54,8 @@ def test_a_machine_past_the_device_limit_is_refused_before_anything_is_built():
 def test_an_unknown_name_lists_the_shipped_ones():
     with pytest.raises(MachineError, match=r"machine 'p101': no such file.*h100, k80, local, p100"):
         load_machine("p101")
+    with pytest.raises(MachineError, match=r"machine '/tmp': is a folder, not a machine file"):
+        load_machine("/tmp")
 
 
 def test_to_machine_gpu_models_have_a_host_cpu_and_the_gpus_per_rank():
@@ -155,6 +157,7 @@ def _drop(data: dict, dotted: str) -> dict:
 BAD = [
     ("version", lambda: _set(_p100(), "version", 2), "must be 1"),
     ("version", lambda: _drop(_p100(), "version"), "missing field"),
+    ("version", lambda: _set(_p100(), "version", True), "must be 1"),
     ("devices", lambda: _set(_p100(), "devices", 4), "unknown field"),
     ("name", lambda: _set(_p100(), "name", ""), "non-empty string"),
     ("notes", lambda: _set(_p100(), "notes", [1, 2]), "list of strings"),
@@ -173,6 +176,7 @@ BAD = [
     ("host", lambda: _drop(_p100(), "host"), "missing field"),
     ("host", lambda: _set(_local(), "host", _p100()["host"]), "only for gpu machines"),
     ("host.mem_bytes", lambda: _set(_p100(), "host.mem_bytes", None), "only for a machine's cpu devices"),
+    ("host.kind", lambda: _set(_p100(), "host.kind", "gpu"), "must be 'cpu'"),
     ("intra_node.bandwidth", lambda: _set(_p100(), "intra_node.bandwidth", 0), "positive number"),
     ("inter_node.latency", lambda: _set(_p100(), "inter_node.latency", -1e-6), "a number >= 0"),
     ("host_link.shared_by", lambda: _set(_p100(), "host_link.shared_by", "all"), "must be one of"),
@@ -184,6 +188,7 @@ BAD = [
     ("kernel_slowdown", lambda: _set(_local(), "kernel_slowdown", 0), "a positive number"),
     ("efficiency", lambda: _set(_p100(), "efficiency", {"dense": 0.5}), "'default' entry"),
     ("efficiency.dense", lambda: _set(_p100(), "efficiency.dense", 1.5), "fraction in (0, 1]"),
+    ("efficiency.densee", lambda: _set(_p100(), "efficiency.densee", 0.5), "is not an op kind"),
     ("fitted", lambda: _set(_p100(), "fitted", 3), "string or null"),
 ]
 

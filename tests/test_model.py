@@ -298,3 +298,15 @@ def test_errors_come_before_any_work(rt):
         m.set_parameters({"dense_9.weight": np.zeros(3)})
     with pytest.raises(ValueError, match=r"dense_0.bias has shape \(2,\), expected \(16,\)"):
         m.set_parameters({"dense_0.bias": np.zeros(2)})
+
+
+def test_compile_refuses_an_output_whose_dim_0_is_not_the_batch():
+    """A transpose that moves the batch used to compile, then fail in fit for any labels: the
+    labels region took the output's dim 0 (6 here), fit wanted one label a sample (4)."""
+    m = Model(Runtime(cpus=1), seed=0)
+    a = m.input((4, 6, 2), name="a")
+    m.softmax(m.dense(m.flat(m.transpose(a, (1, 0, 2))), 3))
+    with pytest.raises(ValueError, match=r"compile: the output 'softmax_0.out' \(6, 3\) does not keep the batch "
+                                         r"\(4 samples\) as dim 0"):
+        m.compile(optimizer=SGD(lr=0.1))
+    m.rt.shutdown()

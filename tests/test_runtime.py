@@ -328,6 +328,12 @@ def test_errors_at_launch_name_the_problem():
             rt.attach(r, np.zeros(3))
         with pytest.raises(ValueError, match="processor index 9 out of range"):
             rt.index_launch(lambda: None, 2, placement={(0,): 9})
+        # points are tuples: int keys were ignored, the mapper placing every point
+        with pytest.raises(ValueError, match=r"placement keys \[0, 1\] are not points of its domain "
+                                             r"\(points are tuples of 1, such as \(0,\)\)"):
+            rt.index_launch(lambda: None, 2, placement={0: 1, 1: 0})
+        with pytest.raises(ValueError, match=r"placement keys \[\(0, 0\)\]"):
+            rt.index_launch(lambda: None, 2, placement={(0, 0): 0})
         assert rt._next_id == 0, "nothing may be issued by a launch that fails its checks"
 
 
@@ -628,6 +634,15 @@ def test_graph_is_built_without_executing():
     assert g.critical_path_length() == 3
     with pytest.raises(RuntimeError, match="execute=False"):
         rt.read(x)
+
+
+def test_a_trace_that_could_not_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"Runtime: the trace /no/such/folder/t.jsonl: the folder /no/such/folder "
+                                         r"does not exist"):
+        Runtime(cpus=1, trace="/no/such/folder/t.jsonl")
+    monkeypatch.setenv("TASKRT_TRACE", str(tmp_path))
+    with pytest.raises(ValueError, match="is a folder, not a file"):
+        Runtime(cpus=1)
 
 
 def test_trace_file_records_tasks_and_copies(tmp_path):

@@ -128,7 +128,7 @@ def test_diff(tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",
                                   "arity", "fingerprint", "diff missing", "no output", "no app", "bad engine",
-                                  "no command", "bad batch"])
+                                  "no command", "bad batch", "unsplittable dim", "over the extent", "unwritable"])
 def test_errors_one_line_exit_2(tmp_path, capsys, case):
     good = mlp_strategy(tmp_path / "s.json")
     bad = tmp_path / "bad.json"
@@ -145,13 +145,19 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "no app": ["draw", good, "-o", tmp_path / "g.png"],
             "bad engine": ["draw", good, "--app", "mlp", "-o", tmp_path / "g.png", "--engine", "svg"],
             "no command": [],
-            "bad batch": ["show", good, "--app", "mlp", "--batch-size", "0"]}[case]
+            "bad batch": ["show", good, "--app", "mlp", "--batch-size", "0"],
+            "unsplittable dim": ["show", bad, "--app", "mlp", "--tiny"],
+            "over the extent": ["draw", bad, "--app", "mlp", "--tiny", "-o", tmp_path / "g.png"],
+            "unwritable": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "nope" / "g.png"]}[case]
     text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
             "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
             "other model": Strategy("mlp", {}).to_json(),
             "unknown op": Strategy("mlp", {"fc9": TileConfig((2, 1, 1))}).to_json(),
             "arity": Strategy("mlp", {"fc1": TileConfig((2, 1))}).to_json(),
-            "fingerprint": Strategy("graph:0123456789abcdef", {}).to_json()}.get(case)
+            "fingerprint": Strategy("graph:0123456789abcdef", {}).to_json(),
+            # the apps refuse these two; show and draw used to print them
+            "unsplittable dim": Strategy("mlp", {"fc1": TileConfig((1, 1, 2))}).to_json(),
+            "over the extent": Strategy("mlp", {"fc1": TileConfig((32, 1, 1))}).to_json()}.get(case)
     if text is not None:
         bad.write_text(text)
     status, out, err = run(capsys, *argv)
@@ -163,5 +169,8 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
               "unknown op": "'fc9' is not in --app mlp", "arity": "3 tile dims, the strategy gives 2",
               "fingerprint": "graph:0123456789abcdef", "diff missing": "nope.json", "no output": "-o",
               "no app": "--app", "bad engine": "--engine", "no command": "command",
-              "bad batch": "--batch-size 0: must be at least 1"}[case]
+              "bad batch": "--batch-size 0: must be at least 1",
+              "unsplittable dim": "splits dim 2 2 ways, but dim 2 may not be split",
+              "over the extent": "splits dim 0 (sample) 32 ways, more than its extent 16",
+              "unwritable": "the folder"}[case]
     assert expect in err

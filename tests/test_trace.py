@@ -304,6 +304,16 @@ def test_bad_traces_give_one_line_and_a_nonzero_exit(measured, tmp_path, capsys)
         write(tmp_path, "times.jsonl", lines[0] + lines[1].replace('"end": ', '"end": -')): ":2: bad times",
         str(tmp_path / "missing.jsonl"): "cannot read",
     }
+    # fields of the wrong type used to reach the commands (a TypeError deep in summary)
+    event = json.loads(lines[1])
+    for i, (key, value) in enumerate([("proc", 5), ("name", None), ("bytes", "abc"), ("rank", "0"), ("preds", None),
+                                      ("id", 1.5), ("kind", ""), ("point", ["a"]), ("start", float("nan"))]):
+        bad = json.dumps({**event, key: value})
+        cases[write(tmp_path, f"field{i}.jsonl", lines[0] + bad + "\n")] = \
+            ":2: bad times" if key == "start" else f":2: bad '{key}'"
+    with open(tmp_path / "binary.jsonl", "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    cases[str(tmp_path / "binary.jsonl")] = "is not UTF-8 text"
     for path, message in cases.items():
         with pytest.raises(tt.TraceError, match=message) as info:
             tt.load(path)
@@ -317,6 +327,23 @@ def test_bad_traces_give_one_line_and_a_nonzero_exit(measured, tmp_path, capsys)
     with pytest.raises(tt.TraceError, match="simulated trace with a measured"):
         sim_meta = json.dumps({"kind": "meta", "rank": 1, "simulated": True, "events": 1})
         tt.load([measured, write(tmp_path, "sim1.jsonl", sim_meta + "\n" + lines[1].replace('"rank": 0', '"rank": 1'))])
+
+
+def test_compare_wants_the_simulation_first(simulated, measured, tmp_path, capsys):
+    """The two traces swapped used to be compared, with a 7377% iteration error."""
+    for args, which in (((measured, simulated), "the first trace is a measured run"),
+                        ((simulated, simulated), "the second trace is a simulation")):
+        with pytest.raises(tt.TraceError, match=which):
+            tt.compare(*map(tt.load, args))
+        rc, _, err = run_cli(capsys, "compare", *args, "-o", tmp_path / "x.png")
+        assert rc == 2 and which in err
+
+
+@pytest.mark.parametrize("top", ["0", "-3", "x"])
+def test_summary_top_is_a_count_of_at_least_one(measured, top, capsys):
+    with pytest.raises(SystemExit) as e:
+        tt.main(["summary", measured, "--top", top])
+    assert e.value.code == 2 and "--top" in capsys.readouterr().err
 
 
 def test_trace_summary_alias(measured, capsys):

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
 from ops.base import Op
-from ops.lower import TileConfig
+from ops.lower import ConfigError, TileConfig, check_degrees
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
+from taskrt.outputs import output_problem
 
 #: one letter per SOAP kind, as in SplitDim's str
 LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
@@ -81,6 +82,10 @@ def check_fits(strategy: Strategy, ops: Sequence[Op], app: str) -> None:
         if len(config.degrees) != len(op.tile_shape):
             raise ToolError(f"{where}: op {name!r} ({op.kind}) has {len(op.tile_shape)} tile dims, "
                             f"the strategy gives {len(config.degrees)} degrees")
+        try:
+            check_degrees(op, config)
+        except ConfigError as e:
+            raise ToolError(f"{where}: {e}") from None
 
 
 # ---- show ---------------------------------------------------------------------------------------
@@ -213,7 +218,7 @@ def draw_matplotlib(strategy: Strategy, ops: Sequence[Op], path: str, title: str
     ax.legend(handles=[Patch(facecolor=c, label=f"devices {lab}") for lab, c in colour.items()],
               loc="upper right", fontsize=7, frameon=False)
     fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.01)
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, format="png")   # (the path as given, whatever its ending)
     plt.close(fig)
 
 
@@ -301,6 +306,9 @@ def main(argv=None) -> int:
             print("\n".join(lines) if lines else "no differences")
             return 1 if lines else 0
         strategy = read(args.file)
+        unwritable = output_problem(args.output) if args.command == "draw" else None
+        if unwritable is not None:
+            raise ToolError(f"-o {args.output}: {unwritable}")
         ops = None
         if args.app is not None:
             ops = app_ops(args.app, args.tiny, args.batch_size)

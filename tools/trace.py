@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import os
 import re
 import statistics
@@ -118,10 +119,12 @@ def is_task(event: dict) -> bool:
 def _read_file(path: str) -> tuple[dict, list[dict]]:
     """(meta, events) of one file, checked line by line."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not a taskrt trace: byte {e.start} is not UTF-8 text") from None
     lines = text.split("\n")
     if not text.strip():
         raise TraceError(f"{path}:1: empty file, not a taskrt trace")
@@ -158,9 +161,34 @@ def _check_event(rec, path: str, lineno: int) -> dict:
     if missing:
         raise TraceError(f"{path}:{lineno}: not a taskrt event: it lacks {missing}")
     start, end = rec["start"], rec["end"]
-    if not all(isinstance(t, (int, float)) for t in (start, end)) or end < start:
+    if not all(_is_number(t) and math.isfinite(t) for t in (start, end)) or end < start:
         raise TraceError(f"{path}:{lineno}: bad times: start {start!r}, end {end!r} (microseconds, end >= start)")
+    for key, ok, want in _FIELDS:
+        if key in rec and not ok(rec[key]):
+            raise TraceError(f"{path}:{lineno}: bad {key!r}: {rec[key]!r} (it must be {want})")
     return rec
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+#: (field, check, what it must be) of an event's fields other than its times
+_FIELDS = (
+    ("id", _is_int, "an integer"),
+    ("name", lambda x: isinstance(x, str) and x != "", "a non-empty string"),
+    ("kind", lambda x: isinstance(x, str) and x != "", "a non-empty string: task, copy or reduce"),
+    ("rank", lambda x: _is_int(x) and x >= 0, "a rank, an integer >= 0"),
+    ("proc", lambda x: isinstance(x, str) and x != "", "a non-empty string: a processor, or source->destination"),
+    ("bytes", lambda x: x is None or (_is_int(x) and x >= 0), "an integer >= 0 or null"),
+    ("op", lambda x: x is None or isinstance(x, str), "a string or null"),
+    ("preds", lambda x: isinstance(x, list) and all(map(_is_int, x)), "a list of event ids"),
+    ("point", lambda x: x is None or (isinstance(x, list) and all(map(_is_int, x))), "a list of integers or null"),
+)
 
 
 def _expand(paths) -> list[str]:
@@ -602,6 +630,11 @@ def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
 
 def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Iterations | None]:
     """(`compare`'s result, the run's iterations where it could be cut, else None)."""
+    if not simulated.simulated or measured.simulated:
+        which = "a measured run" if not simulated.simulated else "a simulation"
+        where = "first" if not simulated.simulated else "second"
+        raise TraceError(f"compare: the {where} trace is {which}: give the simulated trace first (meta "
+                         f"'simulated': true, as SimResult.write_trace writes it), then the measured run")
     sim_tasks = [e for e in simulated.events if is_task(e)]
     sim_ops = {operator(e) for e in sim_tasks}
     absent = sorted(sim_ops - {operator(e) for e in measured.events if is_task(e)})
@@ -756,7 +789,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="busy, copy and idle time per processor; top operators; ranks")
     s.add_argument("traces", nargs="+")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--top", type=int, default=10)
+    s.add_argument("--top", type=_count_from(1), default=10, metavar="N", help="the operators listed")
     k = sub.add_parser("critical-path", help="the chain of tasks and copies that sets the time")
     k.add_argument("traces", nargs="+")
     k.add_argument("--json", action="store_true")
@@ -765,20 +798,22 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("measured", nargs="+")
     q.add_argument("-o", "--output", required=True)
     q.add_argument("--json", action="store_true")
-    q.add_argument("--skip", type=_count, default=1, metavar="N",
+    q.add_argument("--skip", type=_count_from(0), default=1, metavar="N",
                    help="measured iterations left out first (default: 1, the one that compiles kernels)")
     return p
 
 
-def _count(text: str) -> int:
-    """An argparse type: a whole number >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return n
+def _count_from(least: int):
+    """An argparse type: a whole number >= least."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {least}")
+        return n
+    return parse
 
 
 def main(argv=None) -> int:
