@@ -81,9 +81,10 @@ def load_into(model, path) -> None:
 
 
 def restore(model, meta: dict, arrays: dict) -> None:
-    """Put a file's arrays (and, when compiled, optimizer state, step and data order) into `model`."""
+    """Put a file's arrays (and, when compiled, optimizer state, step and data order) into `model`;
+    everything is checked before anything is put in, so a file that does not fit changes nothing."""
     values = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(("param/", "stat/"))}
-    model.set_parameters(values)
+    states = []
     if model._low is not None and meta["compiled"] is not None:
         for p in model._low.params.values():
             for s, region in p.state.items():
@@ -91,7 +92,11 @@ def restore(model, meta: dict, arrays: dict) -> None:
                 if key not in arrays:
                     raise ValueError(f"load: the file has no optimizer state {key!r} (saved with another "
                                      f"optimizer?)")
-                model._low.attach(region, arrays[key])
+                states.append((region, arrays[key]))
+    model.set_parameters(values)
+    if states:
+        for region, array in states:
+            model._low.attach(region, array)
         model.step = int(meta["step"])
         model._data_rng.bit_generator.state = meta["data_rng"]
 

@@ -95,10 +95,15 @@ class Model:
     def __init__(self, runtime: Runtime | None = None, seed: int = 0, weights: bool = True):
         #: False: the graph alone (ops, names, shapes, weight shapes) and no weight values, to count
         #: parameters and check strategies at full size without allocating; it cannot compile
-        self.has_weights = bool(weights)
+        if not isinstance(weights, bool):
+            raise TypeError(f"Model: weights must be True or False, got {type(weights).__name__} {weights!r}")
+        seed = as_int("Model: seed", seed, least=0)
+        if runtime is not None and not isinstance(runtime, Runtime):
+            raise TypeError(f"Model: runtime must be a taskrt Runtime, got {type(runtime).__name__} {runtime!r}")
+        self.has_weights = weights
         self.rt = runtime if runtime is not None else Runtime(execute=self.has_weights)
         self._own_runtime = runtime is None
-        self.seed = int(seed)
+        self.seed = seed
         self.inputs: list[TensorSpec] = []
         self.ops: list[Op] = []
         self.tensors: dict[str, TensorSpec] = {}
@@ -345,10 +350,14 @@ class Model:
             raise RuntimeError("compile: the model was built with weights=False (its graph alone)")
         if not self.ops:
             raise ValueError("compile: the model has no operators")
+        self.rt._check_alive()
         opt = _make_optimizer(optimizer)
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
-        metrics = list(metrics or ())
+        metrics = [metrics] if isinstance(metrics, str) else list(metrics or ())
+        if configs is not None and not isinstance(configs, dict):
+            raise TypeError(f"compile: configs must be a dict of op name -> TileConfig, got "
+                            f"{type(configs).__name__} {configs!r}")
         for mt in metrics:
             if mt not in METRICS:
                 raise ValueError(f"compile: unknown metric {mt!r}; expected some of {list(METRICS)}")
@@ -388,10 +397,10 @@ class Model:
                           "configs": {k: v.to_dict() for k, v in resolved.items()}}
         self._loss_op, self.optimizer = loss_op, opt
         classify = loss == "sparse_categorical_crossentropy"
-        self._low = Lowering(self.rt, graph, inputs, resolved, opt, loss=loss_op.name,
-                             summarize=functools.partial(_loss_summary, classify), tag=self._tag)
-        self._low.init_values(self._values)
-        self._values = {}
+        low = Lowering(self.rt, graph, inputs, resolved, opt, loss=loss_op.name,
+                       summarize=functools.partial(_loss_summary, classify), tag=self._tag)
+        low.init_values(self._values)
+        self._low, self._values = low, {}
 
     @property
     def configs(self) -> dict[str, TileConfig]:
@@ -495,6 +504,11 @@ class Model:
             epochs = as_int("fit: epochs", epochs, least=1)
         if batch_size is not None:
             batch_size = as_int("fit: batch_size", batch_size, least=1)
+        for flag, value in (("shuffle", shuffle), ("verbose", verbose), ("stop_on_nan", stop_on_nan)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"fit: {flag} must be True or False, got {type(value).__name__} {value!r}")
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise TypeError(f"fit: stream must have write (sys.stdout, say), got {type(stream).__name__} {stream!r}")
         arrays, n = self._input_arrays(inputs, "fit")
         y = self._label_array(labels, n, "fit")
         b = self.batch_size
@@ -627,6 +641,8 @@ class Model:
         self._need_compiled("forward")
         arrays, _ = self._input_arrays(inputs, "forward", batch=True)
         wanted = self.outputs if outputs is None else outputs
+        if isinstance(wanted, (str, TensorSpec)):   # one tensor (a name used to be taken letter by letter)
+            wanted = [wanted]
         names = [t.name if isinstance(t, TensorSpec) else t for t in wanted]
         for name in names:
             if name not in self._low.values:
@@ -661,6 +677,8 @@ class Model:
         return [f"{op.name}.{k}" for op in self.ops for k in op.state_shapes()]
 
     def _read_all(self, names: list[str], region_of) -> dict[str, np.ndarray]:
+        if not self.has_weights:
+            raise RuntimeError("the model was built with weights=False (its graph alone): it has no weights to read")
         if self._low is None:
             return {k: self._values[k].copy() for k in names}
         futures = {k: self._low.read(region_of(k), wait=False) for k in names}
@@ -682,6 +700,10 @@ class Model:
 
     def set_parameters(self, values: dict) -> None:
         """Set weights and/or running stats by name; shapes must match exactly."""
+        if not self.has_weights:
+            raise RuntimeError("set_parameters: the model was built with weights=False (its graph alone)")
+        if not isinstance(values, dict):
+            raise TypeError(f"set_parameters: values must be a dict of name -> array, got {type(values).__name__}")
         shapes = {f"{op.name}.{k}": (s, op.weight_dtype(k)) for op in self.ops
                   for k, s in {**op.weight_shapes(), **op.state_shapes()}.items()}
         checked = {}
@@ -691,7 +713,12 @@ class Model:
             v = _numeric(v, f"set_parameters: {k}")
             if v.shape != tuple(shapes[k][0]):
                 raise ValueError(f"set_parameters: {k} has shape {v.shape}, expected {tuple(shapes[k][0])}")
-            checked[k] = v.astype(shapes[k][1])
+            with np.errstate(over="ignore"):
+                cast = v.astype(shapes[k][1])
+            if v.dtype.kind == "f" and not np.isfinite(cast).all() and np.isfinite(v).all():
+                raise ValueError(f"set_parameters: {k} has values that {np.dtype(shapes[k][1])} cannot hold "
+                                 f"(largest magnitude {np.abs(v).max():.3g})")
+            checked[k] = cast
         for k, v in checked.items():
             if self._low is None:
                 self._values[k] = v
@@ -746,6 +773,9 @@ def _make_optimizer(optimizer):
             raise ValueError(f"compile: unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZERS)} "
                              f"or an optimizer object (SGD(...), Adam(...))")
         return OPTIMIZERS[optimizer]()
+    if isinstance(optimizer, type):
+        raise TypeError(f"compile: optimizer {optimizer.__name__} is a class: give an object, "
+                        f"{optimizer.__name__}(...)")
     for attr in ("update", "state_names", "init_state", "to_dict"):
         if not callable(getattr(optimizer, attr, None)):
             raise TypeError(f"compile: optimizer must be 'sgd', 'adam' or an optimizer object, got {optimizer!r}")

@@ -25,6 +25,13 @@ from ops.strategy import Strategy, model_fingerprint
 from taskrt.machine import Machine
 
 
+def _check_machine(machine) -> None:
+    """A baseline places tiles on a taskrt Machine's processors (a machine model's to_machine())."""
+    if not isinstance(machine, Machine):
+        hint = " (a machine model: pass its to_machine())" if hasattr(machine, "to_machine") else ""
+        raise TypeError(f"a baseline strategy needs a taskrt Machine{hint}, got {type(machine).__name__}")
+
+
 def graph_ops(model: Model | Sequence[Op]) -> list[Op]:
     """The ops a baseline configures: a Model's own ops (not its loss op) or the given ops."""
     return list(model.ops) if isinstance(model, Model) else list(model)
@@ -52,6 +59,7 @@ def _strategy(ops: list[Op], configs: dict[str, TileConfig]) -> Strategy:
 
 def data_parallel(model: Model | Sequence[Op], machine: Machine) -> Strategy:
     """Every op's sample dim over the compute processors; ops without one run whole."""
+    _check_machine(machine)
     ops = graph_ops(model)
     return _strategy(ops, {op.name: default_config(op, machine) for op in ops})
 
@@ -60,6 +68,7 @@ def model_parallel(model: Model | Sequence[Op], machine: Machine) -> Strategy:
     """Ops take the compute processors in turn: an op with weights and a parameter dim of extent
     >= 2 splits that dim over as many processors as it can (its weights and their work divide),
     every other op runs whole on the next processor."""
+    _check_machine(machine)
     ops = graph_ops(model)
     procs = compute_processors(machine)
     cursor, configs = 0, {}
@@ -77,6 +86,7 @@ def model_parallel(model: Model | Sequence[Op], machine: Machine) -> Strategy:
 def expert(model: Model | Sequence[Op], machine: Machine) -> Strategy:
     """Data-parallel convolutions and pools (and every other op), model-parallel dense layers:
     each dense splits its out features over the compute processors."""
+    _check_machine(machine)
     ops = graph_ops(model)
     procs = compute_processors(machine)
     configs = {}
@@ -97,6 +107,7 @@ def tensor_parallel(model: Model | Sequence[Op], machine: Machine) -> Strategy:
 
     A pair forms only where the second dense declares a reduce dim, and attention splits only
     where it declares a partial parameter (head) dim."""
+    _check_machine(machine)
     ops = graph_ops(model)
     procs = compute_processors(machine)
     consumers: dict[str, list[Op]] = {}

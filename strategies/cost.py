@@ -233,6 +233,9 @@ class CostModel:
 
     def __init__(self, machine_model: MachineModel, measured: bool | None = None, cache_path=None, *,
                  repeats: int = 5, warmup: int = 1, optimizer=None, progress=None):
+        if not isinstance(machine_model, MachineModel):
+            raise TypeError(f"CostModel: machine_model must be a MachineModel (load_machine(name)), got "
+                            f"{type(machine_model).__name__} {machine_model!r}")
         if measured not in (True, False, None):
             raise ValueError(f"CostModel measured must be True, False or None, got {measured!r}")
         if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:

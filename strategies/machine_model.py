@@ -58,6 +58,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
+
 from taskrt.machine import Machine, Memory, Processor
 
 VERSION = 1
@@ -182,9 +184,9 @@ class MachineModel:
 
     def with_nodes(self, nodes: int) -> "MachineModel":
         """This model with `nodes` nodes."""
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 1:
             raise MachineError(f"{self.source or self.name}: nodes must be a whole number >= 1, got {nodes!r}")
-        return replace(self, nodes=nodes)
+        return replace(self, nodes=int(nodes))
 
     def with_efficiency(self, efficiency: Mapping[str, float], fitted: str | None = None) -> "MachineModel":
         """This model with `efficiency` merged over its own (e.g. fitted from measurements)."""

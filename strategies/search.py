@@ -122,14 +122,22 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     """Search `budget` proposals (and at most `seconds`) over `sim`'s graph; `beta` in 1/seconds
     (default: BETA over the best baseline's time). `model` is what the baselines take (default:
     the simulator's ops)."""
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+    if not isinstance(sim, Simulator):
+        raise TypeError(f"search: sim must be a Simulator (Simulator.for_model(model, machine_model)), got "
+                        f"{type(sim).__name__}")
+    if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"search: budget must be a positive int (proposals), got {budget!r}")
+    budget = int(budget)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"search: seed must be an int >= 0, got {seed!r}")
     if beta is not None and not (isinstance(beta, (int, float, np.floating)) and 0 < beta < math.inf):
         raise ValueError(f"search: beta must be a positive finite number (1/seconds), got {beta!r}")
-    if seconds is not None and not seconds > 0:
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.number))
+                                or not seconds > 0):
         raise ValueError(f"search: seconds must be more than 0 (or None), got {seconds!r}")
+    if progress is not None and not callable(getattr(progress, "write", None)):
+        raise TypeError(f"search: progress must be a stream with write (sys.stderr, say), got "
+                        f"{type(progress).__name__} {progress!r}")
     unknown = [s for s in starts if s not in STARTS]
     if unknown or not starts:
         raise ValueError(f"search: starts must be some of {list(STARTS)}, got {list(starts)}")

@@ -147,6 +147,13 @@ class Simulator:
         on `output` (default: the last op's first output). `source`: the batch source the model
         will train on (Model.train_on's), timed here for the iteration's source tasks where the
         cost model measures the host (CostModel.measure_source)."""
+        if not isinstance(machine_model, MachineModel):
+            raise TypeError(f"Simulator: machine_model must be a MachineModel (load_machine(name)), got "
+                            f"{type(machine_model).__name__} {machine_model!r}")
+        if cost is not None and not isinstance(cost, CostModel):
+            raise TypeError(f"Simulator: cost must be a CostModel or None, got {type(cost).__name__} {cost!r}")
+        if not model.ops:
+            raise ValueError("Simulator: the model has no operators")
         ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy", output)
         return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops), source)
 

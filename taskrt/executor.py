@@ -86,6 +86,12 @@ class Executor:
             t = threading.Thread(target=self._worker, args=(w, q, worker_setup), name=f"taskrt-{w}", daemon=True)
             t.start()
             self.threads.append(t)
+        self._thread_set = frozenset(self.threads)
+
+    def worker_running_here(self) -> str | None:
+        """The name of this executor's worker that the calling thread is, or None."""
+        here = threading.current_thread()
+        return here.name if here in self._thread_set else None
 
     # ---- submitting and finishing ------------------------------------------------------
     def submit(self, node, preds) -> None:

@@ -20,6 +20,9 @@ class Rect:
 
     def __post_init__(self):
         lo, hi = self.lo, self.hi
+        if lo.__class__ is not tuple or hi.__class__ is not tuple:
+            raise TypeError(f"Rect lo and hi must be tuples of ints, got {lo!r} and {hi!r} (Rect.make takes any "
+                            f"sequences)")
         if len(lo) != len(hi):
             raise ValueError(f"Rect lo {lo} and hi {hi} have different dimensions")
         object.__setattr__(self, "_hash", hash((lo, hi)))
@@ -39,11 +42,13 @@ class Rect:
     @staticmethod
     def from_shape(shape: Sequence[int]) -> "Rect":
         """The box [0, shape) covering a whole array of that shape."""
-        return Rect(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+        shape = as_int_tuple("Rect.from_shape: shape", shape, least=0)
+        return Rect((0,) * len(shape), shape)
 
     @staticmethod
     def make(lo: Sequence[int], hi: Sequence[int]) -> "Rect":
-        return Rect(tuple(int(x) for x in lo), tuple(int(x) for x in hi))
+        """The box lo <= i < hi from any sequences of ints (floats and strings refused, not cast)."""
+        return Rect(as_int_tuple("Rect.make: lo", lo), as_int_tuple("Rect.make: hi", hi))
 
     def __repr__(self) -> str:
         return "Rect(" + ", ".join(f"{a}:{b}" for a, b in zip(self.lo, self.hi)) + ")"

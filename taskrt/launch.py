@@ -81,6 +81,9 @@ def req(target, privilege, rect: Rect | None = None, projection: Callable | None
     if isinstance(target, Partition):
         if rect is not None:
             raise ValueError(f"give a rect or a partition, not both ({target!r}, {rect!r})")
+        if projection is not None and not callable(projection):
+            raise TypeError(f"a projection maps a launch point to a color of {target!r}: a function, got "
+                            f"{type(projection).__name__} {projection!r}")
         return Requirement(target.region, privilege, partition=target, projection=projection)
     if isinstance(target, Region):
         if rect is not None:

@@ -61,6 +61,8 @@ class Region:
         """Raise a clear error unless `rect` is a box inside this region."""
         if not isinstance(rect, Rect):
             raise TypeError(f"{what} for {self!r} must be a Rect, got {type(rect).__name__}")
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in rect.lo + rect.hi):
+            raise TypeError(f"{what} {rect!r} for {self!r} must have int bounds, got lo {rect.lo!r}, hi {rect.hi!r}")
         if rect.ndim != self.ndim:
             raise ValueError(f"{what} {rect!r} is {rect.ndim}-d but {self!r} is {self.ndim}-d")
         if not self.rect.contains(rect):
@@ -109,7 +111,11 @@ class Partition:
         # over all pieces at once in C, and only a partition that fails them is gone through
         # piece by piece (normalizing its colors, or naming the piece that does not fit)
         if not _int_tuples(colors):
-            colors = [tuple(map(int, color)) if isinstance(color, tuple) else (int(color),) for color in colors]
+            colors = [as_int_tuple(f"color {color!r} of a partition of {region!r}",
+                                   color if isinstance(color, tuple) else (color,)) for color in colors]
+            if len(set(colors)) != len(colors):
+                raise ValueError(f"a partition of {region!r} gives one color twice: {list(rects)!r} are colors "
+                                 f"{colors!r}")
         if not _inside(region, pieces):
             for color, rect in zip(colors, pieces):
                 region.check_rect(rect, f"sub-rect of color {color}")
@@ -133,6 +139,8 @@ class Partition:
         """A partition from explicit rects (a mapping, or a list colored 0, 1, ...); may be aliased."""
         if not isinstance(rects, Mapping):
             rects = {(i,): r for i, r in enumerate(rects)}
+        for color, rect in rects.items():
+            region.check_rect(rect, f"sub-rect of color {color}")
         return Partition(region, rects, name)
 
     def __repr__(self) -> str:

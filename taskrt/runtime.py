@@ -96,7 +96,18 @@ class Runtime:
         if transport is not None and not execute:
             raise ValueError("a transport runs graphs; a Runtime with execute=False only builds them")
         self.machine = machine or Machine.local(cpus, gpus, separate_memories=separate_memories)
+        if not isinstance(self.machine, Machine):
+            raise TypeError(f"Runtime: machine must be a taskrt Machine, got {type(self.machine).__name__} "
+                            f"{self.machine!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.machine.num_ranks:
+            raise ValueError(f"Runtime: rank {rank!r} is not a rank of {self.machine!r} "
+                             f"(ranks 0..{self.machine.num_ranks - 1})")
+        if execute and any(p.kind == "gpu" for p in self.machine.rank_processors(rank)):
+            gpu.module()   # a clear error where cupy is missing, not GPU workers that die and tasks that wait
         self.mapper = mapper or DefaultMapper()
+        if not callable(getattr(self.mapper, "select_processor", None)):
+            raise TypeError(f"Runtime: mapper must have select_processor (a taskrt Mapper), got "
+                            f"{type(self.mapper).__name__} {self.mapper!r}")
         self.rank = rank
         self.graph = TaskGraph(keep=(not execute) if keep_graph is None else keep_graph)
         self._next_id = 0
@@ -173,6 +184,7 @@ class Runtime:
     def attach(self, region: Region, array, rect: Rect | None = None) -> Future:
         """Copy a numpy array into `rect` of the region (whole by default), in program order.
         On many ranks every rank passes the same array and rank 0's is used."""
+        _check_region("attach", region)
         rect = region.rect if rect is None else rect
         region.check_rect(rect)
         array = np.asarray(array)
@@ -192,6 +204,7 @@ class Runtime:
 
     def fill(self, region: Region, value, rect: Rect | None = None) -> Future:
         """Set `rect` of the region (whole by default) to the number `value`, in program order."""
+        _check_region("fill", region)
         if not _holds(region.dtype, value):
             raise ValueError(f"fill: {value!r} ({type(value).__name__}) is not a number that {region!r} "
                              f"({region.dtype}) can hold")
@@ -202,6 +215,10 @@ class Runtime:
         """A copy of `rect` of the region as a numpy array (a Future if wait=False).
         On many ranks every rank gets the array; with `rank=k` only rank k does (the
         others get None, or a Future that asks rank k for it)."""
+        _check_region("read", region)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < self.machine.num_ranks):
+            raise ValueError(f"read: rank {rank!r} is not a rank of {self.machine!r}")
         name = f"read:{region.name}"
         if rank is not None or self.machine.num_ranks == 1:
             proc = self.machine.host_processor(rank or 0)
@@ -235,15 +252,20 @@ class Runtime:
         """One point task per point of `domain` (a list of colors, a Rect, a Partition or a count).
         `placement` maps points to processors (or their global indices), overriding the mapper."""
         points = _points_of(domain)
+        if point_args is not None:
+            _check_point_args(points, point_args)
         spec = self._make_spec(fn, points, reqs, args, point_args, name, placement, op)
         self._issue(spec)
         return FutureMap(dict(zip(points, spec.futures)))
 
     def _make_spec(self, fn, points, reqs, args, point_args, name, placement, op) -> LaunchSpec:
         self._check_alive()
+        self._check_caller("a launch")
         name = name or getattr(fn, "__name__", "task")
         check_launch(name, fn, points, reqs)
         rects, procs, signature, key = self._mapped(fn, name, points, reqs, placement)
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"launch {name!r}: args must be a tuple of arguments, got {type(args).__name__} {args!r}")
         args = tuple(args)
         if point_args:
             all_args = [args + tuple(point_args[p]) for p in points]
@@ -457,6 +479,8 @@ class Runtime:
     def _wait_node(self, node_id: int | None, timeout=None) -> None:
         if self.executor is None:
             raise RuntimeError("this runtime was built with execute=False: it builds task graphs and runs nothing")
+        self._check_caller("a wait")
+        _check_timeout(timeout)
         if self.transport is None:
             self.executor.wait_node(node_id, timeout)
         else:
@@ -476,6 +500,8 @@ class Runtime:
         On many ranks: until this rank's share has run (not a barrier)."""
         if self.executor is None:
             return
+        self._check_caller("Runtime.wait")
+        _check_timeout(timeout)
         if self.transport is None:
             self.executor.wait_all(timeout)
         else:
@@ -494,6 +520,14 @@ class Runtime:
         with contextlib.suppress(TaskError):  # raised to the caller already: here it only drains
             self.executor.wait_all()
         self.executor.error = None
+
+    def _check_caller(self, what: str) -> None:
+        """Refuse `what` from inside one of this runtime's tasks: a task that launches or waits
+        would wait on itself (its worker runs nothing else), and shutdown would then hang."""
+        worker = None if self.executor is None else self.executor.worker_running_here()
+        if worker is not None:
+            raise RuntimeError(f"{what} from inside a task (on worker {worker}): tasks cannot launch tasks, wait "
+                               f"for them or read regions; do it in the program that launched the task")
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -591,13 +625,54 @@ def _first_param(fn) -> str | None:
 
 
 def _points_of(domain) -> list[tuple]:
-    if isinstance(domain, int):
-        return [(i,) for i in range(domain)]
+    """A launch domain's points: a count, a Partition's colors, a Rect's points, or a list of
+    points (tuples of ints of one length, or ints), each once."""
+    if isinstance(domain, (int, np.integer)) and not isinstance(domain, bool):
+        return [(i,) for i in range(int(domain))]
     if isinstance(domain, Partition):
         return domain.colors()
     if isinstance(domain, Rect):
         return list(domain.points())
-    return [p if isinstance(p, tuple) else (p,) for p in domain]
+    if isinstance(domain, (str, bytes, bool, float)) or not hasattr(domain, "__iter__"):
+        raise TypeError(f"a launch domain is a count, a Rect, a Partition or a list of points, got "
+                        f"{type(domain).__name__} {domain!r}")
+    points = [p if isinstance(p, tuple) else (p,) for p in domain]
+    for p in points:
+        if len(p) != len(points[0]) or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool)
+                                                for c in p):
+            raise TypeError(f"a launch domain's points are tuples of ints of one length, got {p!r} "
+                            f"(the first is {points[0]!r})")
+    if len(set(points)) != len(points):
+        twice = next(p for i, p in enumerate(points) if p in points[:i])
+        raise ValueError(f"a launch domain lists point {twice!r} twice")
+    return points
+
+
+def _check_point_args(points: list[tuple], point_args) -> None:
+    """point_args: a tuple of arguments for every point of the domain (keys are the points)."""
+    if not isinstance(point_args, dict):
+        raise TypeError(f"point_args must be a dict of point -> tuple of arguments, got {type(point_args).__name__}")
+    missing = [p for p in points if p not in point_args]
+    if missing:
+        raise ValueError(f"point_args has no arguments for points {missing[:4]} (its keys are points, tuples such as "
+                         f"{points[0]!r})")
+    for p in points:
+        if not isinstance(point_args[p], tuple):
+            raise TypeError(f"point_args[{p!r}] must be a tuple of arguments, got {type(point_args[p]).__name__} "
+                            f"{point_args[p]!r}")
+
+
+def _check_region(what: str, region) -> None:
+    if not isinstance(region, Region):
+        hint = " (a partition's pieces are read through an index launch)" if isinstance(region, Partition) else ""
+        raise TypeError(f"{what}: takes a Region{hint}, got {type(region).__name__}")
+
+
+def _check_timeout(timeout) -> None:
+    """A wait's timeout: None (no limit) or seconds >= 0."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise ValueError(f"timeout must be seconds >= 0 or None, got {type(timeout).__name__} {timeout!r}")
 
 
 def _check_interference(name: str, reqs: Sequence[Requirement], rects: list[list[Rect]]) -> None:

@@ -240,3 +240,13 @@ def test_proposals_fit_the_machine_layout_on_consecutive_devices(seed, ranks, pe
     for c in layout:
         if len(procs) % c.num_tiles == 0:
             assert procs.index(c.devices[0]) % c.num_tiles == 0
+
+
+def test_a_baseline_given_a_machine_model_says_to_pass_its_machine():
+    from strategies.machine_model import load_machine
+    m = Model(Runtime(execute=False), weights=False)
+    m.dense(m.input((8, 6)), 3)
+    for baseline in BASELINES.values():
+        with pytest.raises(TypeError, match=r"a baseline strategy needs a taskrt Machine \(a machine model: pass "
+                                            r"its to_machine\(\)\), got MachineModel"):
+            baseline(m, load_machine("p100"))

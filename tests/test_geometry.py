@@ -98,3 +98,18 @@ def test_equal_rects_cut_each_dim_at_i_extent_over_degree_in_row_major_order(dim
     for color, rect in got.items():
         assert rect == Rect(tuple(c * e // d for c, e, d in zip(color, shape, degrees)),
                             tuple((c + 1) * e // d for c, e, d in zip(color, shape, degrees)))
+
+
+def test_rect_bounds_are_int_tuples_refused_not_cast():
+    import pytest
+    with pytest.raises(TypeError, match=r"Rect lo and hi must be tuples of ints, got \[0, 0\] and \[4, 4\]"):
+        Rect([0, 0], [4, 4])
+    with pytest.raises(TypeError, match=r"Rect.make: hi must be ints, got float 2.7"):
+        Rect.make((0,), (2.7,))
+    with pytest.raises(TypeError, match=r"Rect.make: lo must be ints, got str '0'"):
+        Rect.make(("0",), ("3",))
+    with pytest.raises(ValueError, match=r"Rect.from_shape: shape must be >= 0, got -3"):
+        Rect.from_shape((-3,))
+    with pytest.raises(TypeError, match=r"got float 2.9"):
+        Rect.from_shape((2.9,))
+    assert Rect.make([0, 1], (2, 3)) == Rect((0, 1), (2, 3))

@@ -310,3 +310,74 @@ def test_compile_refuses_an_output_whose_dim_0_is_not_the_batch():
                                          r"\(4 samples\) as dim 0"):
         m.compile(optimizer=SGD(lr=0.1))
     m.rt.shutdown()
+
+
+def test_model_arguments_are_checked_before_a_runtime_is_made():
+    for kwargs, error, match in (({"seed": -1}, ValueError, r"Model: seed must be >= 0, got -1"),
+                                 ({"seed": 2.7}, TypeError, r"Model: seed must be an int, got float 2.7"),
+                                 ({"runtime": "rt"}, TypeError, r"Model: runtime must be a taskrt Runtime, got str"),
+                                 ({"weights": "no"}, TypeError, r"Model: weights must be True or False")):
+        with pytest.raises(error, match=match):
+            Model(**kwargs)
+
+
+def test_a_graph_only_model_says_it_has_no_weights():
+    m = Model(weights=False)
+    m.dense(m.input((4, 6)), 3)
+    for call in (m.parameters, lambda: m.set_parameters({})):
+        with pytest.raises(RuntimeError, match=r"built with weights=False \(its graph alone\)"):
+            call()
+
+
+def test_compile_arguments_are_checked(tmp_path):
+    m = Model(Runtime(cpus=1), seed=0)
+    m.dense(m.input((4, 6), name="x"), 3)
+    with pytest.raises(TypeError, match=r"compile: optimizer SGD is a class: give an object, SGD\(...\)"):
+        m.compile(optimizer=SGD)
+    with pytest.raises(TypeError, match=r"compile: configs must be a dict of op name -> TileConfig, got str"):
+        m.compile(configs="dense_0")
+    with pytest.raises(ValueError, match=r"set_parameters: dense_0.bias has values that float32 cannot hold"):
+        m.set_parameters({"dense_0.bias": np.array([1e300] * 3)})
+    m.compile(metrics="accuracy")   # one metric by name (it used to be taken letter by letter)
+    m.rt.shutdown()
+    n = Model(Runtime(cpus=1), seed=0)
+    n.dense(n.input((4, 6), name="x"), 3)
+    n.rt.shutdown()
+    with pytest.raises(RuntimeError, match="the runtime has been shut down"):
+        n.compile()
+    assert "not compiled" in repr(n)
+
+
+def test_a_file_that_does_not_fit_changes_nothing(tmp_path):
+    """The optimizer state was checked after the weights were already put in."""
+    a = Model(Runtime(cpus=1), seed=1)
+    a.dense(a.input((4, 6), name="x"), 3)
+    a.compile(SGD(lr=0.1))
+    a.save(tmp_path / "a.npz")
+    b = Model(Runtime(cpus=1), seed=2)
+    b.dense(b.input((4, 6), name="x"), 3)
+    b.compile(optimizer=Adam())
+    before = b.parameters()
+    with pytest.raises(ValueError, match=r"no optimizer state 'opt/dense_0.weight/exp_avg'"):
+        b.load(tmp_path / "a.npz")
+    after = b.parameters()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    a.rt.shutdown()
+    b.rt.shutdown()
+
+
+def test_fit_options_are_checked_before_a_step_and_forward_takes_one_name():
+    m = Model(Runtime(cpus=1), seed=0)
+    m.softmax(m.dense(m.input((4, 6), name="x"), 3))
+    m.compile(SGD(lr=0.1))
+    x, y = np.zeros((4, 6), np.float32), np.zeros(4, np.int64)
+    before = m.parameters()["dense_0.weight"]
+    for kwargs, match in (({"stream": 5}, r"fit: stream must have write"),
+                          ({"shuffle": "no"}, r"fit: shuffle must be True or False, got str 'no'"),
+                          ({"verbose": "no"}, r"fit: verbose must be True or False"),
+                          ({"stop_on_nan": "x"}, r"fit: stop_on_nan must be True or False")):
+        with pytest.raises(TypeError, match=match):
+            m.fit(x, y, iterations=1, **kwargs)
+    assert np.array_equal(before, m.parameters()["dense_0.weight"]) and m.step == 0
+    assert list(m.forward(x, outputs="dense_0.out")) == ["dense_0.out"]
+    m.rt.shutdown()

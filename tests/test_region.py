@@ -100,3 +100,22 @@ def test_a_partition_checks_all_pieces_at_once_as_one_by_one(shape, pieces, colo
         return
     part = Partition(region, rects)
     assert part.rects == expected and all(type(v) is int for c in part.rects for v in c)
+
+
+def test_rects_with_bounds_that_are_not_ints_are_refused():
+    """A float rect used to pass every check and fail inside its task, stopping the runtime."""
+    r = Region((8, 4), "float32", "r")
+    with pytest.raises(TypeError, match=r"rect Rect\(0.5:4.5, 0:4\) for Region\('r'.* must have int bounds"):
+        r.check_rect(Rect((0.5, 0), (4.5, 4)))
+
+
+def test_partition_colors_are_int_tuples_and_each_is_given_once():
+    """Float colors were cast with int(), and two that met lost a piece without a word."""
+    r = Region((4,), "float32", "r")
+    with pytest.raises(TypeError, match=r"color \(0.2,\) of a partition .* must be ints, got float 0.2"):
+        Partition.from_rects(r, {(0.2,): Rect((0,), (2,)), (0.7,): Rect((2,), (4,))})
+    with pytest.raises(TypeError, match=r"color 'a' of a partition .* must be ints, got str 'a'"):
+        Partition.from_rects(r, {"a": Rect((0,), (2,))})
+    with pytest.raises(ValueError, match=r"gives one color twice"):
+        Partition.from_rects(r, {0: Rect((0,), (2,)), (0,): Rect((2,), (4,))})
+    assert Partition.from_rects(r, {np.int64(1): Rect((0,), (2,))}).colors() == [(1,)]

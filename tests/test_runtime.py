@@ -679,3 +679,85 @@ def test_empty_rects_order_nothing_and_leave_no_pending_reduction():
         assert rt.read(r).tolist() == [6, 6, 6, 6]
         assert not rt.analyzer.state(r).pending
         assert not rt.store.buffers
+
+
+# ---- bad input found by trying the API (each used to hang, run wrongly or fail deep inside) --------
+def test_a_task_that_launches_or_waits_fails_at_once_rather_than_waiting_on_itself():
+    with Runtime(cpus=2) as rt:
+        with pytest.raises(TaskError, match=r"a launch from inside a task \(on worker taskrt-r0.cpu\d\): tasks "
+                                            r"cannot launch tasks"):
+            rt.launch(lambda: rt.launch(lambda: 5).get()).get(timeout=30)
+        rt.recover()
+        r = rt.region((4,))
+        rt.fill(r, 1.0)
+        with pytest.raises(TaskError, match=r"a launch from inside a task"):
+            rt.launch(lambda: rt.read(r)).get(timeout=30)
+        rt.recover()
+        assert rt.read(r).tolist() == [1.0] * 4   # and the runtime goes on
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"cpus": 1, "rank": 3}, ValueError, r"Runtime: rank 3 is not a rank of Machine\(1 ranks.*\(ranks 0..0\)"),
+    ({"cpus": 1, "rank": True}, ValueError, r"Runtime: rank True is not a rank"),
+    ({"machine": "x"}, TypeError, r"Runtime: machine must be a taskrt Machine, got str 'x'"),
+    ({"cpus": 1, "mapper": "x"}, TypeError, r"Runtime: mapper must have select_processor"),
+])
+def test_runtime_arguments_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Runtime(**kwargs)
+
+
+def test_a_gpu_without_cupy_is_refused_when_the_runtime_is_made():
+    """GPU workers used to die on a machine without cupy, and tasks mapped there waited forever."""
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        with pytest.raises(RuntimeError, match=r"a GPU memory needs cupy"):
+            Runtime(cpus=1, gpus=1)
+    else:
+        Runtime(cpus=1, gpus=1).shutdown()
+
+
+@pytest.mark.parametrize("domain,error,match", [
+    ([(0,), (0,)], ValueError, r"a launch domain lists point \(0,\) twice"),
+    ([(0,), (0, 1)], TypeError, r"tuples of ints of one length, got \(0, 1\)"),
+    ("ab", TypeError, r"a launch domain is a count, a Rect, a Partition or a list of points, got str 'ab'"),
+    (True, TypeError, r"got bool True"),
+    (2.5, TypeError, r"got float 2.5"),
+])
+def test_launch_domains_are_checked(domain, error, match):
+    with Runtime(cpus=1) as rt:
+        r = rt.region((4,))
+        with pytest.raises(error, match=match):
+            rt.index_launch(lambda v: 1, domain, req(r, READ))
+        assert len(rt.index_launch(lambda v: 1, np.int64(2), req(r, READ)).get()) == 2
+
+
+def test_launch_arguments_and_timeouts_are_checked():
+    with Runtime(cpus=1) as rt:
+        r = rt.region((4,))
+        for point_args, match in (({(0,): (1,)}, r"point_args has no arguments for points \[\(1,\)\]"),
+                                  ({0: (1,), 1: (2,)}, r"no arguments for points \[\(0,\), \(1,\)\]"),
+                                  ({(0,): 1, (1,): 2}, r"point_args\[\(0,\)\] must be a tuple of arguments")):
+            with pytest.raises((TypeError, ValueError), match=match):
+                rt.index_launch(lambda v, a: a, 2, req(r, READ), point_args=point_args)
+        for args in (5, "xy"):   # "xy" used to be split into two arguments
+            with pytest.raises(TypeError, match=rf"args must be a tuple of arguments, got {type(args).__name__}"):
+                rt.launch(lambda v, a, b=0: a, req(r, READ), args=args)
+        for timeout in ("1", -1, float("nan")):
+            with pytest.raises(ValueError, match=r"timeout must be seconds >= 0 or None"):
+                rt.launch(lambda: 1).get(timeout=timeout)
+        with pytest.raises(TypeError, match=r"a projection maps a launch point to a color .*: a function, got int 5"):
+            req(r.partition((2,)), READ, projection=5)
+
+
+def test_data_calls_name_what_is_not_a_region():
+    with Runtime(cpus=1) as rt:
+        r = rt.region((4,))
+        for call, what in ((lambda: rt.read(np.zeros(3)), "read"), (lambda: rt.fill("r", 0.0), "fill"),
+                           (lambda: rt.attach("r", np.zeros(3)), "attach")):
+            with pytest.raises(TypeError, match=rf"{what}: takes a Region, got"):
+                call()
+        with pytest.raises(TypeError, match=r"read: takes a Region \(a partition's pieces"):
+            rt.read(r.partition((2,)))
+        with pytest.raises(ValueError, match=r"read: rank '0' is not a rank of Machine"):
+            rt.read(r, rank="0")

@@ -204,3 +204,27 @@ def test_the_chains_take_a_tenth_in_turn_then_the_lowest_goes_on_alone(monkeypat
     assert start == leader[0] and time_then == leader[5] and where_then is leader[6]
     assert n == 90 - sum(w[4] for w in burn)
     assert result.proposals == sum(w[4] for w in walks)
+
+
+def test_the_api_names_a_wrong_kind_of_argument():
+    """Each of these used to fail deep inside (an AttributeError on a str, a Model or an int)."""
+    import numpy as np
+    m = Model(Runtime(execute=False), weights=False)
+    m.softmax(m.dense(m.input((8, 6)), 3))
+    mm = load_machine("p100")
+    for call, match in ((lambda: CostModel("p100"), r"CostModel: machine_model must be a MachineModel"),
+                        (lambda: Simulator.for_model(m, "p100"), r"Simulator: machine_model must be a MachineModel"),
+                        (lambda: Simulator.for_model(m, mm, cost="analytic"), r"Simulator: cost must be a CostModel"),
+                        (lambda: search(m, 2), r"search: sim must be a Simulator")):
+        with pytest.raises(TypeError, match=match):
+            call()
+    with pytest.raises(ValueError, match=r"Simulator: the model has no operators"):
+        Simulator.for_model(Model(Runtime(execute=False), weights=False), mm)
+    sim = Simulator.for_model(m, mm)
+    with pytest.raises(TypeError, match=r"search: progress must be a stream with write"):
+        search(sim, 2, progress=5)
+    for seconds in ("1", True):
+        with pytest.raises(ValueError, match=r"search: seconds must be more than 0"):
+            search(sim, 2, seconds=seconds)
+    assert search(sim, np.int64(3)).proposals >= 1   # numpy ints, as TileConfig takes them
+    assert load_machine("p100", nodes=np.int64(2)).nodes == 2
