@@ -24,7 +24,7 @@ import numpy as np
 from .analysis import Analyzer
 from .backends import gpu
 from .executor import Executor, TaskError
-from .geometry import Rect
+from .geometry import Rect, as_int
 from .heap import collect_cycles_less, keep_freed_memory
 from .instances import InstanceStore
 from .launch import Future, FutureMap, Requirement, check_launch, req
@@ -123,6 +123,13 @@ class Runtime:
         gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
         self.store = InstanceStore(gpu_devices)
         self.home = self.machine.host_processor(0)
+        if not (trace is None or isinstance(trace, (str, bool, os.PathLike))):
+            raise TypeError(f"Runtime: trace must be a path, True, False or None, got {type(trace).__name__} "
+                            f"{trace!r}")
+        if blas_threads is not None:
+            as_int("Runtime: blas_threads", blas_threads, least=1)
+        if isinstance(trace, os.PathLike):
+            trace = os.fspath(trace)
         trace = os.environ.get("TASKRT_TRACE") if trace is None else trace
         self.trace_path = trace if isinstance(trace, str) and trace else None
         if self.trace_path and transport is not None:

@@ -701,6 +701,8 @@ def test_a_task_that_launches_or_waits_fails_at_once_rather_than_waiting_on_itse
     ({"cpus": 1, "rank": True}, ValueError, r"Runtime: rank True is not a rank"),
     ({"machine": "x"}, TypeError, r"Runtime: machine must be a taskrt Machine, got str 'x'"),
     ({"cpus": 1, "mapper": "x"}, TypeError, r"Runtime: mapper must have select_processor"),
+    ({"cpus": 2, "blas_threads": 1.5}, TypeError, r"Runtime: blas_threads must be an int, got float 1.5"),
+    ({"cpus": 1, "trace": 5}, TypeError, r"Runtime: trace must be a path, True, False or None, got int 5"),
 ])
 def test_runtime_arguments_are_checked(kwargs, error, match):
     with pytest.raises(error, match=match):
