@@ -450,7 +450,7 @@ class Runtime:
                 views.append(store.view(r.region, r.rect, r.memory, r.privilege.writes))
         args = node.args
         if args and node.future is not None and any(isinstance(a, Future) for a in args):
-            args = tuple(a.get() if isinstance(a, Future) else a for a in args)
+            args = tuple(self._argument_value(a) if isinstance(a, Future) else a for a in args)
         wants_ctx = self._ctx_fns.get(fn)
         if wants_ctx is None:
             wants_ctx = self._ctx_fns[fn] = _first_param(fn) == "ctx"
@@ -488,6 +488,17 @@ class Runtime:
             raise RuntimeError("this runtime was built with execute=False: it builds task graphs and runs nothing")
         self._check_caller("a wait")
         _check_timeout(timeout)
+        self._wait_for(node_id, timeout)
+
+    def _argument_value(self, future: Future):
+        """A Future passed to a task, inside the task: its node is one of the task's preds (so
+        done), but on many ranks its value may still be on its way."""
+        if not future._has_value:
+            self._wait_for(future.node_id, None)
+        self._resolve_future(future)
+        return future._value
+
+    def _wait_for(self, node_id: int | None, timeout) -> None:
         if self.transport is None:
             self.executor.wait_node(node_id, timeout)
         else:
