@@ -62,7 +62,7 @@ from ops.strategy import Strategy, StrategyError
 from ops.strategy import load as load_strategy
 from taskrt import Runtime
 from taskrt.machine import (Machine, count_from_env, count_gpus, cpus_from_env, gpus_from_env, mpi_rank_from_env,
-                            mpi_world_size_from_env)
+                            mpi_world_size_from_env, physical_memory)
 from taskrt.mpi_watchdog import timeout_from_env
 from taskrt.outputs import output_problem
 
@@ -427,9 +427,8 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
 def _inputs_memory_problem(graph: Model, machine: Machine) -> str | None:
     """Why this node could not even hold its ranks' shares of the input batch (a lower bound on
     what a step needs, whatever the strategy), or None; None too where the memory is not known."""
-    try:
-        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+    node = physical_memory()
+    if node is None:
         return None
     inputs = sum(np.dtype(t.dtype).itemsize * math.prod(t.shape) for t in graph.inputs)
     ranks_here = len(machine.ranks_on_host(mpi_rank_from_env()))

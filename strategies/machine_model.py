@@ -60,7 +60,7 @@ from typing import Mapping
 
 import numpy as np
 
-from taskrt.machine import Machine, Memory, Processor
+from taskrt.machine import Machine, Memory, Processor, physical_memory
 
 VERSION = 1
 MACHINES_DIR = Path(__file__).with_name("machines")
@@ -483,8 +483,8 @@ def cpu_name() -> str:
 
 def _physical_memory(where: str) -> int:
     """This machine's physical memory in bytes."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+    size = physical_memory()
+    if size is None:
         raise MachineError(f"{where}: field 'device.mem_bytes' is null (found here), but this platform does not "
-                           f"tell its memory size; give it in bytes") from None
+                           f"tell its memory size; give it in bytes")
+    return size

@@ -259,6 +259,14 @@ def cpus_from_env() -> int | None:
     return count_from_env("TASKRT_CPUS", "CPU workers", 1)
 
 
+def physical_memory() -> int | None:
+    """This node's physical memory in bytes, or None where the platform does not tell."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def count_gpus() -> int:
     """Visible GPUs through cupy; 0 when cupy or a driver is missing."""
     try:
