@@ -45,6 +45,9 @@ class Region:
         self.name = name or f"region{self.uid}"
         self.rect = Rect.from_shape(shape)
         self._equal_partitions: dict[tuple[int, ...], Partition] = {}
+        #: the running Runtime whose instances hold this region's data (a weak reference, set by
+        #: its first launch on it): another open runtime would read zeros from its own instances
+        self.owner = None
 
     def __repr__(self) -> str:
         return f"Region({self.name!r}, {self.dtype.name}{list(self.shape)})"

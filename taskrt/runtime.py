@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import itertools
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -270,6 +271,10 @@ class Runtime:
         self._check_caller("a launch")
         name = name or getattr(fn, "__name__", "task")
         check_launch(name, fn, points, reqs)
+        if self.executor is not None:
+            for r in reqs:
+                if r.region.owner is None or r.region.owner() is not self:
+                    self._claim(name, r.region)
         rects, procs, signature, key = self._mapped(fn, name, points, reqs, placement)
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"launch {name!r}: args must be a tuple of arguments, got {type(args).__name__} {args!r}")
@@ -538,6 +543,15 @@ class Runtime:
         with contextlib.suppress(TaskError):  # raised to the caller already: here it only drains
             self.executor.wait_all()
         self.executor.error = None
+
+    def _claim(self, name: str, region: Region) -> None:
+        """Make this runtime the region's owner, unless another runtime that is still open holds
+        its data (its instances are that runtime's: here the region would read as zeros)."""
+        other = None if region.owner is None else region.owner()
+        if other is not None and other is not self and not other._closed:
+            raise ValueError(f"launch {name!r}: {region!r} belongs to another Runtime that is still open; its data "
+                             f"lives there (a region is used by one runtime at a time)")
+        region.owner = weakref.ref(self)
 
     def _check_caller(self, what: str) -> None:
         """Refuse `what` from inside one of this runtime's tasks: a task that launches or waits

@@ -763,3 +763,14 @@ def test_data_calls_name_what_is_not_a_region():
             rt.read(r.partition((2,)))
         with pytest.raises(ValueError, match=r"read: rank '0' is not a rank of Machine"):
             rt.read(r, rank="0")
+
+
+def test_a_region_whose_data_another_open_runtime_holds_is_refused():
+    """It used to read as zeros there, with no error."""
+    with Runtime(cpus=1) as rt1, Runtime(cpus=1) as rt2:
+        r = rt1.region((3,))
+        rt1.fill(r, 7.0)
+        with pytest.raises(ValueError, match=r"Region\('region\d+', float32\[3\]\) belongs to another Runtime that "
+                                             r"is still open"):
+            rt2.read(r)
+        assert rt1.read(r).tolist() == [7.0] * 3
