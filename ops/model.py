@@ -37,7 +37,7 @@ from ops.loss import MeanSquaredError, SparseCategoricalCrossEntropy
 from ops.lower import Lowering, TileConfig, default_config, resolve_config
 from ops.lstm import LSTM
 from ops.norm import BatchNorm, LayerNorm
-from ops.optimizers import OPTIMIZERS
+from ops.optimizers import make_optimizer
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
@@ -351,7 +351,7 @@ class Model:
         if not self.ops:
             raise ValueError("compile: the model has no operators")
         self.rt._check_alive()
-        opt = _make_optimizer(optimizer)
+        opt = make_optimizer(optimizer, "compile")
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
         metrics = [metrics] if isinstance(metrics, str) else list(metrics or ())
@@ -765,21 +765,6 @@ def _numeric(value, what: str) -> np.ndarray:
         raise ValueError(f"{what} must hold numbers, got dtype {a.dtype} (e.g. {a.flat[0]!r})" if a.size
                          else f"{what} must hold numbers, got dtype {a.dtype}")
     return a
-
-
-def _make_optimizer(optimizer):
-    if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"compile: unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZERS)} "
-                             f"or an optimizer object (SGD(...), Adam(...))")
-        return OPTIMIZERS[optimizer]()
-    if isinstance(optimizer, type):
-        raise TypeError(f"compile: optimizer {optimizer.__name__} is a class: give an object, "
-                        f"{optimizer.__name__}(...)")
-    for attr in ("update", "state_names", "init_state", "to_dict"):
-        if not callable(getattr(optimizer, attr, None)):
-            raise TypeError(f"compile: optimizer must be 'sgd', 'adam' or an optimizer object, got {optimizer!r}")
-    return optimizer
 
 
 def _strategy(strategy) -> Strategy:

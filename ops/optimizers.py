@@ -182,6 +182,23 @@ class Adam:
 OPTIMIZERS = {cls.kind: cls for cls in (SGD, Adam)}
 
 
+def make_optimizer(optimizer, where: str):
+    """An optimizer object from a name ('sgd', 'adam': their defaults) or an object with the
+    optimizer interface; `where` (the caller) prefixes the error otherwise."""
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"{where}: unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZERS)} "
+                             f"or an optimizer object (SGD(...), Adam(...))")
+        return OPTIMIZERS[optimizer]()
+    if isinstance(optimizer, type):
+        raise TypeError(f"{where}: optimizer {optimizer.__name__} is a class: give an object, "
+                        f"{optimizer.__name__}(...)")
+    for attr in ("update", "state_names", "init_state", "to_dict"):
+        if not callable(getattr(optimizer, attr, None)):
+            raise TypeError(f"{where}: optimizer must be 'sgd', 'adam' or an optimizer object, got {optimizer!r}")
+    return optimizer
+
+
 def optimizer_from_dict(d: dict[str, Any]):
     """Rebuild an optimizer from its to_dict()."""
     if not isinstance(d, dict) or d.get("kind") not in OPTIMIZERS:

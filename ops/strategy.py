@@ -147,6 +147,8 @@ class Strategy:
     def from_json(text: str, source: str | None = None) -> "Strategy":
         """Parse and check a version-1 file's text; `source` names it in errors (and in the result)."""
         where = source or "strategy"
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise StrategyError([f"{where}: a strategy is JSON text, got {type(text).__name__}"])
         duplicates: list[str] = []
         try:
             data = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, duplicates))

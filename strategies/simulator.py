@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from ops.base import Op, TensorSpec
+from ops.optimizers import make_optimizer
 from ops.lower import ConfigError, TileConfig, default_config, resolve_config
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
@@ -112,7 +113,7 @@ class Simulator:
             batch, ranks = self.inputs[0].shape[0], self.machine.num_ranks
             # the largest rank share, at most SOURCE_SAMPLES of it: a figure a sample
             self.cost.measure_source(source, min(-(-batch // ranks), SOURCE_SAMPLES))
-        self.optimizer = optimizer
+        self.optimizer = None if optimizer is None else make_optimizer(optimizer, "Simulator")
         self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
         self._memory_proc = {p.memory: p for p in self.machine.processors}

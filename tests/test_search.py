@@ -227,4 +227,7 @@ def test_the_api_names_a_wrong_kind_of_argument():
         with pytest.raises(ValueError, match=r"search: seconds must be more than 0"):
             search(sim, 2, seconds=seconds)
     assert search(sim, np.int64(3)).proposals >= 1   # numpy ints, as TileConfig takes them
+    assert Simulator.for_model(m, mm, optimizer="adam").optimizer.kind == "adam"
+    with pytest.raises(TypeError, match=r"Simulator: optimizer must be 'sgd', 'adam' or an optimizer object"):
+        Simulator.for_model(m, mm, optimizer=5)
     assert load_machine("p100", nodes=np.int64(2)).nodes == 2

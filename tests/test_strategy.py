@@ -256,3 +256,8 @@ def test_a_strategy_written_read_back_and_applied_gives_the_same_run(rt, tmp_pat
                                           for op in small_cnn().ops}), x, y)
     for k, v in one.parameters().items():
         np.testing.assert_allclose(a.parameters()[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_from_json_wants_text():
+    with pytest.raises(StrategyError, match=r"strategy: a strategy is JSON text, got int"):
+        Strategy.from_json(5)
