@@ -424,7 +424,9 @@ class Model:
         elif isinstance(inputs, (list, tuple)):
             given = dict(zip((t.name for t in self.inputs), inputs))
             if len(inputs) > len(self.inputs):
-                raise ValueError(f"{what}: {len(inputs)} input arrays for {len(self.inputs)} inputs")
+                one = (" (a list is one array per input: give the input as one array, np.asarray(...))"
+                       if len(self.inputs) == 1 else "")
+                raise ValueError(f"{what}: {len(inputs)} input arrays for {len(self.inputs)} inputs{one}")
         else:
             given = {self.inputs[0].name: inputs} if self.inputs else {}
         missing = [t.name for t in self.inputs if t.name not in given]
@@ -440,6 +442,12 @@ class Model:
                 raise ValueError(f"{what}: input {t.name!r} needs integers ({t.dtype}), got dtype {a.dtype}")
             if n is not None and a.shape[0] != n:
                 raise ValueError(f"{what}: inputs have different sample counts ({n} and {a.shape[0]} for {t.name!r})")
+            kind = np.dtype(t.dtype)
+            if kind.kind == "f" and a.dtype.kind == "f" and a.dtype.itemsize > kind.itemsize and a.size:
+                big = np.nanmax(np.abs(a), initial=0.0)
+                if np.isfinite(big) and big > np.finfo(kind).max:
+                    raise ValueError(f"{what}: input {t.name!r} has values that {kind} cannot hold (largest "
+                                     f"magnitude {big:.3g}); they would become inf")
             n = a.shape[0]
             arrays[t.name] = a
         if batch and n != self.batch_size:

@@ -381,3 +381,17 @@ def test_fit_options_are_checked_before_a_step_and_forward_takes_one_name():
     assert np.array_equal(before, m.parameters()["dense_0.weight"]) and m.step == 0
     assert list(m.forward(x, outputs="dense_0.out")) == ["dense_0.out"]
     m.rt.shutdown()
+
+
+def test_inputs_that_float32_cannot_hold_and_a_list_for_one_input_are_named():
+    m = Model(Runtime(cpus=1), seed=0)
+    m.softmax(m.dense(m.input((4, 6), name="x"), 3))
+    m.compile(SGD(lr=0.1))
+    y = np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match=r"fit: input 'x' has values that float32 cannot hold \(largest magnitude "
+                                         r"1e\+300\); they would become inf"):
+        m.fit(np.full((4, 6), 1e300), y, iterations=1)
+    with pytest.raises(ValueError, match=r"fit: 4 input arrays for 1 inputs \(a list is one array per input"):
+        m.fit(np.zeros((4, 6)).tolist(), y, iterations=1)
+    m.fit(np.zeros((4, 6)), y, iterations=1, verbose=False)   # float64 that fits is taken
+    m.rt.shutdown()
