@@ -62,7 +62,7 @@ from ops.strategy import Strategy, StrategyError
 from ops.strategy import load as load_strategy
 from taskrt import Runtime
 from taskrt.machine import (Machine, count_from_env, count_gpus, cpus_from_env, gpus_from_env, mpi_rank_from_env,
-                            mpi_world_size_from_env, physical_memory)
+                            mpi_world_size_from_env, physical_memory, switched_off)
 from taskrt.mpi_watchdog import timeout_from_env
 from taskrt.outputs import output_problem
 
@@ -357,6 +357,8 @@ def _check_devices(args, ranks: int) -> None:
         cpus_from_env()
         count_from_env("TASKRT_BLAS_THREADS", "BLAS threads", 1)
         timeout_from_env()
+        for switch in ("TASKRT_KEEP_HEAP", "TASKRT_MPI", "TASKRT_MPI_NATIVE"):
+            switched_off(switch)
     except ValueError as e:
         raise FlagError(str(e)) from None
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import os
 import sys
+
+from .machine import switched_off
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: HEAP_MAX_SIZE / 2 on 64-bit
 TRIM_BYTES = 256 << 20
@@ -44,7 +45,7 @@ def keep_freed_memory() -> bool:
     TASKRT_KEEP_HEAP=0."""
     if _state["done"]:
         return True
-    if os.environ.get("TASKRT_KEEP_HEAP", "") == "0" or not sys.platform.startswith("linux"):
+    if switched_off("TASKRT_KEEP_HEAP") or not sys.platform.startswith("linux"):
         return False
     libc = _glibc()
     if libc is None:
@@ -62,7 +63,7 @@ def collect_cycles_less() -> bool:
     current = gc.get_threshold()
     if current[0] == YOUNG_THRESHOLD:
         return True
-    if os.environ.get("TASKRT_KEEP_HEAP", "") == "0" or current != _DEFAULT_GC_THRESHOLDS:
+    if switched_off("TASKRT_KEEP_HEAP") or current != _DEFAULT_GC_THRESHOLDS:
         return False
     gc.set_threshold(YOUNG_THRESHOLD, *current[1:])
     return True

@@ -215,7 +215,7 @@ class Machine:
 def mpi_world_size_from_env() -> int:
     """The number of ranks mpiexec (MPICH/hydra, Open MPI, MVAPICH, Slurm PMI) started, from
     the environment, without initializing MPI; 1 outside mpiexec or with TASKRT_MPI=0."""
-    if os.environ.get("TASKRT_MPI", "") == "0":
+    if switched_off("TASKRT_MPI"):
         return 1
     return _env_count("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE") or 1
 
@@ -247,6 +247,15 @@ def count_from_env(name: str, what: str, least: int) -> int | None:
         counts = ", ".join(str(k) for k in range(least, least + 2))
         raise ValueError(f"{name} must be a count of {what} ({counts}, ...), got {value!r}")
     return int(value)
+
+
+def switched_off(name: str) -> bool:
+    """Whether environment variable `name`, a switch that is on unless set to 0, is 0; a
+    ValueError naming it for anything but 0, 1 or unset (any other value used to mean on)."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 (off) or 1 (on), got {value!r}")
+    return value == "0"
 
 
 def gpus_from_env() -> int | None:

@@ -37,6 +37,7 @@ from mpi4py import MPI
 from numba import types
 from numba.extending import intrinsic
 
+from .machine import switched_off
 from .mpi_progress import MAX_NAP_S, SHARED_CORE_NAP_S, SPIN_NAP_S, SPIN_S, precise_sleeps
 
 SLOTS = 128  # receives in flight at once; Testsome scans every slot's handles, so not many
@@ -179,7 +180,7 @@ def _libmpi() -> ctypes.CDLL | None:
 
 def available() -> str | None:
     """None when the native loop can run here, else why not."""
-    if os.environ.get("TASKRT_MPI_NATIVE", "") == "0":
+    if switched_off("TASKRT_MPI_NATIVE"):
         return "TASKRT_MPI_NATIVE=0"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"{platform.machine()} may reorder stores between threads"

@@ -83,3 +83,19 @@ def test_a_bad_taskrt_cpus_names_the_value(monkeypatch, value):
     with pytest.raises(ValueError, match="TASKRT_CPUS"):
         Machine.local()
 
+
+
+@pytest.mark.parametrize("value,off", [("", False), ("1", False), ("0", True), (" 0 ", True)])
+def test_switches_are_0_or_1(monkeypatch, value, off):
+    from taskrt.machine import switched_off
+    monkeypatch.setenv("TASKRT_KEEP_HEAP", value)
+    assert switched_off("TASKRT_KEEP_HEAP") is off
+
+
+def test_a_switch_set_to_anything_else_names_it(monkeypatch):
+    """Any value but 0 used to mean on ('maybe', 'off', 'false' included)."""
+    from taskrt.machine import switched_off
+    for value in ("maybe", "off", "false"):
+        monkeypatch.setenv("TASKRT_MPI", value)
+        with pytest.raises(ValueError, match=rf"TASKRT_MPI must be 0 \(off\) or 1 \(on\), got '{value}'"):
+            switched_off("TASKRT_MPI")
