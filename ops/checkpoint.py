@@ -94,9 +94,8 @@ def restore(model, meta: dict, arrays: dict) -> None:
                                      f"optimizer?)")
                 states.append((region, arrays[key]))
     model.set_parameters(values)
-    if states:
-        for region, array in states:
-            model._low.attach(region, array)
+    for region, array in states:
+        model._low.attach(region, array)
         model.step = int(meta["step"])
         model._data_rng.bit_generator.state = meta["data_rng"]
 

@@ -350,7 +350,6 @@ class Model:
             raise RuntimeError("compile: the model was built with weights=False (its graph alone)")
         if not self.ops:
             raise ValueError("compile: the model has no operators")
-        self.rt._check_alive()
         opt = make_optimizer(optimizer, "compile")
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
@@ -393,13 +392,13 @@ class Model:
         if strategy is not None and left_out:
             warnings.warn(f"compile: the strategy names no config for {left_out}; they get the data-parallel "
                           f"default", stacklevel=2)
-        self._compiled = {"optimizer": opt.to_dict(), "loss": loss, "metrics": metrics, "output": out.name,
-                          "configs": {k: v.to_dict() for k, v in resolved.items()}}
-        self._loss_op, self.optimizer = loss_op, opt
         classify = loss == "sparse_categorical_crossentropy"
         low = Lowering(self.rt, graph, inputs, resolved, opt, loss=loss_op.name,
                        summarize=functools.partial(_loss_summary, classify), tag=self._tag)
-        low.init_values(self._values)
+        low.init_values(self._values)   # (on a runtime that has shut down, this raises: nothing is set yet)
+        self._compiled = {"optimizer": opt.to_dict(), "loss": loss, "metrics": metrics, "output": out.name,
+                          "configs": {k: v.to_dict() for k, v in resolved.items()}}
+        self._loss_op, self.optimizer = loss_op, opt
         self._low, self._values = low, {}
 
     @property

@@ -20,12 +20,13 @@ class Rect:
 
     def __post_init__(self):
         lo, hi = self.lo, self.hi
-        if lo.__class__ is not tuple or hi.__class__ is not tuple:
-            raise TypeError(f"Rect lo and hi must be tuples of ints, got {lo!r} and {hi!r} (Rect.make takes any "
-                            f"sequences)")
         if len(lo) != len(hi):
             raise ValueError(f"Rect lo {lo} and hi {hi} have different dimensions")
-        object.__setattr__(self, "_hash", hash((lo, hi)))
+        try:   # (the check costs nothing where it passes: rects are made by the hundred thousand)
+            object.__setattr__(self, "_hash", hash((lo, hi)))
+        except TypeError:
+            raise TypeError(f"Rect lo and hi must be tuples of ints, got {lo!r} and {hi!r} (Rect.make takes any "
+                            f"sequences)") from None
         # asked for on every access the analysis makes: computed once (the analysis makes
         # hundreds of thousands of rects a graph, so this stays in C: map, not a generator)
         object.__setattr__(self, "_empty", not all(map(operator.lt, lo, hi)))

@@ -81,23 +81,22 @@ class Region:
         return part
 
 
-def _int_tuples(colors: list) -> bool:
-    """Every color a tuple of Python ints (as partitions keep them)."""
+def int_tuples(colors: list) -> bool:
+    """Every color (or launch point) a tuple of Python ints, checked in C (as partitions keep them)."""
     return (set(map(type, colors)) == {tuple}
             and set(map(type, itertools.chain.from_iterable(colors))) <= {int})
 
 
 def _inside(region: Region, rects: list) -> bool:
-    """Every rect a non-empty Rect of the region's dims inside its bounds ([0, shape)); False
-    leaves the telling apart (and empty rects, which any region holds) to check_rect."""
+    """Every rect a non-empty Rect of the region's dims, with int bounds, inside its bounds ([0,
+    shape)); False leaves the telling apart (and empty rects, which any region holds) to check_rect."""
     if not rects or set(map(type, rects)) != {Rect} or any(map(_EMPTY, rects)):
         return False
-    los = list(map(_LO, rects))
-    if set(map(len, los)) != {region.ndim}:
+    los, his = list(map(_LO, rects)), list(map(_HI, rects))
+    if set(map(len, los)) != {region.ndim} or not (int_tuples(los) and int_tuples(his)):
         return False
     if region.ndim == 0:
         return True
-    his = map(_HI, rects)
     return min(map(min, zip(*los))) >= 0 and all(map(operator.le, map(max, zip(*his)), region.shape))
 
 
@@ -113,7 +112,7 @@ class Partition:
         # the plans make thousands of partitions of 64 or more pieces a graph: both checks run
         # over all pieces at once in C, and only a partition that fails them is gone through
         # piece by piece (normalizing its colors, or naming the piece that does not fit)
-        if not _int_tuples(colors):
+        if not int_tuples(colors):
             colors = [as_int_tuple(f"color {color!r} of a partition of {region!r}",
                                    color if isinstance(color, tuple) else (color,)) for color in colors]
             if len(set(colors)) != len(colors):
@@ -142,8 +141,6 @@ class Partition:
         """A partition from explicit rects (a mapping, or a list colored 0, 1, ...); may be aliased."""
         if not isinstance(rects, Mapping):
             rects = {(i,): r for i, r in enumerate(rects)}
-        for color, rect in rects.items():
-            region.check_rect(rect, f"sub-rect of color {color}")
         return Partition(region, rects, name)
 
     def __repr__(self) -> str:

@@ -34,7 +34,7 @@ from .mapper import DefaultMapper, Mapper
 from .outputs import output_problem
 from .privilege import READ, WRITE
 from .program import Launch, check_program
-from .region import Partition, Region
+from .region import Partition, Region, int_tuples
 from .replay import ReplayBlock
 from .replication import launch_signature
 from .taskgraph import CopyNode, TaskGraph, TaskNode
@@ -602,7 +602,7 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
     """Give each CPU processor of this rank its share of the cores for BLAS (numpy's matmul):
     P workers each running a BLAS that starts one thread per core oversubscribe the machine
     many times over, and OpenBLAS's spinning threads then slow everything down (ranks that
-    share a node share its cores, one worker each included). `threads`
+    share a node share its cores, one worker each included). `threads` (>= 1, checked by Runtime)
     overrides the share (TASKRT_BLAS_THREADS too). Returns the limiter (restored at
     shutdown), or None when nothing is limited."""
     cpus = sum(p.kind == "cpu" for p in machine.rank_processors(rank))
@@ -614,8 +614,6 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
             threads = max(1, cores // (ranks_here * max(1, cpus)))
             if threads >= cores:
                 return None  # one worker alone on the node: BLAS may use every core
-    if threads < 1:
-        raise ValueError(f"blas_threads must be >= 1, got {threads}")
     from threadpoolctl import threadpool_limits
     return threadpool_limits(limits=threads, user_api="blas")
 
@@ -669,11 +667,12 @@ def _points_of(domain) -> list[tuple]:
         raise TypeError(f"a launch domain is a count, a Rect, a Partition or a list of points, got "
                         f"{type(domain).__name__} {domain!r}")
     points = [p if isinstance(p, tuple) else (p,) for p in domain]
-    for p in points:
-        if len(p) != len(points[0]) or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool)
-                                                for c in p):
-            raise TypeError(f"a launch domain's points are tuples of ints of one length, got {p!r} "
-                            f"(the first is {points[0]!r})")
+    if not (int_tuples(points) and len(set(map(len, points))) <= 1):   # (in C: lowering's colors pass)
+        for p in points:
+            if len(p) != len(points[0]) or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool)
+                                                    for c in p):
+                raise TypeError(f"a launch domain's points are tuples of ints of one length, got {p!r} "
+                                f"(the first is {points[0]!r})")
     if len(set(points)) != len(points):
         twice = next(p for i, p in enumerate(points) if p in points[:i])
         raise ValueError(f"a launch domain lists point {twice!r} twice")

@@ -107,6 +107,8 @@ def test_rects_with_bounds_that_are_not_ints_are_refused():
     r = Region((8, 4), "float32", "r")
     with pytest.raises(TypeError, match=r"rect Rect\(0.5:4.5, 0:4\) for Region\('r'.* must have int bounds"):
         r.check_rect(Rect((0.5, 0), (4.5, 4)))
+    with pytest.raises(TypeError, match=r"sub-rect of color \(0,\) Rect\(0.5:4.5, 0:4\) .* must have int bounds"):
+        Partition.from_rects(r, [Rect((0.5, 0), (4.5, 4))])
 
 
 def test_partition_colors_are_int_tuples_and_each_is_given_once():
