@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for a machine with an NVIDIA GPU, cupy and PyTorch CUDA:
+# versions, tests/test_gpu.py, bench/ops.py --gpu --tiles and one app trained on the GPU.
+# Each step has its own time limit and writes its log to $OUT (default: gpu_check/), so a
+# step that fails or runs long leaves the others' figures. Where the machine lacks mpi4py
+# with an mpiexec, wheels of mpich and mpi4py in .whl/ are installed to /tmp/site first.
+# Usage: bash bench/gpu_check.sh [seconds for the tests] [seconds for the benchmark]
+set -u
+OUT=${OUT:-gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output to $OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "== $name: exit $? after $((SECONDS - t0))s"
+    tail -n 25 "$OUT/$name.txt"
+}
+nvidia-smi -L
+python3 -c "import sys, numpy, numba, cupy, torch, mpi4py; print(sys.version.split()[0], 'numpy', numpy.__version__,
+'numba', numba.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__, 'mpi4py', mpi4py.__version__,
+'gpus', cupy.cuda.runtime.getDeviceCount())"
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
+step tests "${1:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $per_test tests/test_gpu.py
+step ops_gpu "${2:-150}" python3 bench/ops.py --gpu --tiles --rounds 1
+step alexnet_gpu 60 python3 -m apps.alexnet --gpus-per-rank 1 --cpus-per-rank 1 --iterations 6 --machine h100
