@@ -5,6 +5,7 @@
 # step that fails or runs long leaves the others' figures. Where the machine lacks mpi4py
 # with an mpiexec, wheels of mpich and mpi4py in .whl/ are installed to /tmp/site first.
 # Usage: bash bench/gpu_check.sh [seconds for the tests] [seconds for the benchmark]
+# (GPU_CHECK_TESTS=EXPR runs only the tests pytest -k EXPR selects)
 set -u
 OUT=${OUT:-gpu_check}
 mkdir -p "$OUT"
@@ -12,6 +13,8 @@ export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    # mpi4py's wheel loads the first libmpi it finds, which may be the machine's own Open MPI
+    [ -e /tmp/site/lib/libmpi.so.12 ] && export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output to $OUT/NAME.txt
@@ -28,6 +31,7 @@ python3 -c "import sys, numpy, numba, cupy, torch, mpi4py; print(sys.version.spl
 'numba', numba.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__, 'mpi4py', mpi4py.__version__,
 'gpus', cupy.cuda.runtime.getDeviceCount())"
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
-step tests "${1:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $per_test tests/test_gpu.py
+step tests "${1:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $per_test tests/test_gpu.py \
+    ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 step ops_gpu "${2:-150}" python3 bench/ops.py --gpu --tiles --rounds 1
-step alexnet_gpu 60 python3 -m apps.alexnet --gpus-per-rank 1 --cpus-per-rank 1 --iterations 6 --machine h100
+step alexnet_gpu 60 python3 -m apps.alexnet --gpus-per-rank 1 --cpus-per-rank 1 --iterations 6

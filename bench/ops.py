@@ -5,7 +5,9 @@ shapes, and with --tiles also on the tiles strategies make of it (a quarter of t
 half the channels: views of the whole arrays, as the runtime hands them over); PyTorch
 runs the equivalent module on the same (tile of the) data with the same weights and
 torch.set_num_threads equal to our BLAS threads. With --gpu both sides run on the GPU
-(cupy against PyTorch CUDA), timed with CUDA events after a warm-up. The two sides run in
+(cupy against PyTorch CUDA), timed with CUDA events after a warm-up, both in plain float32:
+PyTorch's TF32 (on by default for cuDNN's convolutions and RNNs) is switched off, as our
+kernels compute in float32 and their tests hold them to float32's error. The two sides run in
 child processes of this run, taking turns (--rounds, each case keeping its best):
 OpenBLAS's and PyTorch's thread pools in one process slow each other down several times
 over on a small machine. Both run with the malloc settings our runtime makes (taskrt.heap:
@@ -298,6 +300,9 @@ def run_side(side: str, quick: bool, only, tiles: bool, gpu: bool) -> dict:
     else:
         xp = np
     device = "cuda" if gpu else "cpu"
+    if gpu:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
 
     def t(x):
         x = x.get() if hasattr(x, "get") else x

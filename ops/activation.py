@@ -15,6 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ops import cuda_kernels
 from ops.base import Op, register_op, sample_split_dims
 from ops.cpu_layout import row_starts
 from ops.cpu_threads import RowKernel, row_split
@@ -67,7 +68,10 @@ def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
     """out = softmax(x) over the last axis; out is x itself or an array of x's shape whose rows
     are contiguous.
     causal_first q0: x is [..., Lq, Lk] scores of queries q0.. and query q0 + i sees keys 0..q0 + i
-    only (the others get 0). Fused numba kernels on the CPU, array code elsewhere."""
+    only (the others get 0). Fused numba kernels on the CPU, one CUDA kernel on a GPU."""
+    if cuda_kernels.on_gpu(xp) and cuda_kernels.supports(x, out):
+        cuda_kernels.softmax_rows_(x, out, causal_first)
+        return
     if xp is np and x.dtype in (np.float32, np.float64) and x.size:
         flat, xs = row_starts(x, writable=out is x)
         yflat, ys = (flat, xs) if out is x else row_starts(out, writable=True)
@@ -88,6 +92,8 @@ def softmax_rows_(xp, x, out, causal_first: int | None = None) -> None:
 def softmax_grad_rows(xp, y, dy, out=None):
     """dx = y * (dy - rowsum(dy * y)) over the last axis, into `out` (dy itself, an array of y's
     shape whose rows are contiguous, or None: a new array)."""
+    if cuda_kernels.on_gpu(xp) and cuda_kernels.supports(y, dy):
+        return cuda_kernels.softmax_grad_rows(y, dy, out)
     if xp is np and y.dtype in (np.float32, np.float64) and y.dtype == dy.dtype and y.size:
         out = np.empty(y.shape, y.dtype) if out is None else out
         yflat, ys = row_starts(y)

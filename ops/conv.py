@@ -1,8 +1,8 @@
 """2-D convolution on NCHW images, tile-aware with halos (ops/windows.py: the window geometry).
 
 Convolution is im2col (a strided window view copied chunk by chunk) times the weight
-matrix in one batched BLAS matmul per chunk; col2im is a numba kernel on the CPU and
-plain array code on the GPU. Small images on the CPU (Conv2d._batched) lay the columns of
+matrix in one batched BLAS matmul per chunk; col2im is a numba kernel on the CPU. On the
+GPU im2col and col2im are one CUDA kernel each (ops/cuda_kernels.py), all samples at once. Small images on the CPU (Conv2d._batched) lay the columns of
 a chunk's samples side by side instead, [K, samples*OH*OW], built and summed back by numba
 kernels from the unpadded tile: forward, the weight gradient and the columns' gradient are
 then one GEMM each per chunk where per-sample ones would be thin; with strides over 1 those
@@ -20,7 +20,7 @@ import math
 import numba
 import numpy as np
 
-from ops import cpu_pool, direct_conv, winograd, winograd_1d
+from ops import cpu_pool, cuda_kernels, direct_conv, winograd, winograd_1d
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, given_out, int_attr, register_op
 from ops.linear import torch_linear_init
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
@@ -114,6 +114,9 @@ def col2im(xp, cols, stride, out) -> None:
     """Add windows cols [N, C, KH, KW, OH, OW] back into the padded input `out` [N, C, H, W]."""
     if xp is np:
         _col2im_cpu(cols, stride[0], stride[1], out)
+        return
+    if cuda_kernels.on_gpu(xp) and cuda_kernels.supports(cols, out) and out.flags.c_contiguous:
+        cuda_kernels.col2im_add(cols, stride, out)
         return
     _col2im_xp(xp, cols, stride, out)
 
@@ -707,8 +710,12 @@ class Conv2d(Op):
         view = _im2col_view(xp, xpad, self.kernel, self.stride, (oh, ow))
         chunks = _chunks(xp, n, view[0].size * xpad.itemsize)
         buf = xp.empty((chunks[0][1] - chunks[0][0], *view.shape[1:]), xpad.dtype)
+        fused = cuda_kernels.on_gpu(xp) and cuda_kernels.supports(xpad)
         for a, b in chunks:
-            xp.copyto(buf[:b - a], view[a:b])
+            if fused:
+                cuda_kernels.im2col(xpad[a:b], self.kernel, self.stride, (oh, ow), buf[:b - a])
+            else:
+                xp.copyto(buf[:b - a], view[a:b])
             yield a, b, buf[:b - a].reshape(b - a, ng, -1, oh * ow)
 
     def _batched(self, xp, tile: Rect) -> bool:

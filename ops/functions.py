@@ -6,6 +6,7 @@ value at a time (16k values: 116 us forward, 246 us backward). In float32 the ke
 a rational function that LLVM vectorizes, within 5e-7 of erf over the whole line, and the
 backward's exp Cephes' polynomial (ops/vector_math.py); float64 calls math.erf and np.exp.
 Arrays of PARALLEL_MIN_VALUES or more are shared out over the task's cores (ops/cpu_threads.py).
+On a GPU each activation is one fused cupy kernel each way (ops/cuda_kernels.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import math
 import numba
 import numpy as np
 
+from ops import cuda_kernels
 from ops.cpu_threads import RowKernel, row_split
 from ops.vector_math import erf_value, exp_shifted_row, is_float32
 
@@ -104,6 +106,8 @@ def activation_forward(xp, name: str, x):
     """y = f(x) for f in ACTIVATIONS; None means identity."""
     if name is None:
         return x
+    if name in ACTIVATIONS and cuda_kernels.on_gpu(xp) and x.dtype.kind == "f":
+        return cuda_kernels.activation_forward(name, x)
     if name == "relu":
         return xp.maximum(x, 0)
     if name == "sigmoid":
@@ -124,6 +128,8 @@ def activation_backward(xp, name: str, x, y, dy):
     """dL/dx from the input x, output y and dL/dy (gelu alone reads x)."""
     if name is None:
         return dy
+    if name in ACTIVATIONS and cuda_kernels.on_gpu(xp) and x.dtype.kind == "f" and dy.dtype == x.dtype:
+        return cuda_kernels.activation_backward(name, x, y, dy)
     if name == "relu":
         return dy * (y > 0)  # y > 0 exactly where x > 0
     if name == "sigmoid":

@@ -25,14 +25,14 @@ known to index from 0, so numba's wraparound check kept it scalar, 5-8 times slo
 reading and writing few arrays; float32's tanh is a rational function that vectorizes (np.tanh
 in numba does not). The big GEMMs run on the pool (ops/cpu_pool.py), BLAS on one thread a part,
 whose threads sleep when done, where OpenBLAS's would spin on the cores the steps need.
-Elsewhere (cupy) the steps are plain array code.
+On a GPU (cupy) a step is its GEMM and one fused kernel each way (ops/cuda_kernels.py).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from ops import cpu_pool, cpu_threads
+from ops import cpu_pool, cpu_threads, cuda_kernels
 from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op
 from ops.cpu_threads import RowKernel
 from ops.linear import torch_linear_init
@@ -460,9 +460,13 @@ def _forward_steps_xp(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
     batch, seq, h = cs.shape
     rec, tmp = xp.empty((batch, 4 * h), dtype=cs.dtype), xp.empty((batch, h), dtype=cs.dtype)
     h_prev, c_prev = h0, c0
+    fused = cuda_kernels.on_gpu(xp)
     for t in range(seq):
         xp.matmul(h_prev, w_hh.T, out=rec)
-        _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
+        if fused:
+            cuda_kernels.lstm_step_forward(gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t])
+        else:
+            _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
         h_prev, c_prev = y[:, t], cs[:, t]
 
 
@@ -471,10 +475,15 @@ def _backward_steps_xp(xp, gates, tanh_cs, cs, c0, dy, w_hh, dh, dc) -> None:
     dh and dc those of h0 and c0."""
     batch, seq, h = cs.shape
     tmp = xp.empty((batch, h), dtype=cs.dtype)
+    fused = cuda_kernels.on_gpu(xp)
     for t in range(seq - 1, -1, -1):
         if dy is not None:
             dh += dy[:, t]
-        _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], cs[:, t - 1] if t > 0 else c0, dh, dc, tmp)
+        c_prev = cs[:, t - 1] if t > 0 else c0
+        if fused:
+            cuda_kernels.lstm_step_backward(gates[:, t], tanh_cs[:, t], c_prev, dh, dc)
+        else:
+            _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], c_prev, dh, dc, tmp)
         xp.matmul(gates[:, t], w_hh, out=dh)  # to step t - 1
 
 

@@ -8,14 +8,16 @@ split. Either way a tile reads exactly its own rect of the input.
 On the CPU BatchNorm on NCHW runs fused numba kernels on the input viewed as [N, C, H*W]:
 one pass for the statistics (two when they are added up across tiles: the mean, then the
 squared deviations from it), one for normalize, scale, shift and relu; backward one pass
-for its two sums and one for dx. Per-channel sums accumulate in float64. Elsewhere (cupy,
-and [N, C] inputs, whose one value per channel and sample makes rows too short for the
-kernels' loops) it is plain array code.
+for its two sums and one for dx. Per-channel sums accumulate in float64. On a GPU the sums
+are cupy reduction kernels (in float64, no float64 copy of x) and normalize and dx one fused
+kernel each (ops/cuda_kernels.py). [N, C] inputs on the CPU, whose one value per channel and
+sample makes rows too short for the kernels' loops, run array code.
 
 LayerNorm on the CPU runs fused numba row kernels, rows shared out over the cores: forward
 one pass a row (in cache) for its mean, variance and y, saving only the mean and 1/std of
 each row; backward one pass a row for dx, each chunk of rows adding up its own part of the
-weight gradients. Row sums accumulate in float64. Elsewhere (cupy) it is plain array code.
+weight gradients. Row sums accumulate in float64. On a GPU it is a CUDA kernel each way, a
+block per row, and the weight gradients two column sums (ops/cuda_kernels.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import math
 import numba
 import numpy as np
 
+from ops import cuda_kernels
 from ops.cpu_threads import RowKernel, row_split
 from ops.cpu_layout import row_starts
 from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, given_out, int_attr,
@@ -248,6 +251,9 @@ class BatchNorm(Op):
             _bn_moments_cpu(_rows(x), _shape3(x), np.zeros(c) if center is None else np.asarray(center, np.float64),
                             s, ss)
             return s, ss
+        if cuda_kernels.on_gpu(xp):
+            zero = xp.zeros(c) if center is None else xp.asarray(center, dtype=xp.float64)
+            return cuda_kernels.batch_norm_moments(x, self._bcast(zero, x.ndim), self._axes(x))
         xc = x.astype(xp.float64)
         if center is not None:
             xc -= self._bcast(xp.asarray(center, dtype=xp.float64), x.ndim)
@@ -271,6 +277,9 @@ class BatchNorm(Op):
             _bn_grad_sums_cpu(xr, _rows(dy), _rows(y) if self.relu else xr, _shape3(x), self.relu,
                               np.asarray(mean, np.float64), sum_g, sum_g_xmu)
             return sum_g, sum_g_xmu
+        if cuda_kernels.on_gpu(xp):
+            m = self._bcast(xp.asarray(mean, dtype=xp.float64), x.ndim)
+            return cuda_kernels.batch_norm_grad_sums(x, dy, y, m, self._axes(x), self.relu)
         g = (dy * (y > 0) if self.relu else dy).astype(xp.float64)
         xc = x.astype(xp.float64) - self._bcast(xp.asarray(mean, dtype=xp.float64), x.ndim)
         axes = self._axes(x)
@@ -314,6 +323,8 @@ class BatchNorm(Op):
             given = given_out(out, 0)[0]
             y = np.empty(x.shape, x.dtype) if given is None else given
             _bn_apply_cpu(_rows(x), _shape3(x), scale, shift, self.relu, _rows(y, writable=True))
+        elif cuda_kernels.on_gpu(xp):
+            y = cuda_kernels.batch_norm_apply(x, self._bcast(scale, x.ndim), self._bcast(shift, x.ndim), self.relu)
         else:
             y = x * self._bcast(scale, x.ndim) + self._bcast(shift, x.ndim)
             if self.relu:
@@ -340,6 +351,9 @@ class BatchNorm(Op):
             dx = np.empty(x.shape, x.dtype) if given is None else given
             _bn_dx_cpu(xr, gr, _rows(y) if self.relu else xr, _shape3(x), self.relu, training, coef,
                        _rows(dx, writable=True))
+        elif cuda_kernels.on_gpu(xp):
+            nd = x.ndim
+            dx = cuda_kernels.batch_norm_dx(x, dy, y, *(self._bcast(c, nd) for c in coef), self.relu, training)
         else:
             nd = x.ndim
             g = dy * (y > 0) if self.relu else dy
@@ -471,6 +485,10 @@ class LayerNorm(Op):
         return (xp is np and x.dtype in (np.float32, np.float64) and x.size > 0
                 and all(w.dtype == x.dtype for w in weights.values()))
 
+    def _use_cuda(self, xp, x, weights) -> bool:
+        """Whether the CUDA kernels run: on a GPU, for float inputs of the weights' dtype."""
+        return cuda_kernels.on_gpu(xp) and cuda_kernels.supports(x, *weights.values())
+
     def _rows(self, a):
         """a as [..., D] rows, D the normalized values (a view when a's trailing dims are contiguous)."""
         return a.reshape(a.shape[:a.ndim - len(self.normalized_shape)] + (-1,))
@@ -479,6 +497,10 @@ class LayerNorm(Op):
         (x,) = inputs
         if self._use_kernels(xp, x, weights):
             return self._forward_cpu(x, weights)
+        if self._use_cuda(xp, x, weights):
+            w, b = (weights["weight"], weights["bias"]) if self.elementwise_affine else (None, None)
+            y, mean, rstd = cuda_kernels.layer_norm_forward(x, math.prod(self.normalized_shape), self.eps, w, b)
+            return [y], (mean, rstd)
         axes = self._axes(x)
         mean = x.mean(axis=axes, keepdims=True)
         xc = x - mean
@@ -525,9 +547,19 @@ class LayerNorm(Op):
         return [dx], {"weight": dw.sum(axis=0).astype(dtype).reshape(shape),
                       "bias": db.sum(axis=0).astype(dtype).reshape(shape)}
 
+    def _backward_cuda(self, x, dy, weights, mean, rstd):
+        w = weights["weight"] if self.elementwise_affine else None
+        dx, dw, db = cuda_kernels.layer_norm_backward(x, dy, math.prod(self.normalized_shape), w, mean, rstd)
+        if not self.elementwise_affine:
+            return [dx], {}
+        shape, dtype = self.normalized_shape, weights["weight"].dtype
+        return [dx], {"weight": dw.astype(dtype).reshape(shape), "bias": db.astype(dtype).reshape(shape)}
+
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         if self._use_kernels(xp, inputs[0], weights):
             return self._backward_cpu(inputs[0], grad_outputs[0], weights, *saved)
+        if self._use_cuda(xp, inputs[0], weights):
+            return self._backward_cuda(inputs[0], grad_outputs[0], weights, *saved)
         (dy,), (xhat, rstd) = grad_outputs, saved
         axes = self._axes(dy)
         lead = tuple(range(dy.ndim - len(self.normalized_shape)))

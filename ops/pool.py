@@ -1,14 +1,17 @@
 """2-D pooling (max and average) on NCHW images, tile-aware with halos.
 
 Pooling on the CPU is direct numba kernels that clip each window to the tile instead of
-padding it (max pooling saves its argmax for backward); on the GPU it is array code over
-the padded input (ops/windows.py: the window geometry it shares with convolution).
+padding it (max pooling saves its argmax for backward). On the GPU max pooling is CUDA
+kernels that clip the same way (ops/cuda_kernels.py: a thread per output forward, saving the
+argmax, and a thread per input backward); average pooling is array code over the padded input
+(ops/windows.py: the window geometry it shares with convolution).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
+from ops import cuda_kernels
 from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, given_out, register_op
 from ops.cpu_layout import flat_row, flat_rows
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
@@ -246,6 +249,10 @@ class Pool2d(Op):
         """On the CPU max pooling saves the argmax of every window (see _maxpool_cpu) for backward."""
         if xp is np:
             return self._forward_cpu(inputs[0], tile, in_rects[0], given_out(out, 0)[0])
+        if self._use_cuda(xp, inputs[0]):
+            y, arg = cuda_kernels.max_pool_forward(inputs[0], tile.shape[2:], self.kernel, self.stride,
+                                                   self._top_left(tile, in_rects[0]))
+            return [y], arg
         xpad, _ = self._padded(xp, inputs[0], tile, in_rects[0])
         out_hw = tile.shape[2:]
         kh, kw = self.kernel
@@ -259,6 +266,10 @@ class Pool2d(Op):
         if self.pool_type == "avg":
             y *= y.dtype.type(1.0 / (kh * kw))
         return [y], None
+
+    def _use_cuda(self, xp, x) -> bool:
+        """Whether max pooling runs its CUDA kernels (on a GPU), saving the argmax for backward."""
+        return self.pool_type == "max" and cuda_kernels.on_gpu(xp) and cuda_kernels.supports(x)
 
     def _top_left(self, tile, in_rect) -> tuple[int, int]:
         (top, _), (left, _) = window_geometry(tile, in_rect, self.kernel, self.stride, self.padding)
@@ -281,6 +292,9 @@ class Pool2d(Op):
             return [None], {}
         if xp is np:
             return self._backward_cpu(x, dy, tile, in_rects[0], saved, given)
+        if self._use_cuda(xp, x):
+            return [cuda_kernels.max_pool_backward(dy, saved, x.shape, self.kernel, self.stride,
+                                                   self._top_left(tile, in_rects[0]))], {}
         kh, kw = self.kernel
         if self.pool_type == "max":
             xpad, pads = self._padded(xp, x, tile, in_rects[0])

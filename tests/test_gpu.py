@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from ops import SGD, Model
 from taskrt import Machine, Runtime
+from taskrt.geometry import Rect
 from taskrt.machine import RankSpec, count_gpus
 from taskrt.mapper import Mapper
 from tests import test_runtime as tr
@@ -126,3 +127,139 @@ def test_models_on_a_gpu_match_the_cpu(kind, dtype):
 def test_ranks_move_gpu_tiles_between_them(n):
     proc, _ = run_mpi(n, "gpus.py", timeout=180, env={"TASKRT_GPUS": ""})
     assert_every_rank_ok(proc, n)
+
+
+# ---- the fused CUDA kernels (ops/cuda_kernels.py) against the CPU path, op by op --------------
+def _both_paths(op, inputs, tile=None, training=True, seed=0):
+    """Forward and backward of one tile of `op` (inputs as views of whole arrays, as the runtime
+    hands them over) with numpy and with cupy: [(outputs, input grads, weight grads, state)] each
+    as numpy arrays."""
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    weights = op.init_weights(rng)
+    state = {k: weights.pop(k) for k in list(weights) if k.startswith("running")}
+    tile = tile or Rect.from_shape(op.tile_shape)
+    rects, wrects = op.input_rects(tile), op.tile_weight_rects(tile)
+    grads = [rng.standard_normal(r.shape).astype(o.dtype) for o, r in zip(op.outputs, op.output_rects(tile))]
+    results = []
+    for xp in (np, cupy):
+        ins = [xp.asarray(x)[r.slices()] for x, r in zip(inputs, rects)]
+        ws = {k: xp.asarray(a)[wrects[k].slices()] for k, a in weights.items() if k in wrects}
+        st = {k: xp.asarray(a)[wrects[k].slices()].copy() for k, a in state.items()} or None
+        outs, saved = op.forward(xp, tile, ins, rects, ws, training=training, state=st)
+        gi, gw = op.backward(xp, tile, ins, rects, ws, outs, [xp.asarray(g) for g in grads], saved)
+        host = cupy.asnumpy if xp is cupy else np.asarray
+        results.append(([host(o) for o in outs], [None if g is None else host(g) for g in gi],
+                        {k: host(v) for k, v in gw.items()}, {k: host(v) for k, v in (st or {}).items()}))
+    return results
+
+
+def _assert_paths_agree(results, dtype):
+    tol = 1e-9 if dtype == "float64" else 3e-5
+    (cpu_o, cpu_gi, cpu_gw, cpu_st), (gpu_o, gpu_gi, gpu_gw, gpu_st) = results
+    for label, want, got in [("output", cpu_o, gpu_o), ("input grad", cpu_gi, gpu_gi)]:
+        for i, (w, g) in enumerate(zip(want, got)):
+            if w is not None:
+                np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"{label} {i}")
+    assert cpu_gw.keys() == gpu_gw.keys() and cpu_st.keys() == gpu_st.keys()
+    for k in cpu_gw:
+        np.testing.assert_allclose(gpu_gw[k], cpu_gw[k], rtol=tol, atol=tol * 10, err_msg=f"grad {k}")
+    for k in cpu_st:
+        np.testing.assert_allclose(gpu_st[k], cpu_st[k], rtol=tol, atol=tol, err_msg=f"state {k}")
+
+
+def _spec(shape, dtype):
+    from ops.base import TensorSpec
+    return TensorSpec(tuple(shape), dtype, "x")
+
+
+def _normal(shape, dtype, seed=1):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+DTYPES = ["float32", "float64"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", ["relu", "sigmoid", "tanh", "gelu"])
+def test_fused_activations_match_the_cpu(fn, dtype):
+    from ops.activation import ElementUnary
+    x = 3 * _normal((6, 5, 33), dtype)
+    op = ElementUnary("act", [_spec(x.shape, dtype)], fn=fn)
+    _assert_paths_agree(_both_paths(op, [x], Rect((0, 1, 0), (6, 4, 33))), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,tile", [((4, 7, 37), None), ((3, 300), None), ((5, 1), None),
+                                        ((4, 7, 37), Rect((1, 2, 0), (3, 6, 37)))])
+def test_fused_softmax_matches_the_cpu(shape, tile, dtype):
+    from ops.activation import Softmax
+    x = 4 * _normal(shape, dtype)
+    _assert_paths_agree(_both_paths(Softmax("sm", [_spec(shape, dtype)]), [x], tile), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_fused_softmax_matches_the_cpu(causal, dtype):
+    from ops.attention import MultiHeadAttention
+    x = _normal((3, 11, 8), dtype)
+    op = MultiHeadAttention("mha", [_spec(x.shape, dtype)] * 3, num_heads=2, causal=causal)
+    _assert_paths_agree(_both_paths(op, [x, x, x], Rect((0, 3, 0, 0), (2, 9, 8, 2))), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,normalized,affine", [((4, 7, 33), (33,), True), ((4, 7, 300), (300,), False),
+                                                      ((3, 5, 6, 7), (6, 7), True)])
+def test_fused_layer_norm_matches_the_cpu(shape, normalized, affine, dtype):
+    from ops.norm import LayerNorm
+    x = 5 + 2 * _normal(shape, dtype)
+    op = LayerNorm("ln", [_spec(shape, dtype)], normalized_shape=normalized, elementwise_affine=affine)
+    tile = Rect((1,) + (0,) * (len(shape) - 1), (3,) + shape[1:])
+    _assert_paths_agree(_both_paths(op, [x], tile), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape,tile", [((4, 6, 5, 7), Rect((0, 2, 0, 0), (4, 5, 5, 7))), ((9, 5), None)])
+def test_fused_batch_norm_matches_the_cpu(shape, tile, training, relu, dtype):
+    from ops.norm import BatchNorm
+    x = 3 + _normal(shape, dtype)
+    op = BatchNorm("bn", [_spec(shape, dtype)], relu=relu)
+    _assert_paths_agree(_both_paths(op, [x], tile, training=training), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 2, 1), (2, 2, 0), (3, 1, 1), ((1, 3), (2, 1), (0, 1))])
+@pytest.mark.parametrize("tile", [None, Rect((0, 1, 2, 1), (2, 3, 4, 4))])
+def test_fused_max_pool_matches_the_cpu(kernel, stride, padding, tile, dtype):
+    from ops.pool import Pool2d
+    x = _normal((2, 3, 9, 11), dtype)
+    x[0, 0, 0, :3] = 1.5  # ties: the first maximum wins
+    op = Pool2d("pool", [_spec(x.shape, dtype)], kernel=kernel, stride=stride, padding=padding)
+    if tile is not None and any(h > s for h, s in zip(tile.hi, op.tile_shape)):
+        tile = Rect(tile.lo, tuple(min(h, s) for h, s in zip(tile.hi, op.tile_shape)))
+    _assert_paths_agree(_both_paths(op, [x], tile), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_lstm_steps_match_the_cpu(dtype):
+    from ops.lstm import LSTM
+    x = _normal((4, 6, 5), dtype)
+    op = LSTM("lstm", [_spec(x.shape, dtype)], hidden_size=7)
+    _assert_paths_agree(_both_paths(op, [x], Rect((1, 0, 0), (3, 6, 7))), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,stride,padding,groups", [(3, 1, 1, 1), (3, 2, 1, 1), ((1, 7), 1, (0, 3), 1),
+                                                          (3, 1, 0, 2), (1, 1, 0, 1), (5, 3, 2, 1)])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_fused_im2col_convolution_matches_the_cpu(kernel, stride, padding, groups, tiled, dtype):
+    from ops.conv import Conv2d
+    x = _normal((3, 4, 13, 12), dtype)
+    op = Conv2d("conv", [_spec(x.shape, dtype)], out_channels=6, kernel=kernel, stride=stride, padding=padding,
+                groups=groups, use_bias=True)
+    shape = op.tile_shape
+    tile = Rect((1, 2, 1, 0), (3, shape[1], shape[2], shape[3] - 1)) if tiled else None
+    _assert_paths_agree(_both_paths(op, [x], tile), dtype)

@@ -1,0 +1,488 @@
+"""Fused GPU kernels (cupy) for the operators whose array code made many passes and launches.
+
+cupy's array code runs one kernel per operation, each a full pass over memory and a Python
+launch: gelu's backward was eight of them, a softmax five, an LSTM step fifteen. Here each is
+one kernel: element-wise ones as cupy ElementwiseKernels (any strides, broadcasting), per-row
+ones (softmax, layer norm) as CUDA C++ with a block per row and warp-shuffle sums, per-channel
+sums as ReductionKernels, max pooling as one thread per output (forward, with its argmax) and
+one per input (backward, gathering the outputs whose argmax it is: no atomics, deterministic),
+and convolution's im2col and col2im (col2im gathers too: one pass, not one per window offset).
+Sums accumulate in double. Kernels are compiled on first use and cached by cupy on disk.
+`on_gpu(xp)` says whether the fused kernels apply: cupy itself, not numpy (nor the numpy under
+another name that the tests use to run the array code on the CPU).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def on_gpu(xp) -> bool:
+    """Whether `xp` is cupy (the fused kernels run), not numpy under any name."""
+    return getattr(xp, "__name__", "") == "cupy"
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+_MADE: dict = {}
+
+
+def _made(key, make):
+    """The kernel under `key`, made by make() on first use."""
+    kernel = _MADE.get(key)
+    if kernel is None:
+        kernel = _MADE[key] = make()
+    return kernel
+
+
+def _elementwise(name: str, ins: str, outs: str, body: str, preamble: str = ""):
+    return _made(name, lambda: _cupy().ElementwiseKernel(ins, outs, body, name, preamble=preamble))
+
+
+# ---- activations -------------------------------------------------------------------------------
+_SIGMOID = "(T)0.5 * tanh((T)0.5 * {0}) + (T)0.5"   # no overflow for large |a|, as the array code
+
+
+def activation_forward(name: str, x):
+    """y = f(x) for relu, sigmoid, tanh or gelu (exact erf form), one kernel."""
+    body = {"relu": "y = x > (T)0 ? x : (T)0",
+            "sigmoid": "y = " + _SIGMOID.format("x"),
+            "tanh": "y = tanh(x)",
+            "gelu": "y = (T)0.5 * x * ((T)1 + erf(x * (T)0.7071067811865476))"}[name]
+    return _elementwise(f"taskrt_{name}_forward", "T x", "T y", body)(x)
+
+
+def activation_backward(name: str, x, y, dy):
+    """dL/dx from x, y = f(x) and dL/dy, one kernel (gelu reads x, the others y)."""
+    body = {"relu": "dx = y > (T)0 ? dy : (T)0",
+            "sigmoid": "dx = dy * y * ((T)1 - y)",
+            "tanh": "dx = dy * ((T)1 - y * y)",
+            "gelu": "T cdf = (T)0.5 * ((T)1 + erf(x * (T)0.7071067811865476));"
+                    "dx = dy * (cdf + x * exp((T)-0.5 * x * x) * (T)0.3989422804014327)"}[name]
+    return _elementwise(f"taskrt_{name}_backward", "T x, T y, T dy", "T dx", body)(x, y, dy)
+
+
+# ---- per-row kernels: softmax and layer norm ---------------------------------------------------
+_SOURCE = r"""
+template<typename T> __device__ T neg_inf();
+template<> __device__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template<> __device__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+template<typename T> __device__ T warp_sum(T v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    return v;
+}
+template<typename T> __device__ T warp_max(T v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_down_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The block's sum (or max) of each thread's v, returned to every thread; blockDim.x is a
+// multiple of 32. The trailing barrier lets the next call reuse the shared slots.
+template<typename T, bool MAX> __device__ T block_reduce(T v) {
+    __shared__ T part[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = MAX ? warp_max(v) : warp_sum(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < warps ? part[lane] : (MAX ? neg_inf<T>() : (T)0);
+        w = MAX ? warp_max(w) : warp_sum(w);
+        if (lane == 0) part[0] = w;
+    }
+    __syncthreads();
+    T r = part[0];
+    __syncthreads();
+    return r;
+}
+
+// y = softmax(x) over rows of n contiguous values, a block per row. period > 0: row r holds the
+// scores of query first + r % period, which sees keys 0 .. first + r % period only (others 0).
+template<typename T> __global__ void softmax_rows(const T* x, T* y, int n, int period, long long first) {
+    const T* xr = x + (long long)blockIdx.x * n;
+    T* yr = y + (long long)blockIdx.x * n;
+    int limit = n;
+    if (period > 0) {
+        long long q = first + blockIdx.x % period;
+        limit = q + 1 < n ? (int)(q + 1) : n;
+    }
+    T m = neg_inf<T>();
+    for (int i = threadIdx.x; i < limit; i += blockDim.x) m = fmax(m, xr[i]);
+    m = block_reduce<T, true>(m);
+    double s = 0;
+    for (int i = threadIdx.x; i < limit; i += blockDim.x) {
+        T e = exp(xr[i] - m);
+        yr[i] = e;
+        s += e;
+    }
+    T inv = (T)(1.0 / block_reduce<double, false>(s));
+    for (int i = threadIdx.x; i < limit; i += blockDim.x) yr[i] *= inv;
+    for (int i = limit + threadIdx.x; i < n; i += blockDim.x) yr[i] = (T)0;
+}
+
+// dx = y * (dy - sum(dy * y)) over rows of n contiguous values, a block per row.
+template<typename T> __global__ void softmax_grad_rows(const T* y, const T* dy, T* dx, int n) {
+    long long base = (long long)blockIdx.x * n;
+    double s = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)dy[base + i] * y[base + i];
+    T t = (T)block_reduce<double, false>(s);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dx[base + i] = y[base + i] * (dy[base + i] - t);
+}
+
+// Layer norm over rows of d contiguous values, a block per row: mean and rstd from two passes
+// in double; y = (x - mean) * rstd (* w + b when affine).
+template<typename T> __global__ void layer_norm_forward(const T* x, int d, double eps, const T* w, const T* b,
+                                                        int affine, T* y, T* mean, T* rstd) {
+    long long base = (long long)blockIdx.x * d;
+    double s = 0;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) s += (double)x[base + i];
+    double m = block_reduce<double, false>(s) / d;
+    double v = 0;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        double t = (double)x[base + i] - m;
+        v += t * t;
+    }
+    double rs = rsqrt(block_reduce<double, false>(v) / d + eps);
+    T mt = (T)m, rt = (T)rs;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        T xh = (x[base + i] - mt) * rt;
+        y[base + i] = affine ? xh * w[i] + b[i] : xh;
+    }
+    if (threadIdx.x == 0) {
+        mean[blockIdx.x] = mt;
+        rstd[blockIdx.x] = rt;
+    }
+}
+
+// dx of layer norm per row: g = dy (* w when affine), xhat = (x - mean) * rstd,
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
+template<typename T> __global__ void layer_norm_backward(const T* x, const T* dy, int d, const T* w, int affine,
+                                                         const T* mean, const T* rstd, T* dx) {
+    long long base = (long long)blockIdx.x * d;
+    T m = mean[blockIdx.x], r = rstd[blockIdx.x];
+    double sg = 0, sgx = 0;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        T g = affine ? dy[base + i] * w[i] : dy[base + i];
+        sg += g;
+        sgx += (double)g * ((x[base + i] - m) * r);
+    }
+    T a = (T)(block_reduce<double, false>(sg) / d);
+    T c = (T)(block_reduce<double, false>(sgx) / d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        T g = affine ? dy[base + i] * w[i] : dy[base + i];
+        dx[base + i] = r * (g - a - (x[base + i] - m) * r * c);
+    }
+}
+
+// Max pooling, a thread per output of [planes, oh, ow] over contiguous [planes, h, w] input whose
+// windows start at (o * stride - top/left), clipped to the input: the max (NaN wins, the last
+// one, as PyTorch) and its index ih * w + iw in the plane.
+template<typename T> __global__ void max_pool_forward(const T* x, long long total, int h, int w, int oh, int ow,
+                                                      int kh, int kw, int sh, int sw, int top, int left,
+                                                      T* y, int* arg) {
+    long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= total) return;
+    int ox = o % ow, oy = (o / ow) % oh;
+    long long plane = o / ((long long)ow * oh);
+    const T* xp = x + plane * h * w;
+    int y0 = max(oy * sh - top, 0), y1 = min(oy * sh - top + kh, h);
+    int x0 = max(ox * sw - left, 0), x1 = min(ox * sw - left + kw, w);
+    T m = neg_inf<T>();
+    int best = y0 * w + x0;
+    for (int i = y0; i < y1; ++i)
+        for (int j = x0; j < x1; ++j) {
+            T v = xp[i * w + j];
+            if (v > m || v != v) { m = v; best = i * w + j; }
+        }
+    y[o] = m;
+    arg[o] = best;
+}
+
+// Its backward, a thread per input: the sum of dy over the outputs whose window holds this
+// input and whose argmax it is.
+template<typename T> __global__ void max_pool_backward(const T* dy, const int* arg, long long total, int h, int w,
+                                                       int oh, int ow, int kh, int kw, int sh, int sw, int top,
+                                                       int left, T* dx) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int ix = i % w, iy = (i / w) % h;
+    long long plane = i / ((long long)w * h);
+    // outputs o with o * s - pad <= i < o * s - pad + k
+    int ya = iy + top - kh + 1, xa = ix + left - kw + 1;
+    int oy0 = ya <= 0 ? 0 : (ya + sh - 1) / sh, oy1 = min((iy + top) / sh + 1, oh);
+    int ox0 = xa <= 0 ? 0 : (xa + sw - 1) / sw, ox1 = min((ix + left) / sw + 1, ow);
+    int me = iy * w + ix;
+    const T* dyp = dy + plane * oh * ow;
+    const int* ap = arg + plane * oh * ow;
+    T s = (T)0;
+    for (int a = oy0; a < oy1; ++a)
+        for (int b = ox0; b < ox1; ++b)
+            if (ap[a * ow + b] == me) s += dyp[a * ow + b];
+    dx[i] = s;
+}
+
+// Convolution's columns, a thread per value of cols [planes, kh, kw, oh, ow] from a padded
+// input [planes, h, w] (planes = N * C) that holds every window.
+template<typename T> __global__ void im2col(const T* x, long long total, int h, int w, int kh, int kw, int sh,
+                                           int sw, int oh, int ow, T* cols) {
+    long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= total) return;
+    int ox = o % ow;
+    long long r = o / ow;
+    int oy = r % oh;
+    r /= oh;
+    int j = r % kw;
+    r /= kw;
+    int i = r % kh;
+    long long plane = r / kh;
+    cols[o] = x[plane * h * w + (long long)(oy * sh + i) * w + ox * sw + j];
+}
+
+// Its adjoint, a thread per value of the padded input: out += the sum of the columns' values
+// that im2col copied from it.
+template<typename T> __global__ void col2im_add(const T* cols, long long total, int h, int w, int kh, int kw,
+                                               int sh, int sw, int oh, int ow, T* out) {
+    long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= total) return;
+    int xx = o % w, yy = (o / w) % h;
+    long long plane = o / ((long long)w * h);
+    T s = (T)0;
+    for (int i = 0; i < kh; ++i) {
+        int dy = yy - i;
+        if (dy < 0 || dy % sh != 0 || dy / sh >= oh) continue;
+        for (int j = 0; j < kw; ++j) {
+            int dx = xx - j;
+            if (dx < 0 || dx % sw != 0 || dx / sw >= ow) continue;
+            s += cols[(((plane * kh + i) * kw + j) * oh + dy / sh) * ow + dx / sw];
+        }
+    }
+    out[o] += s;
+}
+"""
+_KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward",
+                "max_pool_forward", "max_pool_backward", "im2col", "col2im_add")
+_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+def _raw(name: str, dtype):
+    """The CUDA C++ kernel `name` of _SOURCE for float32 or float64."""
+    module = _made("rows module", lambda: _cupy().RawModule(
+        code=_SOURCE,
+        name_expressions=[f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]))
+    return module.get_function(f"{name}<{_TYPES[np.dtype(dtype)]}>")
+
+
+def supports(*arrays) -> bool:
+    """Whether the per-row kernels take these arrays: one dtype, float32 or float64, not empty."""
+    dtype = arrays[0].dtype
+    return dtype in _TYPES and arrays[0].size > 0 and all(a.dtype == dtype for a in arrays)
+
+
+def _threads(n: int) -> int:
+    """Threads of a block working on rows of n values: a multiple of 32, at most 256."""
+    return min(256, 32 * max(1, math.ceil(n / 32)))
+
+
+def _contiguous(a):
+    return _cupy().ascontiguousarray(a)
+
+
+def _into(out, result) -> None:
+    """out[...] = result unless result is out."""
+    if result is not out:
+        out[...] = result
+
+
+def softmax_rows_(x, out, causal_first: int | None = None) -> None:
+    """out = softmax(x) over the last axis (see ops.activation.softmax_rows_), one kernel."""
+    cp = _cupy()
+    n = x.shape[-1]
+    rows = x.size // n
+    src = _contiguous(x)
+    dst = out if out.flags.c_contiguous else cp.empty(x.shape, x.dtype)
+    period, first = (0, 0) if causal_first is None else (x.shape[-2], causal_first)
+    _raw("softmax_rows", x.dtype)((rows,), (_threads(n),), (src, dst, np.int32(n), np.int32(period),
+                                                            np.int64(first)))
+    _into(out, dst)
+
+
+def softmax_grad_rows(y, dy, out=None):
+    """dx = y * (dy - rowsum(dy * y)) over the last axis, into `out` or a new array, one kernel."""
+    cp = _cupy()
+    n = y.shape[-1]
+    dst = cp.empty(y.shape, y.dtype) if out is None or not out.flags.c_contiguous else out
+    _raw("softmax_grad_rows", y.dtype)((y.size // n,), (_threads(n),), (_contiguous(y), _contiguous(dy), dst,
+                                                                        np.int32(n)))
+    if out is None:
+        return dst
+    _into(out, dst)
+    return out
+
+
+def layer_norm_forward(x, d: int, eps: float, weight, bias):
+    """(y, mean, rstd) of layer norm over the last d values of each row of x (weight and bias
+    of d values, or None), one kernel; mean and rstd one per row, in x's dtype."""
+    cp = _cupy()
+    src = _contiguous(x)
+    rows = x.size // d
+    y, mean, rstd = cp.empty(x.shape, x.dtype), cp.empty(rows, x.dtype), cp.empty(rows, x.dtype)
+    affine = weight is not None
+    w = _contiguous(weight) if affine else y
+    b = _contiguous(bias) if affine else y
+    _raw("layer_norm_forward", x.dtype)((rows,), (_threads(d),), (src, np.int32(d), np.float64(eps), w, b,
+                                                                  np.int32(affine), y, mean, rstd))
+    return y, mean, rstd
+
+
+def layer_norm_backward(x, dy, d: int, weight, mean, rstd):
+    """(dx, dweight, dbias) of layer norm (the last two None without weight): dx in one kernel, the
+    weight gradients as column sums in double."""
+    cp = _cupy()
+    src, g = _contiguous(x), _contiguous(dy)
+    rows = x.size // d
+    dx = cp.empty(x.shape, x.dtype)
+    affine = weight is not None
+    w = _contiguous(weight) if affine else dx
+    _raw("layer_norm_backward", x.dtype)((rows,), (_threads(d),), (src, g, np.int32(d), w, np.int32(affine),
+                                                                   mean, rstd, dx))
+    if not affine:
+        return dx, None, None
+    x2, g2 = src.reshape(rows, d), g.reshape(rows, d)
+    xhat_dy = _made("taskrt_ln_weight_grad", lambda: cp.ReductionKernel(
+        "T dy, T x, T m, T r", "float64 s", "(double)dy * (double)((x - m) * r)", "a + b", "s = a", "0",
+        "taskrt_ln_weight_grad"))
+    dw = xhat_dy(g2, x2, mean[:, None], rstd[:, None], axis=0)
+    db = g2.sum(axis=0, dtype=cp.float64)
+    return dx, dw, db
+
+
+def max_pool_forward(x, out_hw, kernel, stride, top_left):
+    """(y, argmax) of max pooling over x [N, C, H, W] with windows at o * stride - top_left,
+    clipped to x; argmax the flat index ih * W + iw of each window's max in its plane."""
+    cp = _cupy()
+    src = _contiguous(x)
+    n, c, h, w = x.shape
+    y = cp.empty((n, c) + tuple(out_hw), x.dtype)
+    arg = cp.empty(y.shape, cp.int32)
+    total = y.size
+    if total:
+        _raw("max_pool_forward", x.dtype)((math.ceil(total / 256),), (256,), (
+            src, np.int64(total), np.int32(h), np.int32(w), np.int32(out_hw[0]), np.int32(out_hw[1]),
+            np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
+            np.int32(top_left[0]), np.int32(top_left[1]), y, arg))
+    return y, arg
+
+
+def max_pool_backward(dy, arg, x_shape, kernel, stride, top_left):
+    """dx [N, C, H, W] of max pooling from dy and the forward's argmax."""
+    cp = _cupy()
+    dx = cp.empty(tuple(x_shape), dy.dtype)
+    _, _, h, w = x_shape
+    oh, ow = dy.shape[2:]
+    total = dx.size
+    if total:
+        _raw("max_pool_backward", dy.dtype)((math.ceil(total / 256),), (256,), (
+            _contiguous(dy), _contiguous(arg), np.int64(total), np.int32(h), np.int32(w), np.int32(oh),
+            np.int32(ow), np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
+            np.int32(top_left[0]), np.int32(top_left[1]), dx))
+    return dx
+
+
+def _blocks(total: int) -> tuple[int]:
+    return (math.ceil(total / 256),)
+
+
+def im2col(xpad, kernel, stride, out_hw, cols) -> None:
+    """cols [N, C, KH, KW, OH, OW] (C-contiguous) = every window of the padded input xpad
+    [N, C, H, W], one kernel."""
+    src = _contiguous(xpad)
+    h, w = xpad.shape[2:]
+    if cols.size:
+        _raw("im2col", xpad.dtype)(_blocks(cols.size), (256,), (
+            src, np.int64(cols.size), np.int32(h), np.int32(w), np.int32(kernel[0]), np.int32(kernel[1]),
+            np.int32(stride[0]), np.int32(stride[1]), np.int32(out_hw[0]), np.int32(out_hw[1]), cols))
+
+
+def col2im_add(cols, stride, out) -> None:
+    """Add windows cols [N, C, KH, KW, OH, OW] back into the padded input `out` [N, C, H, W]
+    (both C-contiguous), a thread per value of out."""
+    kh, kw, oh, ow = cols.shape[2:]
+    h, w = out.shape[2:]
+    if out.size:
+        _raw("col2im_add", out.dtype)(_blocks(out.size), (256,), (
+            _contiguous(cols), np.int64(out.size), np.int32(h), np.int32(w), np.int32(kh), np.int32(kw),
+            np.int32(stride[0]), np.int32(stride[1]), np.int32(oh), np.int32(ow), out))
+
+
+# ---- batch norm: per-channel sums and the element-wise passes ----------------------------------
+def _reduction(name: str, ins: str, expr: str):
+    return _made(name, lambda: _cupy().ReductionKernel(ins, "float64 s", expr, "a + b", "s = a", "0", name))
+
+
+def batch_norm_moments(x, center, axes):
+    """Per channel, in double: sum(x - center) and sum((x - center)^2); center broadcasts
+    against x (float64, one value per channel)."""
+    s = _reduction("taskrt_bn_sum", "T x, float64 c", "(double)x - c")(x, center, axis=axes)
+    ss = _reduction("taskrt_bn_sum_sq", "T x, float64 c", "((double)x - c) * ((double)x - c)")(x, center, axis=axes)
+    return s, ss
+
+
+def batch_norm_apply(x, scale, shift, relu: bool):
+    """y = x * scale + shift (then relu), scale and shift broadcasting per channel."""
+    body = "T v = x * s + b; y = v > (T)0 ? v : (T)0" if relu else "y = x * s + b"
+    return _elementwise(f"taskrt_bn_apply_{int(relu)}", "T x, T s, T b", "T y", body)(x, scale, shift)
+
+
+def batch_norm_grad_sums(x, dy, y, mean, axes, relu: bool):
+    """Per channel, in double: sum(g) and sum(g * (x - mean)), g = dy where y > 0 if relu, else dy."""
+    g = "(y > (T)0 ? (double)dy : 0.0)" if relu else "(double)dy"
+    ins = "T x, T dy, T y, float64 m"
+    sum_g = _reduction(f"taskrt_bn_sum_g_{int(relu)}", ins, g)(x, dy, y, mean, axis=axes)
+    sum_gx = _reduction(f"taskrt_bn_sum_gx_{int(relu)}", ins, f"{g} * ((double)x - m)")(x, dy, y, mean, axis=axes)
+    return sum_g, sum_gx
+
+
+def batch_norm_dx(x, dy, y, c0, c1, c2, c3, relu: bool, training: bool):
+    """dx = c0 * g (+ c1 * (x - c2) + c3 in training), g as in batch_norm_grad_sums, the c's
+    broadcasting per channel."""
+    g = "(y > (T)0 ? dy : (T)0)" if relu else "dy"
+    body = f"dx = c0 * {g}" + (" + c1 * (x - c2) + c3" if training else "")
+    return _elementwise(f"taskrt_bn_dx_{int(relu)}{int(training)}", "T x, T dy, T y, T c0, T c1, T c2, T c3",
+                        "T dx", body)(x, dy, y, c0, c1, c2, c3)
+
+
+# ---- LSTM steps ---------------------------------------------------------------------------------
+def lstm_step_forward(gates, rec, bias, c_prev, c, tc, hy) -> None:
+    """One step's element-wise part, on [batch, .] views: gates (pre-activations, made the
+    activations in place) += rec + bias; c = f * c_prev + i * g; tc = tanh(c); hy = o * tc."""
+    h = c.shape[1]
+    sig = _SIGMOID
+    body = ("T a = " + sig.format("(gi + ri + bi)") + "; T b = " + sig.format("(gf + rf + bf)") + ";"
+            "T z = tanh(gg + rg + bg); T e = " + sig.format("(go + ro + bo)") + ";"
+            "gi = a; gf = b; gg = z; go = e; c = b * cp + a * z; tc = tanh(c); hy = e * tc")
+    kernel = _elementwise("taskrt_lstm_step_forward",
+                          "T ri, T rf, T rg, T ro, T bi, T bf, T bg, T bo, T cp",
+                          "T gi, T gf, T gg, T go, T c, T tc, T hy", body)
+    kernel(rec[:, :h], rec[:, h:2 * h], rec[:, 2 * h:3 * h], rec[:, 3 * h:], bias[:h], bias[h:2 * h],
+           bias[2 * h:3 * h], bias[3 * h:], c_prev,
+           gates[:, :h], gates[:, h:2 * h], gates[:, 2 * h:3 * h], gates[:, 3 * h:], c, tc, hy)
+
+
+def lstm_step_backward(gates, tc, c_prev, dh, dc) -> None:
+    """One step's backward element-wise part, on [batch, .] views, dh including dy's step: the
+    gates' activations become their pre-activation gradients, dc becomes that of c_prev."""
+    h = dh.shape[1]
+    # no variable is named i: that is the kernel's loop index
+    body = ("T ai = gi, af = gf, az = gg, ao = go, t = tc;"
+            "T d = dc + dh * ao * ((T)1 - t * t);"
+            "go = dh * t * ao * ((T)1 - ao);"
+            "gi = d * az * ai * ((T)1 - ai);"
+            "gg = d * ai * ((T)1 - az * az);"
+            "gf = d * cp * af * ((T)1 - af);"
+            "dc = d * af")
+    kernel = _elementwise("taskrt_lstm_step_backward", "T tc, T cp, T dh", "T gi, T gf, T gg, T go, T dc", body)
+    kernel(tc, c_prev, dh, gates[:, :h], gates[:, h:2 * h], gates[:, 2 * h:3 * h], gates[:, 3 * h:], dc)
