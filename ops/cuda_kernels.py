@@ -57,13 +57,16 @@ def activation_forward(name: str, x):
 
 
 def activation_backward(name: str, x, y, dy):
-    """dL/dx from x, y = f(x) and dL/dy, one kernel (gelu reads x, the others y)."""
+    """dL/dx from x, y = f(x) and dL/dy, one kernel: gelu reads x, the others y (x may then be
+    None, as an op that fuses one saves only what its backward reads)."""
+    if name == "gelu":
+        body = ("T cdf = (T)0.5 * ((T)1 + erf(x * (T)0.7071067811865476));"
+                "dx = dy * (cdf + x * exp((T)-0.5 * x * x) * (T)0.3989422804014327)")
+        return _elementwise("taskrt_gelu_backward", "T x, T dy", "T dx", body)(x, dy)
     body = {"relu": "dx = y > (T)0 ? dy : (T)0",
             "sigmoid": "dx = dy * y * ((T)1 - y)",
-            "tanh": "dx = dy * ((T)1 - y * y)",
-            "gelu": "T cdf = (T)0.5 * ((T)1 + erf(x * (T)0.7071067811865476));"
-                    "dx = dy * (cdf + x * exp((T)-0.5 * x * x) * (T)0.3989422804014327)"}[name]
-    return _elementwise(f"taskrt_{name}_backward", "T x, T y, T dy", "T dx", body)(x, y, dy)
+            "tanh": "dx = dy * ((T)1 - y * y)"}[name]
+    return _elementwise(f"taskrt_{name}_backward", "T y, T dy", "T dx", body)(y, dy)
 
 
 # ---- per-row kernels: softmax and layer norm ---------------------------------------------------
@@ -262,9 +265,59 @@ template<typename T> __global__ void col2im_add(const T* cols, long long total, 
     }
     out[o] += s;
 }
+
+template<typename T> __device__ T sigmoid(T a) { return (T)0.5 * tanh((T)0.5 * a) + (T)0.5; }
+
+// One LSTM step, a thread per (sample b, unit j), on rows of b's values (each array's row
+// stride given): gates g (the input projections, made the activations in place) plus
+// rec = h_{t-1} W_hh^T ([batch, 4h]) plus bias; c = f * c_prev + i * z, tc = tanh(c), hy = o * tc.
+template<typename T> __global__ void lstm_step_forward(T* g, long long gs, const T* rec, const T* bias,
+                                                       const T* cp, long long ps, T* c, long long cs, T* tc,
+                                                       long long ts, T* hy, long long hs, int batch, int h) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (long long)batch * h) return;
+    long long b = k / h;
+    int j = k % h;
+    T* gr = g + b * gs;
+    const T* rr = rec + b * 4LL * h;
+    T ai = sigmoid(gr[j] + rr[j] + bias[j]);
+    T af = sigmoid(gr[h + j] + rr[h + j] + bias[h + j]);
+    T az = tanh(gr[2 * h + j] + rr[2 * h + j] + bias[2 * h + j]);
+    T ao = sigmoid(gr[3 * h + j] + rr[3 * h + j] + bias[3 * h + j]);
+    gr[j] = ai;
+    gr[h + j] = af;
+    gr[2 * h + j] = az;
+    gr[3 * h + j] = ao;
+    T cc = af * cp[b * ps + j] + ai * az;
+    T t = tanh(cc);
+    c[b * cs + j] = cc;
+    tc[b * ts + j] = t;
+    hy[b * hs + j] = ao * t;
+}
+
+// Its backward: the gates' activations become their pre-activation gradients, dc that of
+// c_prev; dh includes dy's step.
+template<typename T> __global__ void lstm_step_backward(T* g, long long gs, const T* tc, long long ts,
+                                                        const T* cp, long long ps, const T* dh, long long hs,
+                                                        T* dc, long long cs, int batch, int h) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= (long long)batch * h) return;
+    long long b = k / h;
+    int j = k % h;
+    T* gr = g + b * gs;
+    T ai = gr[j], af = gr[h + j], az = gr[2 * h + j], ao = gr[3 * h + j], t = tc[b * ts + j];
+    T dhv = dh[b * hs + j];
+    T d = dc[b * cs + j] + dhv * ao * ((T)1 - t * t);
+    gr[3 * h + j] = dhv * t * ao * ((T)1 - ao);
+    gr[j] = d * az * ai * ((T)1 - ai);
+    gr[2 * h + j] = d * ai * ((T)1 - az * az);
+    gr[h + j] = d * cp[b * ps + j] * af * ((T)1 - af);
+    dc[b * cs + j] = d * af;
+}
 """
 _KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward",
-                "max_pool_forward", "max_pool_backward", "im2col", "col2im_add")
+                "max_pool_forward", "max_pool_backward", "im2col", "col2im_add", "lstm_step_forward",
+                "lstm_step_backward")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
@@ -423,11 +476,23 @@ def _reduction(name: str, ins: str, expr: str):
     return _made(name, lambda: _cupy().ReductionKernel(ins, "float64 s", expr, "a + b", "s = a", "0", name))
 
 
-def batch_norm_moments(x, center, axes):
-    """Per channel, in double: sum(x - center) and sum((x - center)^2); center broadcasts
-    against x (float64, one value per channel)."""
-    s = _reduction("taskrt_bn_sum", "T x, float64 c", "(double)x - c")(x, center, axis=axes)
-    ss = _reduction("taskrt_bn_sum_sq", "T x, float64 c", "((double)x - c) * ((double)x - c)")(x, center, axis=axes)
+def _sum_by_channel(kernel, arrays, per_channel):
+    """kernel's per-channel sums over arrays [N, C, ...] (or [N, C]), per_channel float64 [C]
+    its parameter: over each sample's pixels first, a contiguous run per channel where the
+    array is (one pass at memory speed; summed over axes (0, 2, 3) at once, cupy gave each
+    channel one block, 40x slower), then over the samples."""
+    x = arrays[0]
+    if x.ndim == 2:
+        return kernel(*arrays, per_channel.reshape(1, -1), axis=0)
+    rows = [a.reshape(a.shape[0], a.shape[1], -1) for a in arrays]
+    return kernel(*rows, per_channel.reshape(1, -1, 1), axis=2).sum(axis=0)
+
+
+def batch_norm_moments(x, center):
+    """Per channel, in double: sum(x - center) and sum((x - center)^2), center float64 [C]."""
+    s = _sum_by_channel(_reduction("taskrt_bn_sum", "T x, float64 c", "(double)x - c"), [x], center)
+    ss = _sum_by_channel(_reduction("taskrt_bn_sum_sq", "T x, float64 c", "((double)x - c) * ((double)x - c)"),
+                         [x], center)
     return s, ss
 
 
@@ -437,12 +502,14 @@ def batch_norm_apply(x, scale, shift, relu: bool):
     return _elementwise(f"taskrt_bn_apply_{int(relu)}", "T x, T s, T b", "T y", body)(x, scale, shift)
 
 
-def batch_norm_grad_sums(x, dy, y, mean, axes, relu: bool):
-    """Per channel, in double: sum(g) and sum(g * (x - mean)), g = dy where y > 0 if relu, else dy."""
+def batch_norm_grad_sums(x, dy, y, mean, relu: bool):
+    """Per channel, in double: sum(g) and sum(g * (x - mean)), g = dy where y > 0 if relu, else
+    dy; mean float64 [C]."""
     g = "(y > (T)0 ? (double)dy : 0.0)" if relu else "(double)dy"
     ins = "T x, T dy, T y, float64 m"
-    sum_g = _reduction(f"taskrt_bn_sum_g_{int(relu)}", ins, g)(x, dy, y, mean, axis=axes)
-    sum_gx = _reduction(f"taskrt_bn_sum_gx_{int(relu)}", ins, f"{g} * ((double)x - m)")(x, dy, y, mean, axis=axes)
+    sum_g = _sum_by_channel(_reduction(f"taskrt_bn_sum_g_{int(relu)}", ins, g), [x, dy, y], mean)
+    sum_gx = _sum_by_channel(_reduction(f"taskrt_bn_sum_gx_{int(relu)}", ins, f"{g} * ((double)x - m)"),
+                             [x, dy, y], mean)
     return sum_g, sum_gx
 
 
@@ -456,33 +523,38 @@ def batch_norm_dx(x, dy, y, c0, c1, c2, c3, relu: bool, training: bool):
 
 
 # ---- LSTM steps ---------------------------------------------------------------------------------
+# Raw kernels given each array's row stride: a step is called seq times a pass, and an
+# ElementwiseKernel's indexing of 16 strided views cost more host time than the step's GEMM.
+def _row_stride(a) -> np.int64:
+    """a's row stride in values; its rows must be contiguous (the LSTM's own arrays are)."""
+    if a.ndim != 2 or a.strides[1] != a.itemsize:
+        raise ValueError(f"LSTM step kernels need [batch, n] views with contiguous rows, got shape {a.shape} "
+                         f"strides {a.strides}")
+    return np.int64(a.strides[0] // a.itemsize)
+
+
+def _rows_in(a, dtype):
+    """a as [batch, n] rows of dtype with contiguous rows (a copy only where it is not)."""
+    if a.dtype != dtype or a.strides[1] != a.itemsize:
+        return _cupy().ascontiguousarray(a, dtype=dtype)
+    return a
+
+
 def lstm_step_forward(gates, rec, bias, c_prev, c, tc, hy) -> None:
     """One step's element-wise part, on [batch, .] views: gates (pre-activations, made the
     activations in place) += rec + bias; c = f * c_prev + i * g; tc = tanh(c); hy = o * tc."""
-    h = c.shape[1]
-    sig = _SIGMOID
-    body = ("T a = " + sig.format("(gi + ri + bi)") + "; T b = " + sig.format("(gf + rf + bf)") + ";"
-            "T z = tanh(gg + rg + bg); T e = " + sig.format("(go + ro + bo)") + ";"
-            "gi = a; gf = b; gg = z; go = e; c = b * cp + a * z; tc = tanh(c); hy = e * tc")
-    kernel = _elementwise("taskrt_lstm_step_forward",
-                          "T ri, T rf, T rg, T ro, T bi, T bf, T bg, T bo, T cp",
-                          "T gi, T gf, T gg, T go, T c, T tc, T hy", body)
-    kernel(rec[:, :h], rec[:, h:2 * h], rec[:, 2 * h:3 * h], rec[:, 3 * h:], bias[:h], bias[h:2 * h],
-           bias[2 * h:3 * h], bias[3 * h:], c_prev,
-           gates[:, :h], gates[:, h:2 * h], gates[:, 2 * h:3 * h], gates[:, 3 * h:], c, tc, hy)
+    batch, h = c.shape
+    cp = _rows_in(c_prev, c.dtype)
+    _raw("lstm_step_forward", c.dtype)(_blocks(batch * h), (256,), (
+        gates, _row_stride(gates), _contiguous(rec), _contiguous(bias), cp, _row_stride(cp), c, _row_stride(c),
+        tc, _row_stride(tc), hy, _row_stride(hy), np.int32(batch), np.int32(h)))
 
 
 def lstm_step_backward(gates, tc, c_prev, dh, dc) -> None:
     """One step's backward element-wise part, on [batch, .] views, dh including dy's step: the
     gates' activations become their pre-activation gradients, dc becomes that of c_prev."""
-    h = dh.shape[1]
-    # no variable is named i: that is the kernel's loop index
-    body = ("T ai = gi, af = gf, az = gg, ao = go, t = tc;"
-            "T d = dc + dh * ao * ((T)1 - t * t);"
-            "go = dh * t * ao * ((T)1 - ao);"
-            "gi = d * az * ai * ((T)1 - ai);"
-            "gg = d * ai * ((T)1 - az * az);"
-            "gf = d * cp * af * ((T)1 - af);"
-            "dc = d * af")
-    kernel = _elementwise("taskrt_lstm_step_backward", "T tc, T cp, T dh", "T gi, T gf, T gg, T go, T dc", body)
-    kernel(tc, c_prev, dh, gates[:, :h], gates[:, h:2 * h], gates[:, 2 * h:3 * h], gates[:, 3 * h:], dc)
+    batch, h = dc.shape
+    cp = _rows_in(c_prev, dc.dtype)
+    _raw("lstm_step_backward", dc.dtype)(_blocks(batch * h), (256,), (
+        gates, _row_stride(gates), tc, _row_stride(tc), cp, _row_stride(cp), dh, _row_stride(dh), dc,
+        _row_stride(dc), np.int32(batch), np.int32(h)))

@@ -128,7 +128,8 @@ def activation_backward(xp, name: str, x, y, dy):
     """dL/dx from the input x, output y and dL/dy (gelu alone reads x)."""
     if name is None:
         return dy
-    if name in ACTIVATIONS and cuda_kernels.on_gpu(xp) and x.dtype.kind == "f" and dy.dtype == x.dtype:
+    read = x if name == "gelu" else y
+    if name in ACTIVATIONS and cuda_kernels.on_gpu(xp) and read.dtype.kind == "f" and dy.dtype == read.dtype:
         return cuda_kernels.activation_backward(name, x, y, dy)
     if name == "relu":
         return dy * (y > 0)  # y > 0 exactly where x > 0

@@ -252,8 +252,8 @@ class BatchNorm(Op):
                             s, ss)
             return s, ss
         if cuda_kernels.on_gpu(xp):
-            zero = xp.zeros(c) if center is None else xp.asarray(center, dtype=xp.float64)
-            return cuda_kernels.batch_norm_moments(x, self._bcast(zero, x.ndim), self._axes(x))
+            return cuda_kernels.batch_norm_moments(x, xp.zeros(c) if center is None
+                                                   else xp.asarray(center, dtype=xp.float64))
         xc = x.astype(xp.float64)
         if center is not None:
             xc -= self._bcast(xp.asarray(center, dtype=xp.float64), x.ndim)
@@ -278,8 +278,7 @@ class BatchNorm(Op):
                               np.asarray(mean, np.float64), sum_g, sum_g_xmu)
             return sum_g, sum_g_xmu
         if cuda_kernels.on_gpu(xp):
-            m = self._bcast(xp.asarray(mean, dtype=xp.float64), x.ndim)
-            return cuda_kernels.batch_norm_grad_sums(x, dy, y, m, self._axes(x), self.relu)
+            return cuda_kernels.batch_norm_grad_sums(x, dy, y, xp.asarray(mean, dtype=xp.float64), self.relu)
         g = (dy * (y > 0) if self.relu else dy).astype(xp.float64)
         xc = x.astype(xp.float64) - self._bcast(xp.asarray(mean, dtype=xp.float64), x.ndim)
         axes = self._axes(x)

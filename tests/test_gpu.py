@@ -263,3 +263,12 @@ def test_fused_im2col_convolution_matches_the_cpu(kernel, stride, padding, group
     shape = op.tile_shape
     tile = Rect((1, 2, 1, 0), (3, shape[1], shape[2], shape[3] - 1)) if tiled else None
     _assert_paths_agree(_both_paths(op, [x], tile), dtype)
+
+
+@pytest.mark.parametrize("activation", ["relu", "sigmoid", "tanh", "gelu"])
+def test_dense_with_a_fused_activation_matches_the_cpu(activation):
+    """Dense saves x for gelu's backward only: the others' kernels must not need it."""
+    from ops.linear import Dense
+    x = _normal((5, 9), "float32")
+    op = Dense("fc", [_spec(x.shape, "float32")], out_features=7, activation=activation)
+    _assert_paths_agree(_both_paths(op, [x]), "float32")
