@@ -3,7 +3,7 @@
 # versions, tests/test_gpu.py, bench/ops.py --gpu --tiles and one app trained on the GPU.
 # Each step has its own time limit and writes its log to $OUT (default: gpu_check/), so a
 # step that fails or runs long leaves the others' figures. Where the machine lacks mpi4py
-# with an mpiexec, wheels of mpich and mpi4py in .whl/ are installed to /tmp/site first.
+# with an mpiexec, wheels of mpich and mpi4py in .whl/ are installed under /tmp/site first.
 # Usage: bash bench/gpu_check.sh [seconds for the tests] [seconds for the benchmark]
 # (GPU_CHECK_TESTS=EXPR runs only the tests pytest -k EXPR selects)
 set -u
@@ -11,8 +11,10 @@ OUT=${OUT:-gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    # a prefix install keeps the wheels' layout: mpich's mpiexec in bin, its libmpi in lib
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix /tmp/site .whl/*.whl \
+        && export PATH=/tmp/site/bin:$PATH \
+            PYTHONPATH=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib', vars={'base': '/tmp/site'}))")
     # mpi4py's wheel loads the first libmpi it finds, which may be the machine's own Open MPI
     [ -e /tmp/site/lib/libmpi.so.12 ] && export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
 fi

@@ -181,6 +181,35 @@ template<typename T> __global__ void layer_norm_backward(const T* x, const T* dy
     }
 }
 
+// Layer norm's weight gradients as column sums of a [rows, d] matrix, in double: a block of
+// 32 x 8 threads takes a strip of 32 columns (reads coalesced along a row) over its share of
+// the rows; part_w / part_b [gridDim.y, d] get each share's sums of dy * xhat and of dy.
+template<typename T> __global__ void layer_norm_weight_grads(const T* x, const T* dy, const T* mean, const T* rstd,
+                                                             long long rows, int d, double* part_w,
+                                                             double* part_b) {
+    __shared__ double sw[8][33], sb[8][33];
+    int j = blockIdx.x * 32 + threadIdx.x;
+    double aw = 0, ab = 0;
+    if (j < d) {
+        for (long long r = blockIdx.y * 8LL + threadIdx.y; r < rows; r += 8LL * gridDim.y) {
+            T g = dy[r * d + j];
+            aw += (double)g * (double)((x[r * d + j] - mean[r]) * rstd[r]);
+            ab += g;
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < d) {
+        for (int k = 1; k < 8; ++k) {
+            aw += sw[k][threadIdx.x];
+            ab += sb[k][threadIdx.x];
+        }
+        part_w[blockIdx.y * (long long)d + j] = aw;
+        part_b[blockIdx.y * (long long)d + j] = ab;
+    }
+}
+
 // Max pooling, a thread per output of [planes, oh, ow] over contiguous [planes, h, w] input whose
 // windows start at (o * stride - top/left), clipped to the input: the max (NaN wins, the last
 // one, as PyTorch) and its index ih * w + iw in the plane.
@@ -315,7 +344,7 @@ template<typename T> __global__ void lstm_step_backward(T* g, long long gs, cons
     dc[b * cs + j] = d * af;
 }
 """
-_KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward",
+_KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward", "layer_norm_weight_grads",
                 "max_pool_forward", "max_pool_backward", "im2col", "col2im_add", "lstm_step_forward",
                 "lstm_step_backward")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -404,13 +433,12 @@ def layer_norm_backward(x, dy, d: int, weight, mean, rstd):
                                                                    mean, rstd, dx))
     if not affine:
         return dx, None, None
-    x2, g2 = src.reshape(rows, d), g.reshape(rows, d)
-    xhat_dy = _made("taskrt_ln_weight_grad", lambda: cp.ReductionKernel(
-        "T dy, T x, T m, T r", "float64 s", "(double)dy * (double)((x - m) * r)", "a + b", "s = a", "0",
-        "taskrt_ln_weight_grad"))
-    dw = xhat_dy(g2, x2, mean[:, None], rstd[:, None], axis=0)
-    db = g2.sum(axis=0, dtype=cp.float64)
-    return dx, dw, db
+    # column sums (cupy's sum over axis 0 gave each column one block: 2x PyTorch's whole backward)
+    shares = max(1, min(64, rows // 64))
+    part_w, part_b = cp.empty((shares, d)), cp.empty((shares, d))
+    _raw("layer_norm_weight_grads", x.dtype)((math.ceil(d / 32), shares), (32, 8), (
+        src, g, mean, rstd, np.int64(rows), np.int32(d), part_w, part_b))
+    return dx, part_w.sum(axis=0), part_b.sum(axis=0)
 
 
 def max_pool_forward(x, out_hw, kernel, stride, top_left):
@@ -494,6 +522,42 @@ def batch_norm_moments(x, center):
     ss = _sum_by_channel(_reduction("taskrt_bn_sum_sq", "T x, float64 c", "((double)x - c) * ((double)x - c)"),
                          [x], center)
     return s, ss
+
+
+def batch_norm_statistics(m1, m2, count: float, center, weight, bias, eps: float, moments: bool):
+    """Per channel, one kernel over [C] arrays (a launch each had cost more than the passes
+    over x): (mean, var, invstd) in double and (scale, shift) in weight's dtype, y = x * scale
+    + shift. moments: m1, m2 are sums of x - center and its square over count values (var
+    below 0 by rounding is 0, a NaN stays); else they are the mean and variance."""
+    body = ("double mu = m1, v = m2;"
+            "if (moments) { mu = m1 / cnt; v = m2 / cnt - mu * mu; v = v < 0 ? 0.0 : v; mu += (double)ctr; }"
+            "mean = mu; var = v; invstd = 1.0 / sqrt(v + eps);"
+            "double sc = (double)w * invstd; scale = (T)sc; shift = (T)((double)b - mu * sc)")
+    kernel = _elementwise("taskrt_bn_statistics", "float64 m1, float64 m2, T ctr, T w, T b, float64 cnt, "
+                          "float64 eps, int32 moments", "float64 mean, float64 var, float64 invstd, T scale, T shift",
+                          body)
+    return kernel(m1, m2, center, weight, bias, float(count), float(eps), int(moments))
+
+
+def batch_norm_running_update(running_mean, running_var, mean, var, momentum: float, unbias: float) -> None:
+    """running = (1 - momentum) * running + momentum * batch stat (var times unbias), in place,
+    rounded as numpy rounds it (1 - momentum and its product in the stats' dtype)."""
+    body = ("T mt = (T)mom;"
+            "rm = (T)((double)(((T)1 - mt) * rm) + (double)mt * mean);"
+            "rv = (T)((double)(((T)1 - mt) * rv) + (double)mt * var * unbias)")
+    kernel = _elementwise("taskrt_bn_running", "float64 mean, float64 var, float64 mom, float64 unbias",
+                          "T rm, T rv", body)
+    kernel(mean, var, float(momentum), float(unbias), running_mean, running_var)
+
+
+def batch_norm_grad_coefficients(sum_g, sum_gx, weight, mean, invstd, count: float):
+    """Per channel, one kernel: dx's coefficients c0..c3 (batch_norm_dx) in weight's dtype and
+    dgamma = sum(g * (x - mean)) * invstd in double."""
+    body = ("double dg = sgx * invstd; double sc = (double)w * invstd;"
+            "c0 = (T)sc; c1 = (T)(-sc * invstd * dg / cnt); c2 = (T)mean; c3 = (T)(-sc * sg / cnt); dgamma = dg")
+    kernel = _elementwise("taskrt_bn_grad_coefficients", "float64 sg, float64 sgx, T w, float64 mean, "
+                          "float64 invstd, float64 cnt", "T c0, T c1, T c2, T c3, float64 dgamma", body)
+    return kernel(sum_g, sum_gx, weight, mean, invstd, float(count))
 
 
 def batch_norm_apply(x, scale, shift, relu: bool):

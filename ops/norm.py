@@ -9,8 +9,9 @@ On the CPU BatchNorm on NCHW runs fused numba kernels on the input viewed as [N,
 one pass for the statistics (two when they are added up across tiles: the mean, then the
 squared deviations from it), one for normalize, scale, shift and relu; backward one pass
 for its two sums and one for dx. Per-channel sums accumulate in float64. On a GPU the sums
-are cupy reduction kernels (in float64, no float64 copy of x) and normalize and dx one fused
-kernel each (ops/cuda_kernels.py). [N, C] inputs on the CPU, whose one value per channel and
+are cupy reduction kernels (in float64, no float64 copy of x), the per-channel statistics
+(or dx's coefficients) one kernel over [C] arrays, and normalize and dx one fused kernel
+each (ops/cuda_kernels.py). [N, C] inputs on the CPU, whose one value per channel and
 sample makes rows too short for the kernels' loops, run array code.
 
 LayerNorm on the CPU runs fused numba row kernels, rows shared out over the cores: forward
@@ -304,6 +305,8 @@ class BatchNorm(Op):
         problem = self.training_problem() if training else None
         if problem is not None:
             raise self.fail(problem)
+        if self._use_cuda(xp, x, weights):
+            return self._forward_cuda(xp, x, weights, training, state, sums)
         if training:
             if sums is None:
                 mean, var = self._local_stats(xp, x)
@@ -322,8 +325,6 @@ class BatchNorm(Op):
             given = given_out(out, 0)[0]
             y = np.empty(x.shape, x.dtype) if given is None else given
             _bn_apply_cpu(_rows(x), _shape3(x), scale, shift, self.relu, _rows(y, writable=True))
-        elif cuda_kernels.on_gpu(xp):
-            y = cuda_kernels.batch_norm_apply(x, self._bcast(scale, x.ndim), self._bcast(shift, x.ndim), self.relu)
         else:
             y = x * self._bcast(scale, x.ndim) + self._bcast(shift, x.ndim)
             if self.relu:
@@ -332,6 +333,8 @@ class BatchNorm(Op):
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, sums=None, out=None):
         (x,), (dy,), (y,) = inputs, grad_outputs, outputs
+        if self._use_cuda(xp, x, weights):
+            return self._backward_cuda(xp, tile, x, dy, y, weights, saved, sums, out)
         training, mean, invstd = saved
         count = self._count
         if sums is None:
@@ -350,19 +353,64 @@ class BatchNorm(Op):
             dx = np.empty(x.shape, x.dtype) if given is None else given
             _bn_dx_cpu(xr, gr, _rows(y) if self.relu else xr, _shape3(x), self.relu, training, coef,
                        _rows(dx, writable=True))
-        elif cuda_kernels.on_gpu(xp):
-            nd = x.ndim
-            dx = cuda_kernels.batch_norm_dx(x, dy, y, *(self._bcast(c, nd) for c in coef), self.relu, training)
         else:
             nd = x.ndim
             g = dy * (y > 0) if self.relu else dy
             dx = self._bcast(coef[0], nd) * g
             if training:
                 dx += self._bcast(coef[1], nd) * (x - self._bcast(coef[2], nd)) + self._bcast(coef[3], nd)
+        return [dx], self._weight_grads(xp, tile, dgamma, dbeta, weights, sums)
+
+    def _weight_grads(self, xp, tile, dgamma, dbeta, weights, sums):
+        """The weight gradients in the weights' dtype: zeros but on the first tile of each channel
+        group where the sums came across tiles."""
         wdt = weights["weight"].dtype
         if sums is not None and not self._leads_channels(tile):
             dgamma, dbeta = xp.zeros_like(dgamma), xp.zeros_like(dbeta)
-        return [dx], {"weight": dgamma.astype(wdt), "bias": dbeta.astype(wdt)}
+        return {"weight": dgamma.astype(wdt), "bias": dbeta.astype(wdt)}
+
+    @staticmethod
+    def _use_cuda(xp, x, weights) -> bool:
+        """Whether forward and backward run their CUDA kernels: on a GPU, weights of x's float dtype."""
+        return cuda_kernels.on_gpu(xp) and cuda_kernels.supports(x, weights["weight"], weights["bias"])
+
+    def _forward_cuda(self, xp, x, weights, training, state, sums):
+        """forward on a GPU: the statistics, scale and shift of every channel in one kernel over
+        [C] arrays (they were some twenty launches), y in another."""
+        count = self._count
+        if not training:
+            stats = state if state is not None else weights
+            m1, m2 = stats["running_mean"].astype(xp.float64), stats["running_var"].astype(xp.float64)
+            center, n = x[(0, slice(None)) + (0,) * (x.ndim - 2)], 1
+        elif sums is None:
+            center, n = x[(0, slice(None)) + (0,) * (x.ndim - 2)], count
+            m1, m2 = self._moments(xp, x, center)
+        else:
+            center, n = xp.zeros(x.shape[1], x.dtype), 1
+            m1, m2 = sums["moments"][0], sums["moments"][1]   # E[x], E[x^2]: the sums over 1 value
+        mean, var, invstd, scale, shift = cuda_kernels.batch_norm_statistics(
+            m1, m2, n, center, weights["weight"], weights["bias"], self.eps, moments=training)
+        if training and state is not None:
+            cuda_kernels.batch_norm_running_update(state["running_mean"], state["running_var"], mean, var,
+                                                   self.momentum, count / (count - 1))
+        y = cuda_kernels.batch_norm_apply(x, self._bcast(scale, x.ndim), self._bcast(shift, x.ndim), self.relu)
+        return [y], (training, mean, invstd)
+
+    def _backward_cuda(self, xp, tile, x, dy, y, weights, saved, sums, out):
+        """backward on a GPU: dx's coefficients and dgamma in one kernel over [C] arrays, dx in another."""
+        training, mean, invstd = saved
+        if sums is None:
+            sum_g, sum_g_xmu = self._grad_moments(xp, x, dy, y, mean)
+        else:
+            sum_g, sum_g_xmu = sums["grad"][0], sums["grad"][1]
+        c0, c1, c2, c3, dgamma = cuda_kernels.batch_norm_grad_coefficients(sum_g, sum_g_xmu, weights["weight"], mean,
+                                                                           invstd, self._count)
+        dx = None
+        if given_out(out, 0)[1]:  # else the model's input: the weight gradients alone
+            nd = x.ndim
+            dx = cuda_kernels.batch_norm_dx(x, dy, y, *(self._bcast(c, nd) for c in (c0, c1, c2, c3)), self.relu,
+                                            training)
+        return [dx], self._weight_grads(xp, tile, dgamma, sum_g, weights, sums)
 
 
 # ---- LayerNorm's CPU kernels ------------------------------------------------------------------
