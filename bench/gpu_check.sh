@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a machine with an NVIDIA GPU, cupy and PyTorch CUDA:
-# versions, tests/test_gpu.py, bench/ops.py --gpu --tiles and one app trained on the GPU.
+# versions, tests/test_gpu.py, bench/ops.py --gpu --tiles, bench/gpu_conv_phases.py and one
+# app trained on the GPU.
 # Each step has its own time limit and writes its log to $OUT (default: gpu_check/), so a
 # step that fails or runs long leaves the others' figures. Where the machine lacks mpi4py
 # with an mpiexec, wheels of mpich and mpi4py in .whl/ are installed under /tmp/site first.
@@ -36,4 +37,5 @@ per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120
 step tests "${1:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $per_test tests/test_gpu.py \
     ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 step ops_gpu "${2:-150}" python3 bench/ops.py --gpu --tiles --rounds 1
+step conv_phases 40 python3 bench/gpu_conv_phases.py
 step alexnet_gpu 60 python3 -m apps.alexnet --gpus-per-rank 1 --cpus-per-rank 1 --iterations 6

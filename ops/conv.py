@@ -1,8 +1,10 @@
 """2-D convolution on NCHW images, tile-aware with halos (ops/windows.py: the window geometry).
 
 Convolution is im2col (a strided window view copied chunk by chunk) times the weight
-matrix in one batched BLAS matmul per chunk; col2im is a numba kernel on the CPU. On the
-GPU im2col and col2im are one CUDA kernel each (ops/cuda_kernels.py), all samples at once. Small images on the CPU (Conv2d._batched) lay the columns of
+matrix in one batched BLAS matmul per chunk; col2im is a numba kernel on the CPU. On a GPU
+the columns of all samples lie side by side, [K, N*OH*OW], made and summed back by one CUDA
+kernel each (ops/cuda_kernels.py), and forward and both gradients are one GEMM each (the
+"gemm" path). Small images on the CPU (Conv2d._batched) lay the columns of
 a chunk's samples side by side instead, [K, samples*OH*OW], built and summed back by numba
 kernels from the unpadded tile: forward, the weight gradient and the columns' gradient are
 then one GEMM each per chunk where per-sample ones would be thin; with strides over 1 those
@@ -114,9 +116,6 @@ def col2im(xp, cols, stride, out) -> None:
     """Add windows cols [N, C, KH, KW, OH, OW] back into the padded input `out` [N, C, H, W]."""
     if xp is np:
         _col2im_cpu(cols, stride[0], stride[1], out)
-        return
-    if cuda_kernels.on_gpu(xp) and cuda_kernels.supports(cols, out) and out.flags.c_contiguous:
-        cuda_kernels.col2im_add(cols, stride, out)
         return
     _col2im_xp(xp, cols, stride, out)
 
@@ -637,8 +636,10 @@ class Conv2d(Op):
 
     def _path(self, xp, tile: Rect) -> str:
         """How a tile runs: "direct" (see _direct), "winograd" (see _winograd), "winograd_1d" (see
-        _winograd_1d), "batched" (see _batched), or "columns": im2col per sample and one batched
-        matmul per chunk (_forward_columns)."""
+        _winograd_1d), "batched" (see _batched), "gemm" (on a GPU, see _forward_gemm) or
+        "columns": im2col per sample and one batched matmul per chunk (_forward_columns)."""
+        if cuda_kernels.on_gpu(xp) and np.dtype(self.inputs[0].dtype) in (np.float32, np.float64):
+            return "gemm"
         if self._direct(xp):
             return "direct"
         if self._winograd(xp, tile):
@@ -710,12 +711,8 @@ class Conv2d(Op):
         view = _im2col_view(xp, xpad, self.kernel, self.stride, (oh, ow))
         chunks = _chunks(xp, n, view[0].size * xpad.itemsize)
         buf = xp.empty((chunks[0][1] - chunks[0][0], *view.shape[1:]), xpad.dtype)
-        fused = cuda_kernels.on_gpu(xp) and cuda_kernels.supports(xpad)
         for a, b in chunks:
-            if fused:
-                cuda_kernels.im2col(xpad[a:b], self.kernel, self.stride, (oh, ow), buf[:b - a])
-            else:
-                xp.copyto(buf[:b - a], view[a:b])
+            xp.copyto(buf[:b - a], view[a:b])
             yield a, b, buf[:b - a].reshape(b - a, ng, -1, oh * ow)
 
     def _batched(self, xp, tile: Rect) -> bool:
@@ -856,13 +853,15 @@ class Conv2d(Op):
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
                 self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
-        if path == "winograd":  # (these two run their parts in one compiled call)
+        if path == "gemm":
+            self._forward_gemm(xp, tile, pad(xp, x, pads), w, y)
+        elif path == "winograd":  # (these two run their parts in one compiled call)
             winograd.forward(x, w, (pads[0][0], pads[1][0]), y.reshape(n, oct_, oh, ow), bias, self._most_parts(tile))
         elif path == "direct":
             direct_conv.forward_in_parts(x, w, direct_bias, pads[0][0], pads[1][0], y.reshape(n, oct_, oh, ow))
         else:
             self._in_parts(xp, samples, tile)
-        if bias is not None and path == "columns":
+        if bias is not None and path in ("columns", "gemm"):
             y += bias[:, None]
         return [y.reshape(n, oct_, oh, ow) if given is None else given], None
 
@@ -876,6 +875,35 @@ class Conv2d(Op):
                 xp.matmul(wg, cols, out=y[a:b].reshape(b - a, ng, ocpg, oh * ow))
             else:
                 y[a:b] = xp.matmul(wg, cols).reshape(b - a, ng * ocpg, oh * ow)[:, off:off + oct_]
+
+    def _forward_gemm(self, xp, tile, xpad, w, y) -> None:
+        """y [N, OCt, OH*OW] as one GEMM (one per group) over the columns of all samples side
+        by side (ops/cuda_kernels.py): the tile's weight rows times [K, N*OH*OW]."""
+        n, oct_, oh, ow = tile.shape
+        ng, ocpg, off = self._layout(tile)
+        cols = cuda_kernels.im2col(xpad, self.kernel, self.stride, (oh, ow)).reshape(ng, -1, n * oh * ow)
+        yt = xp.matmul(self._grouped(xp, w.reshape(oct_, -1), tile), cols)  # [G, OC/G, N*OH*OW]
+        y[...] = yt.reshape(ng * ocpg, n, oh * ow)[off:off + oct_].transpose(1, 0, 2)
+
+    def _backward_gemm(self, xp, tile, x, pads, w, dy, dx):
+        """dw, and dx written, as GEMMs over the columns of all samples side by side: dw = dy^T
+        times the columns' transpose, the columns' gradient = the weight rows' transpose times dy^T,
+        added back into the padded input by col2im."""
+        n, (oct_, oh, ow) = x.shape[0], tile.shape[1:]
+        ng, ocpg, off = self._layout(tile)
+        xpad = pad(xp, x, pads)
+        cols = cuda_kernels.im2col(xpad, self.kernel, self.stride, (oh, ow)).reshape(ng, -1, n * oh * ow)
+        dyt = xp.ascontiguousarray(dy.reshape(n, oct_, oh * ow).transpose(1, 0, 2)).reshape(oct_, n * oh * ow)
+        dyg = self._grouped(xp, dyt, tile)   # [G, OC/G, N*OH*OW]
+        gw = xp.stack([dyg[g] @ cols[g].T for g in range(ng)])
+        if dx is not None:
+            wg = self._grouped(xp, w.reshape(oct_, -1), tile)
+            dcols = xp.stack([wg[g].T @ dyg[g] for g in range(ng)])
+            (top, bottom), (left, right) = pads
+            dxpad = xp.zeros(x.shape[:2] + (x.shape[2] + top + bottom, x.shape[3] + left + right), x.dtype)
+            cuda_kernels.col2im_add(dcols, self.kernel, self.stride, (oh, ow), dxpad)
+            dx[...] = dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]]
+        return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
         (x,), w, dy = inputs, weights["weight"], grad_outputs[0]
@@ -896,6 +924,8 @@ class Conv2d(Op):
                                                         None if dx_ab is None else self._along(dx_ab)), gb
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
+            if path == "gemm":
+                return self._backward_gemm(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
             return self._backward_columns(xp, tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
         if path in ("winograd", "direct"):  # (these two run their parts in one compiled call)
             gw = (winograd.backward(x, w, dy, (pads[0][0], pads[1][0]), dx, self._most_parts(tile))

@@ -6,7 +6,9 @@ one kernel: element-wise ones as cupy ElementwiseKernels (any strides, broadcast
 ones (softmax, layer norm) as CUDA C++ with a block per row and warp-shuffle sums, per-channel
 sums as ReductionKernels, max pooling as one thread per output (forward, with its argmax) and
 one per input (backward, gathering the outputs whose argmax it is: no atomics, deterministic),
-and convolution's im2col and col2im (col2im gathers too: one pass, not one per window offset).
+and convolution's im2col and col2im, with the columns of all samples side by side so that
+forward and both gradients are one GEMM each (col2im gathers too: one pass, not one per
+window offset).
 Sums accumulate in double. Kernels are compiled on first use and cached by cupy on disk.
 `on_gpu(xp)` says whether the fused kernels apply: cupy itself, not numpy (nor the numpy under
 another name that the tests use to run the array code on the CPU).
@@ -257,52 +259,58 @@ template<typename T> __global__ void max_pool_backward(const T* dy, const int* a
     dx[i] = s;
 }
 
-// Convolution's columns, a thread per value of cols [planes, kh, kw, oh, ow] from a padded
-// input [planes, h, w] (planes = N * C) that holds every window.
-template<typename T> __global__ void im2col(const T* x, long long total, int h, int w, int kh, int kw, int sh,
-                                           int sw, int oh, int ow, T* cols) {
+// Convolution's columns as one matrix [C * kh * kw, N * oh * ow] (row (c, i, j), column
+// (n, oy, ox)), a thread per value, from a padded input [N, C, h, w] that holds every window:
+// forward and both gradients are then one GEMM each, not one per sample.
+template<typename T> __global__ void im2col(const T* x, long long total, int n, int c, int h, int w, int kh,
+                                           int kw, int sh, int sw, int oh, int ow, T* cols) {
     long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= total) return;
     int ox = o % ow;
     long long r = o / ow;
     int oy = r % oh;
     r /= oh;
+    int s = r % n;
+    r /= n;
     int j = r % kw;
     r /= kw;
     int i = r % kh;
-    long long plane = r / kh;
-    cols[o] = x[plane * h * w + (long long)(oy * sh + i) * w + ox * sw + j];
+    long long ch = r / kh;
+    cols[o] = x[((s * (long long)c + ch) * h + oy * sh + i) * w + ox * sw + j];
 }
 
-// Its adjoint, a thread per value of the padded input: out += the sum of the columns' values
-// that im2col copied from it.
-template<typename T> __global__ void col2im_add(const T* cols, long long total, int h, int w, int kh, int kw,
-                                               int sh, int sw, int oh, int ow, T* out) {
+// Its adjoint, a thread per value of the padded input [N, C, h, w]: out += the sum of the
+// columns' values that im2col copied from it.
+template<typename T> __global__ void col2im_add(const T* cols, long long total, int n, int c, int h, int w,
+                                               int kh, int kw, int sh, int sw, int oh, int ow, T* out) {
     long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= total) return;
     int xx = o % w, yy = (o / w) % h;
     long long plane = o / ((long long)w * h);
-    T s = (T)0;
+    int s = plane / c, ch = plane % c;
+    T acc = (T)0;
     for (int i = 0; i < kh; ++i) {
         int dy = yy - i;
         if (dy < 0 || dy % sh != 0 || dy / sh >= oh) continue;
         for (int j = 0; j < kw; ++j) {
             int dx = xx - j;
             if (dx < 0 || dx % sw != 0 || dx / sw >= ow) continue;
-            s += cols[(((plane * kh + i) * kw + j) * oh + dy / sh) * ow + dx / sw];
+            acc += cols[((((long long)ch * kh + i) * kw + j) * n + s) * oh * ow + (long long)(dy / sh) * ow + dx / sw];
         }
     }
-    out[o] += s;
+    out[o] += acc;
 }
 
 template<typename T> __device__ T sigmoid(T a) { return (T)0.5 * tanh((T)0.5 * a) + (T)0.5; }
 
 // One LSTM step, a thread per (sample b, unit j), on rows of b's values (each array's row
 // stride given): gates g (the input projections, made the activations in place) plus
-// rec = h_{t-1} W_hh^T ([batch, 4h]) plus bias; c = f * c_prev + i * z, tc = tanh(c), hy = o * tc.
+// rec = h_{t-1} W_hh^T ([batch, 4h]) plus bias; c = f * c_prev + i * z, tc = tanh(c), hy = o * tc,
+// also into hc ([batch, h]), the next step's GEMM input as one block (a strided one is copied).
 template<typename T> __global__ void lstm_step_forward(T* g, long long gs, const T* rec, const T* bias,
                                                        const T* cp, long long ps, T* c, long long cs, T* tc,
-                                                       long long ts, T* hy, long long hs, int batch, int h) {
+                                                       long long ts, T* hy, long long hs, T* hc, int batch,
+                                                       int h) {
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)batch * h) return;
     long long b = k / h;
@@ -321,14 +329,14 @@ template<typename T> __global__ void lstm_step_forward(T* g, long long gs, const
     T t = tanh(cc);
     c[b * cs + j] = cc;
     tc[b * ts + j] = t;
-    hy[b * hs + j] = ao * t;
+    hy[b * hs + j] = hc[k] = ao * t;
 }
 
-// Its backward: the gates' activations become their pre-activation gradients, dc that of
-// c_prev; dh includes dy's step.
+// Its backward: the gates' activations become their pre-activation gradients (also into gc,
+// [batch, 4h], the GEMM input of dh for the step before), dc that of c_prev; dh includes dy's step.
 template<typename T> __global__ void lstm_step_backward(T* g, long long gs, const T* tc, long long ts,
                                                         const T* cp, long long ps, const T* dh, long long hs,
-                                                        T* dc, long long cs, int batch, int h) {
+                                                        T* dc, long long cs, T* gc, int batch, int h) {
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)batch * h) return;
     long long b = k / h;
@@ -337,16 +345,17 @@ template<typename T> __global__ void lstm_step_backward(T* g, long long gs, cons
     T ai = gr[j], af = gr[h + j], az = gr[2 * h + j], ao = gr[3 * h + j], t = tc[b * ts + j];
     T dhv = dh[b * hs + j];
     T d = dc[b * cs + j] + dhv * ao * ((T)1 - t * t);
-    gr[3 * h + j] = dhv * t * ao * ((T)1 - ao);
-    gr[j] = d * az * ai * ((T)1 - ai);
-    gr[2 * h + j] = d * ai * ((T)1 - az * az);
-    gr[h + j] = d * cp[b * ps + j] * af * ((T)1 - af);
+    T* gcr = gc + b * 4LL * h;
+    gr[3 * h + j] = gcr[3 * h + j] = dhv * t * ao * ((T)1 - ao);
+    gr[j] = gcr[j] = d * az * ai * ((T)1 - ai);
+    gr[2 * h + j] = gcr[2 * h + j] = d * ai * ((T)1 - az * az);
+    gr[h + j] = gcr[h + j] = d * cp[b * ps + j] * af * ((T)1 - af);
     dc[b * cs + j] = d * af;
 }
 """
-_KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward", "layer_norm_weight_grads",
-                "max_pool_forward", "max_pool_backward", "im2col", "col2im_add", "lstm_step_forward",
-                "lstm_step_backward")
+_KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward",
+            "layer_norm_weight_grads", "max_pool_forward", "max_pool_backward", "im2col", "col2im_add",
+            "lstm_step_forward", "lstm_step_backward")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
@@ -477,26 +486,29 @@ def _blocks(total: int) -> tuple[int]:
     return (math.ceil(total / 256),)
 
 
-def im2col(xpad, kernel, stride, out_hw, cols) -> None:
-    """cols [N, C, KH, KW, OH, OW] (C-contiguous) = every window of the padded input xpad
-    [N, C, H, W], one kernel."""
+def im2col(xpad, kernel, stride, out_hw):
+    """The columns [C * KH * KW, N * OH * OW] of a padded input xpad [N, C, H, W], one kernel."""
+    cp = _cupy()
     src = _contiguous(xpad)
-    h, w = xpad.shape[2:]
+    n, c, h, w = xpad.shape
+    cols = cp.empty((c * kernel[0] * kernel[1], n * out_hw[0] * out_hw[1]), xpad.dtype)
     if cols.size:
         _raw("im2col", xpad.dtype)(_blocks(cols.size), (256,), (
-            src, np.int64(cols.size), np.int32(h), np.int32(w), np.int32(kernel[0]), np.int32(kernel[1]),
-            np.int32(stride[0]), np.int32(stride[1]), np.int32(out_hw[0]), np.int32(out_hw[1]), cols))
+            src, np.int64(cols.size), np.int32(n), np.int32(c), np.int32(h), np.int32(w), np.int32(kernel[0]),
+            np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]), np.int32(out_hw[0]),
+            np.int32(out_hw[1]), cols))
+    return cols
 
 
-def col2im_add(cols, stride, out) -> None:
-    """Add windows cols [N, C, KH, KW, OH, OW] back into the padded input `out` [N, C, H, W]
-    (both C-contiguous), a thread per value of out."""
-    kh, kw, oh, ow = cols.shape[2:]
-    h, w = out.shape[2:]
+def col2im_add(cols, kernel, stride, out_hw, out) -> None:
+    """Add columns [C * KH * KW, N * OH * OW] back into the padded input `out` [N, C, H, W]
+    (C-contiguous), a thread per value of out."""
+    n, c, h, w = out.shape
     if out.size:
         _raw("col2im_add", out.dtype)(_blocks(out.size), (256,), (
-            _contiguous(cols), np.int64(out.size), np.int32(h), np.int32(w), np.int32(kh), np.int32(kw),
-            np.int32(stride[0]), np.int32(stride[1]), np.int32(oh), np.int32(ow), out))
+            _contiguous(cols), np.int64(out.size), np.int32(n), np.int32(c), np.int32(h), np.int32(w),
+            np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
+            np.int32(out_hw[0]), np.int32(out_hw[1]), out))
 
 
 # ---- batch norm: per-channel sums and the element-wise passes ----------------------------------
@@ -604,21 +616,23 @@ def _rows_in(a, dtype):
     return a
 
 
-def lstm_step_forward(gates, rec, bias, c_prev, c, tc, hy) -> None:
+def lstm_step_forward(gates, rec, bias, c_prev, c, tc, hy, h_block) -> None:
     """One step's element-wise part, on [batch, .] views: gates (pre-activations, made the
-    activations in place) += rec + bias; c = f * c_prev + i * g; tc = tanh(c); hy = o * tc."""
+    activations in place) += rec + bias; c = f * c_prev + i * g; tc = tanh(c); hy = o * tc, also
+    into h_block (C-contiguous [batch, h])."""
     batch, h = c.shape
     cp = _rows_in(c_prev, c.dtype)
     _raw("lstm_step_forward", c.dtype)(_blocks(batch * h), (256,), (
         gates, _row_stride(gates), _contiguous(rec), _contiguous(bias), cp, _row_stride(cp), c, _row_stride(c),
-        tc, _row_stride(tc), hy, _row_stride(hy), np.int32(batch), np.int32(h)))
+        tc, _row_stride(tc), hy, _row_stride(hy), h_block, np.int32(batch), np.int32(h)))
 
 
-def lstm_step_backward(gates, tc, c_prev, dh, dc) -> None:
+def lstm_step_backward(gates, tc, c_prev, dh, dc, gates_block) -> None:
     """One step's backward element-wise part, on [batch, .] views, dh including dy's step: the
-    gates' activations become their pre-activation gradients, dc becomes that of c_prev."""
+    gates' activations become their pre-activation gradients, also into gates_block
+    (C-contiguous [batch, 4h]); dc becomes that of c_prev."""
     batch, h = dc.shape
     cp = _rows_in(c_prev, dc.dtype)
     _raw("lstm_step_backward", dc.dtype)(_blocks(batch * h), (256,), (
         gates, _row_stride(gates), tc, _row_stride(tc), cp, _row_stride(cp), dh, _row_stride(dh), dc,
-        _row_stride(dc), np.int32(batch), np.int32(h)))
+        _row_stride(dc), gates_block, np.int32(batch), np.int32(h)))
