@@ -4,7 +4,8 @@ cupy's array code runs one kernel per operation, each a full pass over memory an
 launch: gelu's backward was eight of them, a softmax five, an LSTM step fifteen. Here each is
 one kernel: element-wise ones as cupy ElementwiseKernels (any strides, broadcasting), per-row
 ones (softmax, layer norm) as CUDA C++ with a block per row and warp-shuffle sums, per-channel
-sums as ReductionKernels, max pooling as one thread per output (forward, with its argmax) and
+sums as ReductionKernels (batch norm's per-channel statistics one ElementwiseKernel over [C]
+arrays, not twenty launches), max pooling as one thread per output (forward, with its argmax) and
 one per input (backward, gathering the outputs whose argmax it is: no atomics, deterministic),
 and convolution's im2col and col2im, with the columns of all samples side by side so that
 forward and both gradients are one GEMM each (col2im gathers too: one pass, not one per
@@ -41,8 +42,8 @@ def _made(key, make):
     return kernel
 
 
-def _elementwise(name: str, ins: str, outs: str, body: str, preamble: str = ""):
-    return _made(name, lambda: _cupy().ElementwiseKernel(ins, outs, body, name, preamble=preamble))
+def _elementwise(name: str, ins: str, outs: str, body: str):
+    return _made(name, lambda: _cupy().ElementwiseKernel(ins, outs, body, name))
 
 
 # ---- activations -------------------------------------------------------------------------------
@@ -361,14 +362,14 @@ _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 def _raw(name: str, dtype):
     """The CUDA C++ kernel `name` of _SOURCE for float32 or float64."""
-    module = _made("rows module", lambda: _cupy().RawModule(
+    module = _made("module", lambda: _cupy().RawModule(
         code=_SOURCE,
         name_expressions=[f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]))
     return module.get_function(f"{name}<{_TYPES[np.dtype(dtype)]}>")
 
 
 def supports(*arrays) -> bool:
-    """Whether the per-row kernels take these arrays: one dtype, float32 or float64, not empty."""
+    """Whether the CUDA C++ kernels take these arrays: one dtype, float32 or float64, not empty."""
     dtype = arrays[0].dtype
     return dtype in _TYPES and arrays[0].size > 0 and all(a.dtype == dtype for a in arrays)
 
@@ -376,6 +377,11 @@ def supports(*arrays) -> bool:
 def _threads(n: int) -> int:
     """Threads of a block working on rows of n values: a multiple of 32, at most 256."""
     return min(256, 32 * max(1, math.ceil(n / 32)))
+
+
+def _blocks(total: int) -> tuple[int]:
+    """Blocks of 256 threads for a thread per value of `total`."""
+    return (math.ceil(total / 256),)
 
 
 def _contiguous(a):
@@ -460,7 +466,7 @@ def max_pool_forward(x, out_hw, kernel, stride, top_left):
     arg = cp.empty(y.shape, cp.int32)
     total = y.size
     if total:
-        _raw("max_pool_forward", x.dtype)((math.ceil(total / 256),), (256,), (
+        _raw("max_pool_forward", x.dtype)(_blocks(total), (256,), (
             src, np.int64(total), np.int32(h), np.int32(w), np.int32(out_hw[0]), np.int32(out_hw[1]),
             np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
             np.int32(top_left[0]), np.int32(top_left[1]), y, arg))
@@ -475,15 +481,11 @@ def max_pool_backward(dy, arg, x_shape, kernel, stride, top_left):
     oh, ow = dy.shape[2:]
     total = dx.size
     if total:
-        _raw("max_pool_backward", dy.dtype)((math.ceil(total / 256),), (256,), (
+        _raw("max_pool_backward", dy.dtype)(_blocks(total), (256,), (
             _contiguous(dy), _contiguous(arg), np.int64(total), np.int32(h), np.int32(w), np.int32(oh),
             np.int32(ow), np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
             np.int32(top_left[0]), np.int32(top_left[1]), dx))
     return dx
-
-
-def _blocks(total: int) -> tuple[int]:
-    return (math.ceil(total / 256),)
 
 
 def im2col(xpad, kernel, stride, out_hw):
