@@ -1,0 +1,284 @@
+"""ops/cuda_kernels.py's CUDA C++ without a GPU: the source compiled by the host's C++
+compiler against a few lines that stand in for CUDA's built-ins, every kernel instantiated for
+float and double, and every ElementwiseKernel's body as a host function (a syntax or type error
+fails here, not on the first GPU session); and the
+kernels of a thread per value (im2col, col2im, max pooling, the LSTM steps), whose threads
+never meet, run on the host by looping over blocks and threads, against numpy. The kernels with
+block-wide sums (softmax, layer norm) need real threads and run in tests/test_gpu.py only.
+Needs g++ (the test says so where it is missing)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ops import cuda_kernels
+
+#: CUDA's built-ins on the host: a launch is a loop over blocks and threads (threads that never
+#: meet only); shuffles and barriers compile but are not run
+PRELUDE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#define __global__
+#define __device__
+#define __shared__ static
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+static Dim3 blockIdx, blockDim, threadIdx, gridDim;
+static void __syncthreads() {}
+template<typename T> static T __shfl_down_sync(unsigned, T v, int) { return v; }
+static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+static double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+using std::erf; using std::exp; using std::fmax; using std::max; using std::min; using std::sqrt; using std::tanh;
+"""
+
+LAUNCHERS = r"""
+template<typename... P, typename... A> static void launch(void (*kernel)(P...), long long threads, A... args) {
+    blockDim.x = 256;
+    gridDim.x = (unsigned)((threads + 255) / 256);
+    for (unsigned b = 0; b < gridDim.x; ++b)
+        for (unsigned t = 0; t < 256; ++t) {
+            blockIdx.x = b;
+            threadIdx.x = t;
+            kernel(args...);
+        }
+}
+extern "C" {
+void im2col_f(const float* x, long long total, int n, int c, int h, int w, int kh, int kw, int sh, int sw,
+              int oh, int ow, float* cols) {
+    launch(im2col<float>, total, x, total, n, c, h, w, kh, kw, sh, sw, oh, ow, cols);
+}
+void col2im_add_f(const float* cols, long long total, int n, int c, int h, int w, int kh, int kw, int sh,
+                  int sw, int oh, int ow, float* out) {
+    launch(col2im_add<float>, total, cols, total, n, c, h, w, kh, kw, sh, sw, oh, ow, out);
+}
+void max_pool_forward_f(const float* x, long long total, int h, int w, int oh, int ow, int kh, int kw, int sh,
+                        int sw, int top, int left, float* y, int* arg) {
+    launch(max_pool_forward<float>, total, x, total, h, w, oh, ow, kh, kw, sh, sw, top, left, y, arg);
+}
+void max_pool_backward_f(const float* dy, const int* arg, long long total, int h, int w, int oh, int ow, int kh,
+                         int kw, int sh, int sw, int top, int left, float* dx) {
+    launch(max_pool_backward<float>, total, dy, arg, total, h, w, oh, ow, kh, kw, sh, sw, top, left, dx);
+}
+void lstm_step_forward_d(double* g, long long gs, const double* rec, const double* bias, const double* cp,
+                         long long ps, double* c, long long cs, double* tc, long long ts, double* hy, long long hs,
+                         double* hc, int batch, int h) {
+    launch(lstm_step_forward<double>, (long long)batch * h, g, gs, rec, bias, cp, ps, c, cs, tc, ts, hy, hs, hc,
+           batch, h);
+}
+void lstm_step_backward_d(double* g, long long gs, const double* tc, long long ts, const double* cp, long long ps,
+                          const double* dh, long long hs, double* dc, long long cs, double* gc, int batch, int h) {
+    launch(lstm_step_backward<double>, (long long)batch * h, g, gs, tc, ts, cp, ps, dh, hs, dc, cs, gc, batch, h);
+}
+}
+"""
+
+
+def _instantiations() -> str:
+    """An explicit instantiation of every kernel for float and double."""
+    import re
+    lines = []
+    for name in cuda_kernels._KERNELS:
+        found = re.search(r"template<typename T> __global__ void " + name + r"\(([^)]*)\)", cuda_kernels._SOURCE)
+        assert found, f"kernel {name} not in the source"
+        params = " ".join(found.group(1).split())
+        for t in ("float", "double"):
+            lines.append(f"template void {name}<{t}>({params.replace('T*', t + '*')});")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ on this machine to compile the CUDA source for the host")
+    folder = tmp_path_factory.mktemp("cuda_host")
+    source = folder / "kernels.cpp"
+    source.write_text(PRELUDE + cuda_kernels._SOURCE + _instantiations() + LAUNCHERS)
+    library = folder / "kernels.so"
+    done = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
+                           "-Wno-unused-function", "-o", str(library), str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, f"the CUDA source does not compile for the host:\n{done.stderr[-4000:]}"
+    return ctypes.CDLL(str(library))
+
+
+def _call(lib, name, *args):
+    """Call lib.name with numpy arrays (C-contiguous) as pointers; ints go as C ints, _ll(v) as
+    long longs."""
+    converted = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            assert a.flags.c_contiguous
+            converted.append(a.ctypes.data_as(ctypes.c_void_p))
+        else:
+            converted.append(a)
+    getattr(lib, name)(*converted)
+
+
+def _ll(v):
+    return ctypes.c_longlong(v)
+
+
+def test_every_kernel_compiles_for_float_and_double(host_kernels):
+    assert all(hasattr(host_kernels, f) for f in ("im2col_f", "col2im_add_f", "max_pool_forward_f"))
+
+
+@pytest.mark.parametrize("kernel,stride", [((3, 3), (1, 1)), ((3, 3), (2, 2)), ((1, 7), (1, 1)), ((5, 3), (3, 2))])
+def test_im2col_and_col2im_match_numpy(host_kernels, kernel, stride):
+    rng = np.random.default_rng(0)
+    n, c, h, w = 2, 3, 11, 13
+    (kh, kw), (sh, sw) = kernel, stride
+    oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
+    xpad = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    cols = np.empty((c * kh * kw, n * oh * ow), np.float32)
+    _call(host_kernels, "im2col_f", xpad, _ll(cols.size), n, c, h, w, kh, kw, sh, sw, oh, ow, cols)
+    windows = sliding_window_view(xpad, kernel, axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]  # N C OH OW KH KW
+    want = windows.transpose(1, 4, 5, 0, 2, 3).reshape(c * kh * kw, n * oh * ow)
+    np.testing.assert_array_equal(cols, want)
+
+    # col2im is im2col's adjoint: <im2col(x), g> == <x, col2im(g)>, and it adds into out
+    g = rng.standard_normal(cols.shape).astype(np.float32)
+    out = np.ones_like(xpad)
+    _call(host_kernels, "col2im_add_f", g, _ll(out.size), n, c, h, w, kh, kw, sh, sw, oh, ow, out)
+    want_out = np.ones_like(xpad, dtype=np.float64)
+    g6 = g.reshape(c, kh, kw, n, oh, ow).astype(np.float64)
+    for i in range(kh):
+        for j in range(kw):
+            want_out[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw] += g6[:, i, j].transpose(1, 0, 2, 3)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel,stride,pads", [((3, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (0, 0)),
+                                                ((3, 3), (1, 1), (1, 1)), ((1, 3), (2, 1), (0, 1))])
+def test_max_pool_kernels_match_the_cpu_op(host_kernels, kernel, stride, pads):
+    from ops.base import TensorSpec
+    from ops.pool import Pool2d
+    from taskrt.geometry import Rect
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 9, 11)).astype(np.float32)
+    x[0, 0, 0, :3] = 1.5   # a tie: the first maximum wins
+    x[1, 2, 4, 4] = np.nan  # NaN wins
+    op = Pool2d("pool", [TensorSpec(x.shape, "float32", "x")], kernel=kernel, stride=stride, padding=pads)
+    tile = Rect.from_shape(op.tile_shape)
+    (in_rect,) = op.input_rects(tile)
+    (want_y,), want_arg = op.forward(np, tile, [x], [in_rect], {})
+    dy = rng.standard_normal(tile.shape).astype(np.float32)
+    (want_dx,), _ = op.backward(np, tile, [x], [in_rect], {}, [want_y], [dy], want_arg)
+
+    top, left = op._top_left(tile, in_rect)
+    (_, _, h, w), (oh, ow) = x.shape, tile.shape[2:]
+    y, arg = np.empty(tile.shape, np.float32), np.empty(tile.shape, np.int32)
+    _call(host_kernels, "max_pool_forward_f", x, _ll(y.size), h, w, oh, ow, *kernel, *stride, top, left, y, arg)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(arg, want_arg)
+    dx = np.empty_like(x)
+    _call(host_kernels, "max_pool_backward_f", dy, arg, _ll(dx.size), h, w, oh, ow, *kernel, *stride, top, left, dx)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-6, atol=1e-6)
+
+
+def test_lstm_step_kernels_match_the_array_code(host_kernels):
+    """One step forward and backward on strided [batch, .] views, as ops/lstm.py hands them over."""
+    from ops.lstm import _step_backward_xp, _step_forward_xp
+    rng = np.random.default_rng(2)
+    batch, seq, h, t = 3, 4, 5, 2
+    gates = rng.standard_normal((batch, seq, 4 * h))
+    rec, bias = rng.standard_normal((batch, 4 * h)), rng.standard_normal(4 * h)
+    cs, tanh_cs, y = (np.zeros((batch, seq, h)) for _ in range(3))
+    cs[:, t - 1] = rng.standard_normal((batch, h))
+    want = [a.copy() for a in (gates, cs, tanh_cs, y)]
+    _step_forward_xp(np, want[0][:, t], rec, bias, want[1][:, t - 1], want[1][:, t], want[2][:, t], want[3][:, t],
+                     np.empty((batch, h)))
+    hc = np.empty((batch, h))
+    lib, step = host_kernels, seq * 4 * h
+    lib.lstm_step_forward_d(_ptr(gates, t * 4 * h), _ll(step), _ptr(rec), _ptr(bias), _ptr(cs, (t - 1) * h),
+                            _ll(seq * h), _ptr(cs, t * h), _ll(seq * h), _ptr(tanh_cs, t * h), _ll(seq * h),
+                            _ptr(y, t * h), _ll(seq * h), _ptr(hc), batch, h)
+    for got, w in zip((gates, cs, tanh_cs, y), want):
+        np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(hc, want[3][:, t], rtol=1e-12)
+
+    dh, dc = rng.standard_normal((batch, h)), rng.standard_normal((batch, h))
+    want_g, want_dc = gates.copy(), dc.copy()
+    _step_backward_xp(np, want_g[:, t], tanh_cs[:, t], cs[:, t - 1], dh, want_dc, np.empty((batch, h)))
+    gc = np.empty((batch, 4 * h))
+    lib.lstm_step_backward_d(_ptr(gates, t * 4 * h), _ll(step), _ptr(tanh_cs, t * h), _ll(seq * h),
+                             _ptr(cs, (t - 1) * h), _ll(seq * h), _ptr(dh), _ll(h), _ptr(dc), _ll(h), _ptr(gc),
+                             batch, h)
+    np.testing.assert_allclose(gates, want_g, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dc, want_dc, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gc, want_g[:, t], rtol=1e-12, atol=1e-12)
+
+
+def _ptr(a, offset: int = 0):
+    """A pointer to a's value at flat `offset` (a C-contiguous array)."""
+    assert a.flags.c_contiguous
+    return ctypes.c_void_p(a.ctypes.data + offset * a.itemsize)
+
+
+_C_TYPES = {"float64": "double", "float32": "float", "int32": "int"}
+
+
+def _recorded_elementwise_kernels(monkeypatch) -> dict:
+    """Every ElementwiseKernel the module makes, as {name: (ins, outs, body)}: each function
+    that makes one is called with numpy stand-ins, the kernels recorded instead of compiled."""
+    made = {}
+
+    def record(name, ins, outs, body):
+        made[name] = (ins, outs, body)
+        return lambda *args: tuple(np.zeros(1) for _ in outs.split(","))
+    monkeypatch.setattr(cuda_kernels, "_elementwise", record)
+    a = np.zeros(3)
+    for name in ("relu", "sigmoid", "tanh", "gelu"):
+        cuda_kernels.activation_forward(name, a)
+        cuda_kernels.activation_backward(name, a, a, a)
+    cuda_kernels.batch_norm_statistics(a, a, 4.0, a, a, a, 1e-5, moments=True)
+    cuda_kernels.batch_norm_running_update(a, a, a, a, 0.1, 4 / 3)
+    cuda_kernels.batch_norm_grad_coefficients(a, a, a, a, a, 4.0)
+    for relu in (False, True):
+        cuda_kernels.batch_norm_apply(a, a, a, relu)
+        for training in (False, True):
+            cuda_kernels.batch_norm_dx(a, a, a, a, a, a, a, relu, training)
+    return made
+
+
+def _as_function(name, ins, outs, body) -> str:
+    """An ElementwiseKernel as a host function of its parameters (outputs by reference)."""
+    def params(spec, ref):
+        out = []
+        for p in spec.split(","):
+            kind, var = p.split()
+            out.append(f"{_C_TYPES.get(kind, kind)}{'&' if ref else ''} {var}")
+        return out
+    args = ", ".join(params(ins, False) + params(outs, True))
+    return f"template<typename T> void {name}({args}) {{ {body}; }}\n"
+
+
+def test_every_elementwise_kernel_compiles_for_float_and_double(monkeypatch, tmp_path):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ on this machine to compile the kernels for the host")
+    made = _recorded_elementwise_kernels(monkeypatch)
+    assert len(made) == 17, sorted(made)  # 4 activations each way, 3 of batch norm, 2 applies, 4 dx
+    source = PRELUDE + "".join(_as_function(n, *spec) for n, spec in made.items())
+    source += "".join(f"template void {n}<{t}>({', '.join(_instantiated_params(spec, t))});\n"
+                      for n, spec in made.items() for t in ("float", "double"))
+    path = tmp_path / "elementwise.cpp"
+    path.write_text(source)
+    done = subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unused-function",
+                           str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, f"an ElementwiseKernel does not compile for the host:\n{done.stderr[-4000:]}"
+
+
+def _instantiated_params(spec, t) -> list[str]:
+    ins, outs, _ = spec
+    types = []
+    for group, ref in ((ins, ""), (outs, "&")):
+        for p in group.split(","):
+            kind = p.split()[0]
+            types.append(f"{t if kind == 'T' else _C_TYPES[kind]}{ref}")
+    return types
