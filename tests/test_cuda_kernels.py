@@ -3,9 +3,10 @@ compiler against a few lines that stand in for CUDA's built-ins, every kernel in
 float and double, and every ElementwiseKernel's body as a host function (a syntax or type error
 fails here, not on the first GPU session); and the
 kernels of a thread per value (im2col, col2im, max pooling, the LSTM steps), whose threads
-never meet, run on the host by looping over blocks and threads, against numpy. The kernels with
-block-wide sums (softmax, layer norm) need real threads and run in tests/test_gpu.py only.
-Needs g++ (the test says so where it is missing)."""
+never meet, run on the host by looping over blocks and threads, against numpy; those with
+block-wide sums (softmax, layer norm) run with a std::thread per CUDA thread, barriers for
+__syncthreads and warp shuffles through memory. Needs g++ (the test says so where it is
+missing)."""
 from __future__ import annotations
 
 import ctypes
@@ -282,3 +283,155 @@ def _instantiated_params(spec, t) -> list[str]:
             kind = p.split()[0]
             types.append(f"{t if kind == 'T' else _C_TYPES[kind]}{ref}")
     return types
+
+
+#: CUDA's built-ins with real threads: a block is one std::thread per CUDA thread, __syncthreads a
+#: barrier of the block, a warp shuffle an exchange through memory between two barriers of the warp
+THREADED_PRELUDE = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __shared__ static
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+static thread_local Dim3 blockIdx, threadIdx;
+static Dim3 blockDim, gridDim;
+static std::barrier<>* block_barrier;
+static std::barrier<>* warp_barriers[32];
+static double exchange[1024];
+static void __syncthreads() { block_barrier->arrive_and_wait(); }
+template<typename T> static T __shfl_down_sync(unsigned, T v, int o) {
+    unsigned me = threadIdx.x + blockDim.x * threadIdx.y, lane = me & 31, n = blockDim.x * blockDim.y;
+    exchange[me] = (double)v;
+    warp_barriers[me >> 5]->arrive_and_wait();
+    T r = lane + o < 32 && me + o < n ? (T)exchange[me + o] : v;
+    warp_barriers[me >> 5]->arrive_and_wait();
+    return r;
+}
+static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+static double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+using std::erf; using std::exp; using std::fmax; using std::max; using std::min; using std::sqrt; using std::tanh;
+"""
+
+THREADED_LAUNCHERS = r"""
+template<typename... P, typename... A>
+static void launch(void (*kernel)(P...), unsigned gx, unsigned gy, unsigned bx, unsigned by, A... args) {
+    blockDim = {bx, by, 1};
+    gridDim = {gx, gy, 1};
+    unsigned n = bx * by;
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) {
+            std::barrier<> block(n);
+            block_barrier = &block;
+            std::vector<std::unique_ptr<std::barrier<>>> warps;
+            for (unsigned w = 0; w * 32 < n; ++w) {
+                warps.emplace_back(new std::barrier<>(std::min(32u, n - 32 * w)));
+                warp_barriers[w] = warps.back().get();
+            }
+            std::vector<std::thread> threads;
+            for (unsigned t = 0; t < n; ++t)
+                threads.emplace_back([&, t] {
+                    blockIdx = {x, y, 0};
+                    threadIdx = {t % bx, t / bx, 0};
+                    kernel(args...);
+                });
+            for (auto& t : threads) t.join();
+        }
+}
+extern "C" {
+void softmax_rows_f(const float* x, float* y, int n, int period, long long first, unsigned rows, unsigned threads) {
+    launch(softmax_rows<float>, rows, 1, threads, 1, x, y, n, period, first);
+}
+void softmax_grad_rows_f(const float* y, const float* dy, float* dx, int n, unsigned rows, unsigned threads) {
+    launch(softmax_grad_rows<float>, rows, 1, threads, 1, y, dy, dx, n);
+}
+void layer_norm_forward_d(const double* x, int d, double eps, const double* w, const double* b, int affine, double* y,
+                          double* mean, double* rstd, unsigned rows, unsigned threads) {
+    launch(layer_norm_forward<double>, rows, 1, threads, 1, x, d, eps, w, b, affine, y, mean, rstd);
+}
+void layer_norm_backward_d(const double* x, const double* dy, int d, const double* w, int affine, const double* mean,
+                           const double* rstd, double* dx, unsigned rows, unsigned threads) {
+    launch(layer_norm_backward<double>, rows, 1, threads, 1, x, dy, d, w, affine, mean, rstd, dx);
+}
+void layer_norm_weight_grads_d(const double* x, const double* dy, const double* mean, const double* rstd,
+                               long long rows, int d, double* part_w, double* part_b, unsigned shares) {
+    launch(layer_norm_weight_grads<double>, (unsigned)((d + 31) / 32), shares, 32, 8, x, dy, mean, rstd, rows, d,
+           part_w, part_b);
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def threaded_kernels(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ on this machine to compile the CUDA source for the host")
+    folder = tmp_path_factory.mktemp("cuda_threads")
+    source = folder / "kernels.cpp"
+    source.write_text(THREADED_PRELUDE + cuda_kernels._SOURCE + THREADED_LAUNCHERS)
+    library = folder / "kernels.so"
+    done = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-Wall", "-Werror",
+                           "-Wno-unused-function", "-o", str(library), str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, f"the CUDA source does not compile with threads:\n{done.stderr[-4000:]}"
+    return ctypes.CDLL(str(library))
+
+
+@pytest.mark.parametrize("n", [1, 37, 300])
+@pytest.mark.parametrize("causal_first", [None, 2])
+def test_softmax_kernels_match_numpy(threaded_kernels, n, causal_first):
+    from ops.activation import softmax_grad_rows, softmax_rows_
+    rng = np.random.default_rng(3)
+    x = (4 * rng.standard_normal((2, 3, n))).astype(np.float32)
+    want = np.empty_like(x)
+    softmax_rows_(np, x, want, causal_first)
+    y = np.empty_like(x)
+    period, first = (0, 0) if causal_first is None else (x.shape[-2], causal_first)
+    threaded_kernels.softmax_rows_f(_ptr(x), _ptr(y), n, period, _ll(first), 6, cuda_kernels._threads(n))
+    np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-7)
+
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx = np.empty_like(x)
+    threaded_kernels.softmax_grad_rows_f(_ptr(y), _ptr(dy), _ptr(dx), n, 6, cuda_kernels._threads(n))
+    np.testing.assert_allclose(dx, softmax_grad_rows(np, want, dy), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [5, 33, 300])
+@pytest.mark.parametrize("affine", [False, True])
+def test_layer_norm_kernels_match_the_cpu_op(threaded_kernels, d, affine):
+    from ops.base import TensorSpec
+    from ops.norm import LayerNorm
+    from taskrt.geometry import Rect
+    rng = np.random.default_rng(4)
+    x = 3 + rng.standard_normal((2, 3, d))
+    op = LayerNorm("ln", [TensorSpec(x.shape, "float64", "x")], normalized_shape=(d,), elementwise_affine=affine)
+    weights = {k: rng.standard_normal(v.shape) for k, v in op.init_weights(rng).items()}
+    tile = Rect.from_shape(op.tile_shape)
+    (want_y,), saved = op.forward(np, tile, [x], op.input_rects(tile), weights)
+    dy = rng.standard_normal(x.shape)
+    (want_dx,), want_grads = op.backward(np, tile, [x], op.input_rects(tile), weights, [want_y], [dy], saved)
+
+    rows, threads = 6, cuda_kernels._threads(d)
+    w = weights["weight"] if affine else x
+    b = weights["bias"] if affine else x
+    y, mean, rstd = np.empty_like(x), np.empty(rows), np.empty(rows)
+    threaded_kernels.layer_norm_forward_d(_ptr(x), d, ctypes.c_double(op.eps), _ptr(w), _ptr(b), int(affine),
+                                          _ptr(y), _ptr(mean), _ptr(rstd), rows, threads)
+    np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
+    dx = np.empty_like(x)
+    threaded_kernels.layer_norm_backward_d(_ptr(x), _ptr(dy), d, _ptr(w), int(affine), _ptr(mean), _ptr(rstd),
+                                           _ptr(dx), rows, threads)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-10, atol=1e-10)
+    if affine:
+        shares = 2
+        part_w, part_b = np.empty((shares, d)), np.empty((shares, d))
+        threaded_kernels.layer_norm_weight_grads_d(_ptr(x), _ptr(dy), _ptr(mean), _ptr(rstd), _ll(rows), d,
+                                                   _ptr(part_w), _ptr(part_b), shares)
+        np.testing.assert_allclose(part_w.sum(axis=0), want_grads["weight"], rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(part_b.sum(axis=0), want_grads["bias"], rtol=1e-10, atol=1e-10)
