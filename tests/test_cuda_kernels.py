@@ -93,19 +93,24 @@ def _instantiations() -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def host_kernels(tmp_path_factory):
+def _compile(folder, text: str, *flags: str, library: bool = True):
+    """g++ on `text` with warnings as errors: a shared library (its path), or a syntax check."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("no g++ on this machine to compile the CUDA source for the host")
-    folder = tmp_path_factory.mktemp("cuda_host")
-    source = folder / "kernels.cpp"
-    source.write_text(PRELUDE + cuda_kernels._SOURCE + _instantiations() + LAUNCHERS)
-    library = folder / "kernels.so"
-    done = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror",
-                           "-Wno-unused-function", "-o", str(library), str(source)], capture_output=True, text=True)
-    assert done.returncode == 0, f"the CUDA source does not compile for the host:\n{done.stderr[-4000:]}"
-    return ctypes.CDLL(str(library))
+    source, target = folder / "kernels.cpp", folder / "kernels.so"
+    source.write_text(text)
+    output = ["-shared", "-fPIC", "-o", str(target)] if library else ["-fsyntax-only"]
+    done = subprocess.run([compiler, *flags, "-O1", "-Wall", "-Werror", "-Wno-unused-function", *output, str(source)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"the CUDA code does not compile for the host:\n{done.stderr[-4000:]}"
+    return target
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    text = PRELUDE + cuda_kernels._SOURCE + _instantiations() + LAUNCHERS
+    return ctypes.CDLL(str(_compile(tmp_path_factory.mktemp("cuda_host"), text, "-std=c++17")))
 
 
 def _call(lib, name, *args):
@@ -260,19 +265,12 @@ def _as_function(name, ins, outs, body) -> str:
 
 
 def test_every_elementwise_kernel_compiles_for_float_and_double(monkeypatch, tmp_path):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no g++ on this machine to compile the kernels for the host")
     made = _recorded_elementwise_kernels(monkeypatch)
     assert len(made) == 17, sorted(made)  # 4 activations each way, 3 of batch norm, 2 applies, 4 dx
     source = PRELUDE + "".join(_as_function(n, *spec) for n, spec in made.items())
     source += "".join(f"template void {n}<{t}>({', '.join(_instantiated_params(spec, t))});\n"
                       for n, spec in made.items() for t in ("float", "double"))
-    path = tmp_path / "elementwise.cpp"
-    path.write_text(source)
-    done = subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unused-function",
-                           str(path)], capture_output=True, text=True)
-    assert done.returncode == 0, f"an ElementwiseKernel does not compile for the host:\n{done.stderr[-4000:]}"
+    _compile(tmp_path, source, "-std=c++17", library=False)
 
 
 def _instantiated_params(spec, t) -> list[str]:
@@ -370,17 +368,8 @@ void layer_norm_weight_grads_d(const double* x, const double* dy, const double* 
 
 @pytest.fixture(scope="module")
 def threaded_kernels(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no g++ on this machine to compile the CUDA source for the host")
-    folder = tmp_path_factory.mktemp("cuda_threads")
-    source = folder / "kernels.cpp"
-    source.write_text(THREADED_PRELUDE + cuda_kernels._SOURCE + THREADED_LAUNCHERS)
-    library = folder / "kernels.so"
-    done = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-Wall", "-Werror",
-                           "-Wno-unused-function", "-o", str(library), str(source)], capture_output=True, text=True)
-    assert done.returncode == 0, f"the CUDA source does not compile with threads:\n{done.stderr[-4000:]}"
-    return ctypes.CDLL(str(library))
+    text = THREADED_PRELUDE + cuda_kernels._SOURCE + THREADED_LAUNCHERS
+    return ctypes.CDLL(str(_compile(tmp_path_factory.mktemp("cuda_threads"), text, "-std=c++20", "-pthread")))
 
 
 @pytest.mark.parametrize("n", [1, 37, 300])
