@@ -17,7 +17,6 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the
 from ops import cuda_kernels  # noqa: E402
 from ops.base import TensorSpec  # noqa: E402
 from ops.conv import Conv2d  # noqa: E402
-from ops.windows import pad  # noqa: E402
 from taskrt.geometry import Rect  # noqa: E402
 
 #: (name, input shape, out channels, kernel, stride, padding), as in bench/ops.py
@@ -57,31 +56,25 @@ def phases(case, rounds: int) -> dict:
     (in_rect,) = op.input_rects(tile)
     pads = op._pads(tile, in_rect)
     n, oc, oh, ow = tile.shape
-    xpad = pad(cp, x, pads)
-    cols = cuda_kernels.im2col(xpad, kernel, stride, (oh, ow))
+    corner = (pads[0][0], pads[1][0])
+    cols = cuda_kernels.im2col(x, kernel, stride, corner, (oh, ow))
     w2 = w.reshape(oc, -1)
     yt = w2 @ cols
     dy = cp.asarray(rng.standard_normal(tile.shape, dtype=np.float32))
     dyt = cp.ascontiguousarray(dy.reshape(n, oc, -1).transpose(1, 0, 2)).reshape(oc, -1)
     dcols = w2.T @ dyt
-    dxpad = cp.zeros(xpad.shape, cp.float32)
+    dx = cp.empty(shape, cp.float32)
     out = {
-        "pad": best_ms(lambda: pad(cp, x, pads), rounds),
-        "im2col": best_ms(lambda: cuda_kernels.im2col(xpad, kernel, stride, (oh, ow)), rounds),
+        "im2col": best_ms(lambda: cuda_kernels.im2col(x, kernel, stride, corner, (oh, ow)), rounds),
         "gemm_forward": best_ms(lambda: w2 @ cols, rounds),
         "y_transpose": best_ms(lambda: cp.ascontiguousarray(yt.reshape(oc, n, -1).transpose(1, 0, 2)), rounds),
         "dy_transpose": best_ms(lambda: cp.ascontiguousarray(dy.reshape(n, oc, -1).transpose(1, 0, 2)), rounds),
         "gemm_weight_grad": best_ms(lambda: dyt @ cols.T, rounds),
         "gemm_columns_grad": best_ms(lambda: w2.T @ dyt, rounds),
-        "col2im": best_ms(lambda: cuda_kernels.col2im_add(dcols, kernel, stride, (oh, ow), dxpad), rounds),
+        "col2im": best_ms(lambda: cuda_kernels.col2im(dcols, kernel, stride, corner, (oh, ow), dx), rounds),
     }
     y = cp.empty((n, oc, oh * ow), cp.float32)
-    dx = cp.empty(shape, cp.float32)
-
-    def forward():
-        op._forward_gemm(cp, tile, pad(cp, x, pads), w, y)
-
-    out["forward"] = best_ms(forward, rounds)
+    out["forward"] = best_ms(lambda: op._forward_gemm(cp, tile, x, pads, w, y), rounds)
     out["backward"] = best_ms(lambda: op._backward_gemm(cp, tile, x, pads, w, dy, dx), rounds)
     torch.backends.cudnn.allow_tf32 = False
     tx = torch.as_tensor(x, device="cuda").requires_grad_(True)

@@ -857,7 +857,7 @@ class Conv2d(Op):
             else:
                 self._forward_columns(xp, tile, pad(xp, x[a:b], pads), w, y[a:b])
         if path == "gemm":
-            self._forward_gemm(xp, tile, pad(xp, x, pads), w, y)
+            self._forward_gemm(xp, tile, x, pads, w, y)
         elif path == "winograd":  # (these two run their parts in one compiled call)
             winograd.forward(x, w, (pads[0][0], pads[1][0]), y.reshape(n, oct_, oh, ow), bias, self._most_parts(tile))
         elif path == "direct":
@@ -879,33 +879,31 @@ class Conv2d(Op):
             else:
                 y[a:b] = xp.matmul(wg, cols).reshape(b - a, ng * ocpg, oh * ow)[:, off:off + oct_]
 
-    def _forward_gemm(self, xp, tile, xpad, w, y) -> None:
+    def _forward_gemm(self, xp, tile, x, pads, w, y) -> None:
         """y [N, OCt, OH*OW] as one GEMM (one per group) over the columns of all samples side
-        by side (ops/cuda_kernels.py): the tile's weight rows times [K, N*OH*OW]."""
+        by side (ops/cuda_kernels.py, from the unpadded tile): the weight rows times [K, N*OH*OW]."""
         n, oct_, oh, ow = tile.shape
         ng, ocpg, off = self._layout(tile)
-        cols = cuda_kernels.im2col(xpad, self.kernel, self.stride, (oh, ow)).reshape(ng, -1, n * oh * ow)
+        corner = (pads[0][0], pads[1][0])
+        cols = cuda_kernels.im2col(x, self.kernel, self.stride, corner, (oh, ow)).reshape(ng, -1, n * oh * ow)
         yt = xp.matmul(self._grouped(xp, w.reshape(oct_, -1), tile), cols)  # [G, OC/G, N*OH*OW]
         y[...] = yt.reshape(ng * ocpg, n, oh * ow)[off:off + oct_].transpose(1, 0, 2)
 
     def _backward_gemm(self, xp, tile, x, pads, w, dy, dx):
         """dw, and dx written, as GEMMs over the columns of all samples side by side: dw = dy^T
         times the columns' transpose, the columns' gradient = the weight rows' transpose times dy^T,
-        added back into the padded input by col2im."""
+        gathered into dx by col2im."""
         n, (oct_, oh, ow) = x.shape[0], tile.shape[1:]
         ng, ocpg, off = self._layout(tile)
-        xpad = pad(xp, x, pads)
-        cols = cuda_kernels.im2col(xpad, self.kernel, self.stride, (oh, ow)).reshape(ng, -1, n * oh * ow)
+        corner = (pads[0][0], pads[1][0])
+        cols = cuda_kernels.im2col(x, self.kernel, self.stride, corner, (oh, ow)).reshape(ng, -1, n * oh * ow)
         dyt = xp.ascontiguousarray(dy.reshape(n, oct_, oh * ow).transpose(1, 0, 2)).reshape(oct_, n * oh * ow)
         dyg = self._grouped(xp, dyt, tile)   # [G, OC/G, N*OH*OW]
         gw = xp.stack([dyg[g] @ cols[g].T for g in range(ng)])
         if dx is not None:
             wg = self._grouped(xp, w.reshape(oct_, -1), tile)
             dcols = xp.stack([wg[g].T @ dyg[g] for g in range(ng)])
-            (top, bottom), (left, right) = pads
-            dxpad = xp.zeros(x.shape[:2] + (x.shape[2] + top + bottom, x.shape[3] + left + right), x.dtype)
-            cuda_kernels.col2im_add(dcols, self.kernel, self.stride, (oh, ow), dxpad)
-            dx[...] = dxpad[:, :, top:top + x.shape[2], left:left + x.shape[3]]
+            cuda_kernels.col2im(dcols, self.kernel, self.stride, corner, (oh, ow), dx)
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):

@@ -8,8 +8,8 @@ sums as ReductionKernels (batch norm's per-channel statistics one ElementwiseKer
 arrays, not twenty launches), max pooling as one thread per output (forward, with its argmax) and
 one per input (backward, gathering the outputs whose argmax it is: no atomics, deterministic),
 and convolution's im2col and col2im, with the columns of all samples side by side so that
-forward and both gradients are one GEMM each (col2im gathers too: one pass, not one per
-window offset).
+forward and both gradients are one GEMM each, reading and writing the unpadded tile (col2im
+gathers too: one pass, not one per window offset, and no padded buffer to zero and crop).
 Sums accumulate in double. Kernels are compiled on first use and cached by cupy on disk.
 `on_gpu(xp)` says whether the fused kernels apply: cupy itself, not numpy (nor the numpy under
 another name that the tests use to run the array code on the CPU).
@@ -261,10 +261,11 @@ template<typename T> __global__ void max_pool_backward(const T* dy, const int* a
 }
 
 // Convolution's columns as one matrix [C * kh * kw, N * oh * ow] (row (c, i, j), column
-// (n, oy, ox)), a thread per value, from a padded input [N, C, h, w] that holds every window:
-// forward and both gradients are then one GEMM each, not one per sample.
+// (n, oy, ox)), a thread per value, from the unpadded input [N, C, h, w] whose windows start at
+// (oy * sh - top, ox * sw - left): values outside it are the padding's zeros (no padded copy).
+// Forward and both gradients are then one GEMM each, not one per sample.
 template<typename T> __global__ void im2col(const T* x, long long total, int n, int c, int h, int w, int kh,
-                                           int kw, int sh, int sw, int oh, int ow, T* cols) {
+                                           int kw, int sh, int sw, int top, int left, int oh, int ow, T* cols) {
     long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= total) return;
     int ox = o % ow;
@@ -277,16 +278,17 @@ template<typename T> __global__ void im2col(const T* x, long long total, int n, 
     r /= kw;
     int i = r % kh;
     long long ch = r / kh;
-    cols[o] = x[((s * (long long)c + ch) * h + oy * sh + i) * w + ox * sw + j];
+    int yy = oy * sh + i - top, xx = ox * sw + j - left;
+    cols[o] = yy >= 0 && yy < h && xx >= 0 && xx < w ? x[((s * (long long)c + ch) * h + yy) * w + xx] : (T)0;
 }
 
-// Its adjoint, a thread per value of the padded input [N, C, h, w]: out += the sum of the
-// columns' values that im2col copied from it.
-template<typename T> __global__ void col2im_add(const T* cols, long long total, int n, int c, int h, int w,
-                                               int kh, int kw, int sh, int sw, int oh, int ow, T* out) {
+// Its adjoint, a thread per value of the unpadded input [N, C, h, w]: out = the sum of the
+// columns' values that im2col copied from it (written, not added: no zeroed buffer first).
+template<typename T> __global__ void col2im(const T* cols, long long total, int n, int c, int h, int w, int kh,
+                                           int kw, int sh, int sw, int top, int left, int oh, int ow, T* out) {
     long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= total) return;
-    int xx = o % w, yy = (o / w) % h;
+    int xx = o % w + left, yy = (o / w) % h + top;   // in the padded input's coordinates
     long long plane = o / ((long long)w * h);
     int s = plane / c, ch = plane % c;
     T acc = (T)0;
@@ -299,7 +301,7 @@ template<typename T> __global__ void col2im_add(const T* cols, long long total, 
             acc += cols[((((long long)ch * kh + i) * kw + j) * n + s) * oh * ow + (long long)(dy / sh) * ow + dx / sw];
         }
     }
-    out[o] += acc;
+    out[o] = acc;
 }
 
 template<typename T> __device__ T sigmoid(T a) { return (T)0.5 * tanh((T)0.5 * a) + (T)0.5; }
@@ -355,7 +357,7 @@ template<typename T> __global__ void lstm_step_backward(T* g, long long gs, cons
 }
 """
 _KERNELS = ("softmax_rows", "softmax_grad_rows", "layer_norm_forward", "layer_norm_backward",
-            "layer_norm_weight_grads", "max_pool_forward", "max_pool_backward", "im2col", "col2im_add",
+            "layer_norm_weight_grads", "max_pool_forward", "max_pool_backward", "im2col", "col2im",
             "lstm_step_forward", "lstm_step_backward")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -488,29 +490,32 @@ def max_pool_backward(dy, arg, x_shape, kernel, stride, top_left):
     return dx
 
 
-def im2col(xpad, kernel, stride, out_hw):
-    """The columns [C * KH * KW, N * OH * OW] of a padded input xpad [N, C, H, W], one kernel."""
+def im2col(x, kernel, stride, top_left, out_hw):
+    """The columns [C * KH * KW, N * OH * OW] of the unpadded input x [N, C, H, W] whose windows
+    start at o * stride - top_left (the padding read as zeros), one kernel."""
     cp = _cupy()
-    src = _contiguous(xpad)
-    n, c, h, w = xpad.shape
-    cols = cp.empty((c * kernel[0] * kernel[1], n * out_hw[0] * out_hw[1]), xpad.dtype)
+    n, c, h, w = x.shape
+    cols = cp.empty((c * kernel[0] * kernel[1], n * out_hw[0] * out_hw[1]), x.dtype)
     if cols.size:
-        _raw("im2col", xpad.dtype)(_blocks(cols.size), (256,), (
-            src, np.int64(cols.size), np.int32(n), np.int32(c), np.int32(h), np.int32(w), np.int32(kernel[0]),
-            np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]), np.int32(out_hw[0]),
-            np.int32(out_hw[1]), cols))
+        _raw("im2col", x.dtype)(_blocks(cols.size), (256,), (
+            _contiguous(x), np.int64(cols.size), np.int32(n), np.int32(c), np.int32(h), np.int32(w),
+            np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
+            np.int32(top_left[0]), np.int32(top_left[1]), np.int32(out_hw[0]), np.int32(out_hw[1]), cols))
     return cols
 
 
-def col2im_add(cols, kernel, stride, out_hw, out) -> None:
-    """Add columns [C * KH * KW, N * OH * OW] back into the padded input `out` [N, C, H, W]
-    (C-contiguous), a thread per value of out."""
+def col2im(cols, kernel, stride, top_left, out_hw, out) -> None:
+    """out [N, C, H, W] = im2col's adjoint of cols [C * KH * KW, N * OH * OW], a thread per value
+    of out (written into a C-contiguous out, else through a new array)."""
+    cp = _cupy()
     n, c, h, w = out.shape
+    dst = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
     if out.size:
-        _raw("col2im_add", out.dtype)(_blocks(out.size), (256,), (
+        _raw("col2im", out.dtype)(_blocks(out.size), (256,), (
             _contiguous(cols), np.int64(out.size), np.int32(n), np.int32(c), np.int32(h), np.int32(w),
             np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
-            np.int32(out_hw[0]), np.int32(out_hw[1]), out))
+            np.int32(top_left[0]), np.int32(top_left[1]), np.int32(out_hw[0]), np.int32(out_hw[1]), dst))
+    _into(out, dst)
 
 
 # ---- batch norm: per-channel sums and the element-wise passes ----------------------------------

@@ -51,12 +51,12 @@ template<typename... P, typename... A> static void launch(void (*kernel)(P...), 
 }
 extern "C" {
 void im2col_f(const float* x, long long total, int n, int c, int h, int w, int kh, int kw, int sh, int sw,
-              int oh, int ow, float* cols) {
-    launch(im2col<float>, total, x, total, n, c, h, w, kh, kw, sh, sw, oh, ow, cols);
+              int top, int left, int oh, int ow, float* cols) {
+    launch(im2col<float>, total, x, total, n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, cols);
 }
-void col2im_add_f(const float* cols, long long total, int n, int c, int h, int w, int kh, int kw, int sh,
-                  int sw, int oh, int ow, float* out) {
-    launch(col2im_add<float>, total, cols, total, n, c, h, w, kh, kw, sh, sw, oh, ow, out);
+void col2im_f(const float* cols, long long total, int n, int c, int h, int w, int kh, int kw, int sh, int sw,
+              int top, int left, int oh, int ow, float* out) {
+    launch(col2im<float>, total, cols, total, n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, out);
 }
 void max_pool_forward_f(const float* x, long long total, int h, int w, int oh, int ow, int kh, int kw, int sh,
                         int sw, int top, int left, float* y, int* arg) {
@@ -131,32 +131,35 @@ def _ll(v):
 
 
 def test_every_kernel_compiles_for_float_and_double(host_kernels):
-    assert all(hasattr(host_kernels, f) for f in ("im2col_f", "col2im_add_f", "max_pool_forward_f"))
+    assert all(hasattr(host_kernels, f) for f in ("im2col_f", "col2im_f", "max_pool_forward_f"))
 
 
-@pytest.mark.parametrize("kernel,stride", [((3, 3), (1, 1)), ((3, 3), (2, 2)), ((1, 7), (1, 1)), ((5, 3), (3, 2))])
-def test_im2col_and_col2im_match_numpy(host_kernels, kernel, stride):
+@pytest.mark.parametrize("kernel,stride,pads", [((3, 3), (1, 1), ((1, 1), (1, 1))), ((3, 3), (2, 2), ((1, 0), (1, 1))),
+                                                ((1, 7), (1, 1), ((0, 0), (3, 3))), ((5, 3), (3, 2), ((2, 1), (0, 1)))])
+def test_im2col_and_col2im_match_numpy(host_kernels, kernel, stride, pads):
+    """On the unpadded input, its (virtual) padding read as zeros: against numpy on a padded copy."""
     rng = np.random.default_rng(0)
     n, c, h, w = 2, 3, 11, 13
-    (kh, kw), (sh, sw) = kernel, stride
-    oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
-    xpad = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    (kh, kw), (sh, sw), ((top, bottom), (left, right)) = kernel, stride, pads
+    oh, ow = (h + top + bottom - kh) // sh + 1, (w + left + right - kw) // sw + 1
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
     cols = np.empty((c * kh * kw, n * oh * ow), np.float32)
-    _call(host_kernels, "im2col_f", xpad, _ll(cols.size), n, c, h, w, kh, kw, sh, sw, oh, ow, cols)
+    _call(host_kernels, "im2col_f", x, _ll(cols.size), n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, cols)
+    xpad = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
     windows = sliding_window_view(xpad, kernel, axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]  # N C OH OW KH KW
     want = windows.transpose(1, 4, 5, 0, 2, 3).reshape(c * kh * kw, n * oh * ow)
     np.testing.assert_array_equal(cols, want)
 
-    # col2im is im2col's adjoint: <im2col(x), g> == <x, col2im(g)>, and it adds into out
+    # col2im: each column value added back where im2col took it from, the padding's dropped
     g = rng.standard_normal(cols.shape).astype(np.float32)
-    out = np.ones_like(xpad)
-    _call(host_kernels, "col2im_add_f", g, _ll(out.size), n, c, h, w, kh, kw, sh, sw, oh, ow, out)
-    want_out = np.ones_like(xpad, dtype=np.float64)
+    out = np.full_like(x, np.nan)   # written, not added to
+    _call(host_kernels, "col2im_f", g, _ll(out.size), n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, out)
+    want_pad = np.zeros(xpad.shape)
     g6 = g.reshape(c, kh, kw, n, oh, ow).astype(np.float64)
     for i in range(kh):
         for j in range(kw):
-            want_out[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw] += g6[:, i, j].transpose(1, 0, 2, 3)
-    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+            want_pad[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw] += g6[:, i, j].transpose(1, 0, 2, 3)
+    np.testing.assert_allclose(out, want_pad[:, :, top:top + h, left:left + w], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel,stride,pads", [((3, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (0, 0)),
