@@ -34,8 +34,8 @@ python3 -c "import sys, numpy, numba, cupy, torch, mpi4py; print(sys.version.spl
 'numba', numba.__version__, 'cupy', cupy.__version__, 'torch', torch.__version__, 'mpi4py', mpi4py.__version__,
 'gpus', cupy.cuda.runtime.getDeviceCount())"
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
-step tests "${1:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $per_test tests/test_gpu.py \
+step tests "${1:-200}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $per_test tests/test_gpu.py \
     ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
-step ops_gpu "${2:-150}" python3 bench/ops.py --gpu --tiles --rounds 1
+step ops_gpu "${2:-90}" python3 bench/ops.py --gpu --tiles --rounds 1
 step conv_phases 40 python3 bench/gpu_conv_phases.py
 step alexnet_gpu 60 python3 -m apps.alexnet --gpus-per-rank 1 --cpus-per-rank 1 --iterations 6
