@@ -223,17 +223,26 @@ def ln_check(shape, normalized_shape, affine=True, seed=0):
     if not affine:
         weights = {}
     (y,), (gx,), gw, _ = run_whole(op, [x], weights, [g])
-    xt = torch.tensor(x, requires_grad=True)
-    wt = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
-    yt = F.layer_norm(xt, op.normalized_shape, wt.get("weight"), wt.get("bias"), eps=op.eps)
-    yt.backward(torch.tensor(g))
-    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-4, atol=1e-4)
-    assert set(gw) == set(wt)
-    for k in gw:
-        np.testing.assert_allclose(gw[k], wt[k].grad.numpy(), rtol=1e-4, atol=1e-4)
+    want = _torch_layer_norm(op, x, weights, g, torch.float64)
+    torch32 = _torch_layer_norm(op, x, weights, g, torch.float32)
+    ours = {"y": y, "x": gx, **gw}
+    assert ours.keys() == want.keys()
+    for k, truth in want.items():
+        # against float64 PyTorch, as close as 1e-4, or as PyTorch's own float32 comes where the
+        # rows are ill-conditioned (a short row of nearly equal values: float32 loses digits)
+        slack = 4 * np.abs(torch32[k] - truth).max()
+        np.testing.assert_allclose(ours[k], truth, rtol=1e-4, atol=max(1e-5 if k == "y" else 1e-4, slack), err_msg=k)
     check_tiled(op, [x], weights, [g], rtol=1e-5, atol=1e-5)
     return op, x, weights
+
+
+def _torch_layer_norm(op, x, weights, g, dtype) -> dict:
+    """PyTorch's layer norm in `dtype`: {"y": output, "x": dx, weight name: its gradient}."""
+    xt = torch.tensor(x, dtype=dtype, requires_grad=True)
+    wt = {k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in weights.items()}
+    yt = F.layer_norm(xt, op.normalized_shape, wt.get("weight"), wt.get("bias"), eps=op.eps)
+    yt.backward(torch.tensor(g, dtype=dtype))
+    return {"y": yt.detach().numpy(), "x": xt.grad.numpy(), **{k: v.grad.numpy() for k, v in wt.items()}}
 
 
 @pytest.mark.parametrize("shape,normalized_shape", [((4, 7), 7), ((3, 4, 6), (6,)), ((2, 3, 4, 5), (4, 5)),
