@@ -84,8 +84,9 @@ def restore(model, meta: dict, arrays: dict) -> None:
     """Put a file's arrays (and, when compiled, optimizer state, step and data order) into `model`;
     everything is checked before anything is put in, so a file that does not fit changes nothing."""
     values = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(("param/", "stat/"))}
+    compiled = model._low is not None and meta["compiled"] is not None
     states = []
-    if model._low is not None and meta["compiled"] is not None:
+    if compiled:
         for p in model._low.params.values():
             for s, region in p.state.items():
                 key = f"opt/{p.name}/{s}"
@@ -96,6 +97,7 @@ def restore(model, meta: dict, arrays: dict) -> None:
     model.set_parameters(values)
     for region, array in states:
         model._low.attach(region, array)
+    if compiled:
         model.step = int(meta["step"])
         model._data_rng.bit_generator.state = meta["data_rng"]
 

@@ -228,6 +228,24 @@ def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
         np.testing.assert_allclose(d.predict(x), saved.predict(x), rtol=1e-5, atol=1e-6)
 
 
+def test_load_restores_step_and_data_order_without_optimizer_state(rt, tmp_path):
+    """SGD without momentum keeps no state: the step and the data order come back all the same."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((24, 3, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 4, 24)
+    a = small_cnn(rt, batch=6, seed=11)
+    a.compile(SGD(lr=0.05))
+    a.fit(x, y, iterations=3, verbose=False)
+    path = tmp_path / "sgd.npz"
+    a.save(path)
+    want = a.fit(x, y, iterations=4, verbose=False)
+    c = small_cnn(rt, batch=6, seed=99)
+    c.compile(SGD(lr=0.05))
+    c.load(path)
+    assert c.step == 3
+    assert c.fit(x, y, iterations=4, verbose=False).loss == want.loss
+
+
 def test_an_uncompiled_model_saves_and_loads_its_graph_and_weights(rt, tmp_path):
     m = small_mlp(rt, seed=4)
     m.save(tmp_path / "mlp.npz")
