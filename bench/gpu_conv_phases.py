@@ -14,10 +14,10 @@ import numpy as np
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ops package, not bench/ops.py
 
-from ops import cuda_kernels  # noqa: E402
-from ops.base import TensorSpec  # noqa: E402
-from ops.conv import Conv2d  # noqa: E402
-from taskrt.geometry import Rect  # noqa: E402
+from ops import cuda_kernels
+from ops.base import TensorSpec
+from ops.conv import Conv2d
+from taskrt.geometry import Rect
 
 #: (name, input shape, out channels, kernel, stride, padding), as in bench/ops.py
 CASES = [("conv_resnet3x3", (32, 64, 56, 56), 64, (3, 3), (1, 1), (1, 1)),

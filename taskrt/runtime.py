@@ -100,9 +100,7 @@ class Runtime:
         if not isinstance(self.machine, Machine):
             raise TypeError(f"Runtime: machine must be a taskrt Machine, got {type(self.machine).__name__} "
                             f"{self.machine!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.machine.num_ranks:
-            raise ValueError(f"Runtime: rank {rank!r} is not a rank of {self.machine!r} "
-                             f"(ranks 0..{self.machine.num_ranks - 1})")
+        _check_rank("Runtime", rank, self.machine)
         if execute and any(p.kind == "gpu" for p in self.machine.rank_processors(rank)):
             gpu.module()   # a clear error where cupy is missing, not GPU workers that die and tasks that wait
         self.mapper = mapper or DefaultMapper()
@@ -224,9 +222,8 @@ class Runtime:
         On many ranks every rank gets the array; with `rank=k` only rank k does (the
         others get None, or a Future that asks rank k for it)."""
         _check_region("read", region)
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                 or not 0 <= rank < self.machine.num_ranks):
-            raise ValueError(f"read: rank {rank!r} is not a rank of {self.machine!r}")
+        if rank is not None:
+            _check_rank("read", rank, self.machine)
         name = f"read:{region.name}"
         if rank is not None or self.machine.num_ranks == 1:
             proc = self.machine.host_processor(rank or 0)
@@ -697,6 +694,11 @@ def _check_region(what: str, region) -> None:
     if not isinstance(region, Region):
         hint = " (a partition's pieces are read through an index launch)" if isinstance(region, Partition) else ""
         raise TypeError(f"{what}: takes a Region{hint}, got {type(region).__name__}")
+
+
+def _check_rank(what: str, rank, machine: Machine) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < machine.num_ranks:
+        raise ValueError(f"{what}: rank {rank!r} is not a rank of {machine!r} (ranks 0..{machine.num_ranks - 1})")
 
 
 def _check_timeout(timeout) -> None:

@@ -10,6 +10,7 @@ missing)."""
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 
@@ -82,7 +83,6 @@ void lstm_step_backward_d(double* g, long long gs, const double* tc, long long t
 
 def _instantiations() -> str:
     """An explicit instantiation of every kernel for float and double."""
-    import re
     lines = []
     for name in cuda_kernels._KERNELS:
         found = re.search(r"template<typename T> __global__ void " + name + r"\(([^)]*)\)", cuda_kernels._SOURCE)
@@ -113,19 +113,6 @@ def host_kernels(tmp_path_factory):
     return ctypes.CDLL(str(_compile(tmp_path_factory.mktemp("cuda_host"), text, "-std=c++17")))
 
 
-def _call(lib, name, *args):
-    """Call lib.name with numpy arrays (C-contiguous) as pointers; ints go as C ints, _ll(v) as
-    long longs."""
-    converted = []
-    for a in args:
-        if isinstance(a, np.ndarray):
-            assert a.flags.c_contiguous
-            converted.append(a.ctypes.data_as(ctypes.c_void_p))
-        else:
-            converted.append(a)
-    getattr(lib, name)(*converted)
-
-
 def _ll(v):
     return ctypes.c_longlong(v)
 
@@ -144,7 +131,7 @@ def test_im2col_and_col2im_match_numpy(host_kernels, kernel, stride, pads):
     oh, ow = (h + top + bottom - kh) // sh + 1, (w + left + right - kw) // sw + 1
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
     cols = np.empty((c * kh * kw, n * oh * ow), np.float32)
-    _call(host_kernels, "im2col_f", x, _ll(cols.size), n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, cols)
+    host_kernels.im2col_f(_ptr(x), _ll(cols.size), n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, _ptr(cols))
     xpad = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
     windows = sliding_window_view(xpad, kernel, axis=(2, 3))[:, :, ::sh, ::sw][:, :, :oh, :ow]  # N C OH OW KH KW
     want = windows.transpose(1, 4, 5, 0, 2, 3).reshape(c * kh * kw, n * oh * ow)
@@ -153,7 +140,7 @@ def test_im2col_and_col2im_match_numpy(host_kernels, kernel, stride, pads):
     # col2im: each column value added back where im2col took it from, the padding's dropped
     g = rng.standard_normal(cols.shape).astype(np.float32)
     out = np.full_like(x, np.nan)   # written, not added to
-    _call(host_kernels, "col2im_f", g, _ll(out.size), n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, out)
+    host_kernels.col2im_f(_ptr(g), _ll(out.size), n, c, h, w, kh, kw, sh, sw, top, left, oh, ow, _ptr(out))
     want_pad = np.zeros(xpad.shape)
     g6 = g.reshape(c, kh, kw, n, oh, ow).astype(np.float64)
     for i in range(kh):
@@ -182,11 +169,13 @@ def test_max_pool_kernels_match_the_cpu_op(host_kernels, kernel, stride, pads):
     top, left = op._top_left(tile, in_rect)
     (_, _, h, w), (oh, ow) = x.shape, tile.shape[2:]
     y, arg = np.empty(tile.shape, np.float32), np.empty(tile.shape, np.int32)
-    _call(host_kernels, "max_pool_forward_f", x, _ll(y.size), h, w, oh, ow, *kernel, *stride, top, left, y, arg)
+    host_kernels.max_pool_forward_f(_ptr(x), _ll(y.size), h, w, oh, ow, *kernel, *stride, top, left, _ptr(y),
+                                    _ptr(arg))
     np.testing.assert_array_equal(y, want_y)
     np.testing.assert_array_equal(arg, want_arg)
     dx = np.empty_like(x)
-    _call(host_kernels, "max_pool_backward_f", dy, arg, _ll(dx.size), h, w, oh, ow, *kernel, *stride, top, left, dx)
+    host_kernels.max_pool_backward_f(_ptr(dy), _ptr(arg), _ll(dx.size), h, w, oh, ow, *kernel, *stride, top, left,
+                                     _ptr(dx))
     np.testing.assert_allclose(dx, want_dx, rtol=1e-6, atol=1e-6)
 
 
