@@ -48,7 +48,7 @@ from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, SOURCE_PH
                        Lowering, OpPlan, Segment, TileConfig, UpdatePlan, default_config)
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, task_cost_of
-from strategies.joined import Joiner
+from strategies.arena import Arena, columns_of
 from strategies.timing import Successors, successor_lists
 from taskrt import Runtime
 from taskrt.geometry import Rect
@@ -369,8 +369,8 @@ class SegmentBuilder:
         #: the step's segment count: every program has it (each op always makes the same segments,
         #: empty or not), since the cached region analyses name segments by their places
         self._step_length: int | None = None
-        self._columns = Joiner(5, np.int64)    # the results' columns and edges, joined from the last build's
-        self._edges = Joiner(6, np.int64)
+        self._columns = Arena(5, np.int64)    # the results' columns and edges, each placed once
+        self._edges = Arena(6, np.int64)
 
     def __repr__(self) -> str:
         return (f"SegmentBuilder({len(self.ops)} ops, {len(self._segments)} segments and "
@@ -562,10 +562,11 @@ class SegmentBuilder:
         sizes[:second] = 0
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)
-        columns, copy_counts = self._columns.join(results, _columns_of)
-        edges, edge_counts = self._edges.join(results, _edges_of)
-        order, indeg, ptr, idx, segment_of, buffer_index = _lay_out(columns, copy_counts, edges, edge_counts,
-                                                                    offset, sizes, second)
+        copy_starts, copy_counts = self._columns.place(results, _columns_of)
+        edge_starts, edge_counts = self._edges.place(results, _edges_of)
+        order, indeg, ptr, idx, segment_of, buffer_index = _lay_out(
+            self._columns.store, columns_of(copy_starts, copy_counts), self._edges.store, edge_starts, edge_counts,
+            copy_counts, offset, sizes, second)
         return AssembledIteration(Successors(indeg, ptr, idx), segment_of, buffer_index, order,
                                   program[second:] + [r for r, c in zip(results, copy_counts.tolist()) if c], program,
                                   view, self.machine)
@@ -781,7 +782,7 @@ def _pred_lists(dst: np.ndarray, src: np.ndarray, n: int) -> tuple[np.ndarray, n
     return ptr, idx[:out].copy()
 
 
-#: what the builder's joiners join of each region result
+#: what the builder's arenas place of each region result
 _columns_of, _edges_of = operator.attrgetter("columns"), operator.attrgetter("edges")
 #: per program entry, read in C (a program has thousands)
 _key_id, _task_count = operator.attrgetter("key_id"), operator.attrgetter("n_tasks")
@@ -795,10 +796,12 @@ def _end_node(kind, a, b, offset, base):
 
 
 @numba.njit(cache=True, nogil=True)
-def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
-    """The assembly's arrays from the region results' joined columns and edges (RegionResult:
-    columns and edges per result, `copy_counts` and `edge_counts` of them) and each program
-    position's task count (`sizes`, zero before `second`) and first task number (`offset`).
+def _lay_out(columns, copy_columns, edges, edge_starts, edge_counts, copy_counts, offset, sizes, second):
+    """The assembly's arrays from the region results' columns and edges (RegionResult: placed in
+    their arenas' stores: copy i's column in `columns` is copy_columns[i], copies numbered
+    result after result; result r's edges are edge_counts[r] columns of `edges` from
+    edge_starts[r]; `copy_counts` per result) and each program position's task count (`sizes`,
+    zero before `second`) and first task number (`offset`).
 
     Tasks are numbered in program order, copies after them by result. The layout puts each task
     after the copies it causes, those by requirement and then in the order analyzed (a counting
@@ -809,11 +812,11 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
     n_tasks = 0
     for j in range(second, sizes.shape[0]):
         n_tasks += sizes[j]
-    n_copies = columns.shape[1]
+    n_copies = copy_columns.shape[0]
     n = n_tasks + n_copies
     copy_task = np.empty(n_copies, np.int64)
     for c in range(n_copies):
-        copy_task[c] = offset[columns[0, c]] + columns[1, c]
+        copy_task[c] = offset[columns[0, copy_columns[c]]] + columns[1, copy_columns[c]]
     # copies bucketed by causing task (stably), each bucket then by requirement (stably)
     start = np.zeros(n_tasks + 1, np.int64)
     for c in range(n_copies):
@@ -830,7 +833,7 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
         for i in range(start[v] + 1, start[v + 1]):
             c = bucket[i]
             k = i - 1
-            while k >= start[v] and columns[2, bucket[k]] > columns[2, c]:
+            while k >= start[v] and columns[2, copy_columns[bucket[k]]] > columns[2, copy_columns[c]]:
                 bucket[k + 1] = bucket[k]
                 k -= 1
             bucket[k + 1] = c
@@ -846,15 +849,15 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
         position[v] = at
         at += 1
     # edges, rows (dst kind, a, b, src kind, a, b): ends as layout positions
-    m = edges.shape[1]
+    m = edge_counts.sum()
     dst = np.empty(m, np.int64)
     src = np.empty(m, np.int64)
     e = 0
     base = n_tasks
     for r in range(edge_counts.shape[0]):
-        for _ in range(edge_counts[r]):
-            dst[e] = position[_end_node(edges[0, e], edges[1, e], edges[2, e], offset, base)]
-            src[e] = position[_end_node(edges[3, e], edges[4, e], edges[5, e], offset, base)]
+        for k in range(edge_starts[r], edge_starts[r] + edge_counts[r]):
+            dst[e] = position[_end_node(edges[0, k], edges[1, k], edges[2, k], offset, base)]
+            src[e] = position[_end_node(edges[3, k], edges[4, k], edges[5, k], offset, base)]
             e += 1
         base += copy_counts[r]
     indeg, ptr, idx = successor_lists(dst, src, n)
@@ -869,8 +872,9 @@ def _lay_out(columns, copy_counts, edges, edge_counts, offset, sizes, second):
     for c in range(n_copies):
         p = position[n_tasks + c]
         segment_of[p] = segment_of[position[copy_task[c]]]
-        if columns[3, c] >= 0:
-            buf = offset[columns[3, c]] + columns[4, c]
+        col = copy_columns[c]
+        if columns[3, col] >= 0:
+            buf = offset[columns[3, col]] + columns[4, col]
             if buf >= 0:
                 buffer_index[p] = position[buf]
     return order, indeg, ptr, idx, segment_of, buffer_index

@@ -33,7 +33,7 @@ from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
 from strategies.graph import (BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, SOURCE_PHASE, UPDATE, IterationGraph,
                               build_iteration)
-from strategies.joined import Joiner
+from strategies.arena import Arena, columns_of
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
@@ -124,7 +124,7 @@ class Simulator:
         # a copy between ranks holds its processors too (before and after: 4 more cost rows)
         self._handling = mm.device.kind == "cpu" and (mm.send_overhead > 0 or mm.receive_overhead > 0)
         self._rows = 7 if self._handling else 3
-        self._costs_joined = Joiner(self._rows, np.float64)   # the parts' costs, joined from the last graph's
+        self._part_costs_placed = Arena(self._rows, np.float64)   # the parts' costs, each placed once
         self._copy_costs: dict[tuple, tuple] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
         self._pairs: dict[int, tuple] = {}   # see _copy_pair
@@ -245,8 +245,8 @@ class Simulator:
             if flushes != self._flushes_seen:   # the builder dropped its parts: so do their costs
                 self._part_cost_cache.clear()
                 self._flushes_seen = flushes
-            joined, _ = self._costs_joined.join(graph.parts, self._part_costs)
-            costs = joined[:, graph.order]
+            starts, counts = self._part_costs_placed.place(graph.parts, self._part_costs)
+            costs = self._part_costs_placed.store[:, columns_of(starts, counts)[graph.order]]
         else:
             costs = np.array([self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))
                               for i, node in enumerate(graph.nodes)], float).reshape(-1, self._rows).T

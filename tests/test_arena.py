@@ -1,0 +1,56 @@
+"""strategies.arena: every placement finds each part's own arrays in the store, whatever was
+placed before and however often the store was made again."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strategies.arena import Arena, columns_of
+
+
+class Part:
+    def __init__(self, columns: np.ndarray):
+        self.columns = columns
+
+
+def _pool(sizes, rows, seed):
+    rng = np.random.default_rng(seed)
+    return [Part(rng.integers(-50, 50, size=(rows, k))) for k in sizes]
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=12), picks=st.lists(
+    st.lists(st.integers(0, 11), max_size=14), min_size=1, max_size=6), seed=st.integers(0, 2**16),
+    least=st.sampled_from([1, 8, 4096]))
+def test_each_placement_finds_each_parts_columns(sizes, picks, seed, least):
+    pool = _pool(sizes, 3, seed)
+    arena = Arena(3, np.int64, min_columns=least)   # a small store: made again often
+    for pick in picks:
+        parts = [pool[i % len(pool)] for i in pick]
+        starts, counts = arena.place(parts, lambda p: p.columns)
+        assert counts.tolist() == [p.columns.shape[1] for p in parts]
+        for p, a, k in zip(parts, starts, counts):
+            assert np.array_equal(arena.store[:, a:a + k], p.columns)
+        joined = arena.store[:, columns_of(starts, counts)]
+        expect = np.concatenate([p.columns for p in parts], axis=1) if parts else np.zeros((3, 0), np.int64)
+        assert np.array_equal(joined, expect)
+
+
+def test_only_parts_not_placed_are_asked_for_and_a_rebuild_keeps_only_the_last_placement():
+    a, b, c, d = (Part(np.full((2, k), k)) for k in (1, 2, 3, 4))
+    arena = Arena(2, np.float64, min_columns=6)
+    asked = []
+    arena.place([a, b, a], lambda p: asked.append(p) or p.columns)
+    arena.place([b, c, a], lambda p: asked.append(p) or p.columns)
+    assert asked == [a, b, c] and arena.rebuilds == 0 and arena.used == 6
+    starts, counts = arena.place([d, c], lambda p: asked.append(p) or p.columns)   # 10 > 6 columns: rebuilt
+    assert asked == [a, b, c, d] and arena.rebuilds == 1
+    assert arena.used == 7 and arena.store.shape[1] == 28 and starts.tolist() == [0, 4]
+    arena.place([a], lambda p: asked.append(p) or p.columns)   # a went in the rebuild: asked again
+    assert asked == [a, b, c, d, a]
+
+
+def test_a_part_of_the_wrong_shape_is_refused():
+    arena = Arena(2, np.int64)
+    with pytest.raises(ValueError, match=r"2 x k, got shape \(3, 1\)"):
+        arena.place([Part(np.zeros((3, 1), np.int64))], lambda p: p.columns)
