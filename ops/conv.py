@@ -529,6 +529,16 @@ def _bias_grad(xp, dy):
     return (dy.reshape(n, c, -1) @ xp.ones(dy.shape[2] * dy.shape[3], dy.dtype)).sum(axis=0)
 
 
+def _group_gemms(xp, pairs):
+    """[a @ b for each (a, b) pair] as one [G, m, n] array, each written in place by a cuBLAS call
+    (ops/cuda_kernels.py gemm; stacking products made a copy and a launch more a group)."""
+    first, second = pairs[0]
+    out = xp.empty((len(pairs), first.shape[0], second.shape[1]), first.dtype)
+    for g, (a, b) in enumerate(pairs):
+        cuda_kernels.gemm(a, b, out[g])
+    return out
+
+
 def _chunks(xp, n: int, bytes_per_sample: int):
     """Sample ranges for im2col: on the CPU as few batches of at most _CHUNK_BYTES as there can
     be, of even sizes, the largest first (the kernels size their scratch by the first): 16
@@ -899,10 +909,10 @@ class Conv2d(Op):
         cols = cuda_kernels.im2col(x, self.kernel, self.stride, corner, (oh, ow)).reshape(ng, -1, n * oh * ow)
         dyt = xp.ascontiguousarray(dy.reshape(n, oct_, oh * ow).transpose(1, 0, 2)).reshape(oct_, n * oh * ow)
         dyg = self._grouped(xp, dyt, tile)   # [G, OC/G, N*OH*OW]
-        gw = xp.stack([dyg[g] @ cols[g].T for g in range(ng)])
+        gw = _group_gemms(xp, [(dyg[g], cols[g].T) for g in range(ng)])
         if dx is not None:
             wg = self._grouped(xp, w.reshape(oct_, -1), tile)
-            dcols = xp.stack([wg[g].T @ dyg[g] for g in range(ng)])
+            dcols = _group_gemms(xp, [(wg[g].T, dyg[g]) for g in range(ng)])
             cuda_kernels.col2im(dcols, self.kernel, self.stride, corner, (oh, ow), dx)
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
@@ -935,12 +945,12 @@ class Conv2d(Op):
             parts = [(gw, self._on_one_blas_thread(_bias_grad, xp, dy) if self.use_bias else 0)]
         else:
             parts = self._in_parts(xp, samples, tile)
-        gw = sum(g for g, _ in parts)
+        gw = parts[0][0] if len(parts) == 1 else sum(g for g, _ in parts)   # (a sum starts with 0 + gw: a pass more)
         if path == "winograd_1d":
             gw = self._on_one_blas_thread(winograd_1d.filter_gradient, gw, r).reshape(w.shape)
         grads = {"weight": gw}
         if self.use_bias:   # (summed in the parts: a threaded BLAS call here would leave OpenBLAS's threads spinning)
-            grads["bias"] = sum(gb for _, gb in parts)
+            grads["bias"] = parts[0][1] if len(parts) == 1 else sum(gb for _, gb in parts)
         return [dx], grads
 
     def _backward_columns(self, xp, tile, x, pads, w, dy, dx):

@@ -363,11 +363,16 @@ _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
 def _raw(name: str, dtype):
-    """The CUDA C++ kernel `name` of _SOURCE for float32 or float64."""
-    module = _made("module", lambda: _cupy().RawModule(
-        code=_SOURCE,
-        name_expressions=[f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]))
-    return module.get_function(f"{name}<{_TYPES[np.dtype(dtype)]}>")
+    """The CUDA C++ kernel `name` of _SOURCE for float32 or float64 (looked up once: cupy's
+    get_function took 4 us of host time a call, the LSTM 80 calls a pass)."""
+    key = (name, np.dtype(dtype))
+    function = _MADE.get(key)
+    if function is None:
+        module = _made("module", lambda: _cupy().RawModule(
+            code=_SOURCE,
+            name_expressions=[f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]))
+        function = _MADE[key] = module.get_function(f"{name}<{_TYPES[key[1]]}>")
+    return function
 
 
 def supports(*arrays) -> bool:
@@ -394,6 +399,86 @@ def _into(out, result) -> None:
     """out[...] = result unless result is out."""
     if result is not out:
         out[...] = result
+
+
+# ---- GEMM through cuBLAS directly ------------------------------------------------------------------
+# A GEMM written where it belongs: cupy.matmul of a [G, m, k] stack makes a new array, and
+# convolution's gradients were stacked from one per group (a copy each, a launch each). On the
+# H200 machine's host a cuBLAS call itself takes about 24 us (cupy.matmul 26), so the gain is
+# the copies and launches saved, not the call. Column-major: out^T = b^T a^T.
+_OP_N, _OP_T = 0, 1
+_POINTER_MODE_HOST = 0
+_ONE_ZERO = {np.dtype(np.float32): np.array([1, 0], np.float32), np.dtype(np.float64): np.array([1, 0], np.float64)}
+
+
+def _cublas():
+    try:
+        from cupy.cuda import cublas
+    except ImportError:   # (where cupy keeps it only under cupy_backends)
+        from cupy_backends.cuda.libs import cublas
+    return cublas
+
+
+def _handle() -> int:
+    return _cupy().cuda.device.get_cublas_handle()
+
+
+def _stream() -> int:
+    """The current stream (the runtime's GPU workers each use one of their own)."""
+    return _cupy().cuda.get_current_stream().ptr
+
+
+def _device_ptr(a) -> int:
+    """The address of a's first value on the device."""
+    return a.data.ptr
+
+
+def _operand(a) -> tuple[int, int] | None:
+    """(op, ld) of the column-major cuBLAS operand that is the transpose of the 2-D view a: N over
+    its rows where they are contiguous (ld the row stride), T over its columns where those are;
+    None for any other layout."""
+    isz, (r, c), (s0, s1) = a.itemsize, a.shape, a.strides
+    if (s1 == isz or c == 1) and (r == 1 or (s0 % isz == 0 and s0 >= c * isz)):
+        return _OP_N, (max(c, 1) if r == 1 else s0 // isz)
+    if (s0 == isz or r == 1) and (c == 1 or (s1 % isz == 0 and s1 >= r * isz)):
+        return _OP_T, (max(r, 1) if c == 1 else s1 // isz)
+    return None
+
+
+def gemm(a, b, out, accumulate: bool = False):
+    """out = a @ b, or out += a @ b with `accumulate`, for 2-D cupy arrays of one dtype (float32 or
+    float64) in one cuBLAS call: out's rows must be contiguous; a and b may be transposed views
+    (copied first only where neither their rows nor their columns are contiguous). Returns out."""
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2 or out.shape != (m, n):
+        raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} into {out.shape} do not match")
+    if not a.dtype == b.dtype == out.dtype or out.dtype not in _ONE_ZERO:
+        raise ValueError(f"gemm: needs float32 or float64 alike, got {a.dtype}, {b.dtype} into {out.dtype}")
+    placed = _operand(out)
+    if placed is None or placed[0] != _OP_N:
+        raise ValueError(f"gemm: out's rows must be contiguous, got shape {out.shape} strides {out.strides}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        if not accumulate:
+            out.fill(0)
+        return out
+    op_a = _operand(a)
+    if op_a is None:
+        a = _contiguous(a)
+        op_a = _operand(a)
+    op_b = _operand(b)
+    if op_b is None:
+        b = _contiguous(b)
+        op_b = _operand(b)
+    cublas, handle = _cublas(), _handle()
+    cublas.setStream(handle, _stream())
+    cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+    one = _ONE_ZERO[out.dtype].ctypes.data
+    call = cublas.sgemm if out.dtype == np.float32 else cublas.dgemm
+    call(handle, op_b[0], op_a[0], n, m, k, one, _device_ptr(b), op_b[1], _device_ptr(a), op_a[1],
+         one if accumulate else one + out.itemsize, _device_ptr(out), placed[1])
+    return out
 
 
 def softmax_rows_(x, out, causal_first: int | None = None) -> None:
@@ -623,23 +708,62 @@ def _rows_in(a, dtype):
     return a
 
 
-def lstm_step_forward(gates, rec, bias, c_prev, c, tc, hy, h_block) -> None:
-    """One step's element-wise part, on [batch, .] views: gates (pre-activations, made the
-    activations in place) += rec + bias; c = f * c_prev + i * g; tc = tanh(c); hy = o * tc, also
-    into h_block (C-contiguous [batch, h])."""
-    batch, h = c.shape
-    cp = _rows_in(c_prev, c.dtype)
-    _raw("lstm_step_forward", c.dtype)(_blocks(batch * h), (256,), (
-        gates, _row_stride(gates), _contiguous(rec), _contiguous(bias), cp, _row_stride(cp), c, _row_stride(c),
-        tc, _row_stride(tc), hy, _row_stride(hy), h_block, np.int32(batch), np.int32(h)))
+def _steps_of(a) -> tuple[int, int, np.int64]:
+    """(the address of a[:, 0], bytes from one step to the next, the row stride in values) of a
+    [batch, seq, n] array whose last axis is contiguous (the LSTM's own arrays are)."""
+    if a.ndim != 3 or a.strides[2] != a.itemsize or a.strides[0] % a.itemsize:
+        raise ValueError(f"LSTM steps need [batch, seq, n] arrays with contiguous rows, got shape {a.shape} "
+                         f"strides {a.strides}")
+    return _device_ptr(a), a.strides[1], np.int64(a.strides[0] // a.itemsize)
 
 
-def lstm_step_backward(gates, tc, c_prev, dh, dc, gates_block) -> None:
-    """One step's backward element-wise part, on [batch, .] views, dh including dy's step: the
-    gates' activations become their pre-activation gradients, also into gates_block
-    (C-contiguous [batch, 4h]); dc becomes that of c_prev."""
-    batch, h = dc.shape
-    cp = _rows_in(c_prev, dc.dtype)
-    _raw("lstm_step_backward", dc.dtype)(_blocks(batch * h), (256,), (
-        gates, _row_stride(gates), tc, _row_stride(tc), cp, _row_stride(cp), dh, _row_stride(dh), dc,
-        _row_stride(dc), gates_block, np.int32(batch), np.int32(h)))
+def lstm_forward_steps(gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
+    """Every step of an LSTM tile forward, on [batch, seq, .] arrays: per step the recurrent GEMM
+    (rec = h_{t-1} w_hh^T, cuBLAS) and the step kernel (gates += rec + bias, made the activations
+    in place; c_t = f c_{t-1} + i g, tanh(c_t), y_t = o tanh(c_t), also into the block the next
+    GEMM reads). A step's kernel arguments are addresses worked out once from the strides, not
+    views made and checked each step (the steps are host-bound: on the H200 machine the GEMM's
+    cuBLAS call and the kernel's launch took about 24 us of host time each, the GPU a few)."""
+    cp = _cupy()
+    batch, seq, h = cs.shape
+    if not cs.size:
+        return
+    dtype = cs.dtype
+    rec, h_block = cp.empty((batch, 4 * h), dtype), cp.empty((batch, h), dtype)
+    bias, h_prev, c0 = _contiguous(bias.astype(dtype, copy=False)), _rows_in(h0, dtype), _rows_in(c0, dtype)
+    w_t = w_hh.astype(dtype, copy=False).T
+    kernel, grid, sizes = _raw("lstm_step_forward", dtype), _blocks(batch * h), (np.int32(batch), np.int32(h))
+    (g0, g_step, gs), (c_at, c_step, c_rows), (t_at, t_step, ts), (y_at, y_step, ys) = map(
+        _steps_of, (gates, cs, tanh_cs, y))
+    c_prev, ps = _device_ptr(c0), _row_stride(c0)
+    for t in range(seq):
+        gemm(h_prev, w_t, rec)
+        kernel(grid, (256,), (np.uint64(g0 + t * g_step), gs, rec, bias, np.uint64(c_prev), ps,
+                              np.uint64(c_at + t * c_step), c_rows, np.uint64(t_at + t * t_step), ts,
+                              np.uint64(y_at + t * y_step), ys, h_block, *sizes))
+        h_prev, c_prev, ps = h_block, c_at + t * c_step, c_rows
+
+
+def lstm_backward_steps(gates, tanh_cs, cs, c0, dy, w_hh, dh, dc) -> None:
+    """Every step of an LSTM tile backward, last to first (the arrays as lstm_forward_steps left
+    them; dy [batch, seq, h] or None; dh, dc [batch, h] with contiguous rows, the carried
+    gradients, left as those of h0 and c0): per step dh += dy_t, the step kernel (the gates'
+    activations become their pre-activation gradients, also into a block; dc becomes that of
+    c_{t-1}) and the GEMM dh = block w_hh (cuBLAS)."""
+    cp = _cupy()
+    batch, seq, h = cs.shape
+    if not cs.size:
+        return
+    dtype = cs.dtype
+    block = cp.empty((batch, 4 * h), dtype)
+    w, c0 = w_hh.astype(dtype, copy=False), _rows_in(c0, dtype)
+    kernel, grid, sizes = _raw("lstm_step_backward", dtype), _blocks(batch * h), (np.int32(batch), np.int32(h))
+    (g0, g_step, gs), (t_at, t_step, ts), (c_at, c_step, c_rows) = map(_steps_of, (gates, tanh_cs, cs))
+    hs, dcs = _row_stride(dh), _row_stride(dc)
+    for t in range(seq - 1, -1, -1):
+        if dy is not None:
+            dh += dy[:, t]
+        c_prev, ps = (c_at + (t - 1) * c_step, c_rows) if t > 0 else (_device_ptr(c0), _row_stride(c0))
+        kernel(grid, (256,), (np.uint64(g0 + t * g_step), gs, np.uint64(t_at + t * t_step), ts, np.uint64(c_prev),
+                              ps, dh, hs, dc, dcs, block, *sizes))
+        gemm(block, w, dh)

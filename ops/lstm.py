@@ -457,38 +457,32 @@ def _gemm_in_parts(work, rows: int, macs_per_row: int) -> None:
 
 def _forward_steps_xp(xp, gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
     """Every step of forward, on a GPU (cupy) as a GEMM and its fused kernel, else as array code."""
+    if cuda_kernels.on_gpu(xp):
+        cuda_kernels.lstm_forward_steps(gates, bias, w_hh, h0, c0, cs, tanh_cs, y)
+        return
     batch, seq, h = cs.shape
     rec, tmp = xp.empty((batch, 4 * h), dtype=cs.dtype), xp.empty((batch, h), dtype=cs.dtype)
     h_prev, c_prev = h0, c0
-    fused = cuda_kernels.on_gpu(xp)
     for t in range(seq):
         xp.matmul(h_prev, w_hh.T, out=rec)
-        if fused:  # h_t also into tmp: the next GEMM's input in one block (y[:, t] is strided)
-            cuda_kernels.lstm_step_forward(gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
-            h_prev = tmp
-        else:
-            _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
-            h_prev = y[:, t]
-        c_prev = cs[:, t]
+        _step_forward_xp(xp, gates[:, t], rec, bias, c_prev, cs[:, t], tanh_cs[:, t], y[:, t], tmp)
+        h_prev, c_prev = y[:, t], cs[:, t]
 
 
 def _backward_steps_xp(xp, gates, tanh_cs, cs, c0, dy, w_hh, dh, dc) -> None:
     """Every step of backward, last to first, on a GPU (cupy) as its fused kernel and a GEMM, else
     as array code: gates become their gradients, dh and dc those of h0 and c0."""
+    if cuda_kernels.on_gpu(xp):
+        cuda_kernels.lstm_backward_steps(gates, tanh_cs, cs, c0, dy, w_hh, dh, dc)
+        return
     batch, seq, h = cs.shape
     tmp = xp.empty((batch, h), dtype=cs.dtype)
-    fused = cuda_kernels.on_gpu(xp)
-    block = xp.empty((batch, 4 * h), dtype=cs.dtype) if fused else None
     for t in range(seq - 1, -1, -1):
         if dy is not None:
             dh += dy[:, t]
         c_prev = cs[:, t - 1] if t > 0 else c0
-        if fused:  # the gates' gradients also into block: the GEMM's input in one block
-            cuda_kernels.lstm_step_backward(gates[:, t], tanh_cs[:, t], c_prev, dh, dc, block)
-            xp.matmul(block, w_hh, out=dh)  # to step t - 1
-        else:
-            _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], c_prev, dh, dc, tmp)
-            xp.matmul(gates[:, t], w_hh, out=dh)
+        _step_backward_xp(xp, gates[:, t], tanh_cs[:, t], c_prev, dh, dc, tmp)
+        xp.matmul(gates[:, t], w_hh, out=dh)  # to step t - 1
 
 
 def _fused(xp, dtype) -> bool:

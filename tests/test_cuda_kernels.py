@@ -416,3 +416,182 @@ def test_layer_norm_kernels_match_the_cpu_op(threaded_kernels, d, affine):
                                                    _ptr(part_w), _ptr(part_b), shares)
         np.testing.assert_allclose(part_w.sum(axis=0), want_grads["weight"], rtol=1e-10, atol=1e-10)
         np.testing.assert_allclose(part_b.sum(axis=0), want_grads["bias"], rtol=1e-10, atol=1e-10)
+
+
+# ---- the host-side code around the kernels: cuBLAS calls and launches from addresses -----------------
+class FakeCublas:
+    """cuBLAS's GEMM by its definition (column-major operands at addresses, op N or T, leading
+    dimensions checked as cuBLAS checks them), in numpy, on host memory."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def setPointerMode(self, handle, mode):
+        assert mode == cuda_kernels._POINTER_MODE_HOST
+
+    def setStream(self, handle, stream):
+        assert stream == 7   # the fixture's current stream
+
+    def sgemm(self, *args):
+        self._gemm(np.float32, *args)
+
+    def dgemm(self, *args):
+        self._gemm(np.float64, *args)
+
+    def _gemm(self, dtype, handle, op_a, op_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        ctype = np.ctypeslib.as_ctypes_type(dtype)
+        isz = np.dtype(dtype).itemsize
+
+        def matrix(address, rows, cols, ld):
+            assert ld >= max(1, rows), f"cuBLAS refuses ld {ld} for {rows} rows"
+            flat = np.ctypeslib.as_array((ctype * ((cols - 1) * ld + rows)).from_address(address))
+            return np.lib.stride_tricks.as_strided(flat, (rows, cols), (isz, ld * isz))
+        left = matrix(a, *((m, k) if op_a == 0 else (k, m)), lda)
+        right = matrix(b, *((k, n) if op_b == 0 else (n, k)), ldb)
+        out = matrix(c, m, n, ldc)
+        al, be = ctype.from_address(alpha).value, ctype.from_address(beta).value
+        product = al * ((left if op_a == 0 else left.T) @ (right if op_b == 0 else right.T))
+        out[...] = product if be == 0 else product + be * out   # beta 0: out's values are not read
+        self.calls += 1
+
+
+def _host_launcher(lib, name, dtype):
+    """A host build's kernel as cupy's RawKernel is called: (grid, block, args), arrays and
+    np.uint64 addresses as pointers."""
+    function = getattr(lib, f"{name}_{'f' if np.dtype(dtype) == np.float32 else 'd'}")
+
+    def launch(grid, block, args):
+        converted = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                converted.append(ctypes.c_void_p(a.ctypes.data))
+            elif isinstance(a, np.uint64):
+                converted.append(ctypes.c_void_p(int(a)))
+            elif isinstance(a, np.int64):
+                converted.append(ctypes.c_longlong(int(a)))
+            else:
+                converted.append(ctypes.c_int(int(a)))
+        function(*converted)
+    return launch
+
+
+@pytest.fixture
+def on_host(monkeypatch, host_kernels):
+    """ops/cuda_kernels.py's host side run on numpy arrays: cuBLAS as FakeCublas, raw kernels
+    from the host build, addresses those of the numpy arrays."""
+    blas = FakeCublas()
+    monkeypatch.setattr(cuda_kernels, "_cupy", lambda: np)
+    monkeypatch.setattr(cuda_kernels, "_cublas", lambda: blas)
+    monkeypatch.setattr(cuda_kernels, "_handle", lambda: 0)
+    monkeypatch.setattr(cuda_kernels, "_stream", lambda: 7)
+    monkeypatch.setattr(cuda_kernels, "_device_ptr", lambda a: a.ctypes.data)
+    monkeypatch.setattr(cuda_kernels, "_raw", lambda name, dtype: _host_launcher(host_kernels, name, dtype))
+    return blas
+
+
+def _layout(a, kind):
+    """a (2-D) as a view of the given layout with the same values."""
+    if kind == "rows":
+        return a
+    if kind == "columns":   # contiguous columns: the transpose of a C-contiguous array
+        return np.ascontiguousarray(a.T).T
+    if kind == "wide":      # rows inside a wider array (row stride above the width)
+        wide = np.zeros((a.shape[0], a.shape[1] + 3), a.dtype)
+        wide[:, 1:1 + a.shape[1]] = a
+        return wide[:, 1:1 + a.shape[1]]
+    big = np.zeros((a.shape[0] * 2, a.shape[1] * 2), a.dtype)   # "strided": neither contiguous, copied first
+    big[::2, ::2] = a
+    return big[::2, ::2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("a_kind,b_kind", [("rows", "rows"), ("columns", "rows"), ("rows", "columns"),
+                                           ("columns", "columns"), ("wide", "wide"), ("strided", "columns")])
+@pytest.mark.parametrize("m,k,n", [(5, 7, 3), (1, 4, 6), (6, 4, 1), (3, 1, 2), (1, 1, 1)])
+def test_gemm_matches_numpy(on_host, dtype, a_kind, b_kind, m, k, n):
+    rng = np.random.default_rng(m * 100 + k * 10 + n)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    out = _layout(rng.standard_normal((m, n)).astype(dtype), "wide")
+    before = out.copy()
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    cuda_kernels.gemm(_layout(a, a_kind), _layout(b, b_kind), out, accumulate=True)
+    np.testing.assert_allclose(out, before + a @ b, rtol=tol, atol=tol)
+    out[...] = np.nan   # beta 0: overwritten, never read
+    cuda_kernels.gemm(_layout(a, a_kind), _layout(b, b_kind), out)
+    np.testing.assert_allclose(out, a @ b, rtol=tol, atol=tol)
+    assert on_host.calls == 2
+
+
+def test_gemm_refuses_what_it_cannot_do(on_host):
+    a, b = np.ones((2, 3)), np.ones((3, 4))
+    with pytest.raises(ValueError, match=r"shapes \(2, 3\) @ \(3, 4\) into \(2, 5\)"):
+        cuda_kernels.gemm(a, b, np.empty((2, 5)))
+    with pytest.raises(ValueError, match="float32 or float64 alike"):
+        cuda_kernels.gemm(a.astype(np.float32), b, np.empty((2, 4)))
+    with pytest.raises(ValueError, match="out's rows must be contiguous"):
+        cuda_kernels.gemm(a, b, np.empty((4, 2)).T)
+    out = np.full((2, 4), 7.0)
+    cuda_kernels.gemm(np.ones((2, 0)), np.ones((0, 4)), out)   # k = 0: zeros, no call
+    assert (out == 0).all() and on_host.calls == 0
+
+
+@pytest.mark.parametrize("with_dy", [True, False])
+def test_lstm_passes_match_the_array_code(on_host, with_dy):
+    """A whole forward and backward pass of steps (addresses worked out once, cuBLAS GEMMs)
+    against ops/lstm.py's array code on numpy, h0 and c0 given as strided views."""
+    from ops.lstm import _backward_steps_xp, _forward_steps_xp
+    rng = np.random.default_rng(5)
+    batch, seq, h = 3, 4, 5
+    gates = rng.standard_normal((batch, seq, 4 * h))
+    bias, w_hh = rng.standard_normal(4 * h), rng.standard_normal((4 * h, h))
+    h0, c0 = (rng.standard_normal((h, batch)).T for _ in range(2))   # columns contiguous: copied into rows
+    arrays = [np.zeros((batch, seq, h)) for _ in range(3)]
+    want = [gates.copy()] + [a.copy() for a in arrays]
+    _forward_steps_xp(np, want[0], bias, w_hh, h0, c0, *want[1:])
+    cuda_kernels.lstm_forward_steps(gates, bias, w_hh, h0, c0, *arrays)
+    for got, w in zip([gates] + arrays, want):
+        np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
+    assert on_host.calls == seq
+
+    cs, tanh_cs, _ = arrays
+    dy = rng.standard_normal((batch, seq, h)) if with_dy else None
+    dh, dc = rng.standard_normal((batch, h)), rng.standard_normal((batch, h))
+    want_g, want_dh, want_dc = gates.copy(), dh.copy(), dc.copy()
+    _backward_steps_xp(np, want_g, tanh_cs, cs, c0, dy, w_hh, want_dh, want_dc)
+    cuda_kernels.lstm_backward_steps(gates, tanh_cs, cs, c0, dy, w_hh, dh, dc)
+    for got, w in ((gates, want_g), (dh, want_dh), (dc, want_dc)):
+        np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-12)
+    assert on_host.calls == 2 * seq
+
+
+@pytest.mark.parametrize("kernel,stride,padding,groups", [(3, 1, 1, 1), (3, 2, 1, 2), ((1, 7), 1, (0, 3), 1),
+                                                          (1, 2, 0, 1), (3, 1, 1, 8)])
+def test_conv_gemm_path_matches_the_cpu(on_host, monkeypatch, kernel, stride, padding, groups):
+    """Conv2d's GPU path (im2col and col2im from the host build, the gradients' GEMMs through gemm)
+    against the same op on the CPU, forward and backward, float32."""
+    import types
+
+    from ops.base import TensorSpec
+    from ops.conv import Conv2d
+    from taskrt.geometry import Rect
+    gpu = types.SimpleNamespace(**{k: getattr(np, k) for k in dir(np) if not k.startswith("__")})
+    monkeypatch.setattr(cuda_kernels, "on_gpu", lambda xp: xp is gpu)
+    rng = np.random.default_rng(3)
+    shape = (3, 8, 9, 10)
+    op = Conv2d("c", [TensorSpec(shape, "float32", "x")], out_channels=16, kernel=kernel, stride=stride,
+                padding=padding, groups=groups, use_bias=True)
+    weights = {k: rng.standard_normal(s).astype(np.float32) for k, s in op.weight_shapes().items()}
+    x = rng.standard_normal(shape).astype(np.float32)
+    tile = Rect.from_shape(op.outputs[0].shape)
+    in_rects = op.input_rects(tile)
+    dy = rng.standard_normal(op.outputs[0].shape).astype(np.float32)
+    assert op._path(gpu, tile) == "gemm"
+    results = []
+    for xp in (np, gpu):
+        (y,), saved = op.forward(xp, tile, [x], in_rects, weights)
+        (dx,), grads = op.backward(xp, tile, [x], in_rects, weights, [y], [dy], saved)
+        results.append((y, dx, grads["weight"], grads["bias"]))
+    for cpu, on_gpu in zip(*results):
+        np.testing.assert_allclose(on_gpu, cpu, rtol=2e-4, atol=2e-4)
+    assert on_host.calls == 2 * groups   # backward's two products a group (forward: cupy's batched matmul)
