@@ -28,7 +28,15 @@ from taskrt.machine import Machine, Memory
 
 def union_volume(rects) -> int:
     """Elements covered by the union of `rects` (each counted once where they overlap)."""
-    rects = [r for r in set(rects) if not r.empty]
+    # PeakCache asks this of each memory's rects of each region it redoes: most are one rect, or
+    # two (a tile and its reader's), so those two cases come first
+    rects = set(rects)
+    if len(rects) == 1:
+        return next(iter(rects)).volume
+    rects = [r for r in rects if not r.empty]
+    if len(rects) == 2:
+        a, b = rects
+        return a.volume + b.volume - a.intersect(b).volume
     if len(rects) <= 1 or pairwise_disjoint(rects):
         return sum(r.volume for r in rects)
     if rects[0].ndim == 0:
@@ -58,28 +66,37 @@ def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> dict[tuple[Mem
     (`updates`) keep in that memory, its itemsize)."""
     held: dict[tuple[Memory, str], tuple[list[Rect], int]] = {}
 
-    def add(proc: int, region, rect: Rect) -> None:
-        if rect.empty:
-            return
-        rects, _ = held.setdefault((machine.processors[proc].memory, region.name), ([], region.dtype.itemsize))
-        rects.append(rect)
+    def add(region, placed) -> None:
+        """Adds the non-empty rects of `placed` ((memory, rect) pairs) of `region`."""
+        name, itemsize = region.name, region.dtype.itemsize
+        for memory, rect in placed:
+            if rect.empty:
+                continue
+            known = held.get((memory, name))
+            if known is None:
+                held[(memory, name)] = ([rect], itemsize)
+            else:
+                known[0].append(rect)
 
-    for color, proc in plan.placement.items():
-        for t, rect in zip(op.inputs, plan.in_rects[color]):
-            add(proc, low.values[t.name], rect)
-        for t, rect in zip(op.outputs, plan.out_rects[color]):
-            add(proc, low.values[t.name], rect)
-        for k, rect in plan.weight_rects[color].items():
-            param = low.params[f"{op.name}.{k}"]
-            add(proc, param.value, rect)
-            if param.grad is not None:
-                add(proc, param.grad, rect)
-        for k, rect in plan.state_rects[color].items():
-            add(proc, low.stats[f"{op.name}.{k}"], rect)
+    procs = machine.processors
+    tiles = [(procs[proc].memory, color) for color, proc in plan.placement.items()]
+    for i, t in enumerate(op.inputs):
+        add(low.values[t.name], [(memory, plan.in_rects[color][i]) for memory, color in tiles])
+    for i, t in enumerate(op.outputs):
+        add(low.values[t.name], [(memory, plan.out_rects[color][i]) for memory, color in tiles])
+    for k in plan.weight_names:
+        param = low.params[f"{op.name}.{k}"]
+        placed = [(memory, plan.weight_rects[color][k]) for memory, color in tiles]
+        add(param.value, placed)
+        if param.grad is not None:
+            add(param.grad, placed)
+    for k in plan.state_names:
+        add(low.stats[f"{op.name}.{k}"], [(memory, plan.state_rects[color][k]) for memory, color in tiles])
     for update in updates:
-        for color, rect in update.reqs[0].partition.rects.items():
-            for region in update.param.state.values():
-                add(update.placement[color], region, rect)
+        placed = [(procs[update.placement[color]].memory, rect)
+                  for color, rect in update.reqs[0].partition.rects.items()]
+        for region in update.param.state.values():
+            add(region, placed)
     return held
 
 
@@ -111,35 +128,45 @@ class PeakCache:
     def __init__(self, ops: Sequence[Op], machine: Machine):
         self.machine = machine
         self._order = {op.name: i for i, op in enumerate(ops)}
-        self._op_held: dict[tuple, tuple[dict, frozenset]] = {}
+        #: (op name, config) -> region name -> memory -> (the rects of it the op keeps there, itemsize)
+        self._op_held: dict[tuple, dict[str, dict[Memory, tuple[list[Rect], int]]]] = {}
         self._region_bytes: dict[tuple, dict[Memory, int]] = {}
         self._first = {}
         for i, p in enumerate(machine.processors):
             self._first.setdefault(p.memory, i)
         # the state after the last strategy
+        self._plans: dict[str, object] = {}   # op name -> its plan (a plan seen again has its config)
         self._keys: dict[str, tuple] = {}
         self._holders: dict[str, list[str]] = {}
         self._bytes: dict[str, dict[Memory, int]] = {}
         self._total: dict[Memory, int] = {}
 
-    def _held(self, op, low, key, updates) -> tuple[dict, frozenset]:
+    def _held(self, op, low, key) -> dict[str, dict[Memory, tuple[list[Rect], int]]]:
         got = self._op_held.get(key)
         if got is None:
-            h = _op_holdings(op, low.plans[op.name], updates.get(op.name, ()), low, self.machine)
-            got = self._op_held[key] = (h, frozenset(name for _, name in h))
+            updates = [u for u in low.updates if u.op_name == op.name]
+            got = self._op_held[key] = {}
+            for (memory, name), held in _op_holdings(op, low.plans[op.name], updates, low, self.machine).items():
+                got.setdefault(name, {})[memory] = held
         return got
 
     def peak(self, low) -> dict[int, int]:
         """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
-        keys = {op.name: (op.name, low.plans[op.name].config) for op in low.ops}
-        changed = [op for op in low.ops if self._keys.get(op.name) != keys[op.name]]
+        plans = low.plans
+        changed = []   # the ops whose config changed, of those whose plan is another object
+        for op in low.ops:
+            plan = plans[op.name]
+            if plan is not self._plans.get(op.name):
+                self._plans[op.name] = plan
+                if self._keys.get(op.name) != (op.name, plan.config):
+                    changed.append(op)
         if changed:
-            updates = _updates_by_op(low)
             touched: set[str] = set()
             for op in changed:
                 old = self._keys.get(op.name)
-                before = self._op_held[old][1] if old is not None else frozenset()
-                after = self._held(op, low, keys[op.name], updates)[1]
+                key = self._keys[op.name] = (op.name, plans[op.name].config)
+                before = self._op_held[old].keys() if old is not None else set()
+                after = self._held(op, low, key).keys()
                 for region in before - after:
                     self._holders[region].remove(op.name)
                 for region in after - before:
@@ -147,7 +174,6 @@ class PeakCache:
                     names.append(op.name)
                     names.sort(key=self._order.__getitem__)
                 touched |= before | after
-                self._keys[op.name] = keys[op.name]
             for region in touched:
                 for memory, nbytes in self._bytes.pop(region, {}).items():
                     self._total[memory] -= nbytes
@@ -171,9 +197,8 @@ class PeakCache:
         if per_memory is None:
             rects: dict[Memory, tuple[list, int]] = {}
             for n in names:
-                for (memory, name), (rs, itemsize) in self._op_held[self._keys[n]][0].items():
-                    if name == region:
-                        rects.setdefault(memory, ([], itemsize))[0].extend(rs)
+                for memory, (rs, itemsize) in self._op_held[self._keys[n]].get(region, {}).items():
+                    rects.setdefault(memory, ([], itemsize))[0].extend(rs)
             per_memory = self._region_bytes[key] = {m: union_volume(rs) * itemsize
                                                     for m, (rs, itemsize) in rects.items()}
         return per_memory

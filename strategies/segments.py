@@ -36,6 +36,7 @@ build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -179,13 +180,13 @@ class RegionResult:
     copy_ends: np.ndarray         # rows (src, dst): indices into memories
     copy_redop: np.ndarray
     copy_buffer_req: np.ndarray
-    copy_j: np.ndarray
-    copy_t: np.ndarray
-    copy_req: np.ndarray
-    buffer_j: np.ndarray
-    buffer_t: np.ndarray
+    columns: np.ndarray           # rows copy_j, copy_t, copy_req, buffer_j, buffer_t (int64)
     edges: np.ndarray
-    columns: np.ndarray = field(init=False, repr=False, compare=False)
+    copy_j: np.ndarray = field(init=False, repr=False, compare=False)
+    copy_t: np.ndarray = field(init=False, repr=False, compare=False)
+    copy_req: np.ndarray = field(init=False, repr=False, compare=False)
+    buffer_j: np.ndarray = field(init=False, repr=False, compare=False)
+    buffer_t: np.ndarray = field(init=False, repr=False, compare=False)
     _nodes: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
@@ -195,10 +196,7 @@ class RegionResult:
                                       self.columns, self.edges))
 
     def __post_init__(self):
-        names = ("copy_j", "copy_t", "copy_req", "buffer_j", "buffer_t")
-        columns = np.stack([getattr(self, name) for name in names]).astype(np.int64, copy=False)
-        object.__setattr__(self, "columns", columns)
-        for name, row in zip(names, columns):
+        for name, row in zip(("copy_j", "copy_t", "copy_req", "buffer_j", "buffer_t"), self.columns):
             object.__setattr__(self, name, row)
 
     def copy_nodes(self, program: list) -> tuple:
@@ -363,9 +361,10 @@ class SegmentBuilder:
         self._zero = self._get(("graph", ZERO_GRAD_PHASE), lambda: (zero, None))
         self._init = self._get(("graph", "init"), lambda: (init, None))
         self._source = self._get(("graph", SOURCE_PHASE), lambda: (source, None))
-        #: the last build's program, and per region uid its positions in it and its result: the
-        #: next build (a proposal changes one op) redoes only the regions of the segments it changed
-        self._last: tuple[list, dict, dict] | None = None
+        #: the last build's program, per region uid its positions in it and its result, and per
+        #: position its segment's key_id and task count: the next build (a proposal changes one
+        #: op) redoes only the regions of the segments it changed, and rereads only those segments
+        self._last: tuple[list, dict, dict, list, np.ndarray] | None = None
         #: the step's segment count: every program has it (each op always makes the same segments,
         #: empty or not), since the cached region analyses name segments by their places
         self._step_length: int | None = None
@@ -544,8 +543,13 @@ class SegmentBuilder:
         """Lay the second step's tasks and the copies their regions' analyses cause out in program
         order (each task after its copies, those by requirement, then as analyzed), in arrays."""
         view = self._view()   # (before _bound_caches may drop the last program's parts)
-        where, by_uid, redo = self._regions_of(program)
-        ids = list(map(_key_id, program))
+        last, self._last = self._last, None   # (updated in place: a build that fails leaves none)
+        if last is None or len(last[0]) != len(program):
+            last = changed = None
+        else:
+            changed = list(itertools.compress(range(len(program)), map(operator.is_not, last[0], program)))
+        where, by_uid, redo = self._regions_of(program, last, changed)
+        ids, sizes = _program_numbers(program, last, changed)
         for uid in redo:
             positions = where[uid]
             key = (uid, tuple([ids[j] for j in positions]))
@@ -554,11 +558,11 @@ class SegmentBuilder:
                 result = self._regions[key] = self._region(uid, program, positions, second)
                 self._cached_bytes += result.nbytes
             by_uid[uid] = result
-        self._last = (program, where, by_uid)
+        self._last = (program, where, by_uid, ids, sizes)
         self._bound_caches()
         results = list(map(by_uid.__getitem__, where))
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
-        sizes = np.fromiter(map(_task_count, program), np.int64, len(program))
+        sizes = sizes.copy()
         sizes[:second] = 0
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)
@@ -588,23 +592,23 @@ class SegmentBuilder:
         self._cached_bytes = 0
         self.stats["cache_flushes"] += 1
 
-    def _regions_of(self, program: list[RecordedSegment]) -> tuple[dict, dict, list[int]]:
+    def _regions_of(self, program: list[RecordedSegment], last: tuple | None,
+                    changed: list[int] | None) -> tuple[dict, dict, list[int]]:
         """(region uid -> the positions of the segments that touch it, in program order; uid -> the
         last build's result for the uids whose segments are all as they were; the uids to look up
-        afresh). From the last build's where the program has its length (a changed config
-        changes which segments stand at a few positions), else from scratch."""
-        last = self._last
-        if last is None or len(last[0]) != len(program):
+        afresh). From the last build's (`last`, self._last: updated in place) where the program
+        has its length, the positions `changed` (a changed config changes which segments stand at
+        a few positions), else from scratch."""
+        if last is None:
             where: dict[int, list[int]] = {}
             for j, rec in enumerate(program):
                 for uid in rec.access_tasks:
                     where.setdefault(uid, []).append(j)
             return where, {}, list(where)
-        before, where, by_uid = last[0], dict(last[1]), dict(last[2])
+        before, where, by_uid = last[0], last[1], last[2]
         redo: dict[int, None] = {}   # (a dict: in the order met, so that runs are alike)
-        for j, (old, new) in enumerate(zip(before, program)):
-            if old is new:
-                continue
+        for j in changed:
+            old, new = before[j], program[j]
             for uid in old.access_tasks.keys() - new.access_tasks.keys():
                 positions = [k for k in where[uid] if k != j]
                 if positions:
@@ -668,53 +672,29 @@ class SegmentBuilder:
         keeping what it adds to the second step (from `second` on). `access_mem` numbers each
         access's memory, `memories` by those numbers."""
         uid = region.uid
-        segments = [program[j] for j in positions]
-        rows = np.concatenate([rec.requirements[uid] for rec in segments])
-        row_k = np.repeat(np.arange(len(segments)), [len(rec.requirements[uid]) for rec in segments])
-        # an access is a run of rows of one task of one segment
-        first = np.ones(len(rows), bool)
-        first[1:] = (rows[1:, 0] != rows[:-1, 0]) | (row_k[1:] != row_k[:-1])
-        starts = np.flatnonzero(first)
-        access_k, access_t, first_req = row_k[starts], rows[starts, 0], rows[starts, 1]
-        out = analyze_region(region.ndim, access_mem, np.append(starts, len(rows)), rows[:, 2:-1], rows[:, -1])
-        in_graph = np.array([j >= second for j in positions], bool)
-        place = np.array(positions, np.int64)
-        copies = out.copies
-        # node number -> its access (tasks) and its kept copy's index (copies of the second step)
-        n_nodes = int(max(out.task_node.max(initial=-1), copies[:, NODE].max(initial=-1))) + 1
-        task_access = np.full(n_nodes, -1, np.int64)
-        task_access[out.task_node] = np.arange(len(out.task_node))
-        kept = in_graph[access_k[copies[:, ACCESS]]]
-        kept_copies = copies[kept]
-        copy_index = np.full(n_nodes, -1, np.int64)
-        copy_index[kept_copies[:, NODE]] = np.arange(len(kept_copies))
-
-        def ends(nodes: np.ndarray) -> np.ndarray:
-            """Rows (kind, a, b) per node: a kept copy (0, its index, 0), a task of the second step
-            (1, its segment's position, its index there); kind -1 for the rest (edges to them go)."""
-            rows = np.full((3, len(nodes)), -1, np.int64)
-            is_copy = copy_index[nodes] >= 0
-            acc = task_access[nodes]
-            is_task = (acc >= 0) & in_graph[access_k[np.maximum(acc, 0)]]
-            rows[:, is_copy] = np.stack([np.zeros(is_copy.sum(), np.int64), copy_index[nodes[is_copy]],
-                                         np.zeros(is_copy.sum(), np.int64)])
-            rows[:, is_task] = np.stack([np.ones(is_task.sum(), np.int64), place[access_k[acc[is_task]]],
-                                         access_t[acc[is_task]]])
-            return rows
-
-        dst, src = ends(out.edges[:, 0]), ends(out.edges[:, 1])
-        keep = (dst[0] >= 0) & (src[0] >= 0)
-        edges = np.concatenate([dst[:, keep], src[:, keep]])
-        causes = kept_copies[:, ACCESS]
-        has_buffer = kept_copies[:, BUFFER_NODE] >= 0
-        buffer_access = task_access[np.where(has_buffer, kept_copies[:, BUFFER_NODE], 0)]
-        result = RegionResult(region, memories, out.copy_rects[kept], kept_copies[:, [SRC, DST]],
-                              kept_copies[:, REDOP], np.where(has_buffer, kept_copies[:, BUFFER_REQ], -1),
-                              place[access_k[causes]], access_t[causes], first_req[causes],
-                              np.where(has_buffer, place[access_k[buffer_access]], -1),
-                              np.where(has_buffer, access_t[buffer_access], -1), edges)
+        parts = [program[j].requirements[uid] for j in positions]
+        rows = np.concatenate(parts)
+        access_first, access_k = _access_runs(rows, np.array([len(p) for p in parts], np.int64))
+        out = analyze_region(region.ndim, access_mem, access_first, rows[:, 2:-1], rows[:, -1])
+        result = RegionResult(region, memories, *_second_step(out.copies, out.copy_rects, out.task_node, out.edges,
+                                                               rows, access_first, access_k,
+                                                               np.array(positions, np.int64), second))
         self.stats["regions_analyzed"] += 1
         return result
+
+
+def _program_numbers(program: list[RecordedSegment], last: tuple | None,
+                     changed: list[int] | None) -> tuple[list[int], np.ndarray]:
+    """(each segment's key_id, its task count (an array)) by program position: from the last
+    build's (`last`, SegmentBuilder._last) at the positions `changed` where there is one (a
+    program has thousands of segments, and reading each was a tenth of an assembly)."""
+    if last is None:
+        return list(map(_key_id, program)), np.fromiter(map(_task_count, program), np.int64, len(program))
+    ids, sizes = last[3], last[4]
+    for j in changed:
+        ids[j] = program[j].key_id
+        sizes[j] = program[j].n_tasks
+    return ids, sizes
 
 
 #: task keys are position * TASK_KEY + task index (a segment has fewer tasks than this)
@@ -736,22 +716,121 @@ def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_
     one in its place."""
     if analyzed is region and analyzed_on == memories and np.array_equal(analyzed_tasks, tasks):
         return result
+    columns, edges = _renamed_tasks(result.columns, result.edges, analyzed_tasks, tasks)
+    return RegionResult(region, memories, result.copy_rects, result.copy_ends, result.copy_redop,
+                        result.copy_buffer_req, columns, edges)
+
+
+@numba.njit(cache=True, nogil=True)
+def _renamed_tasks(columns, edges, analyzed_tasks, tasks):
+    """_moved's columns and edges: each task (j, t) they name (a copy's cause, a fold's buffer,
+    an edge's task ends) replaced by the key in `tasks` at the place of j * TASK_KEY + t in
+    `analyzed_tasks` (distinct keys)."""
     order = np.argsort(analyzed_tasks)
     ranked = analyzed_tasks[order]
+    columns = columns.copy()
+    edges = edges.copy()
+    for i in range(columns.shape[1]):
+        _rename(columns, 0, i, order, ranked, tasks)
+        if columns[3, i] >= 0:
+            _rename(columns, 3, i, order, ranked, tasks)
+    for i in range(edges.shape[1]):
+        for kind in (0, 3):
+            if edges[kind, i] == 1:
+                _rename(edges, kind + 1, i, order, ranked, tasks)
+    return columns, edges
 
-    def move(j: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        new = tasks[order[np.searchsorted(ranked, j * TASK_KEY + t)]]
-        return new // TASK_KEY, new % TASK_KEY
-    copy_j, copy_t = move(result.copy_j, result.copy_t)
-    has = result.buffer_j >= 0
-    buffer_j, buffer_t = result.buffer_j.copy(), result.buffer_t.copy()
-    buffer_j[has], buffer_t[has] = move(buffer_j[has], buffer_t[has])
-    edges = result.edges.copy()
-    for kind in (0, 3):
-        on = edges[kind] == 1
-        edges[kind + 1, on], edges[kind + 2, on] = move(edges[kind + 1, on], edges[kind + 2, on])
-    return RegionResult(region, memories, result.copy_rects, result.copy_ends, result.copy_redop,
-                        result.copy_buffer_req, copy_j, copy_t, result.copy_req, buffer_j, buffer_t, edges)
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rename(rows, at, i, order, ranked, tasks):
+    """The task (rows[at, i], rows[at + 1, i]) replaced by the one in its place (_renamed_tasks)."""
+    new = tasks[order[np.searchsorted(ranked, rows[at, i] * TASK_KEY + rows[at + 1, i])]]
+    rows[at, i] = new // TASK_KEY
+    rows[at + 1, i] = new % TASK_KEY
+
+
+@numba.njit(cache=True, nogil=True)
+def _access_runs(rows, counts):
+    """(where each access starts in `rows`, the end last; the index of its segment): an access is
+    a run of rows of one task of one segment (`rows` holds the segments' rows on a region,
+    counts[k] of segment k's, each row's task first)."""
+    first = np.empty(rows.shape[0] + 1, np.int64)
+    segment = np.empty(rows.shape[0], np.int64)
+    n = 0
+    r = 0
+    for k in range(counts.shape[0]):
+        for i in range(r, r + counts[k]):
+            if i == r or rows[i, 0] != rows[i - 1, 0]:
+                first[n] = i
+                segment[n] = k
+                n += 1
+        r += counts[k]
+    first[n] = rows.shape[0]
+    return first[:n + 1].copy(), segment[:n].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def _second_step(copies, copy_rects, task_node, edges, rows, access_first, access_k, place, second):
+    """What a region's analysis (analyze_region's copies, copy_rects, task_node and edges, of
+    the accesses `access_first` and `access_k` (_access_runs) of `rows`) adds to the second
+    step, as RegionResult's arrays after its region and memories: the copies that accesses of
+    segments at positions from `second` cause (`place`: each segment's position), and the edges
+    between copies kept and the second step's tasks."""
+    n_nodes = 0
+    for a in range(task_node.shape[0]):
+        n_nodes = max(n_nodes, task_node[a] + 1)
+    for c in range(copies.shape[0]):
+        n_nodes = max(n_nodes, copies[c, NODE] + 1)
+    task_access = np.full(n_nodes, -1, np.int64)   # node -> its access (tasks)
+    for a in range(task_node.shape[0]):
+        task_access[task_node[a]] = a
+    copy_index = np.full(n_nodes, -1, np.int64)    # node -> its kept copy's index
+    kept = np.empty(copies.shape[0], np.int64)
+    n = 0
+    for c in range(copies.shape[0]):
+        if place[access_k[copies[c, ACCESS]]] >= second:
+            copy_index[copies[c, NODE]] = n
+            kept[n] = c
+            n += 1
+    kept_rects = np.empty((n, copy_rects.shape[1]), np.int64)
+    ends = np.empty((n, 2), np.int64)
+    redop = np.empty(n, np.int64)
+    buffer_req = np.empty(n, np.int64)
+    columns = np.full((5, n), -1, np.int64)
+    for i in range(n):
+        c = kept[i]
+        kept_rects[i] = copy_rects[c]
+        ends[i, 0], ends[i, 1], redop[i] = copies[c, SRC], copies[c, DST], copies[c, REDOP]
+        a = copies[c, ACCESS]
+        columns[0, i], columns[1, i], columns[2, i] = place[access_k[a]], rows[access_first[a], 0], rows[access_first[a], 1]
+        buffer_req[i] = -1
+        if copies[c, BUFFER_NODE] >= 0:
+            b = task_access[copies[c, BUFFER_NODE]]
+            buffer_req[i] = copies[c, BUFFER_REQ]
+            columns[3, i], columns[4, i] = place[access_k[b]], rows[access_first[b], 0]
+    out = np.empty((6, edges.shape[0]), np.int64)
+    m = 0
+    for e in range(edges.shape[0]):
+        if (_edge_end(edges[e, 0], out, 0, m, task_access, copy_index, rows, access_first, access_k, place, second)
+                and _edge_end(edges[e, 1], out, 3, m, task_access, copy_index, rows, access_first, access_k, place,
+                              second)):
+            m += 1
+    return kept_rects, ends, redop, buffer_req, columns, out[:, :m].copy()
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _edge_end(node, out, row, m, task_access, copy_index, rows, access_first, access_k, place, second):
+    """Writes node's end of edge m into out[row:row + 3, m] (kind, a, b): a task of the second step
+    (1, its segment's position, its index there), else a kept copy (0, its index, 0); False for
+    the rest (edges to them go)."""
+    a = task_access[node]
+    if a >= 0 and place[access_k[a]] >= second:
+        out[row, m], out[row + 1, m], out[row + 2, m] = 1, place[access_k[a]], rows[access_first[a], 0]
+        return True
+    if copy_index[node] >= 0:
+        out[row, m], out[row + 1, m], out[row + 2, m] = 0, copy_index[node], 0
+        return True
+    return False
 
 
 @numba.njit(cache=True, nogil=True)

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ops.lower import TileConfig
 from ops.model import Model
+from ops.strategy import Strategy, StrategyError
 from strategies import data_parallel, model_parallel
 from strategies.cost import CostModel
 from strategies.graph import build_iteration
@@ -274,3 +276,26 @@ def test_delta_simulation_with_its_caches_dropped_between_proposals_is_unchanged
         kept, dropped = (sim.simulate(dict(configs)) for sim in sims)
         assert (kept.time, kept.busy, kept.peak_memory) == (dropped.time, dropped.busy, dropped.peak_memory)
     assert sims[1].builder.stats["cache_flushes"] == 6 and sims[0].builder.stats["cache_flushes"] == 0
+
+
+def test_the_configs_of_strategies_in_turn_are_each_strategys_own():
+    """Simulator.configs takes the entries a strategy shares (the same objects) with the one before
+    from that one's answer, as a search's proposals do: every answer is the strategy's own
+    resolution, whatever came before, and a bad entry is still refused."""
+    model = MODELS["cnn"](Runtime(execute=False))
+    mm = load_machine("k80", nodes=2)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), loss=data("cnn")[2])
+    rng = np.random.default_rng(7)
+    named = [op for op in sim.ops if op.name != sim.loss]
+    strategy = Strategy(sim.fingerprint, {})
+    for step in range(16):
+        op = named[int(rng.integers(len(named)))]
+        strategy = strategy.replace(op.name, random_config(op, sim.machine, rng))
+        if step == 8:   # the same entries named in another order
+            strategy = Strategy(sim.fingerprint, dict(reversed(strategy.ops.items())))
+        expect, _ = strategy.resolve(sim.ops, sim.machine, fingerprint=sim.fingerprint)
+        got = sim.configs(strategy)
+        assert got == expect and list(got) == list(expect)
+    with pytest.raises(StrategyError):
+        sim.configs(strategy.replace(named[0].name, TileConfig((1,) * (len(named[0].tile_shape) + 1))))
+    assert sim.configs(strategy) == strategy.resolve(sim.ops, sim.machine, fingerprint=sim.fingerprint)[0]
