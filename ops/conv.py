@@ -529,6 +529,11 @@ def _bias_grad(xp, dy):
     return (dy.reshape(n, c, -1) @ xp.ones(dy.shape[2] * dy.shape[3], dy.dtype)).sum(axis=0)
 
 
+def _summed(values: list):
+    """The sum of the parts' gradients; one part's as it is (sum() starts with 0 + it: a pass more)."""
+    return values[0] if len(values) == 1 else sum(values)
+
+
 def _group_gemms(xp, pairs):
     """[a @ b for each (a, b) pair] as one [G, m, n] array, each written in place by a cuBLAS call
     (ops/cuda_kernels.py gemm; stacking products made a copy and a launch more a group)."""
@@ -945,12 +950,12 @@ class Conv2d(Op):
             parts = [(gw, self._on_one_blas_thread(_bias_grad, xp, dy) if self.use_bias else 0)]
         else:
             parts = self._in_parts(xp, samples, tile)
-        gw = parts[0][0] if len(parts) == 1 else sum(g for g, _ in parts)   # (a sum starts with 0 + gw: a pass more)
+        gw = _summed([g for g, _ in parts])
         if path == "winograd_1d":
             gw = self._on_one_blas_thread(winograd_1d.filter_gradient, gw, r).reshape(w.shape)
         grads = {"weight": gw}
         if self.use_bias:   # (summed in the parts: a threaded BLAS call here would leave OpenBLAS's threads spinning)
-            grads["bias"] = parts[0][1] if len(parts) == 1 else sum(gb for _, gb in parts)
+            grads["bias"] = _summed([gb for _, gb in parts])
         return [dx], grads
 
     def _backward_columns(self, xp, tile, x, pads, w, dy, dx):

@@ -412,11 +412,14 @@ _ONE_ZERO = {np.dtype(np.float32): np.array([1, 0], np.float32), np.dtype(np.flo
 
 
 def _cublas():
-    try:
-        from cupy.cuda import cublas
-    except ImportError:   # (where cupy keeps it only under cupy_backends)
-        from cupy_backends.cuda.libs import cublas
-    return cublas
+    """cupy's cuBLAS module (imported once: the LSTM calls a GEMM a step)."""
+    def load():
+        try:
+            from cupy.cuda import cublas
+        except ImportError:   # (where cupy keeps it only under cupy_backends)
+            from cupy_backends.cuda.libs import cublas
+        return cublas
+    return _made("cublas", load)
 
 
 def _handle() -> int:
@@ -449,36 +452,42 @@ def gemm(a, b, out, accumulate: bool = False):
     """out = a @ b, or out += a @ b with `accumulate`, for 2-D cupy arrays of one dtype (float32 or
     float64) in one cuBLAS call: out's rows must be contiguous; a and b may be transposed views
     (copied first only where neither their rows nor their columns are contiguous). Returns out."""
+    a = a if a.ndim != 2 or _operand(a) is not None else _contiguous(a)
+    b = b if b.ndim != 2 or _operand(b) is not None else _contiguous(b)
+    gemm_call(a, b, out, accumulate)()
+    return out
+
+
+def gemm_call(a, b, out, accumulate: bool = False):
+    """gemm(a, b, out, accumulate) as a function of no arguments, its checks, layouts and addresses
+    worked out once: for a GEMM repeated on the same arrays (the LSTM's steps), whose values are
+    read when it is called. a and b must have contiguous rows or columns."""
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2 or out.shape != (m, n):
         raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} into {out.shape} do not match")
     if not a.dtype == b.dtype == out.dtype or out.dtype not in _ONE_ZERO:
         raise ValueError(f"gemm: needs float32 or float64 alike, got {a.dtype}, {b.dtype} into {out.dtype}")
-    placed = _operand(out)
+    placed, op_a, op_b = _operand(out), _operand(a), _operand(b)
     if placed is None or placed[0] != _OP_N:
         raise ValueError(f"gemm: out's rows must be contiguous, got shape {out.shape} strides {out.strides}")
-    if m == 0 or n == 0:
-        return out
+    if m == 0 or n == 0 or (k == 0 and accumulate):
+        return lambda: None
     if k == 0:
-        if not accumulate:
-            out.fill(0)
-        return out
-    op_a = _operand(a)
-    if op_a is None:
-        a = _contiguous(a)
-        op_a = _operand(a)
-    op_b = _operand(b)
-    if op_b is None:
-        b = _contiguous(b)
-        op_b = _operand(b)
+        return lambda: out.fill(0)
+    for name, x, op in (("a", a, op_a), ("b", b, op_b)):
+        if op is None:
+            raise ValueError(f"gemm: {name} needs contiguous rows or columns, got shape {x.shape} strides {x.strides}")
     cublas, handle = _cublas(), _handle()
-    cublas.setStream(handle, _stream())
-    cublas.setPointerMode(handle, _POINTER_MODE_HOST)
     one = _ONE_ZERO[out.dtype].ctypes.data
     call = cublas.sgemm if out.dtype == np.float32 else cublas.dgemm
-    call(handle, op_b[0], op_a[0], n, m, k, one, _device_ptr(b), op_b[1], _device_ptr(a), op_a[1],
-         one if accumulate else one + out.itemsize, _device_ptr(out), placed[1])
-    return out
+    args = (handle, op_b[0], op_a[0], n, m, k, one, _device_ptr(b), op_b[1], _device_ptr(a), op_a[1],
+            one if accumulate else one + out.itemsize, _device_ptr(out), placed[1])
+
+    def run():
+        cublas.setStream(handle, _stream())
+        cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+        call(*args)
+    return run
 
 
 def softmax_rows_(x, out, causal_first: int | None = None) -> None:
@@ -736,12 +745,13 @@ def lstm_forward_steps(gates, bias, w_hh, h0, c0, cs, tanh_cs, y) -> None:
     (g0, g_step, gs), (c_at, c_step, c_rows), (t_at, t_step, ts), (y_at, y_step, ys) = map(
         _steps_of, (gates, cs, tanh_cs, y))
     c_prev, ps = _device_ptr(c0), _row_stride(c0)
+    first_gemm, step_gemm = gemm_call(h_prev, w_t, rec), gemm_call(h_block, w_t, rec)
     for t in range(seq):
-        gemm(h_prev, w_t, rec)
+        (step_gemm if t else first_gemm)()
         kernel(grid, (256,), (np.uint64(g0 + t * g_step), gs, rec, bias, np.uint64(c_prev), ps,
                               np.uint64(c_at + t * c_step), c_rows, np.uint64(t_at + t * t_step), ts,
                               np.uint64(y_at + t * y_step), ys, h_block, *sizes))
-        h_prev, c_prev, ps = h_block, c_at + t * c_step, c_rows
+        c_prev, ps = c_at + t * c_step, c_rows
 
 
 def lstm_backward_steps(gates, tanh_cs, cs, c0, dy, w_hh, dh, dc) -> None:
@@ -760,10 +770,11 @@ def lstm_backward_steps(gates, tanh_cs, cs, c0, dy, w_hh, dh, dc) -> None:
     kernel, grid, sizes = _raw("lstm_step_backward", dtype), _blocks(batch * h), (np.int32(batch), np.int32(h))
     (g0, g_step, gs), (t_at, t_step, ts), (c_at, c_step, c_rows) = map(_steps_of, (gates, tanh_cs, cs))
     hs, dcs = _row_stride(dh), _row_stride(dc)
+    step_gemm = gemm_call(block, w, dh)
     for t in range(seq - 1, -1, -1):
         if dy is not None:
             dh += dy[:, t]
         c_prev, ps = (c_at + (t - 1) * c_step, c_rows) if t > 0 else (_device_ptr(c0), _row_stride(c0))
         kernel(grid, (256,), (np.uint64(g0 + t * g_step), gs, np.uint64(t_at + t * t_step), ts, np.uint64(c_prev),
                               ps, dh, hs, dc, dcs, block, *sizes))
-        gemm(block, w, dh)
+        step_gemm()

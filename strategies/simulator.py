@@ -219,12 +219,11 @@ class Simulator:
             config = self._defaults[op.name] = default_config(op, self.machine)
         return config
 
-    def _resolve_new(self, strategy: Strategy, names: Sequence[str] | None = None) -> bool:
-        """Resolve the entries of `strategy` (those of `names`: all by default) not seen before, one
-        by one; False when one names no op or does not fit its op (Strategy.resolve then says
-        what is wrong with each)."""
+    def _resolve_new(self, strategy: Strategy, names: Sequence[str]) -> bool:
+        """Resolve the entries `names` of `strategy` not seen before, one by one; False when one
+        names no op or does not fit its op (Strategy.resolve then says what is wrong with each)."""
         ops = strategy.ops
-        new = [(n, ops[n]) for n in (ops if names is None else names) if (n, ops[n]) not in self._resolved]
+        new = [(n, ops[n]) for n in names if (n, ops[n]) not in self._resolved]
         if any(n not in self._by_name for n, _ in new):
             return False
         try:
