@@ -36,6 +36,25 @@ def test_each_placement_finds_each_parts_columns(sizes, picks, seed, least):
         assert np.array_equal(joined, expect)
 
 
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=2, max_size=12), length=st.integers(1, 10), changes=st.lists(
+    st.lists(st.tuples(st.integers(0, 9), st.integers(0, 11)), max_size=3), min_size=1, max_size=8),
+    seed=st.integers(0, 2**16), least=st.sampled_from([1, 8, 4096]))
+def test_placements_that_change_a_few_places_of_the_last_find_each_parts_columns(sizes, length, changes, seed,
+                                                                                   least):
+    """A search's pattern: each graph is the last with a few parts swapped (the slots are then
+    taken from the last placement where a part stands where it stood)."""
+    pool = _pool(sizes, 2, seed)
+    arena = Arena(2, np.int64, min_columns=least)
+    parts = [pool[i % len(pool)] for i in range(length)]
+    for change in [[]] + changes:
+        for at, i in change:
+            parts[at % length] = pool[i % len(pool)]
+        starts, counts = arena.place(parts, lambda p: p.columns)
+        joined = arena.store[:, columns_of(starts, counts)]
+        assert np.array_equal(joined, np.concatenate([p.columns for p in parts], axis=1))
+
+
 def test_only_parts_not_placed_are_asked_for_and_a_rebuild_keeps_only_the_last_placement():
     a, b, c, d = (Part(np.full((2, k), k)) for k in (1, 2, 3, 4))
     arena = Arena(2, np.float64, min_columns=6)
