@@ -226,7 +226,8 @@ class AssembledIteration:
     template: its `id` means nothing here, positions are the ids), its edges are `successors`
     (its preds pred_idx[pred_ptr[i]:pred_ptr[i + 1]]), it was caused by the segment at program
     position segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
-    parts (the segments' tasks, then the region results' copies, as in `parts`) in that order,
+    parts (the segments' tasks, then the region results' copies, as in `parts`: every result, so
+    that the list keeps its length from graph to graph where the regions stay) in that order,
     so per-part arrays (costs) index into it. `nodes` is made on first use: timing a graph
     needs only the arrays and the parts."""
 
@@ -572,7 +573,7 @@ class SegmentBuilder:
             self._columns.store, columns_of(copy_starts, copy_counts), self._edges.store, edge_starts, edge_counts,
             copy_counts, offset, sizes, second)
         return AssembledIteration(Successors(indeg, ptr, idx), segment_of, buffer_index, order,
-                                  program[second:] + [r for r, c in zip(results, copy_counts.tolist()) if c], program,
+                                  program[second:] + results, program,
                                   view, self.machine)
 
     def _bound_caches(self) -> None:

@@ -128,6 +128,7 @@ class Simulator:
         self._handling = mm.device.kind == "cpu" and (mm.send_overhead > 0 or mm.receive_overhead > 0)
         self._rows = 7 if self._handling else 3
         self._part_costs_placed = Arena(self._rows, np.float64)   # the parts' costs, each placed once
+        self._no_costs = np.zeros((self._rows, 0))
         self._copy_costs: dict[tuple, tuple] = {}   # (src, dst, bytes, redop) -> _cost's answer
         self._memory_number = {m: i for i, m in enumerate(self.machine.memories)}
         self._pairs: dict[int, tuple] = {}   # see _copy_pair
@@ -296,6 +297,8 @@ class Simulator:
         a node, made once."""
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
+            if not isinstance(part, RecordedSegment) and not part.copy_ends.shape[0]:
+                return self._no_costs   # a region result without copies (a graph lists them all)
             if isinstance(part, RecordedSegment):
                 costs = self._segment_costs(part)
             else:
