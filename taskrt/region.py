@@ -123,7 +123,6 @@ class Partition:
                 region.check_rect(rect, f"sub-rect of color {color}")
         self.rects: dict[Color, Rect] = dict(zip(colors, pieces))
         self.name = name or f"{region.name}.part"
-        self.key = (region.uid, tuple(sorted(self.rects.items())))
 
     @staticmethod
     def equal(region: Region, degrees: Sequence[int]) -> "Partition":
@@ -159,6 +158,13 @@ class Partition:
 
     def colors(self) -> list[Color]:
         return list(self.rects)
+
+    @cached_property
+    def key(self) -> tuple:
+        """What identifies the partition where a replayed launch is checked to repeat: its region and
+        its pieces by color (made when asked: the simulator's plans make thousands of partitions
+        of 64 or more pieces, and sorting them was about a tenth of making one)."""
+        return (self.region.uid, tuple(sorted(self.rects.items())))
 
     @cached_property
     def disjoint(self) -> bool:
