@@ -448,12 +448,18 @@ def _operand(a) -> tuple[int, int] | None:
     return None
 
 
+def _two_d(a, b, out) -> None:
+    if a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+        raise ValueError(f"gemm: needs 2-D arrays, got shapes {a.shape} @ {b.shape} into {out.shape}")
+
+
 def gemm(a, b, out, accumulate: bool = False):
     """out = a @ b, or out += a @ b with `accumulate`, for 2-D cupy arrays of one dtype (float32 or
     float64) in one cuBLAS call: out's rows must be contiguous; a and b may be transposed views
     (copied first only where neither their rows nor their columns are contiguous). Returns out."""
-    a = a if a.ndim != 2 or _operand(a) is not None else _contiguous(a)
-    b = b if b.ndim != 2 or _operand(b) is not None else _contiguous(b)
+    _two_d(a, b, out)
+    a = a if _operand(a) is not None else _contiguous(a)
+    b = b if _operand(b) is not None else _contiguous(b)
     gemm_call(a, b, out, accumulate)()
     return out
 
@@ -462,6 +468,7 @@ def gemm_call(a, b, out, accumulate: bool = False):
     """gemm(a, b, out, accumulate) as a function of no arguments, its checks, layouts and addresses
     worked out once: for a GEMM repeated on the same arrays (the LSTM's steps), whose values are
     read when it is called. a and b must have contiguous rows or columns."""
+    _two_d(a, b, out)
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2 or out.shape != (m, n):
         raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} into {out.shape} do not match")

@@ -197,17 +197,12 @@ class Simulator:
         search proposal changes one, so the rest cost no lookup."""
         names, given = list(strategy.ops), list(strategy.ops.values())
         last = self._last_configs
-        if last is not None and names == last[0]:
-            changed = list(itertools.compress(names, map(operator.is_not, given, last[1])))
-        else:
-            changed = names
+        fresh = last is None or names != last[0]
+        changed = names if fresh else list(itertools.compress(names, map(operator.is_not, given, last[1])))
         if changed and not self._resolve_new(strategy, changed):
             return None
         known = self._resolved
-        if changed is names:
-            configs = {op.name: self._default_config(op) for op in self.ops}
-        else:
-            configs = dict(last[2])
+        configs = {op.name: self._default_config(op) for op in self.ops} if fresh else dict(last[2])
         for name in changed:
             configs[name] = known[(name, strategy.ops[name])]
         self._last_configs = (names, given, configs)
@@ -297,10 +292,10 @@ class Simulator:
         a node, made once."""
         known = self._part_cost_cache.get(id(part))
         if known is None or known[0] is not part:
-            if not isinstance(part, RecordedSegment) and not part.copy_ends.shape[0]:
-                return self._no_costs   # a region result without copies (a graph lists them all)
             if isinstance(part, RecordedSegment):
                 costs = self._segment_costs(part)
+            elif not part.copy_ends.shape[0]:
+                return self._no_costs   # a region result without copies (a graph lists them all)
             else:
                 costs = np.stack(self._region_costs(part)).astype(float)
             known = self._part_cost_cache[id(part)] = (part, costs)

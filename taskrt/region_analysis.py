@@ -497,7 +497,7 @@ def _overlapping(tab, rects, info, n, r, nd):
                     found[k] = s
                     k += 1
                 x = tab[nodes + 2 * x + 1]
-    return _unique_in_place(found[:k])
+    return _unique(found[:k])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -525,36 +525,26 @@ def _pairwise_disjoint(u_tab, u_rect, u_info, n_u, nd):
 
 
 @numba.njit(cache=True, nogil=True)
-def _unique_in_place(a):
-    """_unique's values, sorted in `a` itself (an insertion sort: a query meets a few slots, and
-    _unique's sort, mask and gather were three allocations an overlap query); a view of a."""
+def _unique(a):
+    """The distinct values of a 1-D scratch array, sorted in `a` itself; a view of it. An overlap
+    query meets a few slots: an insertion sort, where np.sort, a mask and a gather made three
+    allocations a query."""
     if a.shape[0] > 32:
-        return _unique(a)
-    for i in range(1, a.shape[0]):
-        x = a[i]
-        j = i - 1
-        while j >= 0 and a[j] > x:
-            a[j + 1] = a[j]
-            j -= 1
-        a[j + 1] = x
+        a.sort()
+    else:
+        for i in range(1, a.shape[0]):
+            x = a[i]
+            j = i - 1
+            while j >= 0 and a[j] > x:
+                a[j + 1] = a[j]
+                j -= 1
+            a[j + 1] = x
     m = min(1, a.shape[0])
     for i in range(1, a.shape[0]):
         if a[i] != a[m - 1]:
             a[m] = a[i]
             m += 1
     return a[:m]
-
-
-@numba.njit(cache=True, nogil=True)
-def _unique(a):
-    """The distinct values of a 1-D array (sorted)."""
-    if a.shape[0] < 2:
-        return a.copy()
-    s = np.sort(a)
-    keep = np.ones(s.shape[0], np.bool_)
-    for i in range(1, s.shape[0]):
-        keep[i] = s[i] != s[i - 1]
-    return s[keep]
 
 
 # ---- the analysis ------------------------------------------------------------------------------------
