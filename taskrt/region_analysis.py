@@ -30,11 +30,16 @@ one moved last gets a new slot, a deleted one is marked dead):
   a partly folded entry's rest takes its place in the list. An index like the other tables'
   finds the entries a rect overlaps, and order labels put them in the list's order.
 
-The helpers an access calls (_physical, _record_user, _set_valid, _new_piece, _over, _find,
-_edges) are inlined into the loop: as calls, the tables they take and give back were
-reference-counted at each one. With that, and overlap queries deduplicated in place, 3,000
-analyses of a 64-device search took 0.88 s instead of 1.23. (Inlining _put, _overlapping or
-_room as well gained a few percent more and took minutes to compile.)
+Speed. The helpers an access calls (_physical, _record_user, _set_valid, _new_piece, _over,
+_find, _edges) are inlined into the loop, and overlap queries deduplicate in place. Every
+table has a fixed room for the whole run (_run): a table that grew had to be handed back by
+each helper that adds to it, and numba then updates the reference count of every such array,
+atomically, on each pass of each loop that may change it (18 arrays at every requirement,
+most of an analysis' time in a profile). A table that runs out stops the run, and the driver
+(_analyze) runs it again with that room doubled; the rooms are learnt across calls
+(ROOM_FACTORS). Rows of a table are read in place (_overlaps_at, _equal_at), not as views,
+for the same reason. 3,000 analyses captured from a 64-device search took 1.45 s before
+these two changes and 0.82 s after.
 """
 from __future__ import annotations
 
@@ -86,19 +91,8 @@ def analyze_region(ndim: int, access_mem, access_first, req_rects, req_priv) -> 
     rects = np.ascontiguousarray(req_rects, np.int64).reshape(-1, 2 * ndim)
     copies, copy_rects, tasks, edges = _analyze(
         ndim, np.ascontiguousarray(access_mem, np.int64), np.ascontiguousarray(access_first, np.int64), rects,
-        np.ascontiguousarray(req_priv, np.int64))
+        np.ascontiguousarray(req_priv, np.int64), ROOM_FACTORS)
     return RegionAnalysis(copies, copy_rects, tasks, edges)
-
-
-# ---- rows that grow --------------------------------------------------------------------------------
-@numba.njit(cache=True, nogil=True)
-def _room(a, n):
-    """`a`, or a copy twice as long, with at least n rows."""
-    if n <= a.shape[0]:
-        return a
-    b = np.empty((max(n, 2 * a.shape[0]),) + a.shape[1:], a.dtype)
-    b[:a.shape[0]] = a
-    return b
 
 
 # ---- rects, as [lo..., hi...] rows -------------------------------------------------------------------
@@ -135,6 +129,27 @@ def _contains(a, b, nd):
         return True
     for d in range(nd):
         if b[d] < a[d] or a[nd + d] < b[nd + d]:
+            return False
+    return True
+
+
+# ---- the same on a table's row s, read in place: a row view (rects[s]) costs two atomic
+# reference-count updates, and in the overlap queries' loops those were most of an analysis
+@numba.njit(cache=True, nogil=True, inline="always")
+def _overlaps_at(rects, s, r, nd):
+    """_overlaps(rects[s], r, nd)."""
+    for d in range(nd):
+        lo, hi = rects[s, d], rects[s, nd + d]
+        if not (lo < hi and r[d] < r[nd + d] and lo < r[nd + d] and r[d] < hi):
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _equal_at(rects, s, r, nd):
+    """_equal(rects[s], r, nd)."""
+    for d in range(2 * nd):
+        if rects[s, d] != r[d]:
             return False
     return True
 
@@ -370,7 +385,7 @@ def _find(tab, rects, info, r, nd):
         s = tab[_HEADER + i]
         if s < 0:
             return -1
-        if _equal(rects[s], r, nd):
+        if _equal_at(rects, s, r, nd):
             return s if info[s, 0] else -1
         i = (i + 1) & mask
 
@@ -378,21 +393,22 @@ def _find(tab, rects, info, r, nd):
 @numba.njit(cache=True, nogil=True)
 def _add(ix, rects, s, nd):
     """Enter slot s in the index, which has room for it."""
+    r = rects[s]
     mask = ix[_H_SIZE] - 1
-    i = np.int64(_hash(rects[s], nd) & np.uint64(mask))
+    i = np.int64(_hash(r, nd) & np.uint64(mask))
     while True:
         t = ix[_HEADER + i]
         if t < 0:
             ix[_HEADER + i] = s
             ix[_H_COUNT] += 1
             break
-        if _equal(rects[t], rects[s], nd):
+        if _equal_at(rects, t, r, nd):
             ix[_HEADER + i] = s
             break
         i = (i + 1) & mask
-    if _empty(rects[s], nd):
+    if _empty(r, nd):
         return
-    b0, b1, c0, c1 = _span(ix, rects[s], nd)
+    b0, b1, c0, c1 = _span(ix, r, nd)
     if (b1 - b0 + 1) * (c1 - c0 + 1) > SPAN_BIG:
         ix[_big_at(ix) + ix[_BIG]] = s
         ix[_BIG] += 1
@@ -408,55 +424,64 @@ def _add(ix, rects, s, nd):
 
 
 @numba.njit(cache=True, nogil=True)
-def _reindex(ix, rects, info, n, nd, hash_size, node_cap, big_cap):
-    """A new index of the live slots below n, with these capacities."""
-    lo, lo2 = _bounds_at(ix), _bounds2_at(ix)
-    out = _new_index(ix[_DIM], ix[lo:lo + ix[_BUCKETS] + 1].copy(), ix[_DIM2], ix[lo2:lo2 + ix[_BUCKETS2] + 1].copy(),
-                     hash_size, node_cap, big_cap)
+def _has_room(ix, r, nd):
+    """The index has room for one more slot of rect r (counting a rect listed in cells as
+    many nodes as cells, or one on the list of its own)."""
+    need = 1
+    if not _empty(r, nd):
+        b0, b1, c0, c1 = _span(ix, r, nd)
+        need = (b1 - b0 + 1) * (c1 - c0 + 1)
+    return (2 * (ix[_H_COUNT] + 1) <= ix[_H_SIZE] and ix[_NODES] + need <= ix[_NODE_CAP]
+            and ix[_BIG] + 1 <= ix[_BIG_CAP])
+
+
+@numba.njit(cache=True, nogil=True)
+def _reindex(ix, rects, info, n, nd):
+    """Index the live slots below n afresh, in place (dead ones dropped); False when they do not
+    fit its room."""
+    ix[_H_COUNT] = 0
+    ix[_NODES] = 0
+    ix[_BIG] = 0
+    ix[_HEADER:_HEADER + ix[_H_SIZE]] = -1
+    heads = _heads_at(ix)
+    ix[heads:heads + ix[_BUCKETS] * ix[_BUCKETS2]] = -1
     for s in range(n):
         if info[s, 0]:
-            _add(out, rects, s, nd)
-    return out
+            if not _has_room(ix, rects[s], nd):
+                return False
+            _add(ix, rects, s, nd)
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
 def _put(ix, rects, info, s, nd):
-    """Enter slot s; the index, rebuilt larger where it had no room."""
-    need = 1
-    if not _empty(rects[s], nd):
-        b0, b1, c0, c1 = _span(ix, rects[s], nd)
-        need = (b1 - b0 + 1) * (c1 - c0 + 1)
-    hash_size, node_cap, big_cap = ix[_H_SIZE], ix[_NODE_CAP], ix[_BIG_CAP]
-    if 2 * (ix[_H_COUNT] + 1) > hash_size or ix[_NODES] + need > node_cap or ix[_BIG] + 1 > big_cap:
-        while 2 * (s + 2) > hash_size:
-            hash_size *= 2
-        while 2 * (ix[_NODES] + need) > node_cap:
-            node_cap *= 2
-        while 2 * (ix[_BIG] + 1) > big_cap:
-            big_cap *= 2
-        ix = _reindex(ix, rects, info, s, nd, hash_size, node_cap, big_cap)
+    """Enter slot s; False when the index has no room for it even with the dead slots dropped."""
+    if not _has_room(ix, rects[s], nd):
+        if not _reindex(ix, rects, info, s, nd) or not _has_room(ix, rects[s], nd):
+            return False
     _add(ix, rects, s, nd)
-    return ix
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
 def _compact(tab, rects, info, n, nd):
-    """(index, rects, info, n) with the dead slots dropped, the live ones in their order: when
-    more than half are dead (pieces copied to another memory move last, leaving one behind
-    each time), so that lookups stay linear in what is live."""
+    """The slot count with the dead slots dropped, the live ones kept in their order and
+    indexed again (-1: the index has no room for them): when more than half are dead (pieces
+    copied to another memory move last, leaving one behind each time), so that lookups stay
+    linear in what is live."""
     alive = 0
     for s in range(n):
         if info[s, 0]:
             alive += 1
     if 2 * alive >= n:
-        return tab, rects, info, n
+        return n
     k = 0
     for s in range(n):
         if info[s, 0]:
             rects[k] = rects[s]
             info[k] = info[s]
             k += 1
-    return _reindex(tab, rects, info, k, nd, tab[_H_SIZE], tab[_NODE_CAP], tab[_BIG_CAP]), rects, info, k
+    return k if _reindex(tab, rects, info, k, nd) else -1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -469,7 +494,7 @@ def _overlapping(tab, rects, info, n, r, nd):
         out = np.empty(n, np.int64)
         k = 0
         for s in range(n):
-            if info[s, 0] and _overlaps(rects[s], r, nd):
+            if info[s, 0] and _overlaps_at(rects, s, r, nd):
                 out[k] = s
                 k += 1
         return out[:k]
@@ -485,7 +510,7 @@ def _overlapping(tab, rects, info, n, r, nd):
     k = 0
     for q in range(tab[_BIG]):
         s = tab[big + q]
-        if info[s, 0] and _overlaps(rects[s], r, nd):
+        if info[s, 0] and _overlaps_at(rects, s, r, nd):
             found[k] = s
             k += 1
     for b in range(b0, b1 + 1):
@@ -493,7 +518,7 @@ def _overlapping(tab, rects, info, n, r, nd):
             x = tab[heads + b * n2 + c]
             while x >= 0:
                 s = tab[nodes + 2 * x]
-                if info[s, 0] and _overlaps(rects[s], r, nd):
+                if info[s, 0] and _overlaps_at(rects, s, r, nd):
                     found[k] = s
                     k += 1
                 x = tab[nodes + 2 * x + 1]
@@ -554,53 +579,92 @@ COMPACT_EVERY = 32
 #: in program order, and a partly folded entry's rests take its place, so an overlap query
 #: over the index sorts its hits by label (order maintenance; _relabel when a gap runs out)
 LABEL_GAP = 1 << 20
+#: the tables of a run, each with a fixed room (see the module doc): the room of each is
+#: ROOM_FACTORS[table] rows per requirement row of the region, and MIN_ROOM; for the indexes'
+#: cells, cells per slot. A table that runs out has its factor doubled, kept for later calls.
+_R_USERS, _R_LINKS, _R_PIECES, _R_VALS, _R_PENDING, _R_COPIES, _R_EDGES, _R_PREDS, _R_CELLS = range(9)
+ROOM_FACTORS = np.array([2.0, 4.0, 4.0, 32.0, 2.0, 4.0, 16.0, 4.0, 4.0])
+#: the least room of a table
+MIN_ROOM = 16
 
 
 @numba.njit(cache=True, nogil=True)
-def _analyze(nd, access_mem, access_first, req_rect, req_priv):
-    cap = 16
+def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors):
+    """(copies, copy_rects, tasks, edges) of the accesses: a run with each table's room from
+    `factors`, again with more room for a table that ran out (`factors` keeps it)."""
     dim, bounds, dim2, bounds2 = _split_bounds(req_rect, nd)
+    room = np.empty(factors.shape[0], np.int64)
+    while True:
+        for t in range(factors.shape[0]):
+            room[t] = int(factors[t] * req_rect.shape[0]) + MIN_ROOM
+        room[_R_CELLS] = int(factors[_R_CELLS])   # (cells per slot of a table)
+        full, copies, copy_rects, tasks, edges = _run(nd, access_mem, access_first, req_rect, req_priv, dim, bounds,
+                                                      dim2, bounds2, room)
+        if full < 0:
+            return copies, copy_rects, tasks, edges
+        factors[full] = max(2 * factors[full], 1.0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _table_index(dim, bounds, dim2, bounds2, slots, cells):
+    """An empty index for a table of `slots` slots listed in at most `cells` cells."""
+    hash_size = 64
+    while hash_size < 2 * (slots + 1):
+        hash_size *= 2
+    return _new_index(dim, bounds, dim2, bounds2, hash_size, cells, slots)
+
+
+@numba.njit(cache=True, nogil=True)
+def _run(nd, access_mem, access_first, req_rect, req_priv, dim, bounds, dim2, bounds2, room):
+    """The analysis with tables of room[table] rows: (-1, copies, copy_rects, tasks, edges), or
+    (the table that ran out, empty arrays)."""
     w = 2 * nd
-    u_rect = np.empty((cap, w), np.int64)
-    u_info = np.zeros((cap, 5), np.int64)
+    u_rect = np.empty((room[_R_USERS], w), np.int64)
+    u_info = np.empty((room[_R_USERS], 5), np.int64)
     n_u = 0
-    u_tab = _new_index(dim, bounds, dim2, bounds2, 64, 64, 16)
-    links = np.empty((cap, 3), np.int64)      # a user list's entries: (node, privilege, next)
+    u_tab = _table_index(dim, bounds, dim2, bounds2, room[_R_USERS], room[_R_CELLS] * room[_R_USERS])
+    links = np.empty((room[_R_LINKS], 3), np.int64)      # a user list's entries: (node, privilege, next)
     n_l = 0
     disjoint = True
-    p_rect = np.empty((cap, w), np.int64)
-    p_info = np.zeros((cap, 3), np.int64)
+    p_rect = np.empty((room[_R_PIECES], w), np.int64)
+    p_info = np.empty((room[_R_PIECES], 3), np.int64)
     n_p = 0
-    p_tab = _new_index(dim, bounds, dim2, bounds2, 64, 64, 16)
-    vals = np.empty((cap, 2), np.int64)       # (memory, producer) blocks of the pieces
+    p_tab = _table_index(dim, bounds, dim2, bounds2, room[_R_PIECES], room[_R_CELLS] * room[_R_PIECES])
+    vals = np.empty((room[_R_VALS], 2), np.int64)       # (memory, producer) blocks of the pieces
     n_v = 0
-    e_rect = np.empty((cap, w), np.int64)
-    e_info = np.empty((cap, 7), np.int64)
+    e_rect = np.empty((room[_R_PENDING], w), np.int64)
+    e_info = np.empty((room[_R_PENDING], 7), np.int64)
     n_e = 0
     e_head, e_tail, n_pending = -1, -1, 0
     pending_by_op = np.zeros(len(_REDOPS), np.int64)   # the pending entries of each operator
     # the pending entries' index (alive: in the list) and their order labels (_relabel)
-    e_live = np.zeros((cap, 1), np.int64)
-    e_label = np.empty(cap, np.int64)
-    e_tab = _new_index(dim, bounds, dim2, bounds2, 64, 64, 16)
+    e_live = np.empty((room[_R_PENDING], 1), np.int64)
+    e_label = np.empty(room[_R_PENDING], np.int64)
+    e_tab = _table_index(dim, bounds, dim2, bounds2, room[_R_PENDING], room[_R_CELLS] * room[_R_PENDING])
     e_dead_listed = 0
-    copies = np.empty((cap, 7), np.int64)
-    copy_rects = np.empty((cap, w), np.int64)
+    copies = np.empty((room[_R_COPIES], 7), np.int64)
+    copy_rects = np.empty((room[_R_COPIES], w), np.int64)
     n_c = 0
     n_access = access_mem.shape[0]
     tasks = np.empty(n_access, np.int64)
-    edges = np.empty((cap, 2), np.int64)
+    edges = np.empty((room[_R_EDGES], 2), np.int64)
     n_ed = 0
     next_id = 0
-    preds = np.empty(cap, np.int64)
-    last_edge = np.full(cap, -1, np.int64)   # see _edges
+    preds = np.empty(room[_R_PREDS], np.int64)
+    last_edge = np.full(room[_R_COPIES] + n_access, -1, np.int64)   # see _edges (a node is a copy or a task)
+    none = (np.empty((0, 7), np.int64), np.empty((0, w), np.int64), np.empty(0, np.int64), np.empty((0, 2), np.int64))
 
     for a in range(n_access):
         if a % COMPACT_EVERY == 0:
-            p_tab, p_rect, p_info, n_p = _compact(p_tab, p_rect, p_info, n_p, nd)
-            u_tab, u_rect, u_info, n_u = _compact(u_tab, u_rect, u_info, n_u, nd)
+            n_p = _compact(p_tab, p_rect, p_info, n_p, nd)
+            if n_p < 0:
+                return (_R_CELLS,) + none
+            n_u = _compact(u_tab, u_rect, u_info, n_u, nd)
+            if n_u < 0:
+                return (_R_CELLS,) + none
             if e_dead_listed > n_pending:   # (list entries are linked by slot: reindexed, not compacted)
-                e_tab = _reindex(e_tab, e_rect, e_live, n_e, nd, e_tab[_H_SIZE], e_tab[_NODE_CAP], e_tab[_BIG_CAP])
+                if not _reindex(e_tab, e_rect, e_live, n_e, nd):
+                    return (_R_CELLS,) + none
                 e_dead_listed = 0
         mem = access_mem[a]
         r0, r1 = access_first[a], access_first[a + 1]
@@ -623,15 +687,16 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     part = _intersect(e_rect[e], rect, nd)
                     fpreds = np.empty(1 + 2 * (n_p + 1), np.int64)
                     fpreds[0] = e_info[e, _E_NODE]
-                    n_f = 1
                     # the fold target reads (RW): what part needs in mem, copied in where missing
-                    (p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
-                     fpreds, n_f) = _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges,
-                                              n_ed, next_id, fpreds, n_f, part, True, mem, a, nd)
+                    n_p, n_v, n_c, n_ed, next_id, n_f, full = _physical(
+                        p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, fpreds,
+                        1, part, True, mem, a, nd)
+                    if full >= 0:
+                        return (full,) + none
+                    if n_c + 1 > copies.shape[0]:
+                        return (_R_COPIES,) + none
                     fid = next_id
                     next_id += 1
-                    copies = _room(copies, n_c + 1)
-                    copy_rects = _room(copy_rects, n_c + 1)
                     copies[n_c, 0] = fid
                     copies[n_c, 1] = e_info[e, _E_MEM]
                     copies[n_c, 2] = mem
@@ -641,19 +706,25 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     copies[n_c, 6] = a
                     copy_rects[n_c] = part
                     n_c += 1
-                    edges, n_ed, last_edge = _edges(edges, n_ed, fid, fpreds[:n_f], last_edge)
-                    p_tab, p_rect, p_info, n_p, vals, n_v = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, part,
-                                                                        mem, fid, nd)
-                    (u_tab, u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
-                        u_tab, u_rect, u_info, n_u, links, n_l, disjoint, part, READ_WRITE_CODE, fid, nd)
-                    preds = _room(preds, n_preds + 1)
+                    if n_ed + n_f > edges.shape[0]:
+                        return (_R_EDGES,) + none
+                    n_ed = _edges(edges, n_ed, fid, fpreds, n_f, last_edge)
+                    n_p, n_v, full = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, part, mem, fid, nd)
+                    if full >= 0:
+                        return (full,) + none
+                    n_u, n_l, disjoint, full = _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, part,
+                                                            READ_WRITE_CODE, fid, nd)
+                    if full >= 0:
+                        return (full,) + none
+                    if n_preds + 1 > preds.shape[0]:
+                        return (_R_PREDS,) + none
                     preds[n_preds] = fid
                     n_preds += 1
                     # the rest of the entry stays pending, in its place in program order
                     rests = _subtract(e_rect[e], part, nd)
                     before, after = e_info[e, _E_PREV], e_info[e, _E_NEXT]
-                    e_rect, e_info, e_live, e_label = _pending_room(e_rect, e_info, e_live, e_label,
-                                                                    n_e + rests.shape[0])
+                    if n_e + rests.shape[0] > e_rect.shape[0]:
+                        return (_R_PENDING,) + none
                     # labels for the rests, in e's place: from e's own up to the next entry's
                     k = rests.shape[0]
                     upper = e_label[after] if after >= 0 else e_label[e] + LABEL_GAP
@@ -670,7 +741,8 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                         e_info[x] = e_info[e]
                         e_label[x] = e_label[e] + q * step
                         e_live[x, 0] = 1
-                        e_tab = _put(e_tab, e_rect, e_live, x, nd)
+                        if not _put(e_tab, e_rect, e_live, x, nd):
+                            return (_R_CELLS,) + none
                         e_head = _link(e_info, x, before, e_head)
                         before = x
                         n_pending += 1
@@ -694,39 +766,48 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                     x = u_info[s, head]
                     while x >= 0:
                         if (head == _U_RHEAD and not reading) or (head == _U_OHEAD and _conflicts(links[x, 1], priv)):
-                            preds = _room(preds, n_preds + 1)
+                            if n_preds + 1 > preds.shape[0]:
+                                return (_R_PREDS,) + none
                             preds[n_preds] = links[x, 0]
                             n_preds += 1
                         x = links[x, 2]
             # ---- where the data is (Analyzer._physical_preds), not for reductions
             if priv < REDUCE_BASE:
                 reads = priv == READ_CODE or priv == READ_WRITE_CODE
-                preds = _room(preds, n_preds + 2 * (n_p + 1))
-                (p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id,
-                 preds, n_preds) = _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges,
-                                             n_ed, next_id, preds, n_preds, rect, reads, mem, a, nd)
+                n_p, n_v, n_c, n_ed, next_id, n_preds, full = _physical(
+                    p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds,
+                    n_preds, rect, reads, mem, a, nd)
+                if full >= 0:
+                    return (full,) + none
         # ---- the task, then what it leaves behind
         tid = next_id
         next_id += 1
         tasks[a] = tid
-        edges, n_ed, last_edge = _edges(edges, n_ed, tid, preds[:n_preds], last_edge)
+        if n_ed + n_preds > edges.shape[0]:
+            return (_R_EDGES,) + none
+        n_ed = _edges(edges, n_ed, tid, preds, n_preds, last_edge)
         for row in range(r0, r1):
             rect, priv = req_rect[row], req_priv[row]
             if _empty(rect, nd):
                 continue
-            (u_tab, u_rect, u_info, n_u, links, n_l, disjoint) = _record_user(
-                u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, tid, nd)
+            n_u, n_l, disjoint, full = _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv,
+                                                    tid, nd)
+            if full >= 0:
+                return (full,) + none
             if priv == WRITE_CODE or priv == READ_WRITE_CODE:
-                p_tab, p_rect, p_info, n_p, vals, n_v = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem,
-                                                                    tid, nd)
+                n_p, n_v, full = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem, tid, nd)
+                if full >= 0:
+                    return (full,) + none
             elif priv >= REDUCE_BASE:
-                e_rect, e_info, e_live, e_label = _pending_room(e_rect, e_info, e_live, e_label, n_e + 1)
+                if n_e + 1 > e_rect.shape[0]:
+                    return (_R_PENDING,) + none
                 x = n_e
                 n_e += 1
                 e_rect[x] = rect
                 e_label[x] = e_label[e_tail] + LABEL_GAP if e_tail >= 0 else 0
                 e_live[x, 0] = 1
-                e_tab = _put(e_tab, e_rect, e_live, x, nd)
+                if not _put(e_tab, e_rect, e_live, x, nd):
+                    return (_R_CELLS,) + none
                 e_info[x, _E_REDOP] = priv - REDUCE_BASE
                 e_info[x, _E_BUFNODE] = tid
                 e_info[x, _E_BUFREQ] = row - r0
@@ -737,13 +818,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv):
                 e_tail = x
                 n_pending += 1
                 pending_by_op[priv - REDUCE_BASE] += 1
-    return copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
-
-
-@numba.njit(cache=True, nogil=True)
-def _pending_room(e_rect, e_info, e_live, e_label, n):
-    """The pending entries' four arrays, each with room for n rows (_room)."""
-    return _room(e_rect, n), _room(e_info, n), _room(e_live, n), _room(e_label, n)
+    return -1, copies[:n_c].copy(), copy_rects[:n_c].copy(), tasks, edges[:n_ed].copy()
 
 
 @numba.njit(cache=True, nogil=True)
@@ -769,36 +844,35 @@ def _link(e_info, x, before, head):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _edges(edges, n_ed, node, preds, last):
-    """Add an edge to `node` from each distinct pred, in the order given. `last[p]` is the last
-    node given an edge from p: a node gets all its edges in one call, with an id above its
-    preds', so a pred seen in this call is marked by the node itself, and nothing is reset or
-    sorted (sorting each node's preds was a tenth of a redistribution's analysis). Returns the
-    arrays, `last` grown (with -1) to cover `node`."""
-    if last.shape[0] <= node:
-        grown = np.full(max(node + 1, 2 * last.shape[0]), -1, np.int64)
-        grown[:last.shape[0]] = last
-        last = grown
-    edges = _room(edges, n_ed + preds.shape[0])
-    for p in preds:
+def _edges(edges, n_ed, node, preds, n_preds, last):
+    """Add an edge to `node` from each distinct pred of preds[:n_preds], in the order given
+    (`edges` has room for them). `last[p]` is the last node given an edge from p: a node gets
+    all its edges in one call, with an id above its preds', so a pred seen in this call is
+    marked by the node itself, and nothing is reset or sorted (sorting each node's preds was a
+    tenth of a redistribution's analysis). Returns the edge count."""
+    for i in range(n_preds):
+        p = preds[i]
         if last[p] != node:
             last[p] = node
             edges[n_ed, 0] = node
             edges[n_ed, 1] = p
             n_ed += 1
-    return edges, n_ed, last
+    return n_ed
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _new_piece(p_tab, p_rect, p_info, n_p, rect, vstart, vlen, nd):
-    p_rect = _room(p_rect, n_p + 1)
-    p_info = _room(p_info, n_p + 1)
+    """The piece count with a new piece of `rect` (its memories vals[vstart:vstart + vlen]), and
+    the table that had no room for it (-1: none)."""
+    if n_p + 1 > p_rect.shape[0]:
+        return n_p, _R_PIECES
     p_rect[n_p] = rect
     p_info[n_p, _P_ALIVE] = 1
     p_info[n_p, _P_VSTART] = vstart
     p_info[n_p, _P_VLEN] = vlen
-    p_tab = _put(p_tab, p_rect, p_info, n_p, nd)
-    return p_tab, p_rect, p_info, n_p + 1
+    if not _put(p_tab, p_rect, p_info, n_p, nd):
+        return n_p, _R_CELLS
+    return n_p + 1, -1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -806,7 +880,8 @@ def _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, ed
               n_preds, rect, reads, mem, access, nd):
     """Analyzer._physical_preds: depend on whoever made `rect`'s pieces valid in `mem`; where
     one is valid elsewhere only and the access reads, copy it (or its overlap) in first.
-    `preds` has room for two entries per piece."""
+    Returns the counts (n_p, n_v, n_c, n_ed, next_id, n_preds) and the table that ran out of
+    room (-1: none)."""
     for s in _over(p_tab, p_rect, p_info, n_p, rect, nd, True):
         vs, vl = p_info[s, _P_VSTART], p_info[s, _P_VLEN]
         found = -1
@@ -816,18 +891,25 @@ def _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, ed
                 break
         if found >= 0:
             if vals[found, 1] >= 0:
-                preds = _room(preds, n_preds + 1)
+                if n_preds + 1 > preds.shape[0]:
+                    return n_p, n_v, n_c, n_ed, next_id, n_preds, _R_PREDS
                 preds[n_preds] = vals[found, 1]
                 n_preds += 1
             continue
         if not reads:
             continue
+        if n_c + 1 > copies.shape[0]:
+            return n_p, n_v, n_c, n_ed, next_id, n_preds, _R_COPIES
+        if n_ed + 1 > edges.shape[0]:
+            return n_p, n_v, n_c, n_ed, next_id, n_preds, _R_EDGES
+        if n_v + vl + 1 > vals.shape[0]:
+            return n_p, n_v, n_c, n_ed, next_id, n_preds, _R_VALS
+        if n_preds + 1 > preds.shape[0]:
+            return n_p, n_v, n_c, n_ed, next_id, n_preds, _R_PREDS
         whole = _contains(rect, p_rect[s], nd)
         inter = p_rect[s].copy() if whole else _intersect(p_rect[s], rect, nd)
         cid = next_id
         next_id += 1
-        copies = _room(copies, n_c + 1)
-        copy_rects = _room(copy_rects, n_c + 1)
         copies[n_c, 0] = cid
         copies[n_c, 1] = vals[vs, 0]   # the piece's first valid memory (choose_source)
         copies[n_c, 2] = mem
@@ -838,58 +920,67 @@ def _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, ed
         copy_rects[n_c] = inter
         n_c += 1
         if vals[vs, 1] >= 0:
-            edges = _room(edges, n_ed + 1)
             edges[n_ed, 0] = cid
             edges[n_ed, 1] = vals[vs, 1]
             n_ed += 1
         # the piece's memories and mem, made valid there by the copy
-        vals = _room(vals, n_v + vl + 1)
         vals[n_v:n_v + vl] = vals[vs:vs + vl]
         vals[n_v + vl, 0] = mem
         vals[n_v + vl, 1] = cid
         p_info[s, _P_ALIVE] = 0
+        full = -1
         if not whole:   # the rest keeps its memories, before the copied part (Analyzer's order)
             rests = _subtract(p_rect[s], inter, nd)
             for q in range(rests.shape[0]):
-                p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, rests[q], vs, vl, nd)
-        p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, inter, n_v, vl + 1, nd)
+                n_p, full = _new_piece(p_tab, p_rect, p_info, n_p, rests[q], vs, vl, nd)
+                if full >= 0:
+                    return n_p, n_v, n_c, n_ed, next_id, n_preds, full
+        n_p, full = _new_piece(p_tab, p_rect, p_info, n_p, inter, n_v, vl + 1, nd)
+        if full >= 0:
+            return n_p, n_v, n_c, n_ed, next_id, n_preds, full
         n_v += vl + 1
-        preds = _room(preds, n_preds + 1)
         preds[n_preds] = cid
         n_preds += 1
-    return p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds, n_preds
+    return n_p, n_v, n_c, n_ed, next_id, n_preds, -1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem, node, nd):
-    """Analyzer._set_valid: `rect` is valid in `mem` alone, made so by `node`."""
-    vals = _room(vals, n_v + 1)
+    """Analyzer._set_valid: `rect` is valid in `mem` alone, made so by `node`. Returns (n_p, n_v)
+    and the table that ran out of room (-1: none)."""
+    if n_v + 1 > vals.shape[0]:
+        return n_p, n_v, _R_VALS
     vals[n_v, 0] = mem
     vals[n_v, 1] = node
     s = _find(p_tab, p_rect, p_info, rect, nd)
     if s >= 0:
         p_info[s, _P_VSTART] = n_v
         p_info[s, _P_VLEN] = 1
-        return p_tab, p_rect, p_info, n_p, vals, n_v + 1
+        return n_p, n_v + 1, -1
+    full = -1
     for t in _overlapping(p_tab, p_rect, p_info, n_p, rect, nd):
         p_info[t, _P_ALIVE] = 0
         rests = _subtract(p_rect[t], rect, nd)
         for q in range(rests.shape[0]):
-            p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, rests[q], p_info[t, _P_VSTART],
-                                                    p_info[t, _P_VLEN], nd)
-    p_tab, p_rect, p_info, n_p = _new_piece(p_tab, p_rect, p_info, n_p, rect, n_v, 1, nd)
-    return p_tab, p_rect, p_info, n_p, vals, n_v + 1
+            n_p, full = _new_piece(p_tab, p_rect, p_info, n_p, rests[q], p_info[t, _P_VSTART], p_info[t, _P_VLEN], nd)
+            if full >= 0:
+                return n_p, n_v, full
+    n_p, full = _new_piece(p_tab, p_rect, p_info, n_p, rect, n_v, 1, nd)
+    return n_p, n_v + 1, full
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, node, nd):
-    """Analyzer._record_user: `node` touched `rect` with `priv`."""
+    """Analyzer._record_user: `node` touched `rect` with `priv`. Returns (n_u, n_l, disjoint) and
+    the table that ran out of room (-1: none)."""
+    if n_l + 1 > links.shape[0]:
+        return n_u, n_l, disjoint, _R_LINKS
     is_read = priv == READ_CODE
     if priv == WRITE_CODE or priv == READ_WRITE_CODE:
         over = _over(u_tab, u_rect, u_info, n_u, rect, nd, disjoint)
         doomed = 0
         for s in over:
-            if not _equal(u_rect[s], rect, nd) and _contains(rect, u_rect[s], nd):
+            if not _equal_at(u_rect, s, rect, nd) and _contains(rect, u_rect[s], nd):
                 u_info[s, _U_ALIVE] = 0   # a writer orders everything after it: forget what it covers
                 doomed += 1
         if doomed and not disjoint:
@@ -898,7 +989,6 @@ def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, n
     else:
         s = _find(u_tab, u_rect, u_info, rect, nd)
         if s >= 0:
-            links = _room(links, n_l + 1)
             links[n_l, 0] = node
             links[n_l, 1] = priv
             links[n_l, 2] = -1
@@ -908,7 +998,7 @@ def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, n
             else:
                 u_info[s, head] = n_l
             u_info[s, tail] = n_l
-            return u_tab, u_rect, u_info, n_u, links, n_l + 1, disjoint
+            return n_u, n_l + 1, disjoint, -1
         overlaps_others = False
         if disjoint:
             overlaps_others = _overlapping(u_tab, u_rect, u_info, n_u, rect, nd).shape[0] > 0
@@ -916,15 +1006,15 @@ def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, n
     if s < 0:
         if disjoint and overlaps_others:
             disjoint = False
-        u_rect = _room(u_rect, n_u + 1)
-        u_info = _room(u_info, n_u + 1)
+        if n_u + 1 > u_rect.shape[0]:
+            return n_u, n_l, disjoint, _R_USERS
         s = n_u
         n_u += 1
         u_rect[s] = rect
         u_info[s, _U_ALIVE] = 1
-        u_tab = _put(u_tab, u_rect, u_info, s, nd)
+        if not _put(u_tab, u_rect, u_info, s, nd):
+            return n_u, n_l, disjoint, _R_CELLS
     # a new user list (a key given a new value keeps its slot)
-    links = _room(links, n_l + 1)
     links[n_l, 0] = node
     links[n_l, 1] = priv
     links[n_l, 2] = -1
@@ -932,4 +1022,4 @@ def _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv, n
     u_info[s, _U_RTAIL] = n_l if is_read else -1
     u_info[s, _U_OHEAD] = -1 if is_read else n_l
     u_info[s, _U_OTAIL] = -1 if is_read else n_l
-    return u_tab, u_rect, u_info, n_u, links, n_l + 1, disjoint
+    return n_u, n_l + 1, disjoint, -1

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from taskrt import READ, READ_WRITE, WRITE, Machine, Reduce, Region
 from taskrt.analysis import Analyzer
 from taskrt.geometry import Rect
+from taskrt import region_analysis
 from taskrt.region_analysis import (ACCESS, BUFFER_NODE, BUFFER_REQ, DST, NODE, REDOP, SRC, analyze_region,
                                     privilege_code, redop_name)
 from taskrt.taskgraph import CopyNode
@@ -125,6 +126,23 @@ def test_long_tiled_programs_match_too(case):
     region, accesses = case
     assert compiled(region, accesses) == reference(region, accesses)
 
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiled_access_lists())
+def test_tables_that_run_out_of_room_are_made_again_larger(case):
+    """Every table starts with the least room, so that most run out and the analysis runs again
+    with more: the same nodes, copies and edges, and the rooms it needed are kept."""
+    region, accesses = case
+    saved = region_analysis.ROOM_FACTORS.copy()
+    region_analysis.ROOM_FACTORS[:] = 0.0
+    try:
+        got = compiled(region, accesses)
+        grown = region_analysis.ROOM_FACTORS.copy()
+    finally:
+        region_analysis.ROOM_FACTORS[:] = saved
+    assert got == reference(region, accesses)
+    assert grown[region_analysis._R_CELLS] >= 1   # (no slot fits an index of no cells)
 
 def test_a_data_parallel_weight_gradient_reduce_scatters_and_gathers():
     """Four devices reduce a weight's gradient, four shard readers fold it, four whole readers
