@@ -785,12 +785,19 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
     task_access = np.full(n_nodes, -1, np.int64)   # node -> its access (tasks)
     for a in range(task_node.shape[0]):
         task_access[task_node[a]] = a
-    copy_index = np.full(n_nodes, -1, np.int64)    # node -> its kept copy's index
+    # each node as an edge's end (kind, a, b): a task of the second step (1, its segment's position,
+    # its index there), a kept copy (0, its index, 0); kind -1 for the rest (edges to them go)
+    end = np.full((n_nodes, 3), -1, np.int64)
+    for a in range(task_node.shape[0]):
+        if place[access_k[a]] >= second:
+            node = task_node[a]
+            end[node, 0], end[node, 1], end[node, 2] = 1, place[access_k[a]], rows[access_first[a], 0]
     kept = np.empty(copies.shape[0], np.int64)
     n = 0
     for c in range(copies.shape[0]):
         if place[access_k[copies[c, ACCESS]]] >= second:
-            copy_index[copies[c, NODE]] = n
+            node = copies[c, NODE]
+            end[node, 0], end[node, 1], end[node, 2] = 0, n, 0
             kept[n] = c
             n += 1
     kept_rects = np.empty((n, copy_rects.shape[1]), np.int64)
@@ -812,26 +819,13 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
     out = np.empty((6, edges.shape[0]), np.int64)
     m = 0
     for e in range(edges.shape[0]):
-        if (_edge_end(edges[e, 0], out, 0, m, task_access, copy_index, rows, access_first, access_k, place, second)
-                and _edge_end(edges[e, 1], out, 3, m, task_access, copy_index, rows, access_first, access_k, place,
-                              second)):
+        dst, src = edges[e, 0], edges[e, 1]
+        if end[dst, 0] >= 0 and end[src, 0] >= 0:
+            for k in range(3):
+                out[k, m] = end[dst, k]
+                out[3 + k, m] = end[src, k]
             m += 1
     return kept_rects, ends, redop, buffer_req, columns, out[:, :m].copy()
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _edge_end(node, out, row, m, task_access, copy_index, rows, access_first, access_k, place, second):
-    """Writes node's end of edge m into out[row:row + 3, m] (kind, a, b): a task of the second step
-    (1, its segment's position, its index there), else a kept copy (0, its index, 0); False for
-    the rest (edges to them go)."""
-    a = task_access[node]
-    if a >= 0 and place[access_k[a]] >= second:
-        out[row, m], out[row + 1, m], out[row + 2, m] = 1, place[access_k[a]], rows[access_first[a], 0]
-        return True
-    if copy_index[node] >= 0:
-        out[row, m], out[row + 1, m], out[row + 2, m] = 0, copy_index[node], 0
-        return True
-    return False
 
 
 @numba.njit(cache=True, nogil=True)
