@@ -455,9 +455,11 @@ def _reindex(ix, rects, info, n, nd):
 
 @numba.njit(cache=True, nogil=True)
 def _put(ix, rects, info, s, nd):
-    """Enter slot s; False when the index has no room for it even with the dead slots dropped."""
+    """Enter slot s; False when the index has no room for it, or when dropping the dead slots
+    would not free half of its cells (a run that indexed again at every slot would take time
+    quadratic in the slots: better to run again with more cells)."""
     if not _has_room(ix, rects[s], nd):
-        if not _reindex(ix, rects, info, s, nd) or not _has_room(ix, rects[s], nd):
+        if not _reindex(ix, rects, info, s, nd) or 2 * ix[_NODES] > ix[_NODE_CAP] or not _has_room(ix, rects[s], nd):
             return False
     _add(ix, rects, s, nd)
     return True
