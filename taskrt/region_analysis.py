@@ -105,24 +105,6 @@ def _empty(r, nd):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _overlaps(a, b, nd):
-    if _empty(a, nd) or _empty(b, nd):
-        return False
-    for d in range(nd):
-        if a[d] >= b[nd + d] or b[d] >= a[nd + d]:
-            return False
-    return True
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _equal(a, b, nd):
-    for d in range(2 * nd):
-        if a[d] != b[d]:
-            return False
-    return True
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
 def _contains(a, b, nd):
     """a holds every point of b (an empty b is held)."""
     if _empty(b, nd):
@@ -133,11 +115,11 @@ def _contains(a, b, nd):
     return True
 
 
-# ---- the same on a table's row s, read in place: a row view (rects[s]) costs two atomic
+# ---- a table's row s against a rect r, read in place: a row view (rects[s]) costs two atomic
 # reference-count updates, and in the overlap queries' loops those were most of an analysis
 @numba.njit(cache=True, nogil=True, inline="always")
 def _overlaps_at(rects, s, r, nd):
-    """_overlaps(rects[s], r, nd)."""
+    """Row s and r share a point (neither is empty)."""
     for d in range(nd):
         lo, hi = rects[s, d], rects[s, nd + d]
         if not (lo < hi and r[d] < r[nd + d] and lo < r[nd + d] and r[d] < hi):
@@ -147,7 +129,7 @@ def _overlaps_at(rects, s, r, nd):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _equal_at(rects, s, r, nd):
-    """_equal(rects[s], r, nd)."""
+    """Row s is the rect r."""
     for d in range(2 * nd):
         if rects[s, d] != r[d]:
             return False
