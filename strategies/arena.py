@@ -129,12 +129,6 @@ class Arena:
         self._slot, self._parts = dict(zip(ids, range(len(order)))), order
         self.rebuilds += 1
 
-    def _columns_of(self, part) -> np.ndarray:
-        """A placed part's columns (a view of the store)."""
-        slot = self._slot[id(part)]
-        a = self._start[slot]
-        return self.store[:, a:a + self._count[slot]]
-
 
 @numba.njit(cache=True, nogil=True)
 def columns_of(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

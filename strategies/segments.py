@@ -783,14 +783,13 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
     for c in range(copies.shape[0]):
         n_nodes = max(n_nodes, copies[c, NODE] + 1)
     task_access = np.full(n_nodes, -1, np.int64)   # node -> its access (tasks)
-    for a in range(task_node.shape[0]):
-        task_access[task_node[a]] = a
     # each node as an edge's end (kind, a, b): a task of the second step (1, its segment's position,
     # its index there), a kept copy (0, its index, 0); kind -1 for the rest (edges to them go)
     end = np.full((n_nodes, 3), -1, np.int64)
     for a in range(task_node.shape[0]):
+        node = task_node[a]
+        task_access[node] = a
         if place[access_k[a]] >= second:
-            node = task_node[a]
             end[node, 0], end[node, 1], end[node, 2] = 1, place[access_k[a]], rows[access_first[a], 0]
     kept = np.empty(copies.shape[0], np.int64)
     n = 0

@@ -579,7 +579,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors):
     dim, bounds, dim2, bounds2 = _split_bounds(req_rect, nd)
     room = np.empty(factors.shape[0], np.int64)
     while True:
-        for t in range(factors.shape[0]):
+        for t in range(_R_CELLS):
             room[t] = int(factors[t] * req_rect.shape[0]) + MIN_ROOM
         room[_R_CELLS] = int(factors[_R_CELLS])   # (cells per slot of a table)
         full, copies, copy_rects, tasks, edges = _run(nd, access_mem, access_first, req_rect, req_priv, dim, bounds,

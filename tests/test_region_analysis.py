@@ -127,7 +127,6 @@ def test_long_tiled_programs_match_too(case):
     assert compiled(region, accesses) == reference(region, accesses)
 
 
-
 @settings(max_examples=40, deadline=None)
 @given(tiled_access_lists())
 def test_tables_that_run_out_of_room_are_made_again_larger(case):
@@ -143,6 +142,7 @@ def test_tables_that_run_out_of_room_are_made_again_larger(case):
         region_analysis.ROOM_FACTORS[:] = saved
     assert got == reference(region, accesses)
     assert grown[region_analysis._R_CELLS] >= 1   # (no slot fits an index of no cells)
+
 
 def test_a_data_parallel_weight_gradient_reduce_scatters_and_gathers():
     """Four devices reduce a weight's gradient, four shard readers fold it, four whole readers
