@@ -32,38 +32,45 @@ import numpy as np
 
 @numba.njit(cache=True, nogil=True)
 def _heap_push(keys, ids, size, key, nid):
+    """Add (key, nid) to the binary heap of the first `size` entries (least key first, ties by
+    id). Parents move down into the hole rather than swap: written so, numba counts no
+    reference to the arrays (a swap made it count two each call, in the schedule's loop)."""
     i = size
-    keys[i] = key
-    ids[i] = nid
     while i > 0:
         parent = (i - 1) >> 1
-        if keys[parent] < keys[i] or (keys[parent] == keys[i] and ids[parent] < ids[i]):
+        pk = keys[parent]
+        pid = ids[parent]
+        if pk < key or (pk == key and pid < nid):
             break
-        keys[parent], keys[i] = keys[i], keys[parent]
-        ids[parent], ids[i] = ids[i], ids[parent]
+        keys[i] = pk
+        ids[i] = pid
         i = parent
+    keys[i] = key
+    ids[i] = nid
     return size + 1
 
 
 @numba.njit(cache=True, nogil=True)
 def _heap_pop(keys, ids, size):
+    """(key, nid, size) of the heap's least entry, removed; the last entry sinks into the hole."""
     key, nid = keys[0], ids[0]
     size -= 1
-    keys[0], ids[0] = keys[size], ids[size]
+    last_key, last_id = keys[size], ids[size]
     i = 0
     while True:
-        left = 2 * i + 1
-        if left >= size:
+        child = 2 * i + 1
+        if child >= size:
             break
-        child = left
-        right = left + 1
-        if right < size and (keys[right] < keys[left] or (keys[right] == keys[left] and ids[right] < ids[left])):
+        right = child + 1
+        if right < size and (keys[right] < keys[child] or (keys[right] == keys[child] and ids[right] < ids[child])):
             child = right
-        if keys[i] < keys[child] or (keys[i] == keys[child] and ids[i] < ids[child]):
+        if last_key < keys[child] or (last_key == keys[child] and last_id < ids[child]):
             break
-        keys[child], keys[i] = keys[i], keys[child]
-        ids[child], ids[i] = ids[i], ids[child]
+        keys[i] = keys[child]
+        ids[i] = ids[child]
         i = child
+    keys[i] = last_key
+    ids[i] = last_id
     return key, nid, size
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from strategies.timing import Handling, Successors, schedule, schedule_successors
+from strategies.timing import Handling, Successors, _heap_pop, _heap_push, schedule, schedule_successors
 
 
 def _csr(preds):
@@ -32,6 +32,24 @@ def _reference(res, dur, preds, delay=None):
             free[res[i]] = s + dur[i]
         left.remove(i)
     return np.array(start), np.array(end)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.integers(0, 4), st.integers(0, 30)), st.none()), max_size=80))
+def test_the_heap_gives_the_least_key_then_the_least_id(steps):
+    """Pushes (key, id) and pops (None) in any mix, with many equal keys: each pop is the least
+    pair waiting, as a sorted list says."""
+    keys, ids, size, waiting = np.empty(80), np.empty(80, np.int64), 0, []
+    for step in steps:
+        if step is None:
+            if waiting:
+                key, nid, size = _heap_pop(keys, ids, size)
+                assert (key, nid) == min(waiting)
+                waiting.remove((key, nid))
+        else:
+            size = _heap_push(keys, ids, size, float(step[0]), step[1])
+            waiting.append((float(step[0]), step[1]))
+    assert size == len(waiting)
 
 
 def test_a_chain_adds_up_and_one_resource_serializes():
