@@ -3,6 +3,8 @@ Analyzer (taskrt/analysis.py) on the same accesses: the same nodes in the same o
 copies and folds, the same edges."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
@@ -142,6 +144,27 @@ def test_tables_that_run_out_of_room_are_made_again_larger(case):
         region_analysis.ROOM_FACTORS[:] = saved
     assert got == reference(region, accesses)
     assert grown[region_analysis._R_CELLS] >= 1   # (no slot fits an index of no cells)
+
+
+@settings(max_examples=20, deadline=None)
+@given(tiled_access_lists(), st.integers(-3, 3))
+def test_what_a_scratch_held_before_changes_nothing(case, junk):
+    """A run lays its tables out in the thread's scratch array, kept from call to call: one full
+    of another run's leftovers (here, junk everywhere) gives the same analysis."""
+    region, accesses = case
+    region_analysis._scratch.array = np.full(1 << 20, junk, np.int64)
+    assert compiled(region, accesses) == reference(region, accesses)
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.lists(tiled_access_lists(), min_size=4, max_size=8))
+def test_threads_analyzing_at_once_each_get_their_own_answer(cases):
+    """The analysis releases the GIL and each thread has its own scratch: regions analyzed on
+    four threads at once come out as analyzed one after another."""
+    alone = [compiled(region, accesses) for region, accesses in cases]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda case: compiled(*case), cases * 3))
+    assert together == alone * 3
 
 
 def test_a_data_parallel_weight_gradient_reduce_scatters_and_gathers():
