@@ -105,7 +105,7 @@ def analyze_region(ndim: int, access_mem, access_first, req_rects, req_priv) -> 
     rects = np.ascontiguousarray(req_rects, np.int64).reshape(-1, 2 * ndim)
     copies, copy_rects, tasks, edges, _scratch.array = _analyze(
         ndim, np.ascontiguousarray(access_mem, np.int64), np.ascontiguousarray(access_first, np.int64), rects,
-        np.ascontiguousarray(req_priv, np.int64), ROOM_FACTORS, getattr(_scratch, "array", _NO_SCRATCH))
+        np.ascontiguousarray(req_priv, np.int64), ROOM_FACTORS, getattr(_scratch, "array", _NO_SCRATCH), SCRATCH_MAX)
     return RegionAnalysis(copies, copy_rects, tasks, edges)
 
 
@@ -602,10 +602,12 @@ _R_USERS, _R_LINKS, _R_PIECES, _R_VALS, _R_PENDING, _R_COPIES, _R_EDGES, _R_PRED
 ROOM_FACTORS = np.array([2.0, 4.0, 4.0, 32.0, 2.0, 4.0, 16.0, 4.0, 4.0])
 #: the least room of a table
 MIN_ROOM = 16
+#: the most int64 entries a thread's scratch array keeps from run to run (64 MiB; _tables)
+SCRATCH_MAX = 1 << 23
 
 
 @numba.njit(cache=True, nogil=True)
-def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch):
+def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch, scratch_max):
     """(copies, copy_rects, tasks, edges, scratch) of the accesses: a run with each table's room
     from `factors`, again with more room for a table that ran out (`factors` keeps it); the
     tables are laid out in `scratch`, or in a larger one (returned, for the next call)."""
@@ -615,7 +617,7 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch)
         for t in range(_R_CELLS):
             room[t] = int(factors[t] * req_rect.shape[0]) + MIN_ROOM
         room[_R_CELLS] = int(factors[_R_CELLS])   # (cells per slot of a table)
-        tables, scratch = _tables(nd, dim, bounds, dim2, bounds2, room, access_mem.shape[0], scratch)
+        tables, scratch = _tables(nd, dim, bounds, dim2, bounds2, room, access_mem.shape[0], scratch, scratch_max)
         full, copies, copy_rects, tasks, edges = _run(nd, access_mem, access_first, req_rect, req_priv, tables)
         if full < 0:
             return copies, copy_rects, tasks, edges, scratch
@@ -623,10 +625,14 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch)
 
 
 @numba.njit(cache=True, nogil=True)
-def _tables(nd, dim, bounds, dim2, bounds2, room, n_access, scratch):
+def _tables(nd, dim, bounds, dim2, bounds2, room, n_access, scratch, scratch_max):
     """(the tables of a run, each with room[table] rows, laid out in `scratch`; the scratch: a
     larger one when it was too small). A search analyzes thousands of regions: tables made
-    afresh for each were a sixth of its time in page faults and clearing."""
+    afresh for each were a sixth of its time in page faults and clearing. Tables that would
+    need a scratch of more than `scratch_max` entries (SCRATCH_MAX) are made for their run
+    alone: the rooms are learnt over all regions, so a scratch sized for the largest would
+    stay resident at gigabytes on a thousand devices, where tables made afresh touch only
+    what they use."""
     w = 2 * nd
     users, pieces, pending, copies = room[_R_USERS], room[_R_PIECES], room[_R_PENDING], room[_R_COPIES]
     cells = room[_R_CELLS]
@@ -637,17 +643,21 @@ def _tables(nd, dim, bounds, dim2, bounds2, room, n_access, scratch):
                       pending * w, pending * 7, pending, pending, e_ix, copies * 7, copies * w, room[_R_EDGES] * 2,
                       room[_R_PREDS], copies + n_access, len(_REDOPS)])
     ends = np.cumsum(sizes)
+    area = scratch
     if scratch.shape[0] < ends[-1]:
-        scratch = np.empty(2 * ends[-1], np.int64)
-    tables = (_part(scratch, ends, 0).reshape((users, w)), _part(scratch, ends, 1).reshape((users, 5)),
-              _part(scratch, ends, 2), _part(scratch, ends, 3).reshape((room[_R_LINKS], 3)),
-              _part(scratch, ends, 4).reshape((pieces, w)), _part(scratch, ends, 5).reshape((pieces, 3)),
-              _part(scratch, ends, 6), _part(scratch, ends, 7).reshape((room[_R_VALS], 2)),
-              _part(scratch, ends, 8).reshape((pending, w)), _part(scratch, ends, 9).reshape((pending, 7)),
-              _part(scratch, ends, 10).reshape((pending, 1)), _part(scratch, ends, 11), _part(scratch, ends, 12),
-              _part(scratch, ends, 13).reshape((copies, 7)), _part(scratch, ends, 14).reshape((copies, w)),
-              _part(scratch, ends, 15).reshape((room[_R_EDGES], 2)), _part(scratch, ends, 16),
-              _part(scratch, ends, 17), _part(scratch, ends, 18))
+        if 2 * ends[-1] <= scratch_max:
+            scratch = area = np.empty(2 * ends[-1], np.int64)
+        else:   # (a large region's tables, made for it alone)
+            area = np.empty(ends[-1], np.int64)
+    tables = (_part(area, ends, 0).reshape((users, w)), _part(area, ends, 1).reshape((users, 5)),
+              _part(area, ends, 2), _part(area, ends, 3).reshape((room[_R_LINKS], 3)),
+              _part(area, ends, 4).reshape((pieces, w)), _part(area, ends, 5).reshape((pieces, 3)),
+              _part(area, ends, 6), _part(area, ends, 7).reshape((room[_R_VALS], 2)),
+              _part(area, ends, 8).reshape((pending, w)), _part(area, ends, 9).reshape((pending, 7)),
+              _part(area, ends, 10).reshape((pending, 1)), _part(area, ends, 11), _part(area, ends, 12),
+              _part(area, ends, 13).reshape((copies, 7)), _part(area, ends, 14).reshape((copies, w)),
+              _part(area, ends, 15).reshape((room[_R_EDGES], 2)), _part(area, ends, 16),
+              _part(area, ends, 17), _part(area, ends, 18))
     _init_index(tables[2], dim, bounds, dim2, bounds2, u_hash, cells * users, users)
     _init_index(tables[6], dim, bounds, dim2, bounds2, p_hash, cells * pieces, pieces)
     _init_index(tables[12], dim, bounds, dim2, bounds2, e_hash, cells * pending, pending)

@@ -156,6 +156,24 @@ def test_what_a_scratch_held_before_changes_nothing(case, junk):
     assert compiled(region, accesses) == reference(region, accesses)
 
 
+@settings(max_examples=20, deadline=None)
+@given(tiled_access_lists())
+def test_tables_too_large_to_keep_are_made_for_their_run_alone(case):
+    """With no scratch allowed to grow, every run makes its own tables: the same analysis, and
+    the thread's scratch is left as it was."""
+    region, accesses = case
+    kept = np.full(16, 7, np.int64)
+    region_analysis._scratch.array = kept
+    saved = region_analysis.SCRATCH_MAX
+    region_analysis.SCRATCH_MAX = 0
+    try:
+        got = compiled(region, accesses)
+    finally:
+        region_analysis.SCRATCH_MAX = saved
+    assert got == reference(region, accesses)
+    assert region_analysis._scratch.array is kept and (kept == 7).all()
+
+
 @settings(max_examples=5, deadline=None)
 @given(st.lists(tiled_access_lists(), min_size=4, max_size=8))
 def test_threads_analyzing_at_once_each_get_their_own_answer(cases):
