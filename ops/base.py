@@ -319,15 +319,27 @@ class Op(ABC):
 
     def bytes_moved(self, tile: Rect) -> int:
         """Bytes a tile's forward reads and writes: inputs, weights, outputs."""
+        inputs, weights, outputs = self._itemsizes()
         total = 0
-        for spec, r in zip(self.inputs, self.input_rects(tile)):
-            total += r.volume * np.dtype(spec.dtype).itemsize
-        wshapes = {**self.weight_shapes(), **self.state_shapes()}
+        for size, r in zip(inputs, self.input_rects(tile)):
+            total += r.volume * size
         for k, r in self.weight_rects(tile).items():
-            total += r.volume * np.dtype(self.weight_dtype(k)).itemsize if k in wshapes else 0
-        for spec, r in zip(self.outputs, self.output_rects(tile)):
-            total += r.volume * np.dtype(spec.dtype).itemsize
+            total += r.volume * weights.get(k, 0)
+        for size, r in zip(outputs, self.output_rects(tile)):
+            total += r.volume * size
         return total
+
+    def _itemsizes(self) -> tuple[tuple[int, ...], dict[str, int], tuple[int, ...]]:
+        """(each input's itemsize, each weight's and state's by name, each output's), made once:
+        a search asks bytes_moved of every new tile it meets."""
+        known = self.__dict__.get("_itemsizes_made")
+        if known is None:
+            names = {**self.weight_shapes(), **self.state_shapes()}
+            known = self.__dict__["_itemsizes_made"] = (
+                tuple(np.dtype(spec.dtype).itemsize for spec in self.inputs),
+                {k: np.dtype(self.weight_dtype(k)).itemsize for k in names},
+                tuple(np.dtype(spec.dtype).itemsize for spec in self.outputs))
+        return known
 
     def weight_dtype(self, name: str) -> str:
         """Dtype of a weight: the float dtype of the op's first float input."""

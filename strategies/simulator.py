@@ -119,6 +119,8 @@ class Simulator:
         self.optimizer = None if optimizer is None else make_optimizer(optimizer, "Simulator")
         self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
+        #: each processor's memory size (None: unbounded), by index
+        self._capacity = {i: machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
         self._memory_proc = {p.memory: p for p in self.machine.processors}
         self._builder: SegmentBuilder | None = None
         self._part_cost_cache: dict[int, tuple] = {}   # id(part) -> (part, its costs)
@@ -259,7 +261,7 @@ class Simulator:
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}
         peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
-        capacity = {i: self.machine_model.device_of(p).mem_bytes for i, p in enumerate(self.machine.processors)}
+        capacity = self._capacity
         fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
         return SimResult(timing.time, busy, peak, fits, graph, timing, resources)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -64,12 +65,7 @@ class Rect:
 
     @property
     def volume(self) -> int:
-        v = 1
-        for a, b in zip(self.lo, self.hi):
-            if b <= a:
-                return 0
-            v *= b - a
-        return v
+        return 0 if self._empty else math.prod(map(operator.sub, self.hi, self.lo))
 
     @property
     def empty(self) -> bool:
