@@ -243,6 +243,36 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
     if dur.shape != (n,) or indeg.shape != (n,) or ptr.shape != (n + 1,) or ptr[-1] != idx.shape[0]:
         raise ValueError(f"schedule: {n} resources, {dur.shape[0]} durations, {indeg.shape[0]} indegrees and "
                          f"{ptr.shape[0]} successor offsets (need n, n, n and n + 1, the last the edge count)")
+    if delay.shape != dur.shape:
+        raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
+    if not _well_formed(res, dur, delay, indeg, idx, num_resources):
+        _refuse(res, dur, delay, indeg, idx, num_resources)
+    parts = _handling_arrays(handling, n, num_resources)
+    start, end, done = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts)
+    if done != n:
+        raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
+    return Timing(start, end, _busy(num_resources, res, dur, *parts))
+
+
+@numba.njit(cache=True, nogil=True)
+def _well_formed(res, dur, delay, indeg, idx, num_resources):
+    """The checks of _refuse, in one compiled pass over each array (a search checks a graph a
+    proposal, and numpy's passes were an eighth of a schedule)."""
+    n = res.shape[0]
+    total = 0
+    for i in range(n):
+        if res[i] < -1 or res[i] >= num_resources or indeg[i] < 0 or dur[i] < 0 or delay[i] < 0:
+            return False
+        total += indeg[i]
+    for k in range(idx.shape[0]):
+        if idx[k] < 0 or idx[k] >= n:
+            return False
+    return total == idx.shape[0]
+
+
+def _refuse(res, dur, delay, indeg, idx, num_resources) -> None:
+    """Raise the error that names what is wrong with a graph that _well_formed refused."""
+    n = res.shape[0]
     if n and (res.max() >= num_resources or res.min() < -1):
         raise ValueError(f"schedule: resource ids must be in -1..{num_resources - 1}, got {res.min()}..{res.max()}")
     if idx.size and (idx.min() < 0 or idx.max() >= n):
@@ -250,19 +280,22 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
     if n and (indeg.min() < 0 or indeg.sum() != idx.shape[0]):
         raise ValueError(f"schedule: the indegrees must be >= 0 and add up to the {idx.shape[0]} successor "
                          f"entries, got {indeg.sum()}")
-    if delay.shape != dur.shape:
-        raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
-    if (dur < 0).any() or (delay < 0).any():
-        bad = np.flatnonzero((dur < 0) | (delay < 0))[0]
-        raise ValueError(f"schedule: negative duration or delay at node {int(bad)}")
-    parts = _handling_arrays(handling, n, num_resources)
-    start, end, done = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts)
-    if done != n:
-        raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
+    bad = np.flatnonzero((dur < 0) | (delay < 0))
+    raise ValueError(f"schedule: negative duration or delay at node {int(bad[0])}")
+
+
+@numba.njit(cache=True, nogil=True)
+def _busy(num_resources, res, dur, pre_res, pre_dur, post_res, post_dur):
+    """Each resource's busy seconds: its nodes' own parts, then their parts before, then after,
+    each summed in node order (as np.bincount sums)."""
     busy = np.zeros(num_resources)
-    for r, d in ((res, dur), *zip(parts[::2], parts[1::2])):
-        busy += np.bincount(r[r >= 0], weights=d[r >= 0], minlength=num_resources)
-    return Timing(start, end, busy)
+    for r, d in ((res, dur), (pre_res, pre_dur), (post_res, post_dur)):
+        part = np.zeros(num_resources)
+        for i in range(r.shape[0]):
+            if r[i] >= 0:
+                part[r[i]] += d[i]
+        busy += part
+    return busy
 
 
 def _handling_arrays(handling: Handling | None, n: int, num_resources: int) -> tuple:
