@@ -33,9 +33,16 @@ import numpy as np
 @numba.njit(cache=True, nogil=True)
 def _heap_push(keys, ids, size, key, nid):
     """Add (key, nid) to the binary heap of the first `size` entries (least key first, ties by
-    id). Parents move down into the hole rather than swap: written so, numba counts no
-    reference to the arrays (a swap made it count two each call, in the schedule's loop)."""
-    i = size
+    id); the new size."""
+    _rise(keys, ids, size, key, nid)
+    return size + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _rise(keys, ids, i, key, nid):
+    """Put (key, nid) in the heap's hole at i, moving parents down into the hole until one is
+    less. Moving rather than swapping: with a swap, numba counted two references to the
+    arrays each call, atomically, in the schedule's loop."""
     while i > 0:
         parent = (i - 1) >> 1
         pk = keys[parent]
@@ -47,7 +54,6 @@ def _heap_push(keys, ids, size, key, nid):
         i = parent
     keys[i] = key
     ids[i] = nid
-    return size + 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -69,17 +75,7 @@ def _heap_pop(keys, ids, size):
         keys[i] = keys[child]
         ids[i] = ids[child]
         i = child
-    while i > 0:
-        parent = (i - 1) >> 1
-        pk = keys[parent]
-        pid = ids[parent]
-        if pk < last_key or (pk == last_key and pid < last_id):
-            break
-        keys[i] = pk
-        ids[i] = pid
-        i = parent
-    keys[i] = last_key
-    ids[i] = last_id
+    _rise(keys, ids, i, last_key, last_id)
     return key, nid, size
 
 
