@@ -23,6 +23,7 @@ lowering (ops/lower.py) and the tiled check (tests/opcheck.py) treat every op al
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
@@ -319,7 +320,7 @@ class Op(ABC):
 
     def bytes_moved(self, tile: Rect) -> int:
         """Bytes a tile's forward reads and writes: inputs, weights, outputs."""
-        inputs, weights, outputs = self._itemsizes()
+        inputs, weights, outputs = self._itemsizes
         total = 0
         for size, r in zip(inputs, self.input_rects(tile)):
             total += r.volume * size
@@ -329,17 +330,14 @@ class Op(ABC):
             total += r.volume * size
         return total
 
+    @functools.cached_property
     def _itemsizes(self) -> tuple[tuple[int, ...], dict[str, int], tuple[int, ...]]:
         """(each input's itemsize, each weight's and state's by name, each output's), made once:
         a search asks bytes_moved of every new tile it meets."""
-        known = self.__dict__.get("_itemsizes_made")
-        if known is None:
-            names = {**self.weight_shapes(), **self.state_shapes()}
-            known = self.__dict__["_itemsizes_made"] = (
-                tuple(np.dtype(spec.dtype).itemsize for spec in self.inputs),
+        names = {**self.weight_shapes(), **self.state_shapes()}
+        return (tuple(np.dtype(spec.dtype).itemsize for spec in self.inputs),
                 {k: np.dtype(self.weight_dtype(k)).itemsize for k in names},
                 tuple(np.dtype(spec.dtype).itemsize for spec in self.outputs))
-        return known
 
     def weight_dtype(self, name: str) -> str:
         """Dtype of a weight: the float dtype of the op's first float input."""

@@ -261,8 +261,7 @@ class Simulator:
         busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
                 if r[0] == "proc" and used[i]}
         peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
-        capacity = self._capacity
-        fits = all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
+        fits = all(self._capacity[i] is None or b <= self._capacity[i] for i, b in peak.items())
         return SimResult(timing.time, busy, peak, fits, graph, timing, resources)
 
     def node_costs(self, graph, cache: bool = False) -> tuple:

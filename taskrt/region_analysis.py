@@ -30,27 +30,21 @@ one moved last gets a new slot, a deleted one is marked dead):
   a partly folded entry's rest takes its place in the list. An index like the other tables'
   finds the entries a rect overlaps, and order labels put them in the list's order.
 
-Speed. The helpers an access calls (_physical, _record_user, _set_valid, _new_piece, _over,
-_find, _edges) are inlined into the loop, and overlap queries deduplicate in place. Every
-table has a fixed room for the whole run (_run): a table that grew had to be handed back by
-each helper that adds to it, and numba then updates the reference count of every such array,
-atomically, on each pass of each loop that may change it (18 arrays at every requirement,
-most of an analysis' time in a profile). A table that runs out stops the run, and the driver
-(_analyze) runs it again with that room doubled; the rooms are learnt across calls
-(ROOM_FACTORS). Rows of a table are read in place (_overlaps_at, _equal_at), not as views,
-for the same reason. 3,000 analyses captured from a 64-device search took 1.45 s before
-these two changes and 0.82 s after.
-
-Even so, numba still counted a reference wherever a helper bound a table to its own name (an
-inlined helper's arguments, a called one's at entry, a row view): 43% of an analysis' time
-was in those atomic updates. The tables are now made by the driver, which holds them, and
-the run works on borrowed views of them and of its inputs (_borrowed: views without a
-meminfo, on which the count updates do nothing). A view never leaves the run: what it
-returns is copied out. The 3,000 analyses: 0.93-1.01 -> 0.71-0.80 s, alternating. Then a
-sixth of what was left went to page faults and clearing, in tables made afresh for every
-region: they are now laid out in a scratch array kept per thread (_tables), and only what
-is read before it is written is set (the indexes' hash and cells, last_edge, the counts per
-operator). 0.59-0.61 s, against 1.03-1.09 s for the code before both changes.
+Speed (the measurements behind each choice: docs/search.md, sessions 31-33). Numba counts a
+reference to an array, atomically, wherever one is bound to a name: a helper's arguments, a
+view, a table handed back. So:
+- the helpers an access calls (_physical, _record_user, _set_valid, _new_piece, _over, _find,
+  _edges) are inlined into the loop, and rows of a table are read in place (_overlaps_at,
+  _equal_at), not as views;
+- every table has a fixed room for the whole run, so none is handed back: a table that runs
+  out stops the run, and the driver (_analyze) runs it again with that room doubled; the
+  rooms are learnt across calls (ROOM_FACTORS);
+- the driver makes the tables (_tables) and holds them, and the run works on borrowed views of
+  them and of its inputs (_borrowed: no meminfo, so the count updates do nothing); no view
+  leaves the run, what it returns is copied out;
+- the tables are laid out in a scratch array kept per thread (at most SCRATCH_MAX entries),
+  not made afresh per region, and only what is read before it is written is set.
+Overlap queries deduplicate their few hits in place.
 """
 from __future__ import annotations
 
@@ -313,22 +307,29 @@ def _init_index(ix, dim, bounds, dim2, bounds2, hash_size, node_cap, big_cap):
     """Make `ix` (_index_size's entries) an empty index: its header, boundaries, and no slot in
     the hash or the cells (the cells' nodes and the list of big rects are written before read)."""
     buckets, buckets2 = bounds.shape[0] - 1, bounds2.shape[0] - 1
-    ix[_H_COUNT] = 0
     ix[_H_SIZE] = hash_size
     ix[_DIM] = dim
     ix[_BUCKETS] = buckets
     ix[_DIM2] = dim2
     ix[_BUCKETS2] = buckets2
-    ix[_NODES] = 0
     ix[_NODE_CAP] = node_cap
-    ix[_BIG] = 0
     ix[_BIG_CAP] = big_cap
-    ix[_HEADER:_HEADER + hash_size] = -1
     start = _HEADER + hash_size
     ix[start:start + bounds.shape[0]] = bounds
     ix[start + bounds.shape[0]:start + bounds.shape[0] + bounds2.shape[0]] = bounds2
-    heads = start + bounds.shape[0] + bounds2.shape[0]
-    ix[heads:heads + buckets * buckets2] = -1
+    _clear(ix)
+
+
+@numba.njit(cache=True, nogil=True)
+def _clear(ix):
+    """No slot in the index: counts at zero, the hash and the cells' heads empty (its layout,
+    boundaries and capacities stay)."""
+    ix[_H_COUNT] = 0
+    ix[_NODES] = 0
+    ix[_BIG] = 0
+    ix[_HEADER:_HEADER + ix[_H_SIZE]] = -1
+    heads = _heads_at(ix)
+    ix[heads:heads + ix[_BUCKETS] * ix[_BUCKETS2]] = -1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -453,12 +454,7 @@ def _has_room(ix, r, nd):
 def _reindex(ix, rects, info, n, nd):
     """Index the live slots below n afresh, in place (dead ones dropped); False when they do not
     fit its room."""
-    ix[_H_COUNT] = 0
-    ix[_NODES] = 0
-    ix[_BIG] = 0
-    ix[_HEADER:_HEADER + ix[_H_SIZE]] = -1
-    heads = _heads_at(ix)
-    ix[heads:heads + ix[_BUCKETS] * ix[_BUCKETS2]] = -1
+    _clear(ix)
     for s in range(n):
         if info[s, 0]:
             if not _has_room(ix, rects[s], nd):
@@ -639,25 +635,24 @@ def _tables(nd, dim, bounds, dim2, bounds2, room, n_access, scratch, scratch_max
     u_hash, u_ix = _index_size(bounds, bounds2, users, cells * users)
     p_hash, p_ix = _index_size(bounds, bounds2, pieces, cells * pieces)
     e_hash, e_ix = _index_size(bounds, bounds2, pending, cells * pending)
-    sizes = np.array([users * w, users * 5, u_ix, room[_R_LINKS] * 3, pieces * w, pieces * 3, p_ix, room[_R_VALS] * 2,
-                      pending * w, pending * 7, pending, pending, e_ix, copies * 7, copies * w, room[_R_EDGES] * 2,
-                      room[_R_PREDS], copies + n_access, len(_REDOPS)])
-    ends = np.cumsum(sizes)
+    # (rows, columns) of each table, in _run's order; columns 0: a 1-D table
+    shapes = np.array([(users, w), (users, 5), (u_ix, 0), (room[_R_LINKS], 3), (pieces, w), (pieces, 3), (p_ix, 0),
+                       (room[_R_VALS], 2), (pending, w), (pending, 7), (pending, 1), (pending, 0), (e_ix, 0),
+                       (copies, 7), (copies, w), (room[_R_EDGES], 2), (room[_R_PREDS], 0), (copies + n_access, 0),
+                       (len(_REDOPS), 0)])
+    ends = np.cumsum(shapes[:, 0] * np.maximum(shapes[:, 1], 1))
     area = scratch
     if scratch.shape[0] < ends[-1]:
         if 2 * ends[-1] <= scratch_max:
             scratch = area = np.empty(2 * ends[-1], np.int64)
         else:   # (a large region's tables, made for it alone)
             area = np.empty(ends[-1], np.int64)
-    tables = (_part(area, ends, 0).reshape((users, w)), _part(area, ends, 1).reshape((users, 5)),
-              _part(area, ends, 2), _part(area, ends, 3).reshape((room[_R_LINKS], 3)),
-              _part(area, ends, 4).reshape((pieces, w)), _part(area, ends, 5).reshape((pieces, 3)),
-              _part(area, ends, 6), _part(area, ends, 7).reshape((room[_R_VALS], 2)),
-              _part(area, ends, 8).reshape((pending, w)), _part(area, ends, 9).reshape((pending, 7)),
-              _part(area, ends, 10).reshape((pending, 1)), _part(area, ends, 11), _part(area, ends, 12),
-              _part(area, ends, 13).reshape((copies, 7)), _part(area, ends, 14).reshape((copies, w)),
-              _part(area, ends, 15).reshape((room[_R_EDGES], 2)), _part(area, ends, 16),
-              _part(area, ends, 17), _part(area, ends, 18))
+    tables = (_rows(area, ends, shapes, 0), _rows(area, ends, shapes, 1), _part(area, ends, 2),
+              _rows(area, ends, shapes, 3), _rows(area, ends, shapes, 4), _rows(area, ends, shapes, 5),
+              _part(area, ends, 6), _rows(area, ends, shapes, 7), _rows(area, ends, shapes, 8),
+              _rows(area, ends, shapes, 9), _rows(area, ends, shapes, 10), _part(area, ends, 11),
+              _part(area, ends, 12), _rows(area, ends, shapes, 13), _rows(area, ends, shapes, 14),
+              _rows(area, ends, shapes, 15), _part(area, ends, 16), _part(area, ends, 17), _part(area, ends, 18))
     _init_index(tables[2], dim, bounds, dim2, bounds2, u_hash, cells * users, users)
     _init_index(tables[6], dim, bounds, dim2, bounds2, p_hash, cells * pieces, pieces)
     _init_index(tables[12], dim, bounds, dim2, bounds2, e_hash, cells * pending, pending)
@@ -670,6 +665,12 @@ def _tables(nd, dim, bounds, dim2, bounds2, room, n_access, scratch, scratch_max
 def _part(scratch, ends, k):
     """Part k of the scratch as _tables lays it out: from where part k - 1 ends to ends[k]."""
     return scratch[ends[k - 1] if k else 0:ends[k]]
+
+
+@numba.njit(cache=True, nogil=True)
+def _rows(scratch, ends, shapes, k):
+    """Part k as a 2-D table of its shape."""
+    return _part(scratch, ends, k).reshape((shapes[k, 0], shapes[k, 1]))
 
 
 @intrinsic
