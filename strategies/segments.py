@@ -164,7 +164,11 @@ class RegionResult:
     region); buffer_j/t name a fold's buffer task (-1: none). Preds are edges, one a column of
     the rows (dst kind, dst a, dst b, src kind, src a, src b), so that assembly reads each row
     contiguously: an end is a copy (kind 0: its index here in a) or a task (kind 1: (j, t) in
-    a, b); edges into the first step are already gone. `columns` stacks the five per-copy
+    a, b); edges into the first step are already gone. The first `timed` edges are what timing
+    needs: each of the rest is implied by a path of two of this result's edges (u -> w -> v for
+    u -> v), so it changes no node's ready time (a node ends no earlier than its preds, and one
+    waits for the same last pred), and assembly lays out only the timed ones for the search
+    (half of a graph's edges at 64 devices); the graph's preds have them all. `columns` stacks the five per-copy
     arrays (in the order above), so that assembly joins every result's in one go; the five
     are its rows (views: the cache keeps each number once).
 
@@ -182,6 +186,7 @@ class RegionResult:
     copy_buffer_req: np.ndarray
     columns: np.ndarray           # rows copy_j, copy_t, copy_req, buffer_j, buffer_t (int64)
     edges: np.ndarray
+    timed: int
     copy_j: np.ndarray = field(init=False, repr=False, compare=False)
     copy_t: np.ndarray = field(init=False, repr=False, compare=False)
     copy_req: np.ndarray = field(init=False, repr=False, compare=False)
@@ -198,6 +203,11 @@ class RegionResult:
     def __post_init__(self):
         for name, row in zip(("copy_j", "copy_t", "copy_req", "buffer_j", "buffer_t"), self.columns):
             object.__setattr__(self, name, row)
+
+    @property
+    def timed_edges(self) -> np.ndarray:
+        """The edges timing needs (a view: the first `timed`)."""
+        return self.edges[:, :self.timed]
 
     def copy_nodes(self, program: list) -> tuple:
         """The copies as CopyNode templates (ids -1), each named after the op of the task that
@@ -229,7 +239,9 @@ class AssembledIteration:
     parts (the segments' tasks, then the region results' copies, as in `parts`: every result, so
     that the list keeps its length from graph to graph where the regions stay) in that order,
     so per-part arrays (costs) index into it. `nodes` is made on first use: timing a graph
-    needs only the arrays and the parts."""
+    needs only the arrays and the parts. `successors` has the edges that timing needs (each
+    region result's timed ones: the same times); the preds have every edge, laid out again
+    from `layout` (the arguments of _lay_out but the edges) when first asked for."""
 
     successors: Successors
     segment_of: np.ndarray
@@ -239,6 +251,7 @@ class AssembledIteration:
     segments: list[RecordedSegment]
     view: "_PlanView"
     machine: Machine
+    layout: tuple
     _costs: list | None = None
     _nodes: list | None = None
     _preds: tuple | None = None
@@ -265,12 +278,17 @@ class AssembledIteration:
         return [None if b < 0 else int(b) for b in self.buffer_index]
 
     def pred_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(pred_ptr, pred_idx): each node's distinct preds, ascending, made from the successors
-        on first use (timing needs only those)."""
+        """(pred_ptr, pred_idx): each node's distinct preds, ascending, made on first use from every
+        edge of the region results (timing needs only the timed ones)."""
         if self._preds is None:
-            succ = self.successors
-            n = succ.indegree.shape[0]
-            self._preds = _pred_lists(succ.idx, np.repeat(np.arange(n, dtype=np.int64), np.diff(succ.ptr)), n)
+            columns, copy_columns, copy_counts, offset, sizes, second = self.layout
+            results = self.parts[len(self.parts) - len(copy_counts):]
+            edges = np.concatenate([np.empty((6, 0), np.int64)] + [r.edges for r in results], axis=1)
+            counts = np.array([r.edges.shape[1] for r in results], np.int64)
+            _, _, ptr, idx, _, _ = _lay_out(columns, copy_columns, edges, np.cumsum(counts) - counts, counts,
+                                            copy_counts, offset, sizes, second)
+            n = ptr.shape[0] - 1
+            self._preds = _pred_lists(idx, np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr)), n)
         return self._preds
 
     @property
@@ -569,12 +587,14 @@ class SegmentBuilder:
         offset[:second] = -(1 << 40)
         copy_starts, copy_counts = self._columns.place(results, _columns_of)
         edge_starts, edge_counts = self._edges.place(results, _edges_of)
+        copy_columns = columns_of(copy_starts, copy_counts)
         order, indeg, ptr, idx, segment_of, buffer_index = _lay_out(
-            self._columns.store, columns_of(copy_starts, copy_counts), self._edges.store, edge_starts, edge_counts,
+            self._columns.store, copy_columns, self._edges.store, edge_starts, edge_counts,
             copy_counts, offset, sizes, second)
         return AssembledIteration(Successors(indeg, ptr, idx), segment_of, buffer_index, order,
                                   program[second:] + results, program,
-                                  view, self.machine)
+                                  view, self.machine,
+                                  (self._columns.store, copy_columns, copy_counts, offset, sizes, second))
 
     def _bound_caches(self) -> None:
         """Drop the caches of recorded segments and region analyses when they hold more than
@@ -719,7 +739,7 @@ def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_
         return result
     columns, edges = _renamed_tasks(result.columns, result.edges, analyzed_tasks, tasks)
     return RegionResult(region, memories, result.copy_rects, result.copy_ends, result.copy_redop,
-                        result.copy_buffer_req, columns, edges)
+                        result.copy_buffer_req, columns, edges, result.timed)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -775,8 +795,9 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
     """What a region's analysis (analyze_region's copies, copy_rects, task_node and edges, of
     the accesses `access_first` and `access_k` (_access_runs) of `rows`) adds to the second
     step, as RegionResult's arrays after its region and memories: the copies that accesses of
-    segments at positions from `second` cause (`place`: each segment's position), and the edges
-    between copies kept and the second step's tasks."""
+    segments at positions from `second` cause (`place`: each segment's position), the edges
+    between copies kept and the second step's tasks (those that no two others imply first:
+    _implied) and how many of them come first (RegionResult.timed)."""
     n_nodes = 0
     for a in range(task_node.shape[0]):
         n_nodes = max(n_nodes, task_node[a] + 1)
@@ -815,16 +836,60 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
             b = task_access[copies[c, BUFFER_NODE]]
             buffer_req[i] = copies[c, BUFFER_REQ]
             columns[3, i], columns[4, i] = place[access_k[b]], rows[access_first[b], 0]
-    out = np.empty((6, edges.shape[0]), np.int64)
+    kept_edges = np.empty(edges.shape[0], np.int64)
     m = 0
     for e in range(edges.shape[0]):
-        dst, src = edges[e, 0], edges[e, 1]
-        if end[dst, 0] >= 0 and end[src, 0] >= 0:
-            for k in range(3):
-                out[k, m] = end[dst, k]
-                out[3 + k, m] = end[src, k]
+        if end[edges[e, 0], 0] >= 0 and end[edges[e, 1], 0] >= 0:
+            kept_edges[m] = e
             m += 1
-    return kept_rects, ends, redop, buffer_req, columns, out[:, :m].copy()
+    implied = _implied(edges, kept_edges[:m], n_nodes)
+    out = np.empty((6, m), np.int64)
+    timed = 0
+    for e in range(m):   # the timed edges first, then the implied ones, each in the analysis' order
+        if not implied[e]:
+            timed += 1
+    at_timed, at_implied = 0, timed
+    for e in range(m):
+        dst, src = edges[kept_edges[e], 0], edges[kept_edges[e], 1]
+        if implied[e]:
+            at = at_implied
+            at_implied += 1
+        else:
+            at = at_timed
+            at_timed += 1
+        for k in range(3):
+            out[k, at] = end[dst, k]
+            out[3 + k, at] = end[src, k]
+    return kept_rects, ends, redop, buffer_req, columns, out, timed
+
+
+@numba.njit(cache=True, nogil=True)
+def _implied(edges, which, n_nodes):
+    """Which of the edges edges[which] (rows dst, src: node ids under n_nodes) another two of them
+    imply: u -> v where u -> w and w -> v are among them too. Removing all of these keeps
+    what reaches what (in a DAG each is then implied by a path of kept ones)."""
+    m = which.shape[0]
+    count = np.zeros(n_nodes + 1, np.int64)
+    for e in range(m):
+        count[edges[which[e], 1] + 1] += 1
+    for v in range(n_nodes):
+        count[v + 1] += count[v]
+    succ = np.empty(m, np.int64)   # node u's out-edges (indices into which) from count[u]
+    fill = count[:n_nodes].copy()
+    for e in range(m):
+        src = edges[which[e], 1]
+        succ[fill[src]] = e
+        fill[src] += 1
+    two_hops = np.full(n_nodes, -1, np.int64)   # v: the last u with u -> w -> v
+    implied = np.zeros(m, np.bool_)
+    for u in range(n_nodes):
+        for k in range(count[u], count[u + 1]):
+            w = edges[which[succ[k]], 0]
+            for k2 in range(count[w], count[w + 1]):
+                two_hops[edges[which[succ[k2]], 0]] = u
+        for k in range(count[u], count[u + 1]):
+            implied[succ[k]] = two_hops[edges[which[succ[k]], 0]] == u
+    return implied
 
 
 @numba.njit(cache=True, nogil=True)
@@ -856,7 +921,7 @@ def _pred_lists(dst: np.ndarray, src: np.ndarray, n: int) -> tuple[np.ndarray, n
 
 
 #: what the builder's arenas place of each region result
-_columns_of, _edges_of = operator.attrgetter("columns"), operator.attrgetter("edges")
+_columns_of, _edges_of = operator.attrgetter("columns"), operator.attrgetter("timed_edges")
 #: per program entry, read in C (a program has thousands)
 _key_id, _task_count = operator.attrgetter("key_id"), operator.attrgetter("n_tasks")
 

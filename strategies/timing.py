@@ -70,8 +70,10 @@ def _heap_pop(keys, ids, size):
         if child >= size:
             break
         right = child + 1
-        if right < size and (keys[right] < keys[child] or (keys[right] == keys[child] and ids[right] < ids[child])):
-            child = right
+        if right < size:   # the lesser child by arithmetic, not a branch (which one is a coin toss)
+            kr = keys[right]
+            kc = keys[child]
+            child += np.int64((kr < kc) | ((kr == kc) & (ids[right] < ids[child])))
         keys[i] = keys[child]
         ids[i] = ids[child]
         i = child

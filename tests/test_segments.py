@@ -278,3 +278,27 @@ def test_pred_lists_are_each_node_s_distinct_preds_ascending(n, pairs):
     want = sorted(set(pairs))
     assert ptr.tolist() == [sum(1 for d, _ in want if d < v) for v in range(n + 1)]
     assert idx.tolist() == [s for _, s in want]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 30), st.sets(st.tuples(st.integers(0, 29), st.integers(0, 29)), max_size=200),
+       st.randoms(use_true_random=False))
+def test_implied_edges_are_those_two_others_make_and_dropping_them_keeps_what_reaches_what(n, pairs, rnd):
+    """_implied against a search for u -> w -> v, on a DAG (edges from lower to higher node) given
+    as the analysis gives them (rows dst, src, in any order), only some of its edges asked about."""
+    from strategies.segments import _implied
+    pairs = sorted({(min(a % n, b % n), max(a % n, b % n)) for a, b in pairs if a % n != b % n})
+    rnd.shuffle(pairs)
+    edges = np.array([(v, u) for u, v in pairs] + [(0, 0)], np.int64).reshape(-1, 2)   # a row not asked about
+    which = np.array([e for e in range(len(pairs)) if rnd.random() < 0.9], np.int64)
+    asked = {pairs[e] for e in which}
+    got = _implied(edges, which, n).tolist()
+    assert got == [any((u, w) in asked and (w, v) in asked for w in range(n)) for u, v in (pairs[e] for e in which)]
+    kept = {pairs[e] for e, dropped in zip(which, got) if not dropped}
+
+    def reach(es):
+        out = set(es)
+        for w in range(n):
+            out |= {(u, v) for u, x in out if x == w for y, v in out if y == w}
+        return out
+    assert reach(kept) == reach(asked)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from strategies.timing import Handling, Successors, _heap_pop, _heap_push, schedule, schedule_successors
 
@@ -236,3 +236,23 @@ def test_bad_handling_is_refused():
     with pytest.raises(ValueError, match="handling.pre_dur has shape"):
         schedule(np.array([0, 0]), np.array([1.0, 1.0]), ptr, idx, 1, None,
                  Handling(np.array([-1, -1]), np.zeros(3), np.array([-1, -1]), np.zeros(2)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(handled_graphs(), st.integers(3, 8))
+def test_dropping_edges_that_two_others_imply_changes_no_time(g, width):
+    """u -> v goes where u -> w -> v stays (what the search's graphs leave out: RegionResult.timed):
+    v ends no earlier than w, which ends no earlier than u, and v still waits for w."""
+    res, dur, preds, resources, delay, pre, post = g
+    assume(len(res) >= 3)   # then node 2 waits for 0 and 1, and 1 for 0
+    rng = np.random.default_rng(len(res) * width)
+    preds = [sorted(set(p) | set(rng.choice(i, size=min(i, width), replace=False).tolist())) if i else []
+             for i, p in enumerate(preds)]
+    kept = [[u for u in p if not any(u in preds[w] for w in p)] for p in preds]
+    assert sum(map(len, kept)) < sum(map(len, preds)), "no edge implied: the test tests nothing"
+    handling = Handling(np.array([r for r, _ in pre]), np.array([d for _, d in pre]),
+                        np.array([r for r, _ in post]), np.array([d for _, d in post]))
+    full, reduced = (schedule(np.array(res), np.array(dur), *_csr(p), resources, np.array(delay), handling)
+                     for p in (preds, kept))
+    np.testing.assert_array_equal(full.start, reduced.start)
+    np.testing.assert_array_equal(full.end, reduced.end)
