@@ -238,14 +238,12 @@ class AssembledIteration:
     position segment_of[i], a fold's buffer task is buffers[i] (-1 elsewhere). `order` lays out the
     parts (the segments' tasks, then the region results' copies, as in `parts`: every result, so
     that the list keeps its length from graph to graph where the regions stay) in that order,
-    so per-part arrays (costs) index into it. `nodes` is made on first use: timing a graph
-    needs only the arrays and the parts. `successors` has the edges that timing needs (each
+    so per-part arrays (costs) index into it. `nodes`, `segment_of` and `buffer_index` are made
+    on first use: timing a graph needs only the arrays and the parts. `successors` has the edges that timing needs (each
     region result's timed ones: the same times); the preds have every edge, laid out again
     from `layout` (the arguments of _lay_out but the edges) when first asked for."""
 
     successors: Successors
-    segment_of: np.ndarray
-    buffer_index: np.ndarray
     order: np.ndarray
     parts: list
     segments: list[RecordedSegment]
@@ -255,6 +253,7 @@ class AssembledIteration:
     _costs: list | None = None
     _nodes: list | None = None
     _preds: tuple | None = None
+    _causes: tuple | None = None
 
     @property
     def nodes(self) -> list:
@@ -274,6 +273,21 @@ class AssembledIteration:
         return [tuple(idx[ptr[i]:ptr[i + 1]]) for i in range(len(ptr) - 1)]
 
     @property
+    def segment_of(self) -> np.ndarray:
+        return self._caused()[0]
+
+    @property
+    def buffer_index(self) -> np.ndarray:
+        return self._caused()[1]
+
+    def _caused(self) -> tuple[np.ndarray, np.ndarray]:
+        """(segment_of, buffer_index), made on first use (timing needs neither)."""
+        if self._causes is None:
+            columns, copy_columns, copy_counts, offset, sizes, second = self.layout
+            self._causes = _causes(columns, copy_columns, offset, sizes, second, self.order)
+        return self._causes
+
+    @property
     def buffers(self) -> list:
         return [None if b < 0 else int(b) for b in self.buffer_index]
 
@@ -285,7 +299,7 @@ class AssembledIteration:
             results = self.parts[len(self.parts) - len(copy_counts):]
             edges = np.concatenate([np.empty((6, 0), np.int64)] + [r.edges for r in results], axis=1)
             counts = np.array([r.edges.shape[1] for r in results], np.int64)
-            _, _, ptr, idx, _, _ = _lay_out(columns, copy_columns, edges, np.cumsum(counts) - counts, counts,
+            _, _, ptr, idx = _lay_out(columns, copy_columns, edges, np.cumsum(counts) - counts, counts,
                                             copy_counts, offset, sizes, second)
             n = ptr.shape[0] - 1
             self._preds = _pred_lists(idx, np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr)), n)
@@ -588,10 +602,9 @@ class SegmentBuilder:
         copy_starts, copy_counts = self._columns.place(results, _columns_of)
         edge_starts, edge_counts = self._edges.place(results, _edges_of)
         copy_columns = columns_of(copy_starts, copy_counts)
-        order, indeg, ptr, idx, segment_of, buffer_index = _lay_out(
-            self._columns.store, copy_columns, self._edges.store, edge_starts, edge_counts,
-            copy_counts, offset, sizes, second)
-        return AssembledIteration(Successors(indeg, ptr, idx), segment_of, buffer_index, order,
+        order, indeg, ptr, idx = _lay_out(self._columns.store, copy_columns, self._edges.store, edge_starts,
+                                          edge_counts, copy_counts, offset, sizes, second)
+        return AssembledIteration(Successors(indeg, ptr, idx), order,
                                   program[second:] + results, program,
                                   view, self.machine,
                                   (self._columns.store, copy_columns, copy_counts, offset, sizes, second))
@@ -946,7 +959,7 @@ def _lay_out(columns, copy_columns, edges, edge_starts, edge_counts, copy_counts
     sort by causing task, linear in the nodes). Returns (order: layout position -> number,
     and the edges in layout positions as successor lists: indegree, succ_ptr, succ_idx (an edge
     two region results both make is there twice: the timing needs no more, and pred_lists makes
-    the distinct preds where they are asked for), segment_of and buffer_index per position)."""
+    the distinct preds where they are asked for)."""
     n_tasks = 0
     for j in range(second, sizes.shape[0]):
         n_tasks += sizes[j]
@@ -999,7 +1012,20 @@ def _lay_out(columns, copy_columns, edges, edge_starts, edge_counts, copy_counts
             e += 1
         base += copy_counts[r]
     indeg, ptr, idx = successor_lists(dst, src, n)
-    # which segment caused each node, and a fold's buffer task (-1: none, or made in the first step)
+    return order, indeg, ptr, idx
+
+
+@numba.njit(cache=True, nogil=True)
+def _causes(columns, copy_columns, offset, sizes, second, order):
+    """(segment_of, buffer_index) by layout position (AssembledIteration), from _lay_out's
+    arguments and its `order`: which program position caused each node, and a fold's buffer
+    task (-1: none, or made in the first step)."""
+    n = order.shape[0]
+    n_copies = copy_columns.shape[0]
+    n_tasks = n - n_copies
+    position = np.empty(n, np.int64)
+    for p in range(n):
+        position[order[p]] = p
     segment_of = np.empty(n, np.int64)
     buffer_index = np.full(n, -1, np.int64)
     v = 0
@@ -1009,10 +1035,10 @@ def _lay_out(columns, copy_columns, edges, edge_starts, edge_counts, copy_counts
             v += 1
     for c in range(n_copies):
         p = position[n_tasks + c]
-        segment_of[p] = segment_of[position[copy_task[c]]]
         col = copy_columns[c]
+        segment_of[p] = columns[0, col]
         if columns[3, col] >= 0:
             buf = offset[columns[3, col]] + columns[4, col]
             if buf >= 0:
                 buffer_index[p] = position[buf]
-    return order, indeg, ptr, idx, segment_of, buffer_index
+    return segment_of, buffer_index
