@@ -239,9 +239,10 @@ class AssembledIteration:
     parts (the segments' tasks, then the region results' copies, as in `parts`: every result, so
     that the list keeps its length from graph to graph where the regions stay) in that order,
     so per-part arrays (costs) index into it. `nodes`, `segment_of` and `buffer_index` are made
-    on first use: timing a graph needs only the arrays and the parts. `successors` has the edges that timing needs (each
-    region result's timed ones: the same times); the preds have every edge, laid out again
-    from `layout` (the arguments of _lay_out but the edges) when first asked for."""
+    on first use: timing a graph needs only the arrays and the parts. `successors` has the
+    edges that timing needs (each region result's timed ones: the same times); the preds have
+    every edge, laid out again from `layout` (the arguments of _lay_out but the edges) when
+    first asked for."""
 
     successors: Successors
     order: np.ndarray
