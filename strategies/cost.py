@@ -251,6 +251,8 @@ class CostModel:
         self._entries: dict | None = None
         self._backends: dict[str, Backend] = {}
         self._here: dict[str, str | None] = {}
+        #: (op, tile) -> forward (flops, bytes): a tile's phases share them (work)
+        self._forward_work: dict[tuple, tuple[float, float]] = {}
         #: seconds a sample of the app's batch source takes here (measure_source); None: not measured
         self.source_per_sample: float | None = None
 
@@ -354,7 +356,13 @@ class CostModel:
         if phase == "update":
             itemsize = np.dtype(self._param_dtype(op, param)).itemsize
             return update_work(optimizer or self.optimizer, rect.volume, itemsize)
-        return work(op, phase, rect)
+        if phase not in ("forward", "backward", "backward_weights") or hasattr(op, "backward_flops") \
+                or hasattr(op, "backward_bytes"):
+            return work(op, phase, rect)
+        forward = self._forward_work.get((op, rect))
+        if forward is None:   # a search costs each new tile's forward and backward: one count
+            forward = self._forward_work[(op, rect)] = work(op, "forward", rect)
+        return forward if phase != "backward" else (2 * forward[0], 2 * forward[1])
 
     def analytic_time(self, op: Op, phase: str, rect: Rect, device, param: str | None = None,
                       optimizer=None) -> float:
