@@ -17,6 +17,7 @@ uses any more go, and the copying stays a small share of what is placed.
 """
 from __future__ import annotations
 
+import itertools
 from itertools import repeat
 from operator import is_not
 from typing import Callable, Sequence
@@ -43,18 +44,29 @@ class Arena:
         self._parts: list = []               # slot -> part
         self._start = np.zeros(64, np.int64)   # slot -> first column in store
         self._count = np.zeros(64, np.int64)   # slot -> columns
-        self._last: tuple | None = None      # the last placement's parts and their slots
+        self._last: tuple | None = None      # the last placement's parts (None: not kept) and their slots
+        self._last_name = None               # and its name (place's delta)
 
     def __repr__(self) -> str:
         return (f"Arena({self.rows} rows of {self.dtype}, {len(self._parts)} parts in {self.used} of "
                 f"{self.store.shape[1]} columns, made {self.rebuilds + 1} times)")
 
-    def place(self, parts: Sequence, arrays_of: Callable) -> tuple[np.ndarray, np.ndarray]:
+    def place(self, parts: Sequence, arrays_of: Callable,
+              delta: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(each part's first column in `store`, its column count). `arrays_of(part)` gives a
         part's rows x k array; it is asked only of parts not in the store. May make the store
-        again (so read `store` after this call)."""
-        parts = tuple(parts)
-        slots = self._known_slots(parts)
+        again (so read `store` after this call). `delta`, where the caller knows what changed:
+        (a name of the placement these parts differ from, a name of this one, the indices where
+        they may differ; past that placement's length all are new). It is used when the last
+        placement had that name; else the parts are compared."""
+        if delta is not None and self._last is not None and self._last_name == delta[0] \
+                and len(parts) >= len(self._last[1]):
+            slots = self._changed_slots(parts, delta[2])
+            kept = None
+        else:
+            parts = kept = tuple(parts)
+            slots = self._known_slots(parts)
+        self._last_name = None if delta is None else delta[1]
         missing = np.flatnonzero(slots < 0).tolist()
         fresh = {}   # id -> array, each part once however often it appears
         for i in missing:
@@ -70,7 +82,7 @@ class Arena:
                     if self._slot.get(id(parts[i]), -1) < 0:
                         self._add(parts[i], fresh[id(parts[i])])
                     slots[i] = self._slot[id(parts[i])]
-        self._last = (parts, slots)
+        self._last = (kept, slots)
         return self._start[slots], self._count[slots]
 
     def _known_slots(self, parts: tuple) -> np.ndarray:
@@ -79,10 +91,20 @@ class Arena:
         graphs differ in a few parts: comparing list entries reads no part and no dict, where
         looking each part up was a third of a placement in a search's large process)."""
         last = self._last
-        if last is None or len(last[0]) != len(parts):
+        if last is None or last[0] is None or len(last[0]) != len(parts):
             return np.fromiter(map(self._slot.get, map(id, parts), repeat(-1)), np.int64, len(parts))
         slots = last[1].copy()
         for i in np.flatnonzero(np.fromiter(map(is_not, last[0], parts), bool, len(parts))).tolist():
+            slots[i] = self._slot.get(id(parts[i]), -1)
+        return slots
+
+    def _changed_slots(self, parts: Sequence, changed) -> np.ndarray:
+        """Each part's slot (-1 where not in the store), of parts that differ from the last
+        placement's only at the indices `changed` and past its length."""
+        before = self._last[1]
+        slots = np.empty(len(parts), np.int64)
+        slots[:len(before)] = before
+        for i in itertools.chain(changed, range(len(before), len(parts))):
             slots[i] = self._slot.get(id(parts[i]), -1)
         return slots
 

@@ -242,12 +242,14 @@ class AssembledIteration:
     on first use: timing a graph needs only the arrays and the parts. `successors` has the
     edges that timing needs (each region result's timed ones: the same times); the preds have
     every edge, laid out again from `layout` (the arguments of _lay_out but the edges) when
-    first asked for."""
+    first asked for. `delta` says which parts differ from the graph the builder made before:
+    (its serial, this graph's, the indices in `parts`), for Arena.place; None where all may."""
 
     successors: Successors
     order: np.ndarray
     parts: list
     segments: list[RecordedSegment]
+    delta: tuple | None
     view: "_PlanView"
     machine: Machine
     layout: tuple
@@ -339,6 +341,60 @@ class _PlanView:
     updates: list
 
 
+class _ResultList:
+    """The region results of the last graph, in a list whose entries keep their places from
+    graph to graph: a region that no segment touches any more leaves an empty result in its
+    place, which the next new region takes. So a proposal changes a few entries, and the arenas
+    are told which (Arena.place's delta) instead of comparing a few thousand (a sixth of a late
+    search's assembly). The order of the results changes no node's place in the layout (a
+    requirement's copies all come from its region's result) and no time."""
+
+    def __init__(self):
+        self.entries: list[RegionResult] = []
+        self._index: dict[int, int] = {}   # uid -> its entry
+        self._free: list[int] = []         # entries left empty
+
+    def reset(self, where: dict, by_uid: dict) -> None:
+        """The results of `where`'s uids, in its order, and no empty entries."""
+        self.entries = [by_uid[uid] for uid in where]
+        self._index = {uid: k for k, uid in enumerate(where)}
+        self._free = []
+
+    def update(self, by_uid: dict, redo: list[int], gone: list[int], region_of: dict) -> list[int] | None:
+        """Put in the results of the uids `redo` and empty the entries of those `gone`; the entries
+        changed, or None where the list was made again (reset): when a quarter is empty."""
+        changed = []
+        for uid in gone:
+            k = self._index.get(uid)
+            if k is None or uid in by_uid:   # (a region can go at one position and come at another)
+                continue
+            del self._index[uid]
+            self.entries[k] = _no_result(region_of[uid])
+            self._free.append(k)
+            changed.append(k)
+        for uid in redo:
+            k = self._index.get(uid)
+            if k is None:
+                k = self._index[uid] = self._free.pop() if self._free else len(self.entries)
+                if k == len(self.entries):
+                    self.entries.append(None)
+            self.entries[k] = by_uid[uid]
+            changed.append(k)
+        if len(self._free) > 64 and 4 * len(self._free) > len(self.entries):
+            live = sorted(self._index, key=self._index.__getitem__)
+            self.reset(dict.fromkeys(live), by_uid)
+            return None
+        return changed
+
+
+def _no_result(region) -> RegionResult:
+    """An empty entry of _ResultList: no copies, no edges."""
+    nd = region.ndim
+    return RegionResult(region, (), np.empty((0, 2 * nd), np.int64), np.empty((0, 2), np.int64),
+                        np.empty(0, np.int64), np.empty(0, np.int64), np.empty((5, 0), np.int64),
+                        np.empty((6, 0), np.int64), 0)
+
+
 class SegmentBuilder:
     """Builds iteration graphs of one op graph on one machine under any configs, from caches."""
 
@@ -372,6 +428,8 @@ class SegmentBuilder:
         self.cache_bytes = CACHE_BYTES
         self._cached_bytes = 0
         self._op_parts: dict[tuple, _OpSegments] = {}
+        self._results = _ResultList()
+        self._serial = 0   # builds made: a graph's `delta` names the one before it
         #: per op index, the op indices whose gradient fills depend on its config: its own and
         #: those of the ops whose outputs it alone reads (Lowering.written_grads)
         index = {op.name: i for i, op in enumerate(self.ops)}
@@ -582,7 +640,7 @@ class SegmentBuilder:
             last = changed = None
         else:
             changed = list(itertools.compress(range(len(program)), map(operator.is_not, last[0], program)))
-        where, by_uid, redo = self._regions_of(program, last, changed)
+        where, by_uid, redo, gone = self._regions_of(program, last, changed)
         ids, sizes = _program_numbers(program, last, changed)
         for uid in redo:
             positions = where[uid]
@@ -594,19 +652,29 @@ class SegmentBuilder:
             by_uid[uid] = result
         self._last = (program, where, by_uid, ids, sizes)
         self._bound_caches()
-        results = list(map(by_uid.__getitem__, where))
+        if last is None:
+            self._results.reset(where, by_uid)
+            moved = None
+        else:
+            moved = self._results.update(by_uid, redo, gone, self._region_of)
+        results = self._results.entries
+        serial, self._serial = self._serial, self._serial + 1
         # task numbers: the second step's tasks in order; the first step's are negative (edges to them go)
         sizes = sizes.copy()
         sizes[:second] = 0
         offset = np.cumsum(sizes) - sizes
         offset[:second] = -(1 << 40)
-        copy_starts, copy_counts = self._columns.place(results, _columns_of)
-        edge_starts, edge_counts = self._edges.place(results, _edges_of)
+        delta = None if moved is None else (serial - 1, serial, moved)
+        copy_starts, copy_counts = self._columns.place(results, _columns_of, delta)
+        edge_starts, edge_counts = self._edges.place(results, _edges_of, delta)
         copy_columns = columns_of(copy_starts, copy_counts)
         order, indeg, ptr, idx = _lay_out(self._columns.store, copy_columns, self._edges.store, edge_starts,
                                           edge_counts, copy_counts, offset, sizes, second)
+        if delta is not None:   # the parts (below) that differ from the last graph's
+            delta = (serial - 1, serial, [j - second for j in changed if j >= second]
+                     + [len(program) - second + k for k in moved])
         return AssembledIteration(Successors(indeg, ptr, idx), order,
-                                  program[second:] + results, program,
+                                  program[second:] + results, program, delta,
                                   view, self.machine,
                                   (self._columns.store, copy_columns, copy_counts, offset, sizes, second))
 
@@ -628,20 +696,21 @@ class SegmentBuilder:
         self.stats["cache_flushes"] += 1
 
     def _regions_of(self, program: list[RecordedSegment], last: tuple | None,
-                    changed: list[int] | None) -> tuple[dict, dict, list[int]]:
+                    changed: list[int] | None) -> tuple[dict, dict, list[int], list[int]]:
         """(region uid -> the positions of the segments that touch it, in program order; uid -> the
         last build's result for the uids whose segments are all as they were; the uids to look up
-        afresh). From the last build's (`last`, self._last: updated in place) where the program
-        has its length, the positions `changed` (a changed config changes which segments stand at
-        a few positions), else from scratch."""
+        afresh; the uids no segment touches any more). From the last build's (`last`,
+        self._last: updated in place) where the program has its length, the positions `changed`
+        (a changed config changes which segments stand at a few positions), else from scratch."""
         if last is None:
             where: dict[int, list[int]] = {}
             for j, rec in enumerate(program):
                 for uid in rec.access_tasks:
                     where.setdefault(uid, []).append(j)
-            return where, {}, list(where)
+            return where, {}, list(where), []
         before, where, by_uid = last[0], last[1], last[2]
         redo: dict[int, None] = {}   # (a dict: in the order met, so that runs are alike)
+        gone = []
         for j in changed:
             old, new = before[j], program[j]
             for uid in old.access_tasks.keys() - new.access_tasks.keys():
@@ -651,13 +720,14 @@ class SegmentBuilder:
                 else:
                     del where[uid]
                     by_uid.pop(uid, None)
+                    gone.append(uid)
             for uid in new.access_tasks.keys() - old.access_tasks.keys():
                 positions = list(where.get(uid, ()))
                 bisect.insort(positions, j)
                 where[uid] = positions
             redo.update(dict.fromkeys(new.access_tasks))
             redo.update(dict.fromkeys(old.access_tasks))
-        return where, by_uid, [uid for uid in redo if uid in where]
+        return where, by_uid, [uid for uid in redo if uid in where], gone
 
     def _view(self) -> _PlanView:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""

@@ -277,7 +277,7 @@ class Simulator:
             if flushes != self._flushes_seen:   # the builder dropped its parts: so do their costs
                 self._part_cost_cache.clear()
                 self._flushes_seen = flushes
-            starts, counts = self._part_costs_placed.place(graph.parts, self._part_costs)
+            starts, counts = self._part_costs_placed.place(graph.parts, self._part_costs, graph.delta)
             costs, res = _gathered_costs(self._part_costs_placed.store, starts, counts, graph.order)
         else:
             costs = np.array([self._cost(node, None if isinstance(node, CopyNode) else graph.task_cost_at(i))

@@ -55,6 +55,34 @@ def test_placements_that_change_a_few_places_of_the_last_find_each_parts_columns
         assert np.array_equal(joined, np.concatenate([p.columns for p in parts], axis=1))
 
 
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=2, max_size=12), length=st.integers(1, 10), changes=st.lists(
+    st.tuples(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 11)), max_size=3), st.integers(0, 2),
+              st.booleans()), min_size=1, max_size=8),
+    seed=st.integers(0, 2**16), least=st.sampled_from([1, 8, 4096]))
+def test_placements_told_what_changed_find_each_parts_columns(sizes, length, changes, seed, least):
+    """With a delta (the builder's pattern: the indices that changed, parts added at the end), and
+    with a stale one (a placement in between that was not told, or named otherwise: the parts are
+    then compared)."""
+    pool = _pool(sizes, 2, seed)
+    arena = Arena(2, np.int64, min_columns=least)
+    parts = [pool[i % len(pool)] for i in range(length)]
+    arena.place(parts, lambda p: p.columns, (None, 0, []))
+    name = 0
+    for change, grow, stale in changes:
+        at = sorted({a % len(parts) for a, _ in change})
+        for (a, i) in change:
+            parts[a % len(parts)] = pool[i % len(pool)]
+        parts += [pool[(name + k) % len(pool)] for k in range(grow)]
+        if stale:   # a placement the next delta does not know of
+            other = [pool[(name + k + 1) % len(pool)] for k in range(len(parts))]
+            arena.place(other, lambda p: p.columns)
+        starts, counts = arena.place(parts, lambda p: p.columns, (name, name + 1, at))
+        name += 1
+        joined = arena.store[:, columns_of(starts, counts)]
+        assert np.array_equal(joined, np.concatenate([p.columns for p in parts], axis=1))
+
+
 def test_only_parts_not_placed_are_asked_for_and_a_rebuild_keeps_only_the_last_placement():
     a, b, c, d = (Part(np.full((2, k), k)) for k in (1, 2, 3, 4))
     arena = Arena(2, np.float64, min_columns=6)

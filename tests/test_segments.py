@@ -302,3 +302,33 @@ def test_implied_edges_are_those_two_others_make_and_dropping_them_keeps_what_re
             out |= {(u, v) for u, x in out if x == w for y, v in out if y == w}
         return out
     assert reach(kept) == reach(asked)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sets(st.integers(0, 299), max_size=40), st.sets(st.integers(0, 299), max_size=90)),
+                min_size=1, max_size=12))
+def test_the_result_list_holds_each_live_region_once_and_says_what_changed(steps):
+    """_ResultList against a dict of the live regions' results: every live result once, the other
+    entries empty, and each entry that differs from the last list among those it says changed
+    (or a list made again: None)."""
+    from types import SimpleNamespace
+    from strategies.segments import RegionResult, _ResultList
+    region_of = {uid: SimpleNamespace(ndim=1 + uid % 3) for uid in range(300)}
+    results, by_uid = _ResultList(), {}
+    results.reset({}, by_uid)
+    for come, go in steps:
+        gone = [uid for uid in sorted(go) if uid in by_uid and uid not in come]
+        for uid in gone:
+            del by_uid[uid]
+        redo = sorted(come)
+        by_uid.update({uid: object() for uid in redo})
+        before = list(results.entries)
+        changed = results.update(by_uid, redo, gone, region_of)
+        live = [e for e in results.entries if not isinstance(e, RegionResult)]
+        assert sorted(map(id, live)) == sorted(map(id, by_uid.values()))
+        assert all(e.copy_ends.shape[0] == 0 and e.timed == 0 for e in results.entries if isinstance(e, RegionResult))
+        if changed is not None:
+            assert len(results.entries) >= len(before)
+            assert {k for k, e in enumerate(results.entries) if k >= len(before) or e is not before[k]} <= set(changed)
+        else:
+            assert len(results.entries) == len(by_uid)

@@ -299,3 +299,27 @@ def test_the_configs_of_strategies_in_turn_are_each_strategys_own():
     with pytest.raises(StrategyError):
         sim.configs(strategy.replace(named[0].name, TileConfig((1,) * (len(named[0].tile_shape) + 1))))
     assert sim.configs(strategy) == strategy.resolve(sim.ops, sim.machine, fingerprint=sim.fingerprint)[0]
+
+
+def test_graphs_built_without_costing_in_between_cost_the_same():
+    """The cost arena takes a graph's delta (the parts changed since the builder's last graph)
+    only after costing that last graph: a graph built but not costed in between (as
+    tasks_to_measure builds them), or one costed twice, must cost as in a plain sequence."""
+    model = MODELS["mixer"](Runtime(execute=False))
+    mm = load_machine("k80", nodes=2)
+    plain, other = (Simulator.for_model(model, mm, CostModel(mm, measured=False), loss=data("mixer")[2])
+                    for _ in range(2))
+    rng = np.random.default_rng(11)
+    configs = {}
+    for step in range(8):
+        op = plain.ops[int(rng.integers(len(plain.ops)))]
+        configs[op.name] = random_config(op, plain.machine, rng)
+        if step % 2:   # a graph with another op changed too, made in between, never costed
+            detour = dict(configs)
+            another = plain.ops[(plain.ops.index(op) + 1) % len(plain.ops)]
+            detour[another.name] = random_config(another, plain.machine, rng)
+            other.graph(detour)
+        want, got = plain.simulate(dict(configs)), other.simulate(dict(configs))
+        assert (want.time, want.busy) == (got.time, got.busy)
+        assert [a.tolist() for a in plain.node_costs(want.graph, cache=True)[:3]] == \
+            [a.tolist() for a in other.node_costs(got.graph, cache=True)[:3]]
