@@ -298,7 +298,7 @@ class Simulator:
             elif not part.copy_ends.shape[0]:
                 return self._no_costs   # a region result without copies (a graph lists them all)
             else:
-                costs = np.stack(self._region_costs(part)).astype(float)
+                costs = self._region_costs(part)
             known = self._part_cost_cache[id(part)] = (part, costs)
         return known[1]
 
@@ -315,17 +315,27 @@ class Simulator:
             seconds[i] = self._task_seconds_of(proc, tc, part.task_nbytes, i)
         return costs
 
-    def _region_costs(self, part) -> tuple[np.ndarray, ...]:
-        """_cost of a region result's copies, from its arrays: each distinct (source, destination,
-        fold or not) looked up once (_copy_pair), the seconds of all copies in one go with
-        CostModel.copy_times (the arithmetic of transfer_time and fold_time, element by element:
-        the same seconds as _copy_cost_of's copy by copy)."""
+    def _region_costs(self, part) -> np.ndarray:
+        """_cost of a region result's copies as rows, from its arrays: each distinct (source,
+        destination, fold or not) looked up once (_copy_pair), the seconds of all copies in one
+        go, compiled (_copy_rows) where the pair tables are dense, else with CostModel.copy_times
+        (both the arithmetic of transfer_time and fold_time, element by element: the same seconds
+        as _copy_cost_of's copy by copy)."""
         numbers = np.array([self._memory_number[m] for m in part.memories], np.int64)
+        memories = len(self._memory_number)
+        if 2 * memories ** 2 <= DENSE_PAIRS:
+            codes = _copy_codes(numbers, part.copy_ends, part.copy_redop, memories)
+            mm = self.machine_model
+            handling = (self._memory_rank, self._memory_proc_res, float(mm.send_overhead),
+                        float(mm.receive_overhead)) if self._handling else (_NO_INTS, _NO_INTS, 0.0, 0.0)
+            return _copy_rows(codes, part.copy_rects, part.region.ndim, np.dtype(part.region.dtype).itemsize,
+                              *self._filled_tables(codes), float(mm.launch_overhead), memories, self._rows,
+                              *handling)
         src, dst = numbers[part.copy_ends[:, 0]], numbers[part.copy_ends[:, 1]]
         fold = (part.copy_redop >= 0) | (src == dst)
         res, bandwidth, latency, dst_bandwidth = self._pair_columns(self._pair_code(src, dst, fold))
         costs = (res, self.cost.copy_times(part.copy_nbytes(), bandwidth, dst_bandwidth, fold), latency)
-        return costs + self._copy_handling(src, dst) if self._handling else costs
+        return np.stack(costs + self._copy_handling(src, dst) if self._handling else costs).astype(float)
 
     def _pair_columns(self, codes: np.ndarray) -> tuple[np.ndarray, ...]:
         """_copy_pair's four figures for each of `codes` (an array), as arrays: read from dense
@@ -338,13 +348,18 @@ class Simulator:
             distinct, where = np.unique(codes, return_inverse=True)
             columns = np.array([self._copy_pair(code) for code in distinct.tolist()], float).reshape(-1, 4).T
             return columns[0].astype(np.int64)[where], columns[1][where], columns[2][where], columns[3][where]
+        res, bandwidth, latency, dst_bandwidth = self._filled_tables(codes)
+        return res[codes], bandwidth[codes], latency[codes], dst_bandwidth[codes]
+
+    def _filled_tables(self, codes: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The dense tables of _pair_columns, with the entries of `codes` filled in."""
         if self._pair_tables is None:
             size = 2 * len(self._memory_number) ** 2
             self._pair_tables = (np.full(size, -1, np.int64), np.zeros(size), np.zeros(size), np.zeros(size))
         res, bandwidth, latency, dst_bandwidth = self._pair_tables
         for code in np.unique(codes[res[codes] < 0]).tolist():
             res[code], bandwidth[code], latency[code], dst_bandwidth[code] = self._copy_pair(code)
-        return res[codes], bandwidth[codes], latency[codes], dst_bandwidth[codes]
+        return self._pair_tables
 
     def _copy_handling(self, src, dst) -> tuple[np.ndarray, ...]:
         """The Handling rows of copies from memory numbers `src` to `dst` (arrays): a copy between
@@ -457,6 +472,49 @@ class Simulator:
             elif tc.phase == UPDATE:
                 out.append((tc.op, UPDATE, tc.rect, node.proc, tc.param))
         return out
+
+
+_NO_INTS = np.zeros(0, np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_codes(numbers, copy_ends, copy_redop, memories):
+    """Each copy's _pair_code, from its ends (indices into `numbers`, the memories' numbers)."""
+    codes = np.empty(copy_ends.shape[0], np.int64)
+    for i in range(copy_ends.shape[0]):
+        src, dst = numbers[copy_ends[i, 0]], numbers[copy_ends[i, 1]]
+        fold = 1 if copy_redop[i] >= 0 or src == dst else 0
+        codes[i] = (src * memories + dst) * 2 + fold
+    return codes
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_rows(codes, copy_rects, nd, itemsize, res_t, bandwidth_t, latency_t, dst_bandwidth_t, launch_overhead,
+               memories, rows, memory_rank, memory_proc_res, send_overhead, receive_overhead):
+    """The cost rows of copies (_region_costs) from their pair codes and rects, the dense pair
+    tables and the Handling figures (rows 3-6, where `rows` is 7): CostModel.copy_times'
+    arithmetic, copy by copy."""
+    k = codes.shape[0]
+    out = np.zeros((rows, k))
+    for i in range(k):
+        code = codes[i]
+        nbytes = itemsize
+        for d in range(nd):
+            nbytes *= max(copy_rects[i, nd + d] - copy_rects[i, d], 0)
+        seconds = max(nbytes, 0) / bandwidth_t[code]
+        if code % 2 == 1:
+            seconds = seconds + (3 * nbytes / dst_bandwidth_t[code] + launch_overhead)
+        out[0, i] = res_t[code]
+        out[1, i] = seconds
+        out[2, i] = latency_t[code]
+        if rows == 7:
+            src, dst = divmod(code // 2, memories)
+            if memory_rank[src] != memory_rank[dst]:
+                out[3, i], out[4, i] = memory_proc_res[src], send_overhead
+                out[5, i], out[6, i] = memory_proc_res[dst], receive_overhead
+            else:
+                out[3, i] = out[5, i] = -1
+    return out
 
 
 @numba.njit(cache=True, nogil=True)
