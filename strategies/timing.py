@@ -142,6 +142,8 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
             t, code, size = _heap_pop(keys, ids, size)
         i = code % n
         step = code // n
+        if step == 0 and (res[i] < -1 or res[i] >= num_resources or dur[i] < 0 or delay[i] < 0):
+            return start, end, done, False   # (checked here rather than in a pass of their own)
         if step == 0 and phases and pre_res[i] >= 0:
             s = _occupy(free, pre_res[i], t, pre_dur[i])
             size = _heap_push(keys, ids, size, s + pre_dur[i], n + i)
@@ -159,12 +161,14 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
         done += 1
         for k in range(succ_ptr[i], succ_ptr[i + 1]):
             j = succ_idx[k]
+            if j < 0 or j >= n or indeg[j] <= 0:
+                return start, end, done, False
             if e > ready[j]:
                 ready[j] = e
             indeg[j] -= 1
             if indeg[j] == 0:
                 size = _heap_push(keys, ids, size, ready[j], j)
-    return start, end, done
+    return start, end, done, True
 
 
 @dataclass(frozen=True)
@@ -243,10 +247,10 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
                          f"{ptr.shape[0]} successor offsets (need n, n, n and n + 1, the last the edge count)")
     if delay.shape != dur.shape:
         raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
-    if not _well_formed(res, dur, delay, indeg, idx, num_resources):
-        _refuse(res, dur, delay, indeg, idx, num_resources)
     parts = _handling_arrays(handling, n, num_resources)
-    start, end, done = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts)
+    start, end, done, ok = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts)
+    if (not ok or done != n) and not _well_formed(res, dur, delay, indeg, idx, num_resources):
+        _refuse(res, dur, delay, indeg, idx, num_resources)
     if done != n:
         raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
     return Timing(start, end, _busy(num_resources, res, dur, *parts))
@@ -254,8 +258,8 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
 
 @numba.njit(cache=True, nogil=True)
 def _well_formed(res, dur, delay, indeg, idx, num_resources):
-    """The checks of _refuse, in one compiled pass over each array (a search checks a graph a
-    proposal, and numpy's passes were an eighth of a schedule)."""
+    """The checks of _refuse, in one compiled pass over each array: asked when _schedule, which
+    checks each node and edge as it meets them, found one wrong or did not reach every node."""
     n = res.shape[0]
     total = 0
     for i in range(n):
