@@ -128,6 +128,8 @@ class PeakCache:
     def __init__(self, ops: Sequence[Op], machine: Machine):
         self.machine = machine
         self._order = {op.name: i for i, op in enumerate(ops)}
+        self._by_name = {op.name: op for op in ops}
+        self._seen = None   # the name of the last view's program (a view's delta)
         #: (op name, config) -> region name -> memory -> (the rects of it the op keeps there, itemsize)
         self._op_held: dict[tuple, dict[str, dict[Memory, tuple[list[Rect], int]]]] = {}
         self._region_bytes: dict[tuple, dict[Memory, int]] = {}
@@ -153,8 +155,13 @@ class PeakCache:
     def peak(self, low) -> dict[int, int]:
         """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
         plans = low.plans
+        delta = getattr(low, "delta", None)   # (strategies.segments' views: the ops changed since a program)
+        ops = low.ops
+        if delta is not None and delta[0] == self._seen:
+            ops = [self._by_name[name] for name in delta[2]]
+        self._seen = None if delta is None else delta[1]
         changed = []   # the ops whose config changed, of those whose plan is another object
-        for op in low.ops:
+        for op in ops:
             plan = plans[op.name]
             if plan is not self._plans.get(op.name):
                 self._plans[op.name] = plan

@@ -36,6 +36,7 @@ build_iteration makes, node for node and edge for edge (tests/test_segments.py).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -331,14 +332,22 @@ class AssembledIteration:
 
 @dataclass
 class _PlanView:
-    """The parts of a Lowering that strategies.memory reads, with this strategy's plans."""
+    """The parts of a Lowering that strategies.memory reads, with this strategy's plans; and
+    which ops' plans changed since the builder's program before (`delta`: its serial, this
+    one's, the op names; None where all may have), for PeakCache."""
 
     ops: list
     plans: dict
     values: dict
     params: dict
     stats: dict
-    updates: list
+    op_parts: list
+    delta: tuple | None
+
+    @functools.cached_property
+    def updates(self) -> list:
+        """The update plans of every op, in op order (made when first asked for)."""
+        return [u for part in self.op_parts for u in part.update_plans]
 
 
 class _ResultList:
@@ -440,7 +449,8 @@ class SegmentBuilder:
                 if use is not None:
                     self._fill_dependents[index[use[0]]].add(i)
         #: the last program's per-op parts, fills and plans (_program)
-        self._last_ops: tuple[list, list, dict] | None = None
+        self._last_ops: tuple[list, list, dict, int, list | None] | None = None
+        self._programs = 0   # programs made: a view's delta names the one before it
         # the program's own fills (of unsharded weight gradients, of every weight and state at
         # the start) and each step's batch source
         zero = self.low.host_fill_segment(ZERO_GRAD_PHASE, [
@@ -509,7 +519,9 @@ class SegmentBuilder:
             plans = {op.name: part.plan for op, part in zip(self.ops, parts)}
             for i in {k for i in changed for k in self._fill_dependents[i]}:
                 fills[i] = self._fill_of(self.ops[i], parts[i], plans)
-        self._last_ops = (parts, fills, plans)
+        serial, self._programs = self._programs, self._programs + 1
+        self._last_ops = (parts, fills, plans, serial,
+                          None if last is None else (last[3], serial, [self.ops[i].name for i in changed]))
         filled = set()
         for written, rec in fills:
             filled.update(written, rec.fills)
@@ -732,9 +744,8 @@ class SegmentBuilder:
     def _view(self) -> _PlanView:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
         low = self.low
-        parts, _, plans = self._last_ops
-        updates = [u for part in parts for u in part.update_plans]
-        return _PlanView(self.ops, plans, low.values, low.params, low.stats, updates)
+        parts, _, plans, _, delta = self._last_ops
+        return _PlanView(self.ops, plans, low.values, low.params, low.stats, parts, delta)
 
     # ---- one region's analysis -------------------------------------------------------------------
     def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:

@@ -302,24 +302,24 @@ def test_the_configs_of_strategies_in_turn_are_each_strategys_own():
 
 
 def test_graphs_built_without_costing_in_between_cost_the_same():
-    """The cost arena takes a graph's delta (the parts changed since the builder's last graph)
-    only after costing that last graph: a graph built but not costed in between (as
-    tasks_to_measure builds them), or one costed twice, must cost as in a plain sequence."""
+    """The cost arena and the peak cache take a graph's delta (the parts and ops changed since the
+    builder's last graph) only after that last graph: a graph built but not simulated in between
+    (as tasks_to_measure builds them) must cost as in a plain sequence. Strategies changed one op
+    at a time, as the search makes them (the unchanged ops keep their config objects)."""
     model = MODELS["mixer"](Runtime(execute=False))
     mm = load_machine("k80", nodes=2)
     plain, other = (Simulator.for_model(model, mm, CostModel(mm, measured=False), loss=data("mixer")[2])
                     for _ in range(2))
     rng = np.random.default_rng(11)
-    configs = {}
-    for step in range(8):
+    strategy = data_parallel(model, plain.machine)
+    for step in range(10):
         op = plain.ops[int(rng.integers(len(plain.ops)))]
-        configs[op.name] = random_config(op, plain.machine, rng)
-        if step % 2:   # a graph with another op changed too, made in between, never costed
-            detour = dict(configs)
+        strategy = strategy.replace(op.name, random_config(op, plain.machine, rng))
+        if step % 2:   # a graph with another op changed too, made in between, never simulated
             another = plain.ops[(plain.ops.index(op) + 1) % len(plain.ops)]
-            detour[another.name] = random_config(another, plain.machine, rng)
-            other.graph(detour)
-        want, got = plain.simulate(dict(configs)), other.simulate(dict(configs))
-        assert (want.time, want.busy) == (got.time, got.busy)
+            other.graph(strategy.replace(another.name, random_config(another, plain.machine, rng)))
+        want, got = plain.simulate(strategy), other.simulate(strategy)
+        assert step == 0 or len(got.graph.lowering.delta[2]) <= 2   # (the first graph has none)
+        assert (want.time, want.busy, want.peak_memory) == (got.time, got.busy, got.peak_memory)
         assert [a.tolist() for a in plain.node_costs(want.graph, cache=True)[:3]] == \
             [a.tolist() for a in other.node_costs(got.graph, cache=True)[:3]]
