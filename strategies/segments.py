@@ -791,7 +791,8 @@ class SegmentBuilder:
         parts = [program[j].requirements[uid] for j in positions]
         rows = np.concatenate(parts)
         access_first, access_k = _access_runs(rows, np.array([len(p) for p in parts], np.int64))
-        out = analyze_region(region.ndim, access_mem, access_first, rows[:, 2:-1], rows[:, -1])
+        keep_from = int(np.searchsorted(access_k, bisect.bisect_left(positions, second)))   # the second step's first
+        out = analyze_region(region.ndim, access_mem, access_first, rows[:, 2:-1], rows[:, -1], keep_from)
         result = RegionResult(region, memories, *_second_step(out.copies, out.copy_rects, out.task_node, out.edges,
                                                                rows, access_first, access_k,
                                                                np.array(positions, np.int64), second))

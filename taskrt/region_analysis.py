@@ -93,13 +93,18 @@ class RegionAnalysis:
 NODE, SRC, DST, REDOP, BUFFER_NODE, BUFFER_REQ, ACCESS = range(7)
 
 
-def analyze_region(ndim: int, access_mem, access_first, req_rects, req_priv) -> RegionAnalysis:
+def analyze_region(ndim: int, access_mem, access_first, req_rects, req_priv, keep_from: int = 0) -> RegionAnalysis:
     """The accesses' analysis (see the module doc): access a's requirements are rows
-    access_first[a] .. access_first[a + 1] - 1 of req_rects ([lo..., hi...]) and req_priv."""
+    access_first[a] .. access_first[a + 1] - 1 of req_rects ([lo..., hi...]) and req_priv.
+    Edges are listed only between the nodes that accesses from `keep_from` on make (the
+    simulator keeps a program's second step: the first's edges would be dropped, and looking
+    for them was most of its analysis); the nodes, copies and edges among those are as for
+    keep_from 0."""
     rects = np.ascontiguousarray(req_rects, np.int64).reshape(-1, 2 * ndim)
     copies, copy_rects, tasks, edges, _scratch.array = _analyze(
         ndim, np.ascontiguousarray(access_mem, np.int64), np.ascontiguousarray(access_first, np.int64), rects,
-        np.ascontiguousarray(req_priv, np.int64), ROOM_FACTORS, getattr(_scratch, "array", _NO_SCRATCH), SCRATCH_MAX)
+        np.ascontiguousarray(req_priv, np.int64), ROOM_FACTORS, getattr(_scratch, "array", _NO_SCRATCH), SCRATCH_MAX,
+        keep_from)
     return RegionAnalysis(copies, copy_rects, tasks, edges)
 
 
@@ -603,7 +608,7 @@ SCRATCH_MAX = 1 << 23
 
 
 @numba.njit(cache=True, nogil=True)
-def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch, scratch_max):
+def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch, scratch_max, keep_from):
     """(copies, copy_rects, tasks, edges, scratch) of the accesses: a run with each table's room
     from `factors`, again with more room for a table that ran out (`factors` keeps it); the
     tables are laid out in `scratch`, or in a larger one (returned, for the next call)."""
@@ -614,7 +619,8 @@ def _analyze(nd, access_mem, access_first, req_rect, req_priv, factors, scratch,
             room[t] = int(factors[t] * req_rect.shape[0]) + MIN_ROOM
         room[_R_CELLS] = int(factors[_R_CELLS])   # (cells per slot of a table)
         tables, scratch = _tables(nd, dim, bounds, dim2, bounds2, room, access_mem.shape[0], scratch, scratch_max)
-        full, copies, copy_rects, tasks, edges = _run(nd, access_mem, access_first, req_rect, req_priv, tables)
+        full, copies, copy_rects, tasks, edges = _run(nd, access_mem, access_first, req_rect, req_priv, tables,
+                                                      keep_from)
         if full < 0:
             return copies, copy_rects, tasks, edges, scratch
         factors[full] = max(2 * factors[full], 1.0)
@@ -693,9 +699,10 @@ def _borrowed(typingctx, arrays):
 
 
 @numba.njit(cache=True, nogil=True)
-def _run(nd, access_mem, access_first, req_rect, req_priv, tables):
+def _run(nd, access_mem, access_first, req_rect, req_priv, tables, keep_from):
     """The analysis with the tables of _tables (held by the caller: borrowed here): (-1, copies,
-    copy_rects, tasks, edges), or (the table that ran out, empty arrays)."""
+    copy_rects, tasks, edges), or (the table that ran out, empty arrays). Edges only among the
+    nodes from access keep_from's on (analyze_region)."""
     access_mem, access_first, req_rect, req_priv = _borrowed((access_mem, access_first, req_rect, req_priv))
     (u_rect, u_info, u_tab,     # users: rect; alive and the heads and tails of their lists; index
      links,                     # a user list's entries: (node, privilege, next)
@@ -721,7 +728,10 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables):
     next_id = 0
     none = (np.empty((0, 7), np.int64), np.empty((0, w), np.int64), np.empty(0, np.int64), np.empty((0, 2), np.int64))
 
+    first = 1 << 62   # the first node that accesses from keep_from on make: edges only among those
     for a in range(n_access):
+        if a == keep_from:
+            first = next_id
         if a % COMPACT_EVERY == 0:
             n_p = _compact(p_tab, p_rect, p_info, n_p, nd)
             if n_p < 0:
@@ -757,7 +767,7 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables):
                     # the fold target reads (RW): what part needs in mem, copied in where missing
                     n_p, n_v, n_c, n_ed, next_id, n_f, full = _physical(
                         p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, fpreds,
-                        1, part, True, mem, a, nd)
+                        1, part, True, mem, a, nd, first)
                     if full >= 0:
                         return (full,) + none
                     if n_c + 1 > copies.shape[0]:
@@ -775,7 +785,7 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables):
                     n_c += 1
                     if n_ed + n_f > edges.shape[0]:
                         return (_R_EDGES,) + none
-                    n_ed = _edges(edges, n_ed, fid, fpreds, n_f, last_edge)
+                    n_ed = _edges(edges, n_ed, fid, fpreds, n_f, last_edge, first)
                     n_p, n_v, full = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, part, mem, fid, nd)
                     if full >= 0:
                         return (full,) + none
@@ -824,26 +834,28 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables):
                         e_tail = before
                     n_pending -= 1
                     pending_by_op[e_info[e, _E_REDOP]] -= 1
-            # ---- logical dependences (Analyzer._logical_preds)
-            reading = priv == READ_CODE
-            over = _over(u_tab, u_rect, u_info, n_u, rect, nd, disjoint)
-            for q in range(over.shape[0]):
-                s = over[q]
-                for head in (_U_RHEAD, _U_OHEAD):
-                    x = u_info[s, head]
-                    while x >= 0:
-                        if (head == _U_RHEAD and not reading) or (head == _U_OHEAD and _conflicts(links[x, 1], priv)):
-                            if n_preds + 1 > preds.shape[0]:
-                                return (_R_PREDS,) + none
-                            preds[n_preds] = links[x, 0]
-                            n_preds += 1
-                        x = links[x, 2]
+            # ---- logical dependences (Analyzer._logical_preds): only where edges are kept
+            if a >= keep_from:
+                reading = priv == READ_CODE
+                over = _over(u_tab, u_rect, u_info, n_u, rect, nd, disjoint)
+                for q in range(over.shape[0]):
+                    s = over[q]
+                    for head in (_U_RHEAD, _U_OHEAD):
+                        x = u_info[s, head]
+                        while x >= 0:
+                            if (head == _U_RHEAD and not reading) or (head == _U_OHEAD
+                                                                      and _conflicts(links[x, 1], priv)):
+                                if n_preds + 1 > preds.shape[0]:
+                                    return (_R_PREDS,) + none
+                                preds[n_preds] = links[x, 0]
+                                n_preds += 1
+                            x = links[x, 2]
             # ---- where the data is (Analyzer._physical_preds), not for reductions
             if priv < REDUCE_BASE:
                 reads = priv == READ_CODE or priv == READ_WRITE_CODE
                 n_p, n_v, n_c, n_ed, next_id, n_preds, full = _physical(
                     p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds,
-                    n_preds, rect, reads, mem, a, nd)
+                    n_preds, rect, reads, mem, a, nd, first)
                 if full >= 0:
                     return (full,) + none
         # ---- the task, then what it leaves behind
@@ -852,7 +864,7 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables):
         tasks[a] = tid
         if n_ed + n_preds > edges.shape[0]:
             return (_R_EDGES,) + none
-        n_ed = _edges(edges, n_ed, tid, preds, n_preds, last_edge)
+        n_ed = _edges(edges, n_ed, tid, preds, n_preds, last_edge, first)
         for row in range(r0, r1):
             rect, priv = req_rect[row], req_priv[row]
             if _empty(rect, nd):
@@ -911,15 +923,18 @@ def _link(e_info, x, before, head):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _edges(edges, n_ed, node, preds, n_preds, last):
+def _edges(edges, n_ed, node, preds, n_preds, last, first):
     """Add an edge to `node` from each distinct pred of preds[:n_preds], in the order given
-    (`edges` has room for them). `last[p]` is the last node given an edge from p: a node gets
-    all its edges in one call, with an id above its preds', so a pred seen in this call is
-    marked by the node itself, and nothing is reset or sorted (sorting each node's preds was a
-    tenth of a redistribution's analysis). Returns the edge count."""
+    (`edges` has room for them), where both are `first` or later. `last[p]` is the last node
+    given an edge from p: a node gets all its edges in one call, with an id above its preds',
+    so a pred seen in this call is marked by the node itself, and nothing is reset or sorted
+    (sorting each node's preds was a tenth of a redistribution's analysis). Returns the edge
+    count."""
+    if node < first:
+        return n_ed
     for i in range(n_preds):
         p = preds[i]
-        if last[p] != node:
+        if p >= first and last[p] != node:
             last[p] = node
             edges[n_ed, 0] = node
             edges[n_ed, 1] = p
@@ -944,11 +959,11 @@ def _new_piece(p_tab, p_rect, p_info, n_p, rect, vstart, vlen, nd):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, edges, n_ed, next_id, preds,
-              n_preds, rect, reads, mem, access, nd):
+              n_preds, rect, reads, mem, access, nd, first):
     """Analyzer._physical_preds: depend on whoever made `rect`'s pieces valid in `mem`; where
     one is valid elsewhere only and the access reads, copy it (or its overlap) in first.
     Returns the counts (n_p, n_v, n_c, n_ed, next_id, n_preds) and the table that ran out of
-    room (-1: none)."""
+    room (-1: none). A copy's edge is listed where both ends are `first` or later (_edges)."""
     for s in _over(p_tab, p_rect, p_info, n_p, rect, nd, True):
         vs, vl = p_info[s, _P_VSTART], p_info[s, _P_VLEN]
         found = -1
@@ -986,7 +1001,7 @@ def _physical(p_tab, p_rect, p_info, n_p, vals, n_v, copies, copy_rects, n_c, ed
         copies[n_c, 6] = access
         copy_rects[n_c] = inter
         n_c += 1
-        if vals[vs, 1] >= 0:
+        if vals[vs, 1] >= first:   # (>= 0: made by a node; first >= 0)
             edges[n_ed, 0] = cid
             edges[n_ed, 1] = vals[vs, 1]
             n_ed += 1

@@ -98,6 +98,35 @@ def test_the_compiled_analysis_makes_what_the_analyzer_makes(case):
     assert got_edges == want_edges
 
 
+
+@settings(max_examples=200, deadline=None)
+@given(access_lists(), st.integers(0, 40))
+def test_edges_kept_from_an_access_on_are_the_full_analysis_edges_among_its_nodes(case, keep_from):
+    """keep_from (the simulator's second step): the same nodes and copies, and of the edges those
+    among the nodes that accesses from keep_from on make."""
+    region, accesses = case
+    keep_from = keep_from % (len(accesses) + 1)
+    full, kept = (_arrays(region, accesses, k) for k in (0, keep_from))
+    assert all(np.array_equal(a, b) for a, b in zip(full[:3], kept[:3]))
+    first = min([int(full[2][keep_from])] + [int(c[NODE]) for c in full[0] if c[ACCESS] >= keep_from]) \
+        if keep_from < len(accesses) else 1 << 62
+    assert sorted(map(tuple, kept[3].tolist())) == sorted(
+        (n, p) for n, p in map(tuple, full[3].tolist()) if n >= first and p >= first)
+
+
+def _arrays(region: Region, accesses, keep_from: int) -> tuple:
+    numbers: dict = {}
+    mems, first, rects, privs = [], [0], [], []
+    for proc, reqs in accesses:
+        mems.append(numbers.setdefault(proc.memory, len(numbers)))
+        for r, p in reqs:
+            rects.append(r.lo + r.hi)
+            privs.append(privilege_code(p))
+        first.append(len(privs))
+    out = analyze_region(region.ndim, mems, first, np.array(rects, np.int64).reshape(len(rects), -1), privs,
+                         keep_from)
+    return out.copies, out.copy_rects, out.task_node, out.edges
+
 BIG_MACHINE = Machine.build(2, cpus_per_rank=4, separate_memories=True)
 
 
