@@ -110,12 +110,29 @@ def _time(sim: Simulator, strategy: Strategy, known: dict) -> float:
     order: the chains often propose one again (a neighbour's config that the op already has, a
     move back; a sixth of the proposals on tiny Inception-v3), and a simulation is
     deterministic."""
-    key = tuple([strategy.ops[op.name] for op in sim.ops])
+    key = _Configs(tuple([strategy.ops[op.name] for op in sim.ops]))
     t = known.get(key)
     if t is None:
         result = sim.simulate(strategy)
         t = known[key] = result.time if result.fits else math.inf
     return t
+
+
+class _Configs:
+    """A strategy's configs in op order, as a key of _time's dict: hashed once (a tuple hashes
+    its hundred configs at each lookup, in Python calls)."""
+
+    __slots__ = ("configs", "_hash")
+
+    def __init__(self, configs: tuple):
+        self.configs = configs
+        self._hash = hash(configs)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Configs) and self.configs == other.configs
 
 
 def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = None, beta: float | None = None,
@@ -147,7 +164,7 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     graph_ops = model if model is not None else [op for op in sim.ops if op.name != sim.loss]
     baselines = {}
     starting = {}
-    known: dict[tuple, float] = {}
+    known: dict[_Configs, float] = {}
     for name, make in BASELINES.items():
         s = _complete(sim, make(graph_ops, sim.machine))
         t = time.perf_counter()

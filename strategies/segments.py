@@ -347,7 +347,7 @@ class _PlanView:
     @functools.cached_property
     def updates(self) -> list:
         """The update plans of every op, in op order (made when first asked for)."""
-        return [u for part in self.op_parts for u in part.update_plans]
+        return list(itertools.chain.from_iterable(map(_update_plans_of, self.op_parts)))
 
 
 class _ResultList:
@@ -766,9 +766,9 @@ class SegmentBuilder:
         by task, the requirement indices, rects and privileges on the region (its shape), and
         each task's memory numbered by first appearance."""
         region = self._region_of[uid]
-        numbering: dict = {}   # each access's memory numbered by first appearance (ints: hashed in C)
-        numbers = tuple([numbering.setdefault(i, len(numbering)) for j in positions
-                         for i in program[j].memory_ids[uid]])
+        flat = list(itertools.chain.from_iterable([program[j].memory_ids[uid] for j in positions]))
+        numbering = {m: k for k, m in enumerate(dict.fromkeys(flat))}   # by first appearance (in C but this)
+        numbers = tuple(map(numbering.__getitem__, flat))
         key = (region.rect, tuple([j >= second for j in positions]), tuple([program[j].shapes[uid] for j in positions]),
                numbers)
         memories = tuple([self.machine.memories[i] for i in numbering])
@@ -821,7 +821,10 @@ TASK_KEY = 1 << 32
 def _task_keys(program: list[RecordedSegment], positions: list[int], uid: int) -> np.ndarray:
     """The tasks that touch region `uid`, in program order, each as position * TASK_KEY + its index
     in its segment."""
-    return np.concatenate([j * TASK_KEY + program[j].access_tasks[uid] for j in positions])
+    tasks = [program[j].access_tasks[uid] for j in positions]
+    keys = np.concatenate(tasks)
+    keys += np.repeat(np.array(positions, np.int64) * TASK_KEY, list(map(len, tasks)))
+    return keys
 
 
 def _moved(result: RegionResult, analyzed: object, analyzed_on: tuple, analyzed_tasks: np.ndarray, region,
@@ -1020,6 +1023,7 @@ def _pred_lists(dst: np.ndarray, src: np.ndarray, n: int) -> tuple[np.ndarray, n
 _columns_of, _edges_of = operator.attrgetter("columns"), operator.attrgetter("timed_edges")
 #: per program entry, read in C (a program has thousands)
 _key_id, _task_count = operator.attrgetter("key_id"), operator.attrgetter("n_tasks")
+_update_plans_of = operator.attrgetter("update_plans")
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
