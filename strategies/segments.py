@@ -417,6 +417,7 @@ class SegmentBuilder:
         self.machine = machine
         self.optimizer = optimizer or SGD(lr=0.01, momentum=0.9)
         self.rt = Runtime(machine, execute=False)
+        self.rt.keep_mapped_launches = False   # each launch is recorded once (per op, config and phase)
         defaults = {op.name: default_config(op, machine) for op in self.ops}
         self.low = Lowering(self.rt, self.ops, inputs, defaults, self.optimizer, loss=loss, tag="segments")
         self._backward = self.low._gradient_path()

@@ -112,6 +112,9 @@ class Runtime:
         self._next_id = 0
         self._launch_count = 0
         self._mapped_launches: dict[tuple, tuple] = {}
+        #: whether mapped launches are kept for the next step (False for one that maps each launch
+        #: once, as the simulator's segment recording does: keying them was most of mapping one)
+        self.keep_mapped_launches = True
         self._sinks: set[int] = set()
         self._sink_limit = 1024
         self._replay: ReplayBlock | None = None
@@ -296,7 +299,7 @@ class Runtime:
         training step makes the same ones every iteration), kept in `_mapped_launches`; the
         shared lists are never changed. The key is None for a launch that is not kept."""
         key = None
-        if placement:
+        if placement and self.keep_mapped_launches:
             try:
                 placed = tuple(map(placement.__getitem__, points))
             except KeyError:   # some point left to the mapper: not kept
