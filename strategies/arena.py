@@ -129,11 +129,12 @@ class Arena:
     def _rebuild(self, parts: Sequence, fresh: dict) -> None:
         """Make the store again with only `parts` (each once, in order), at four times their
         columns: the placed ones' columns gathered in one go, the fresh ones copied in."""
-        order = list({id(p): p for p in parts}.values())   # each part once, by first place
+        order = list(dict(zip(map(id, parts), parts)).values())   # each part once, by first place
         ids = list(map(id, order))
         old = np.fromiter(map(self._slot.get, ids, repeat(-1)), np.int64, len(ids))
-        counts = np.array([fresh[i].shape[1] if i in fresh else self._count[s] for i, s in zip(ids, old.tolist())],
-                          np.int64)
+        counts = np.where(old >= 0, self._count[np.maximum(old, 0)], 0)
+        for k in np.flatnonzero(old < 0).tolist():
+            counts[k] = fresh[ids[k]].shape[1]
         starts = np.cumsum(counts) - counts
         total = int(counts.sum())
         store = np.empty((self.rows, max(self.min_columns, 4 * total)), self.dtype)

@@ -19,6 +19,7 @@ read simulations and real runs alike.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -55,15 +56,23 @@ DENSE_PAIRS = 1 << 25
 @dataclass
 class SimResult:
     """A simulated iteration: its time (seconds), the busy seconds of each processor (global
-    index), the peak bytes of each processor's memory, and the schedule behind them."""
+    index; made when first asked for: a search reads only the time), the peak bytes of each
+    processor's memory, and the schedule behind them (`res`: each node's resource)."""
 
     time: float
-    busy: dict[int, float]
     peak_memory: dict[int, int]
     fits: bool
     graph: IterationGraph
     timing: Timing
     resources: list
+    res: np.ndarray
+    proc_index: dict
+
+    @functools.cached_property
+    def busy(self) -> dict[int, float]:
+        used = np.bincount(self.res, minlength=len(self.resources))
+        return {self.proc_index[r[1]]: float(self.timing.busy[i]) for i, r in enumerate(self.resources)
+                if r[0] == "proc" and used[i]}
 
     def __repr__(self) -> str:
         return (f"SimResult({self.time * 1e3:.3f} ms, {len(self.graph.nodes)} nodes, "
@@ -257,12 +266,9 @@ class Simulator:
         graph = self.graph(strategy, delta)
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
         timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling)
-        used = np.bincount(res, minlength=len(resources))
-        busy = {self._proc_index[r[1]]: float(timing.busy[i]) for i, r in enumerate(resources)
-                if r[0] == "proc" and used[i]}
         peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
         fits = all(self._capacity[i] is None or b <= self._capacity[i] for i, b in peak.items())
-        return SimResult(timing.time, busy, peak, fits, graph, timing, resources)
+        return SimResult(timing.time, peak, fits, graph, timing, list(resources), res, self._proc_index)
 
     def node_costs(self, graph, cache: bool = False) -> tuple:
         """(resource index of each node, its seconds there, its delay after: a copy's latency in
