@@ -39,7 +39,8 @@ def reference(region: Region, accesses) -> tuple:
     return copies, tasks, edges
 
 
-def compiled(region: Region, accesses) -> tuple:
+def _analyzed(region: Region, accesses, keep_from: int = 0) -> tuple:
+    """(analyze_region of the accesses, the memories by their numbers there)."""
     numbers: dict = {}
     mems, first, rects, privs = [], [0], [], []
     for proc, reqs in accesses:
@@ -48,8 +49,13 @@ def compiled(region: Region, accesses) -> tuple:
             rects.append(r.lo + r.hi)
             privs.append(privilege_code(p))
         first.append(len(privs))
-    out = analyze_region(region.ndim, mems, first, np.array(rects, np.int64).reshape(len(rects), -1), privs)
-    memory = list(numbers)
+    out = analyze_region(region.ndim, mems, first, np.array(rects, np.int64).reshape(len(rects), -1), privs,
+                         keep_from)
+    return out, list(numbers)
+
+
+def compiled(region: Region, accesses) -> tuple:
+    out, memory = _analyzed(region, accesses)
     nd = region.ndim
     copies = [(int(c[NODE]), Rect(tuple(map(int, r[:nd])), tuple(map(int, r[nd:]))), memory[c[SRC]], memory[c[DST]],
                redop_name(int(c[REDOP])), None if c[BUFFER_NODE] < 0 else (int(c[BUFFER_NODE]), int(c[BUFFER_REQ])),
@@ -106,26 +112,14 @@ def test_edges_kept_from_an_access_on_are_the_full_analysis_edges_among_its_node
     among the nodes that accesses from keep_from on make."""
     region, accesses = case
     keep_from = keep_from % (len(accesses) + 1)
-    full, kept = (_arrays(region, accesses, k) for k in (0, keep_from))
+    full, kept = ((out.copies, out.copy_rects, out.task_node, out.edges)
+                  for out, _ in (_analyzed(region, accesses, k) for k in (0, keep_from)))
     assert all(np.array_equal(a, b) for a, b in zip(full[:3], kept[:3]))
     first = min([int(full[2][keep_from])] + [int(c[NODE]) for c in full[0] if c[ACCESS] >= keep_from]) \
         if keep_from < len(accesses) else 1 << 62
     assert sorted(map(tuple, kept[3].tolist())) == sorted(
         (n, p) for n, p in map(tuple, full[3].tolist()) if n >= first and p >= first)
 
-
-def _arrays(region: Region, accesses, keep_from: int) -> tuple:
-    numbers: dict = {}
-    mems, first, rects, privs = [], [0], [], []
-    for proc, reqs in accesses:
-        mems.append(numbers.setdefault(proc.memory, len(numbers)))
-        for r, p in reqs:
-            rects.append(r.lo + r.hi)
-            privs.append(privilege_code(p))
-        first.append(len(privs))
-    out = analyze_region(region.ndim, mems, first, np.array(rects, np.int64).reshape(len(rects), -1), privs,
-                         keep_from)
-    return out.copies, out.copy_rects, out.task_node, out.edges
 
 BIG_MACHINE = Machine.build(2, cpus_per_rank=4, separate_memories=True)
 
