@@ -128,7 +128,7 @@ class Arena:
 
     def _rebuild(self, parts: Sequence, fresh: dict) -> None:
         """Make the store again with only `parts` (each once, in order), at four times their
-        columns: the placed ones' columns gathered in one go, the fresh ones copied in."""
+        columns: the placed ones' columns copied run by run (compiled), the fresh ones copied in."""
         order = list(dict(zip(map(id, parts), parts)).values())   # each part once, by first place
         ids = list(map(id, order))
         old = np.fromiter(map(self._slot.get, ids, repeat(-1)), np.int64, len(ids))
@@ -139,8 +139,7 @@ class Arena:
         total = int(counts.sum())
         store = np.empty((self.rows, max(self.min_columns, 4 * total)), self.dtype)
         placed = old >= 0
-        store[:, columns_of(starts[placed], counts[placed])] = self.store[:, columns_of(self._start[old[placed]],
-                                                                                        counts[placed])]
+        _copy_runs(self.store, self._start[old[placed]], counts[placed], store, starts[placed])
         for k in np.flatnonzero(~placed).tolist():
             store[:, starts[k]:starts[k] + counts[k]] = fresh[ids[k]]
         size = max(64, self._start.shape[0])
@@ -151,6 +150,17 @@ class Arena:
         self.store, self.used = store, total
         self._slot, self._parts = dict(zip(ids, range(len(order)))), order
         self.rebuilds += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_runs(src: np.ndarray, src_starts: np.ndarray, counts: np.ndarray, dst: np.ndarray,
+               dst_starts: np.ndarray) -> None:
+    """dst[:, dst_starts[p]:dst_starts[p] + counts[p]] = src[:, src_starts[p]:...] for each part p."""
+    for r in range(src.shape[0]):
+        for p in range(counts.shape[0]):
+            a, b = src_starts[p], dst_starts[p]
+            for k in range(counts[p]):
+                dst[r, b + k] = src[r, a + k]
 
 
 @numba.njit(cache=True, nogil=True)

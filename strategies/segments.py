@@ -342,12 +342,17 @@ class _PlanView:
     params: dict
     stats: dict
     op_parts: list
+    op_index: dict
     delta: tuple | None
 
     @functools.cached_property
     def updates(self) -> list:
         """The update plans of every op, in op order (made when first asked for)."""
         return list(itertools.chain.from_iterable(map(_update_plans_of, self.op_parts)))
+
+    def updates_of(self, op_name: str) -> list:
+        """The update plans of one op (what PeakCache asks of an op whose config changed)."""
+        return list(self.op_parts[self.op_index[op_name]].update_plans)
 
 
 class _ResultList:
@@ -442,7 +447,7 @@ class SegmentBuilder:
         self._serial = 0   # builds made: a graph's `delta` names the one before it
         #: per op index, the op indices whose gradient fills depend on its config: its own and
         #: those of the ops whose outputs it alone reads (Lowering.written_grads)
-        index = {op.name: i for i, op in enumerate(self.ops)}
+        index = self._op_index = {op.name: i for i, op in enumerate(self.ops)}
         self._fill_dependents: list[set[int]] = [{i} for i in range(len(self.ops))]
         for i, op in enumerate(self.ops):
             for t in op.outputs:
@@ -746,7 +751,7 @@ class SegmentBuilder:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
         low = self.low
         parts, _, plans, _, delta = self._last_ops
-        return _PlanView(self.ops, plans, low.values, low.params, low.stats, parts, delta)
+        return _PlanView(self.ops, plans, low.values, low.params, low.stats, parts, self._op_index, delta)
 
     # ---- one region's analysis -------------------------------------------------------------------
     def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:
