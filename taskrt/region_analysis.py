@@ -789,10 +789,11 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables, keep_from):
                     n_p, n_v, full = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, part, mem, fid, nd)
                     if full >= 0:
                         return (full,) + none
-                    n_u, n_l, disjoint, full = _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, part,
-                                                            READ_WRITE_CODE, fid, nd)
-                    if full >= 0:
-                        return (full,) + none
+                    if a >= keep_from:   # (users serve only to find edges)
+                        n_u, n_l, disjoint, full = _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint,
+                                                                part, READ_WRITE_CODE, fid, nd)
+                        if full >= 0:
+                            return (full,) + none
                     if n_preds + 1 > preds.shape[0]:
                         return (_R_PREDS,) + none
                     preds[n_preds] = fid
@@ -869,10 +870,11 @@ def _run(nd, access_mem, access_first, req_rect, req_priv, tables, keep_from):
             rect, priv = req_rect[row], req_priv[row]
             if _empty(rect, nd):
                 continue
-            n_u, n_l, disjoint, full = _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv,
-                                                    tid, nd)
-            if full >= 0:
-                return (full,) + none
+            if a >= keep_from:   # (users serve only to find edges: a user before keep_from gives none kept)
+                n_u, n_l, disjoint, full = _record_user(u_tab, u_rect, u_info, n_u, links, n_l, disjoint, rect, priv,
+                                                        tid, nd)
+                if full >= 0:
+                    return (full,) + none
             if priv == WRITE_CODE or priv == READ_WRITE_CODE:
                 n_p, n_v, full = _set_valid(p_tab, p_rect, p_info, n_p, vals, n_v, rect, mem, tid, nd)
                 if full >= 0:

@@ -105,22 +105,6 @@ def test_the_compiled_analysis_makes_what_the_analyzer_makes(case):
 
 
 
-@settings(max_examples=200, deadline=None)
-@given(access_lists(), st.integers(0, 40))
-def test_edges_kept_from_an_access_on_are_the_full_analysis_edges_among_its_nodes(case, keep_from):
-    """keep_from (the simulator's second step): the same nodes and copies, and of the edges those
-    among the nodes that accesses from keep_from on make."""
-    region, accesses = case
-    keep_from = keep_from % (len(accesses) + 1)
-    full, kept = ((out.copies, out.copy_rects, out.task_node, out.edges)
-                  for out, _ in (_analyzed(region, accesses, k) for k in (0, keep_from)))
-    assert all(np.array_equal(a, b) for a, b in zip(full[:3], kept[:3]))
-    first = min([int(full[2][keep_from])] + [int(c[NODE]) for c in full[0] if c[ACCESS] >= keep_from]) \
-        if keep_from < len(accesses) else 1 << 62
-    assert sorted(map(tuple, kept[3].tolist())) == sorted(
-        (n, p) for n, p in map(tuple, full[3].tolist()) if n >= first and p >= first)
-
-
 BIG_MACHINE = Machine.build(2, cpus_per_rank=4, separate_memories=True)
 
 
@@ -224,3 +208,29 @@ def test_a_data_parallel_weight_gradient_reduce_scatters_and_gathers():
     folds = [c for c in got[0] if c[4] == "sum"]
     gathers = [c for c in got[0] if c[4] is None]
     assert len(folds) == 16 and len(gathers) == 12
+
+
+@settings(max_examples=200, deadline=None)
+@given(access_lists(), st.integers(0, 40))
+def test_edges_kept_from_an_access_on_are_the_full_analysis_edges_among_its_nodes(case, keep_from):
+    """keep_from (the simulator's second step): the same nodes and copies, and of the edges those
+    among the nodes that accesses from keep_from on make."""
+    _check_kept(*case, keep_from)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiled_access_lists(), st.integers(0, 160))
+def test_edges_kept_from_an_access_on_in_long_tiled_programs_too(case, keep_from):
+    _check_kept(*case, keep_from)
+
+
+def _check_kept(region: Region, accesses, keep_from: int) -> None:
+    keep_from = keep_from % (len(accesses) + 1)
+    full, kept = ((out.copies, out.copy_rects, out.task_node, out.edges)
+                  for out, _ in (_analyzed(region, accesses, k) for k in (0, keep_from)))
+    assert all(np.array_equal(a, b) for a, b in zip(full[:3], kept[:3]))
+    first = min([int(full[2][keep_from])] + [int(c[NODE]) for c in full[0] if c[ACCESS] >= keep_from]) \
+        if keep_from < len(accesses) else 1 << 62
+    assert sorted(map(tuple, kept[3].tolist())) == sorted(
+        (n, p) for n, p in map(tuple, full[3].tolist()) if n >= first and p >= first)
+
