@@ -783,6 +783,10 @@ class Lowering:
                         self.updates.append(UpdatePlan(p, self.plans[op.name], k, optimizer,
                                                        rotate=len(self.updates)))
 
+    def updates_of(self, op_name: str) -> list["UpdatePlan"]:
+        """The update plans of op `op_name`'s weights, in `updates`' order."""
+        return [u for u in self.updates if u.op_name == op_name]
+
     def __repr__(self) -> str:
         return f"Lowering({self.tag!r}, {len(self.ops)} ops, {len(self.params)} params)"
 

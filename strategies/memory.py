@@ -146,8 +146,7 @@ class PeakCache:
     def _held(self, op, low, key) -> dict[str, dict[Memory, tuple[list[Rect], int]]]:
         got = self._op_held.get(key)
         if got is None:
-            updates = low.updates_of(op.name) if hasattr(low, "updates_of") else \
-                [u for u in low.updates if u.op_name == op.name]
+            updates = low.updates_of(op.name)
             got = self._op_held[key] = {}
             for (memory, name), held in _op_holdings(op, low.plans[op.name], updates, low, self.machine).items():
                 got.setdefault(name, {})[memory] = held

@@ -169,9 +169,9 @@ class RegionResult:
     needs: each of the rest is implied by a path of two of this result's edges (u -> w -> v for
     u -> v), so it changes no node's ready time (a node ends no earlier than its preds, and one
     waits for the same last pred), and assembly lays out only the timed ones for the search
-    (half of a graph's edges at 64 devices); the graph's preds have them all. `columns` stacks the five per-copy
-    arrays (in the order above), so that assembly joins every result's in one go; the five
-    are its rows (views: the cache keeps each number once).
+    (a third of a graph's edges go at 64 devices); the graph's preds have them all. `columns`
+    stacks the five per-copy arrays (in the order above), so that assembly joins every
+    result's in one go; the five are its rows (views: the cache keeps each number once).
 
     The copies themselves are arrays too, of `region`: per copy its rect ([lo..., hi...]), its
     source and destination as indices into `memories`, its reduction operator code (-1: a copy,
@@ -304,7 +304,7 @@ class AssembledIteration:
             edges = np.concatenate([np.empty((6, 0), np.int64)] + [r.edges for r in results], axis=1)
             counts = np.array([r.edges.shape[1] for r in results], np.int64)
             _, _, ptr, idx = _lay_out(columns, copy_columns, edges, np.cumsum(counts) - counts, counts,
-                                            copy_counts, offset, sizes, second)
+                                      copy_counts, offset, sizes, second)
             n = ptr.shape[0] - 1
             self._preds = _pred_lists(idx, np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr)), n)
         return self._preds
@@ -688,11 +688,11 @@ class SegmentBuilder:
         copy_columns = columns_of(copy_starts, copy_counts)
         order, indeg, ptr, idx = _lay_out(self._columns.store, copy_columns, self._edges.store, edge_starts,
                                           edge_counts, copy_counts, offset, sizes, second)
-        if delta is not None:   # the parts (below) that differ from the last graph's
-            delta = (serial - 1, serial, [j - second for j in changed if j >= second]
-                     + [len(program) - second + k for k in moved])
+        changed_parts = None if delta is None else (   # the parts (below) that differ from the last graph's
+            serial - 1, serial,
+            [j - second for j in changed if j >= second] + [len(program) - second + k for k in moved])
         return AssembledIteration(Successors(indeg, ptr, idx), order,
-                                  program[second:] + results, program, delta,
+                                  program[second:] + results, program, changed_parts,
                                   view, self.machine,
                                   (self._columns.store, copy_columns, copy_counts, offset, sizes, second))
 
