@@ -154,14 +154,15 @@ def update_key(optimizer, shard: Rect, dtype: str, device: str) -> CostKey:
 
 
 # ---- work of a task (the analytic model's inputs) ---------------------------------------------------
-def work(op: Op, phase: str, tile: Rect) -> tuple[float, float]:
+def work(op: Op, phase: str, tile: Rect, forward: tuple[float, float] | None = None) -> tuple[float, float]:
     """(flops, bytes) of an op tile's forward or backward kernel; a backward of the weight
-    gradients alone ('backward_weights') is charged forward's work (one product of the two)."""
+    gradients alone ('backward_weights') is charged forward's work (one product of the two).
+    `forward`: the tile's forward (flops, bytes), where the caller has them."""
+    flops, nbytes = forward if forward is not None else (float(op.flops(tile)), float(op.bytes_moved(tile)))
     if phase in ("forward", "backward_weights"):
-        return float(op.flops(tile)), float(op.bytes_moved(tile))
-    flops = op.backward_flops(tile) if hasattr(op, "backward_flops") else 2 * op.flops(tile)
-    nbytes = op.backward_bytes(tile) if hasattr(op, "backward_bytes") else 2 * op.bytes_moved(tile)
-    return float(flops), float(nbytes)
+        return flops, nbytes
+    return (float(op.backward_flops(tile)) if hasattr(op, "backward_flops") else 2 * flops,
+            float(op.backward_bytes(tile)) if hasattr(op, "backward_bytes") else 2 * nbytes)
 
 
 def update_work(optimizer, volume: int, itemsize: int) -> tuple[float, float]:
@@ -356,13 +357,10 @@ class CostModel:
         if phase == "update":
             itemsize = np.dtype(self._param_dtype(op, param)).itemsize
             return update_work(optimizer or self.optimizer, rect.volume, itemsize)
-        if phase not in ("forward", "backward", "backward_weights") or hasattr(op, "backward_flops") \
-                or hasattr(op, "backward_bytes"):
-            return work(op, phase, rect)
         forward = self._forward_work.get((op, rect))
         if forward is None:   # a search costs each new tile's forward and backward: one count
             forward = self._forward_work[(op, rect)] = work(op, "forward", rect)
-        return forward if phase != "backward" else (2 * forward[0], 2 * forward[1])
+        return work(op, phase, rect, forward)
 
     def analytic_time(self, op: Op, phase: str, rect: Rect, device, param: str | None = None,
                       optimizer=None) -> float:

@@ -901,8 +901,9 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
     the accesses `access_first` and `access_k` (_access_runs) of `rows`) adds to the second
     step, as RegionResult's arrays after its region and memories: the copies that accesses of
     segments at positions from `second` cause (`place`: each segment's position), the edges
-    between copies kept and the second step's tasks (those that no two others imply first:
-    _implied) and how many of them come first (RegionResult.timed)."""
+    (an analysis from the second step's first access, `keep_from`, lists only those between
+    its nodes), those that no two others imply first (_implied), and how many come first
+    (RegionResult.timed)."""
     n_nodes = 0
     for a in range(task_node.shape[0]):
         n_nodes = max(n_nodes, task_node[a] + 1)
@@ -941,21 +942,13 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
             b = task_access[copies[c, BUFFER_NODE]]
             buffer_req[i] = copies[c, BUFFER_REQ]
             columns[3, i], columns[4, i] = place[access_k[b]], rows[access_first[b], 0]
-    kept_edges = np.empty(edges.shape[0], np.int64)
-    m = 0
-    for e in range(edges.shape[0]):
-        if end[edges[e, 0], 0] >= 0 and end[edges[e, 1], 0] >= 0:
-            kept_edges[m] = e
-            m += 1
-    implied = _implied(edges, kept_edges[:m], n_nodes)
+    m = edges.shape[0]
+    implied = _implied(edges, np.arange(m), n_nodes)
     out = np.empty((6, m), np.int64)
-    timed = 0
-    for e in range(m):   # the timed edges first, then the implied ones, each in the analysis' order
-        if not implied[e]:
-            timed += 1
-    at_timed, at_implied = 0, timed
+    timed = m - np.count_nonzero(implied)
+    at_timed, at_implied = 0, timed   # the timed edges first, then the implied ones, each in the analysis' order
     for e in range(m):
-        dst, src = edges[kept_edges[e], 0], edges[kept_edges[e], 1]
+        dst, src = edges[e, 0], edges[e, 1]
         if implied[e]:
             at = at_implied
             at_implied += 1
