@@ -84,14 +84,14 @@ def _heap_pop(keys, ids, size):
 @numba.njit(cache=True, nogil=True)
 def successor_lists(dst, src, n):
     """(indegree, succ_ptr, succ_idx) of the n-node graph whose edge k runs from src[k] to
-    dst[k]: a counting sort by source (a repeated edge stays repeated)."""
-    indeg = np.zeros(n, np.int64)
-    count = np.zeros(n + 1, np.int64)
+    dst[k]: a counting sort by source (a repeated edge stays repeated), in dst's integer type."""
+    indeg = np.zeros(n, dst.dtype)
+    count = np.zeros(n + 1, dst.dtype)
     for k in range(dst.shape[0]):
         indeg[dst[k]] += 1
         count[src[k] + 1] += 1
-    ptr = np.cumsum(count)
-    idx = np.empty(dst.shape[0], np.int64)
+    ptr = np.cumsum(count).astype(dst.dtype)
+    idx = np.empty(dst.shape[0], dst.dtype)
     fill = ptr[:n].copy()
     for k in range(dst.shape[0]):
         idx[fill[src[k]]] = dst[k]
@@ -171,11 +171,15 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
     return start, end, done, True
 
 
+#: the integer types the core takes a graph's arrays in as they are (others are made int64)
+_INDEX_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
 @dataclass(frozen=True)
 class Successors:
     """A graph as the timing core walks it: each node's predecessor count (`indegree`, an edge
     given twice counts twice) and its successors idx[ptr[i]:ptr[i + 1]] (any order; a
-    repeated edge changes no time)."""
+    repeated edge changes no time); int32 or int64 arrays."""
 
     indegree: np.ndarray
     ptr: np.ndarray
@@ -239,7 +243,7 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
     res = np.ascontiguousarray(res, np.int64)
     dur = np.ascontiguousarray(dur, np.float64)
     delay = np.zeros(dur.shape) if delay is None else np.ascontiguousarray(delay, np.float64)
-    indeg, ptr, idx = (np.ascontiguousarray(a, np.int64) for a in
+    indeg, ptr, idx = (np.ascontiguousarray(a, a.dtype if a.dtype in _INDEX_TYPES else np.int64) for a in
                        (successors.indegree, successors.ptr, successors.idx))
     n = res.shape[0]
     if dur.shape != (n,) or indeg.shape != (n,) or ptr.shape != (n + 1,) or ptr[-1] != idx.shape[0]:
