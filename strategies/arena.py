@@ -8,9 +8,11 @@ about a seventh of a proposal at 64 devices. An `Arena` places each part's colum
 it first meets the part; a graph's parts are then its (start, count) per part, and the
 compiled passes that walk them (the layout, the cost gather) read the store in place.
 
-When a part does not fit, the store is made again with only the parts of the placement that
-asked (in its order), at four times their columns: the parts of earlier graphs that no graph
-uses any more go, and the copying stays a small share of what is placed.
+When a part does not fit, the store is remade with only the parts of the placement that asked
+(in place while it has room for KEEP times their columns, else anew with room for GROWTH
+times): the parts
+of earlier graphs that no graph uses any more go, and the copying stays a small share of what
+is placed.
 
     arena = Arena(rows=5, dtype=np.int64)
     start, count = arena.place(parts, lambda part: part.columns)   # part i: arena.store[:, start[i]:start[i] + count[i]]
@@ -27,6 +29,10 @@ import numpy as np
 
 #: the store's least capacity, in columns
 MIN_COLUMNS = 1 << 12
+#: a store made anew has room for GROWTH times the columns of the parts it keeps; a store is
+#: kept (the parts moved down in it) while it has room for KEEP times them and no more than
+#: twice GROWTH times (a store grown for a large graph goes when the graphs are small again)
+GROWTH, KEEP = 4, 2
 
 
 class Arena:
@@ -127,20 +133,29 @@ class Arena:
         self._parts.append(part)
 
     def _rebuild(self, parts: Sequence, fresh: dict) -> None:
-        """Make the store again with only `parts` (each once, in order), at four times their
-        columns: the placed ones' columns copied run by run (compiled), the fresh ones copied in."""
-        order = list(dict(zip(map(id, parts), parts)).values())   # each part once, by first place
+        """Keep only `parts` (each once): the placed ones moved down to the front of the store in
+        the order they stand in it (compiled, run by run), the fresh ones after them. The store
+        is kept while it has room for KEEP times their columns (and not over twice GROWTH
+        times), else made anew with room for GROWTH times: a new store's pages cost a fault each when first written, which made a
+        rebuild of 40k columns into a new store take 10 ms and more here, against 1 ms in place."""
+        order = list(dict(zip(map(id, parts), parts)).values())
         ids = list(map(id, order))
         old = np.fromiter(map(self._slot.get, ids, repeat(-1)), np.int64, len(ids))
-        counts = np.where(old >= 0, self._count[np.maximum(old, 0)], 0)
-        for k in np.flatnonzero(old < 0).tolist():
-            counts[k] = fresh[ids[k]].shape[1]
+        placed = np.flatnonzero(old >= 0)
+        placed = placed[np.argsort(self._start[old[placed]], kind="stable")]   # by where they stand
+        new = np.flatnonzero(old < 0)
+        order = [order[k] for k in placed.tolist()] + [order[k] for k in new.tolist()]
+        ids = list(map(id, order))
+        counts = np.concatenate([self._count[old[placed]],
+                                 np.array([fresh[ids[k]].shape[1] for k in range(len(placed), len(ids))], np.int64)])
         starts = np.cumsum(counts) - counts
         total = int(counts.sum())
-        store = np.empty((self.rows, max(self.min_columns, 4 * total)), self.dtype)
-        placed = old >= 0
-        _copy_runs(self.store, self._start[old[placed]], counts[placed], store, starts[placed])
-        for k in np.flatnonzero(~placed).tolist():
+        if KEEP * total <= self.store.shape[1] <= max(self.min_columns, 2 * GROWTH * total):
+            store = self.store
+        else:
+            store = np.empty((self.rows, max(self.min_columns, GROWTH * total)), self.dtype)
+        _copy_runs(self.store, self._start[old[placed]], counts[:len(placed)], store, starts[:len(placed)])
+        for k in range(len(placed), len(ids)):
             store[:, starts[k]:starts[k] + counts[k]] = fresh[ids[k]]
         size = max(64, self._start.shape[0])
         while size < len(order):
@@ -155,7 +170,8 @@ class Arena:
 @numba.njit(cache=True, nogil=True)
 def _copy_runs(src: np.ndarray, src_starts: np.ndarray, counts: np.ndarray, dst: np.ndarray,
                dst_starts: np.ndarray) -> None:
-    """dst[:, dst_starts[p]:dst_starts[p] + counts[p]] = src[:, src_starts[p]:...] for each part p."""
+    """dst[:, dst_starts[p]:dst_starts[p] + counts[p]] = src[:, src_starts[p]:...] for each part p,
+    in order: dst may be src where every run moves down and the runs come in ascending order."""
     for r in range(src.shape[0]):
         for p in range(counts.shape[0]):
             a, b = src_starts[p], dst_starts[p]

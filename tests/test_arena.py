@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies.arena import Arena, columns_of
+from strategies.arena import GROWTH, KEEP, Arena, columns_of
 
 
 class Part:
@@ -92,9 +92,24 @@ def test_only_parts_not_placed_are_asked_for_and_a_rebuild_keeps_only_the_last_p
     assert asked == [a, b, c] and arena.rebuilds == 0 and arena.used == 6
     starts, counts = arena.place([d, c], lambda p: asked.append(p) or p.columns)   # 10 > 6 columns: rebuilt
     assert asked == [a, b, c, d] and arena.rebuilds == 1
-    assert arena.used == 7 and arena.store.shape[1] == 28 and starts.tolist() == [0, 4]
+    # c stays first (it was placed), then d; the store of 6 columns had no room: made anew
+    assert arena.used == 7 and arena.store.shape[1] == GROWTH * 7 and starts.tolist() == [3, 0]
     arena.place([a], lambda p: asked.append(p) or p.columns)   # a went in the rebuild: asked again
     assert asked == [a, b, c, d, a]
+
+
+def test_a_rebuild_moves_the_kept_parts_down_in_place_while_the_store_has_room():
+    big = Part(np.full((2, 35), 7.0))
+    a, b, c = (Part(np.arange(2 * k, dtype=float).reshape(2, k) + 10 * k) for k in (1, 2, 3))
+    arena = Arena(2, np.float64, min_columns=40)
+    arena.place([big], lambda p: p.columns)
+    arena.place([a, b], lambda p: p.columns)   # 38 of 40 columns
+    before = arena.store
+    starts, counts = arena.place([b, c, a], lambda p: p.columns)   # c does not fit: a and b move down
+    assert arena.rebuilds == 1 and arena.store is before and KEEP * 6 <= 40
+    assert starts.tolist() == [1, 3, 0] and arena.used == 6
+    for p, s, k in zip([b, c, a], starts, counts):
+        assert np.array_equal(arena.store[:, s:s + k], p.columns)
 
 
 def test_a_part_of_the_wrong_shape_is_refused():
