@@ -156,6 +156,52 @@ def test_a_weight_gradient_written_whole_keeps_an_empty_zeroing_in_its_place():
         builder.build(replicated)
 
 
+def test_a_change_in_what_the_ops_fills_cover_makes_the_step_again():
+    """A proposal's step is the last one patched where configs changed, unless the gradients the
+    ops' own fills cover change: the host then fills another set, and the step is made again.
+    No model here has such a change (tiles with equal output rects still cover their output),
+    so a stand-in _fill_of makes one: a dense layer split over its reduced dim leaves its output
+    to the host. Each program equals a fresh builder's, segment for segment, either way."""
+    ops, inputs, loss = _graph_of("mixer")
+    machine = _machine(2, 2)
+    dense = next(op for op in ops if op.kind == "dense")
+    plain = {op.name: default_config(op, machine) for op in ops}
+    summed = dict(plain, **{dense.name: TileConfig((1,) * (len(dense.tile_shape) - 1) + (2,), (0, 1))})
+
+    def stand_in(builder):
+        fill_of, step = builder._fill_of, builder._step
+        builder.steps_made = 0
+
+        def counted_step(parts, fills):
+            builder.steps_made += 1
+            return step(parts, fills)
+        builder._step = counted_step
+
+        def leaving_the_summed_output(op, part, plans):
+            written, rec, covered = fill_of(op, part, plans)
+            return written, rec, covered - {f"{dense.name}.out"} if part.config is summed[dense.name] else covered
+        builder._fill_of = leaving_the_summed_output
+        return builder
+
+    def filled(rec):   # the regions the host's fill writes (its key names them by uids, which builders number apart)
+        return sorted(region.name for launch in rec.launches for region in launch.regions)
+
+    def what(rec):
+        return ("host fill", filled(rec)) if rec.key[:2] == ("graph", "grad_fill") else rec.key
+
+    builder = stand_in(SegmentBuilder(ops, inputs, loss, machine))
+    hosts = []
+    for configs in (plain, summed, plain, dict(summed), plain):
+        program, second = builder._program(configs)
+        fresh, _ = stand_in(SegmentBuilder(ops, inputs, loss, machine))._program(configs)
+        assert list(map(what, program)) == list(map(what, fresh))
+        hosts.append(program[second + 1 + 2 * len(ops)])   # after the batch source, the forwards, the ops' fills
+    assert [filled(h) for h in hosts] == [[], [f"{dense.name}.out.grad"]] * 2 + [[]]
+    assert builder.steps_made == 5   # the first, then each change made it again
+    builder._program(dict(plain))    # a change that leaves the fills as they were: patched
+    assert builder.steps_made == 5
+
+
 def builds_the_runtimes_graph(builder, configs, ops, inputs, loss, machine) -> bool:
     """The assembled graph is the runtime's."""
     return assembled_graph(builder, configs) == runtime_graph(ops, inputs, loss, configs, machine)
