@@ -10,9 +10,8 @@ compiled passes that walk them (the layout, the cost gather) read the store in p
 
 When a part does not fit, the store is remade with only the parts of the placement that asked
 (in place while it has room for KEEP times their columns, else anew with room for GROWTH
-times): the parts
-of earlier graphs that no graph uses any more go, and the copying stays a small share of what
-is placed.
+times): the parts of earlier graphs that no graph uses any more go, and the copying stays a
+small share of what is placed.
 
     arena = Arena(rows=5, dtype=np.int64)
     start, count = arena.place(parts, lambda part: part.columns)   # part i: arena.store[:, start[i]:start[i] + count[i]]
@@ -136,15 +135,14 @@ class Arena:
         """Keep only `parts` (each once): the placed ones moved down to the front of the store in
         the order they stand in it (compiled, run by run), the fresh ones after them. The store
         is kept while it has room for KEEP times their columns (and not over twice GROWTH
-        times), else made anew with room for GROWTH times: a new store's pages cost a fault each when first written, which made a
-        rebuild of 40k columns into a new store take 10 ms and more here, against 1 ms in place."""
-        order = list(dict(zip(map(id, parts), parts)).values())
-        ids = list(map(id, order))
-        old = np.fromiter(map(self._slot.get, ids, repeat(-1)), np.int64, len(ids))
+        times), else made anew with room for GROWTH times: a new store's pages fault one by
+        one when first written, which made a rebuild of 40k columns into a new store take 10 ms
+        and more here, against 1 ms in place."""
+        unique = list(dict(zip(map(id, parts), parts)).values())
+        old = np.fromiter(map(self._slot.get, map(id, unique), repeat(-1)), np.int64, len(unique))
         placed = np.flatnonzero(old >= 0)
         placed = placed[np.argsort(self._start[old[placed]], kind="stable")]   # by where they stand
-        new = np.flatnonzero(old < 0)
-        order = [order[k] for k in placed.tolist()] + [order[k] for k in new.tolist()]
+        order = [unique[k] for k in placed.tolist()] + [unique[k] for k in np.flatnonzero(old < 0).tolist()]
         ids = list(map(id, order))
         counts = np.concatenate([self._count[old[placed]],
                                  np.array([fresh[ids[k]].shape[1] for k in range(len(placed), len(ids))], np.int64)])

@@ -99,16 +99,18 @@ def test_only_parts_not_placed_are_asked_for_and_a_rebuild_keeps_only_the_last_p
 
 
 def test_a_rebuild_moves_the_kept_parts_down_in_place_while_the_store_has_room():
-    big = Part(np.full((2, 35), 7.0))
-    a, b, c = (Part(np.arange(2 * k, dtype=float).reshape(2, k) + 10 * k) for k in (1, 2, 3))
-    arena = Arena(2, np.float64, min_columns=40)
-    arena.place([big], lambda p: p.columns)
-    arena.place([a, b], lambda p: p.columns)   # 38 of 40 columns
+    """Kept parts move down in the order they stand in the store, whatever the placement's order:
+    moved in another order, one would overwrite another before it moved."""
+    rng = np.random.default_rng(0)
+    f1, p1, p2, p3, f2, fresh = (Part(rng.standard_normal((2, k))) for k in (5, 5, 30, 12, 60, 9))
+    arena = Arena(2, np.float64, min_columns=120)
+    for part in (f1, p1, p2, p3, f2):   # 112 of 120 columns, p1 at 5, p2 at 10, p3 at 40
+        arena.place([part], lambda p: p.columns)
     before = arena.store
-    starts, counts = arena.place([b, c, a], lambda p: p.columns)   # c does not fit: a and b move down
-    assert arena.rebuilds == 1 and arena.store is before and KEEP * 6 <= 40
-    assert starts.tolist() == [1, 3, 0] and arena.used == 6
-    for p, s, k in zip([b, c, a], starts, counts):
+    starts, counts = arena.place([p2, p3, p1, fresh], lambda p: p.columns)   # 9 more do not fit
+    assert arena.rebuilds == 1 and arena.store is before and KEEP * 56 <= 120
+    assert starts.tolist() == [5, 35, 0, 47] and arena.used == 56
+    for p, s, k in zip([p2, p3, p1, fresh], starts, counts):
         assert np.array_equal(arena.store[:, s:s + k], p.columns)
 
 
