@@ -18,8 +18,7 @@ small share of what is placed.
 """
 from __future__ import annotations
 
-import itertools
-from itertools import repeat
+from itertools import chain, repeat
 from operator import is_not
 from typing import Callable, Sequence
 
@@ -109,7 +108,7 @@ class Arena:
         before = self._last[1]
         slots = np.empty(len(parts), np.int64)
         slots[:len(before)] = before
-        for i in itertools.chain(changed, range(len(before), len(parts))):
+        for i in chain(changed, range(len(before), len(parts))):
             slots[i] = self._slot.get(id(parts[i]), -1)
         return slots
 

@@ -986,7 +986,7 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
             buffer_req[i] = copies[c, BUFFER_REQ]
             columns[3, i], columns[4, i] = place[access_k[b]], rows[access_first[b], 0]
     m = edges.shape[0]
-    implied = _implied(edges, np.arange(m), n_nodes)
+    implied = _implied(edges, n_nodes)
     out = np.empty((6, m), np.int64)
     timed = m - np.count_nonzero(implied)
     at_timed, at_implied = 0, timed   # the timed edges first, then the implied ones, each in the analysis' order
@@ -1005,31 +1005,31 @@ def _second_step(copies, copy_rects, task_node, edges, rows, access_first, acces
 
 
 @numba.njit(cache=True, nogil=True)
-def _implied(edges, which, n_nodes):
-    """Which of the edges edges[which] (rows dst, src: node ids under n_nodes) another two of them
-    imply: u -> v where u -> w and w -> v are among them too. Removing all of these keeps
-    what reaches what (in a DAG each is then implied by a path of kept ones)."""
-    m = which.shape[0]
+def _implied(edges, n_nodes):
+    """Which of the edges (rows dst, src: node ids under n_nodes) another two of them imply:
+    u -> v where u -> w and w -> v are among them too. Removing all of these keeps what reaches
+    what (in a DAG each is then implied by a path of kept ones)."""
+    m = edges.shape[0]
     count = np.zeros(n_nodes + 1, np.int64)
     for e in range(m):
-        count[edges[which[e], 1] + 1] += 1
+        count[edges[e, 1] + 1] += 1
     for v in range(n_nodes):
         count[v + 1] += count[v]
-    succ = np.empty(m, np.int64)   # node u's out-edges (indices into which) from count[u]
+    succ = np.empty(m, np.int64)   # node u's out-edges (indices into edges) from count[u]
     fill = count[:n_nodes].copy()
     for e in range(m):
-        src = edges[which[e], 1]
+        src = edges[e, 1]
         succ[fill[src]] = e
         fill[src] += 1
     two_hops = np.full(n_nodes, -1, np.int64)   # v: the last u with u -> w -> v
     implied = np.zeros(m, np.bool_)
     for u in range(n_nodes):
         for k in range(count[u], count[u + 1]):
-            w = edges[which[succ[k]], 0]
+            w = edges[succ[k], 0]
             for k2 in range(count[w], count[w + 1]):
-                two_hops[edges[which[succ[k2]], 0]] = u
+                two_hops[edges[succ[k2], 0]] = u
         for k in range(count[u], count[u + 1]):
-            implied[succ[k]] = two_hops[edges[which[succ[k]], 0]] == u
+            implied[succ[k]] = two_hops[edges[succ[k], 0]] == u
     return implied
 
 
