@@ -1,13 +1,13 @@
 """Fit the local machine model's runtime figures to real runs here: python -m apps.calibrate.
 
-The simulator charges the runtime's own costs (a task's launch, a message's handling, kernels
-slowed by the rank's other threads) from four figures of the machine model, and on a shared
+The simulator charges the runtime's own costs (a task's launch, a message's handling and its
+time in flight, kernels slowed by the rank's other threads) from five figures of the machine model, and on a shared
 machine those move from hour to hour (docs/accuracy.md). This measures them now:
 
 1. A tiny app's four baselines and `--random` random strategies are trained for real, under
    mpiexec on `--ranks` ranks of one CPU worker each, taking turns for `--rounds` rounds.
    Before each round, every kernel of the strategies and the batch source are measured afresh.
-2. strategies/overheads.py fits the four figures to the runs: the grid point whose simulated
+2. strategies/overheads.py fits the five figures to the runs: the grid point whose simulated
    iteration times come closest to the measured ones.
 3. It prints the fitted figures with their mean error and Kendall tau, beside the machine
    file's own figures' error. With `--write`, it writes the fitted figures into the machine
@@ -135,8 +135,9 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
 
 
 def figures_text(figures: dict) -> str:
-    """The runtime figures on one line, overheads in microseconds."""
-    return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith("overhead") else f"{k} {v}" for k, v in figures.items())
+    """The runtime figures on one line, overheads and delays in microseconds."""
+    return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith(("overhead", "delay")) else f"{k} {v}"
+                     for k, v in figures.items())
 
 
 def main(argv=None) -> int:

@@ -34,13 +34,17 @@ FLOP/s, bytes/s, bytes, seconds):
   the sending and of the receiving device's processor that a copy between two ranks takes.
   The runtime's MPI handling (posting, completing, its progress thread's wake-ups) runs on
   the cores the workers use, so the simulator charges it to them, before and after the wire.
+- `message_delay` (optional, cpu machines only, default 0): seconds a copy between two ranks
+  spends in flight besides the link's latency, holding no processor: the runtime's hand-offs
+  between its threads (the issuing thread posting the send, the progress thread finding the
+  message, the worker waking up to it).
 - `kernel_slowdown` (optional, default 1): a task's kernel inside a run over the same kernel
   measured alone; on CPUs the rank's issuing and MPI threads and the other ranks share the
   cores. Measured and roofline kernel seconds are multiplied by it.
 - `efficiency`: op kind -> the fraction of `peak_flops` its kernels reach ("default" for
   the others), the roofline's compute term (strategies/cost.py); `fitted` says what
   they were fitted on (null: estimates, not fitted).
-- `runtime_fitted` (optional): what the four runtime figures above were fitted on, where
+- `runtime_fitted` (optional): what the five runtime figures above were fitted on, where
   `python -m apps.calibrate --write` fitted them (strategies/overheads.py).
 - null (cpu devices only) means "found on this machine when loaded": `devices_per_node`
   the CPU workers of Machine.local (TASKRT_CPUS, else the core count), `device.name` the
@@ -67,10 +71,10 @@ MACHINES_DIR = Path(__file__).with_name("machines")
 DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
-           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "kernel_slowdown", "efficiency",
-           "fitted", "runtime_fitted")
+           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "message_delay", "kernel_slowdown",
+           "efficiency", "fitted", "runtime_fitted")
 _GPU_ONLY = ("host", "host_link")
-_CPU_ONLY = ("send_overhead", "receive_overhead")
+_CPU_ONLY = ("send_overhead", "receive_overhead", "message_delay")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
 _LINK_FIELDS = ("bandwidth", "latency", "shared_by")
 _MISSING = object()
@@ -152,6 +156,7 @@ class MachineModel:
     launch_overhead: float = 0.0
     send_overhead: float = 0.0
     receive_overhead: float = 0.0
+    message_delay: float = 0.0
     kernel_slowdown: float = 1.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     fitted: str | None = None
@@ -381,6 +386,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         send_overhead=_positive(data, "send_overhead", "", where, zero=True) if "send_overhead" in data else 0.0,
         receive_overhead=(_positive(data, "receive_overhead", "", where, zero=True)
                           if "receive_overhead" in data else 0.0),
+        message_delay=_positive(data, "message_delay", "", where, zero=True) if "message_delay" in data else 0.0,
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
         notes=tuple(notes), fitted=fitted, runtime_fitted=runtime_fitted, source=where)
 

@@ -1,8 +1,9 @@
 """A cpu machine model's runtime figures, fitted to real runs on the machine at hand.
 
-`launch_overhead`, `send_overhead`, `receive_overhead` and `kernel_slowdown`
+`launch_overhead`, `send_overhead`, `receive_overhead`, `message_delay` and `kernel_slowdown`
 (strategies/machines/README.md) are the runtime's own costs around the kernels: its Python
-per task, its MPI handling per message, and how much slower a kernel runs among the rank's
+per task, its MPI handling per message on the workers' cores, the hand-offs between its
+threads that hold a message in flight, and how much slower a kernel runs among the rank's
 other threads than alone. They are not figures of the hardware. They move with the machine,
 its load and, on a shared VM, its phase (docs/accuracy.md), as kernel times do. So they are
 fitted to runs measured here, as the efficiencies are (strategies.cost calibrate).
@@ -32,9 +33,10 @@ from strategies.timing import Handling, schedule_successors
 
 #: the figures a fit tries: each runtime figure of the machine model and its values
 FIT_GRID = {
-    "launch_overhead": (40e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6, 250e-6),
+    "launch_overhead": (20e-6, 40e-6, 55e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6),
     "send_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6),
-    "receive_overhead": (0.0, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
+    "receive_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
+    "message_delay": (0.0, 50e-6, 100e-6, 150e-6, 200e-6, 300e-6),
     "kernel_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
 }
 FIGURES = tuple(FIT_GRID)
@@ -75,9 +77,10 @@ class LinearTimes:
     built and costed once. A node's seconds are linear in kernel_slowdown and launch_overhead (a
     task: its kernel or source times the one plus the other; a fill or fold: bytes over bandwidth
     plus the other; a copy: neither), and a copy between ranks holds its processors for
-    send_overhead and receive_overhead. So three costings, (slowdown, launch) = (0, 0), (1, 0)
-    and (0, 1) with send and receive 1, give every point's costs, and only the schedule runs
-    per point. `base` must be a cpu machine model (the one whose figures are fitted); kernels
+    send_overhead and receive_overhead and is in flight message_delay longer. So three
+    costings, (slowdown, launch) = (0, 0), (1, 0) and (0, 1) with send and receive 1 and no
+    message delay, give every point's costs (the copies between ranks are those whose receipt
+    then costs 1), and only the schedule runs per point. `base` must be a cpu machine model (the one whose figures are fitted); kernels
     come from the cost cache `cache_path` (measured into it where missing), the batch source's
     seconds a sample from `source_per_sample` (default: the cost model's own)."""
 
@@ -90,7 +93,7 @@ class LinearTimes:
         # seconds (each measuring what its own copy of the cache lacked, they timed a kernel thrice)
         first = Simulator.for_model(model, base, CostModel(base, cache_path=cache_path), loss=loss, output=output)
         first.cost.measure_all([task for strategy in strategies.values() for task in first.tasks_to_measure(strategy)])
-        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0)
+        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0, message_delay=0.0)
         sims = []
         for slowdown, launch in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
             mm = dataclasses.replace(unit, kernel_slowdown=slowdown, launch_overhead=launch)
@@ -116,7 +119,8 @@ class LinearTimes:
             send, receive = figures["send_overhead"], figures["receive_overhead"]
             # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
             handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
-            out[name] = schedule_successors(res, dur, succ, n_res, delay, handling).time
+            in_flight = delay + h.post_dur * figures["message_delay"]   # post_dur: 1 between ranks, else 0
+            out[name] = schedule_successors(res, dur, succ, n_res, in_flight, handling).time
         return out
 
 

@@ -7,7 +7,8 @@ latency plus bytes over bandwidth on its channel (copies on one channel take tur
 contention counts), a fold from another memory its copy plus the fold on the target, a fold
 within one memory its fold on that memory's copy worker. On a cpu machine with message
 overheads, a copy between ranks also holds the sending processor before the wire and the
-receiving one after it (the runtime's MPI handling on the workers' cores). Each processor,
+receiving one after it (the runtime's MPI handling on the workers' cores), and is in flight
+for the model's message_delay on top of the link's latency. Each processor,
 channel and memory runs one node at a time in order of readiness (strategies/timing.py).
 
     sim = Simulator.for_model(model, load_machine("p100"))
@@ -383,9 +384,9 @@ class Simulator:
         return (src * len(self._memory_number) + dst) * 2 + fold
 
     def _copy_pair(self, code: int) -> tuple[int, float, float, float]:
-        """(resource index, the link's bandwidth (inf within one memory), its latency, the destination
-        device's memory bandwidth) of copies from memory src to dst, `code` (src * memories + dst)
-        * 2 + fold, made once."""
+        """(resource index, the link's bandwidth (inf within one memory), its latency (and the machine
+        model's message_delay between ranks), the destination device's memory bandwidth) of copies
+        from memory src to dst, `code` (src * memories + dst) * 2 + fold, made once."""
         known = self._pairs.get(code)
         if known is None:
             memories = self.machine.memories
@@ -395,9 +396,10 @@ class Simulator:
             if src == dst:
                 known = (self._resource(("memory", dst)), math.inf, 0.0, device.mem_bandwidth)
             else:
-                link = self.machine_model.link(src, dst)
-                known = (self._resource(("link", self.machine_model.channel(src, dst))), link.bandwidth, link.latency,
-                         device.mem_bandwidth)
+                mm = self.machine_model
+                link = mm.link(src, dst)
+                latency = link.latency + (mm.message_delay if src.rank != dst.rank else 0.0)
+                known = (self._resource(("link", mm.channel(src, dst))), link.bandwidth, latency, device.mem_bandwidth)
             self._pairs[code] = known
         return known
 

@@ -185,6 +185,8 @@ BAD = [
     ("launch_overhead", lambda: _set(_p100(), "launch_overhead", -1), "a number >= 0"),
     ("send_overhead", lambda: _set(_p100(), "send_overhead", 1e-4), "only for cpu machines"),
     ("receive_overhead", lambda: _set(_local(), "receive_overhead", -1e-4), "a number >= 0"),
+    ("message_delay", lambda: _set(_p100(), "message_delay", 1e-4), "only for cpu machines"),
+    ("message_delay", lambda: _set(_local(), "message_delay", "fast"), "a number >= 0"),
     ("kernel_slowdown", lambda: _set(_local(), "kernel_slowdown", 0), "a positive number"),
     ("efficiency", lambda: _set(_p100(), "efficiency", {"dense": 0.5}), "'default' entry"),
     ("efficiency.dense", lambda: _set(_p100(), "efficiency.dense", 1.5), "fraction in (0, 1]"),

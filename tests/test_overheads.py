@@ -41,11 +41,9 @@ def linear(tiny_mlp):
 
 
 @settings(max_examples=6, deadline=None)
-@given(st.sampled_from(FIT_GRID["launch_overhead"]), st.sampled_from(FIT_GRID["send_overhead"]),
-       st.sampled_from(FIT_GRID["receive_overhead"]), st.sampled_from(FIT_GRID["kernel_slowdown"]))
-def test_linear_times_equal_a_simulation_with_the_figures(tiny_mlp, linear, launch, send, receive, slowdown):
+@given(st.fixed_dictionaries({name: st.sampled_from(values) for name, values in FIT_GRID.items()}))
+def test_linear_times_equal_a_simulation_with_the_figures(tiny_mlp, linear, figures):
     model, output, strategies, mm, costs = tiny_mlp
-    figures = dict(zip(FIGURES, (launch, send, receive, slowdown)))
     fitted = with_figures(mm, figures)
     cost = CostModel(fitted, cache_path=costs)
     cost.source_per_sample = 20e-6
@@ -56,7 +54,8 @@ def test_linear_times_equal_a_simulation_with_the_figures(tiny_mlp, linear, laun
 
 
 def test_a_fit_finds_the_figures_that_made_the_times(linear):
-    made = {"launch_overhead": 70e-6, "send_overhead": 50e-6, "receive_overhead": 200e-6, "kernel_slowdown": 1.4}
+    made = {"launch_overhead": 70e-6, "send_overhead": 50e-6, "receive_overhead": 200e-6, "message_delay": 150e-6,
+            "kernel_slowdown": 1.4}
     measured = linear.times(made)
     figures, error = fit_figures({"mlp": (linear, measured)})
     assert error == pytest.approx(0.0, abs=1e-12)

@@ -179,6 +179,27 @@ def test_a_copy_between_ranks_holds_its_sending_and_receiving_processors():
     assert result.time > base.time
 
 
+def test_a_copy_between_ranks_is_in_flight_for_the_message_delay():
+    """message_delay lengthens each copy between ranks by that much past its wire time, holding
+    nothing: the busy times stay, copies within a rank keep their timing, the iteration grows."""
+    model = mlp(batch=16, width=32)
+    plain = dataclasses.replace(load_machine("local", nodes=2), devices_per_node=2, send_overhead=0.0,
+                                receive_overhead=0.0, message_delay=0.0)
+    delayed = dataclasses.replace(plain, message_delay=5e-4)
+    strategy = data_parallel(model, plain.to_machine())
+    base, result = (Simulator.for_model(model, mm, CostModel(mm, measured=False)).simulate(strategy)
+                    for mm in (plain, delayed))
+    copies = [(i, n) for i, n in enumerate(result.graph.nodes) if isinstance(n, CopyNode) and n.src != n.dst]
+    assert any(n.src.rank != n.dst.rank for _, n in copies) and any(n.src.rank == n.dst.rank for _, n in copies)
+    for i, n in copies:
+        length = result.timing.end[i] - result.timing.start[i]
+        plain_length = base.timing.end[i] - base.timing.start[i]
+        extra = 5e-4 if n.src.rank != n.dst.rank else 0.0
+        assert length == pytest.approx(plain_length + extra, rel=1e-9, abs=1e-12)
+    assert result.busy == pytest.approx(base.busy)
+    assert result.time > base.time
+
+
 def test_the_chunks_of_a_split_sequence_are_costed_by_their_phase():
     m = Model(Runtime(execute=False), weights=False)
     x = m.input((4, 6, 5), name="x")
