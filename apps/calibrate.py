@@ -8,13 +8,15 @@ machine those move from hour to hour (docs/accuracy.md). This measures them now:
    mpiexec on `--ranks` ranks of one CPU worker each, taking turns for `--rounds` rounds.
    Before each round, every kernel of the strategies and the batch source are measured afresh.
 2. strategies/overheads.py fits the five figures to the runs: the grid point whose simulated
-   iteration times come closest to the measured ones.
+   iteration times come closest to the measured ones. The kernel slowdown is held at the
+   machine file's unless `--fit-slowdown`: the transformer's runs are mostly the runtime's own
+   time and do not tell it from a message's flight (docs/accuracy.md, session 36).
 3. It prints the fitted figures with their mean error and Kendall tau, beside the machine
    file's own figures' error. With `--write`, it writes the fitted figures into the machine
    file (`runtime_fitted` says what they were fitted on).
 
     python -m apps.calibrate [--app transformer] [--ranks 2] [--rounds 2] [--iterations 20]
-                             [--random 2] [--machine local] [--write]
+                             [--random 2] [--machine local] [--fit-slowdown] [--write]
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
 from strategies.machine_model import MachineError, load_machine, write_fields
-from strategies.overheads import LinearTimes, figures_of, fit_figures, score
+from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held, score
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_source
 from strategies.simulator import Simulator
@@ -113,10 +115,12 @@ def measure_strategies(app: str, batch: int, iterations: int, strategies: dict[s
     return {"runs": runs, "per_sample": float(np.median(sources)), "costs": costs, "before": before}
 
 
-def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_dir: str, say=print) -> dict:
+def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_dir: str, say=print,
+              fit_slowdown: bool = False) -> dict:
     """Measure the app's calibration strategies (measure_strategies) and fit the runtime figures
     to them: {"figures", "mean_error", "kendall_tau", "shipped": the machine model's own figures
-    with their mean error and tau, "measured" and "predicted": name -> seconds}."""
+    with their mean error and tau, "measured" and "predicted": name -> seconds}. The kernel
+    slowdown is held at the machine model's unless `fit_slowdown` (see strategies.overheads.held)."""
     strategies = calibration_strategies(app, BATCH, setup, seeds)
     say(f"calibrate: training {len(strategies)} strategies of the tiny {app} {rounds} time(s) each on "
         f"{setup.describe()}")
@@ -124,7 +128,8 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
     measured = {name: float(np.median(r)) for name, r in runs["runs"].items()}
     model, output = app_graph(app, BATCH, tiny=True)
     linear = LinearTimes(model, output, strategies, setup.machine_model, runs["costs"], runs["per_sample"])
-    figures, _ = fit_figures({app: (linear, measured)})
+    grid = FIT_GRID if fit_slowdown else held("kernel_slowdown", setup.machine_model.kernel_slowdown)
+    figures, _ = fit_figures({app: (linear, measured)}, grid)
     own = figures_of(setup.machine_model)
     fitted = linear.times(figures)
     error, tau = score(measured, fitted)
@@ -149,6 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=at_least(2), default=20, help="training iterations a run")
     p.add_argument("--random", type=at_least(0), default=2, help="random strategies besides the four baselines")
     p.add_argument("--machine", default="local", help="the cpu machine model whose figures are fitted: a name or a file")
+    p.add_argument("--fit-slowdown", action="store_true",
+                   help="fit kernel_slowdown too (by default it is held at the machine file's: the transformer's runs, "
+                        "mostly the runtime's own time, do not tell it from a message's flight)")
     p.add_argument("--write", action="store_true", help="write the fitted figures into the machine file")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result as JSON to FILE")
     args = p.parse_args(argv)
@@ -167,7 +175,8 @@ def main(argv=None) -> int:
         p.error(f"--json {args.json}: {unwritable}")
     setup = Setup(args.ranks, 0, dataclasses.replace(mm, devices_per_node=1))
     with tempfile.TemporaryDirectory() as tmp:
-        result = calibrate(args.app, setup, args.rounds, args.iterations, range(1, args.random + 1), tmp)
+        result = calibrate(args.app, setup, args.rounds, args.iterations, range(1, args.random + 1), tmp,
+                           fit_slowdown=args.fit_slowdown)
     for name, m in result["measured"].items():
         print(f"  {name:9s} measured {m * 1e3:8.2f} ms  fitted {result['predicted'][name] * 1e3:8.2f} ms")
     shipped = result["shipped"]

@@ -56,7 +56,7 @@ from apps.calibrate import COSTS_FILE, calibration_strategies, figures_text, mea
 from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
-from strategies.overheads import FIT_GRID, LinearTimes, best_point, grid_times, score  # noqa: E402
+from strategies.overheads import LinearTimes, best_point, grid_times, held, score  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
 
@@ -144,8 +144,8 @@ def calibrate(apps: dict, on: list[str], grid: tuple, slowdown: float) -> tuple[
     kernels' slowdown trade off, and fitted free it came out at 1.0, which made alexnet's
     kernel-bound strategies 20-27% short (docs/accuracy.md, session 36)."""
     points, predictions = grid
-    held = min(FIT_GRID["kernel_slowdown"], key=lambda v: abs(v - slowdown))
-    keep = [k for k, point in enumerate(points) if point["kernel_slowdown"] == held]
+    (value,) = held("kernel_slowdown", slowdown)["kernel_slowdown"]
+    keep = [k for k, point in enumerate(points) if point["kernel_slowdown"] == value]
     best = best_point([points[k] for k in keep], [predictions[k] for k in keep],
                       {label: apps[label]["measured"] for label in on})
     return points[keep[best]], predictions[keep[best]]

@@ -42,6 +42,15 @@ FIT_GRID = {
 FIGURES = tuple(FIT_GRID)
 
 
+def held(figure: str, value: float, grid: Mapping[str, tuple] = FIT_GRID) -> dict[str, tuple]:
+    """`grid` with `figure` held at its grid value nearest `value`: for fits on runs that cannot
+    tell that figure from the others (the kernel slowdown on the transformer's runs, which are
+    mostly the runtime's own time: docs/accuracy.md, session 36)."""
+    if figure not in grid:
+        raise ValueError(f"held: {figure!r} is not a figure of the grid (those are {list(grid)})")
+    return {**grid, figure: (min(grid[figure], key=lambda v: abs(v - value)),)}
+
+
 def kendall_tau(a: list[float], b: list[float]) -> float:
     """Kendall's tau-a of two equally long lists: (concordant - discordant pairs) / pairs."""
     pairs = list(itertools.combinations(range(len(a)), 2))

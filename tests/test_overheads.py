@@ -15,7 +15,7 @@ from apps.demo import machine_setup
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel
 from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
-from strategies.overheads import (FIGURES, FIT_GRID, LinearTimes, fit_figures, kendall_tau, score,
+from strategies.overheads import (FIGURES, FIT_GRID, LinearTimes, fit_figures, held, kendall_tau, score,
                                   with_figures)
 from strategies.random import random_strategy
 from strategies.search import app_graph
@@ -62,6 +62,18 @@ def test_a_fit_finds_the_figures_that_made_the_times(linear):
     assert linear.times(figures) == pytest.approx(measured, rel=1e-12)
     with pytest.raises(ValueError, match="nosuch"):
         fit_figures({"mlp": (linear, {**measured, "nosuch": 1.0})})
+
+
+def test_a_held_figure_keeps_its_nearest_grid_value(linear):
+    grid = held("kernel_slowdown", 1.93)
+    assert grid["kernel_slowdown"] == (2.0,) and {k: v for k, v in grid.items() if k != "kernel_slowdown"} == \
+        {k: v for k, v in FIT_GRID.items() if k != "kernel_slowdown"}
+    made = {"launch_overhead": 70e-6, "send_overhead": 0.0, "receive_overhead": 100e-6, "message_delay": 50e-6,
+            "kernel_slowdown": 1.4}
+    figures, _ = fit_figures({"mlp": (linear, linear.times(made))}, grid)
+    assert figures["kernel_slowdown"] == 2.0
+    with pytest.raises(ValueError, match="'slowdown' is not a figure"):
+        held("slowdown", 2.0)
 
 
 def test_score_and_tau():
