@@ -1,8 +1,9 @@
 """Fit the local machine model's runtime figures to real runs here: python -m apps.calibrate.
 
 The simulator charges the runtime's own costs (a task's launch, a message's handling and its
-time in flight, kernels slowed by the rank's other threads) from five figures of the machine model, and on a shared
-machine those move from hour to hour (docs/accuracy.md). This measures them now:
+time in flight, kernels slowed by the rank's other threads) from five figures of the machine
+model, and on a shared machine those move from hour to hour (docs/accuracy.md). This measures
+them now:
 
 1. A tiny app's four baselines and `--random` random strategies are trained for real, under
    mpiexec on `--ranks` ranks of one CPU worker each, taking turns for `--rounds` rounds.
