@@ -283,6 +283,32 @@ def test_critical_path_of_the_simulation_sets_its_time(simulated, measured, caps
 
 
 # ---- bad input -----------------------------------------------------------------------------------
+def _message(i: int, kind: str, name: str, link: str, start: float, end: float, nbytes: int = 64) -> dict:
+    src, dst = (int(end_[1]) for end_ in link.split("->"))
+    return {"id": i, "name": name, "kind": kind, "op": "", "rank": src if kind == "send" else dst, "proc": link,
+            "start": start, "end": end, "bytes": nbytes, "point": None}
+
+
+def test_messages_pair_each_send_with_its_receipt_in_order(two_ranks, measured, simulated, capsys):
+    there, back = "r0.sys0->r1.sys0", "r1.sys0->r0.sys0"
+    events = [_message(0, "recv", "copy:x", there, -50.0, 30.0), _message(1, "send", "copy:x", there, 0.0, 5.0),
+              _message(2, "recv", "copy:x", there, 10.0, 180.0), _message(3, "send", "copy:x", there, 100.0, 104.0),
+              _message(4, "send", "copy:y", back, 200.0, 201.0), _message(5, "recv", "copy:y", back, 150.0, 260.0),
+              _message(6, "send", "copy:y", back, 300.0, 301.0), _task(7, "a.fwd", 0, 0.0, 1.0)]
+    m = tt.messages(tt.Trace(sorted(events, key=lambda e: e["start"])))
+    assert m["messages"] == 3 and m["unpaired"] == 1
+    assert m["links"][there] == {"messages": 2, "flight_us": {"p10": 30.0, "median": 55.0, "p90": 80.0, "mean": 55.0}}
+    assert m["links"][back]["messages"] == 1 and m["links"][back]["flight_us"]["median"] == 60.0
+    assert m["flight_us"]["mean"] == pytest.approx(170 / 3) and m["median_bytes"] == 64
+    real = tt.messages(tt.load(two_ranks))
+    assert real["messages"] > 0 and real["flight_us"]["median"] > 0
+    rc, out, _ = run_cli(capsys, "messages", two_ranks)
+    assert rc == 0 and "r0.sys0->r1.sys0" in out and "median" in out
+    for one_sided in (measured, simulated):
+        rc, _, err = run_cli(capsys, "messages", one_sided)
+        assert rc == 2 and "no messages between ranks" in err
+
+
 def write(tmp_path, name, text):
     p = tmp_path / name
     p.write_text(text)

@@ -5,6 +5,7 @@
     python -m tools.trace timeline run.jsonl -o run.png
     python -m tools.trace summary run.jsonl [--json]
     python -m tools.trace critical-path sim.jsonl [--json]
+    python -m tools.trace messages run.jsonl [--json]
     python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json] [--skip N]
 
 A path that does not exist but whose rank files do (run.jsonl -> run.rank0.jsonl, ...) stands
@@ -403,6 +404,56 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- messages between ranks ------------------------------------------------------------------------
+def _quantiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    at = lambda q: ordered[round(q * (len(ordered) - 1))]   # noqa: E731
+    return {"p10": at(0.1), "median": statistics.median(ordered), "p90": at(0.9), "mean": statistics.fmean(ordered)}
+
+
+def messages(trace: Trace) -> dict:
+    """Each message between ranks in flight: from its send's post (the send event's start) to its
+    receipt's completion (the recv event's end), on the merged clock. The k-th send of a name on
+    a link pairs with the k-th receipt of that name there (MPI keeps one sender's messages of a
+    tag in order). What the simulator's `message_delay` stands for, less the wire's time
+    (docs/accuracy.md, session 36). Quantiles in us, in all and per link."""
+    sends, receipts = defaultdict(list), defaultdict(list)
+    for e in trace.events:   # (sorted by start)
+        if e["kind"] in ("send", "recv"):
+            (sends if e["kind"] == "send" else receipts)[(e["proc"], e["name"])].append(e)
+    if not sends or not receipts:
+        raise TraceError(f"{', '.join(trace.meta.get('sources', [])) or 'trace'}: no messages between ranks (no "
+                         f"{'send' if not sends else 'recv'} events: a trace of one rank needs its other ranks' "
+                         f"files, and a simulated trace has copies, not messages)")
+    flights, per_link, unpaired, sizes = [], defaultdict(list), 0, []
+    for key in sends.keys() | receipts.keys():
+        s, r = sends.get(key, []), receipts.get(key, [])
+        unpaired += abs(len(s) - len(r))
+        for send, receipt in zip(s, r):
+            flight = receipt["end"] - send["start"]
+            flights.append(flight)
+            per_link[key[0]].append(flight)
+            sizes.append(send["bytes"] or 0)
+    if not flights:
+        raise TraceError(f"{', '.join(trace.meta.get('sources', [])) or 'trace'}: no send pairs with a receipt of "
+                         f"its name on its link")
+    return {"messages": len(flights), "unpaired": unpaired, "median_bytes": statistics.median(sizes),
+            "flight_us": _quantiles(flights), "links": {link: {"messages": len(f), "flight_us": _quantiles(f)}
+                                                         for link, f in sorted(per_link.items())}}
+
+
+def format_messages(m: dict) -> str:
+    """messages() as a table: flight quantiles in all and per link."""
+    def row(label: str, n: int, q: dict) -> str:
+        return (f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}")
+    lines = [f"{m['messages']} messages between ranks (median {_human_bytes(m['median_bytes'])}), "
+             f"{m['unpaired']} unpaired; in flight from the send's post to the receipt's completion, us:",
+             f"{'link':<24}{'messages':>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}",
+             row("all", m["messages"], m["flight_us"])]
+    lines += [row(link, v["messages"], v["flight_us"]) for link, v in m["links"].items()]
+    return "\n".join(lines)
+
+
 # ---- Chrome trace export -------------------------------------------------------------------------
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -793,6 +844,9 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("critical-path", help="the chain of tasks and copies that sets the time")
     k.add_argument("traces", nargs="+")
     k.add_argument("--json", action="store_true")
+    g = sub.add_parser("messages", help="how long messages between ranks were in flight")
+    g.add_argument("traces", nargs="+")
+    g.add_argument("--json", action="store_true")
     q = sub.add_parser("compare", help="a simulated trace against a measured one")
     q.add_argument("simulated")
     q.add_argument("measured", nargs="+")
@@ -851,6 +905,9 @@ def _run(args) -> int:
     elif args.command == "critical-path":
         path = critical_path(trace)
         print(json.dumps(path, indent=1) if args.json else format_critical_path(path, trace.span_us))
+    elif args.command == "messages":
+        m = messages(trace)
+        print(json.dumps(m, indent=1) if args.json else format_messages(m))
     return 0
 
 
