@@ -16,7 +16,9 @@ cache would hold kernels timed in another hour: before each round the bench meas
 kernel of the strategies and the batch source afresh, and predicts with each one's median
 over the rounds (a cost cache of the run's own). It also probes the runtime's own speed then
 (strategies.probe: an empty task of a chain, a hop between the ranks) and prints it beside
-the errors. Printed per strategy: measured (and each run) and predicted iteration time and
+the errors, with the median message flight between the ranks in the runs' traces (tools.trace
+messages; what the model's message_delay stands for). Printed per strategy: measured (and
+each run) and predicted iteration time and
 the relative error; per app the mean error and Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 
 The runtime's own costs on this VM move with its phase (docs/accuracy.md), as the kernels'
@@ -59,6 +61,7 @@ from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.overheads import LinearTimes, best_point, grid_times, held, score  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
+from tools import trace as trace_tools  # noqa: E402
 
 #: what --save writes beside the strategies' files and traces: the runs, and the kernels' median
 #: times over the rounds (a cost cache; each round's own is there too, costs.APP.roundR.json)
@@ -132,6 +135,19 @@ def _linear(apps: dict, base) -> dict:
         model, output = app_graph(a["app"], a["batch"], tiny=True)
         linear[label] = LinearTimes(model, output, a["strategies"], base, a["costs"], a["per_sample"])
     return linear
+
+
+def message_flight(a: dict) -> float | None:
+    """The median over an app's runs' traces of each trace's median message flight between the
+    ranks (tools.trace messages: a send's post to its receipt's completion), in seconds: what the
+    machine model's message_delay stands for. None where no trace has messages."""
+    medians = []
+    for name in a["strategies"]:
+        try:
+            medians.append(trace_tools.messages(trace_tools.load(os.path.join(a["run"], f"{a['app']}.{name}.jsonl"))))
+        except trace_tools.TraceError:   # a strategy with no messages between the ranks, or no trace kept
+            continue
+    return float(np.median([m["flight_us"]["median"] for m in medians])) * 1e-6 if medians else None
 
 
 def calibrate(apps: dict, on: list[str], grid: tuple, slowdown: float) -> tuple[dict, dict]:
@@ -251,6 +267,9 @@ def main(argv=None) -> dict:
                 print(f"{label:8s} {name:9s} the same strategy as {twin} (trained and scored once)", flush=True)
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("chain", "pingpong")} if a["probes"] else {}
+            flight = message_flight(a)
+            if flight is not None:
+                probes["message_flight"] = flight
             out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
                                   "source_us_per_sample": round(per_sample * 1e6, 2),
                                   "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()},
