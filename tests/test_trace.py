@@ -15,7 +15,7 @@ from strategies.cost import CostModel
 from strategies.machine_model import load_machine
 from strategies.simulator import Simulator
 from taskrt import Runtime
-from taskrt.tracing import read_trace
+from taskrt.tracing import rank_trace_path, read_trace
 from tests.test_mpi import assert_every_rank_ok, run_mpi
 from tools import trace as tt
 
@@ -307,6 +307,8 @@ def test_messages_pair_each_send_with_its_receipt_in_order(two_ranks, measured, 
     for one_sided in (measured, simulated):
         rc, _, err = run_cli(capsys, "messages", one_sided)
         assert rc == 2 and "no messages between ranks" in err
+    rc, _, err = run_cli(capsys, "messages", rank_trace_path(two_ranks, 0))
+    assert rc == 2 and "give every rank's file" in err
 
 
 def write(tmp_path, name, text):

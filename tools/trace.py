@@ -436,7 +436,8 @@ def messages(trace: Trace) -> dict:
             sizes.append(send["bytes"] or 0)
     if not flights:
         raise TraceError(f"{', '.join(trace.meta.get('sources', [])) or 'trace'}: no send pairs with a receipt of "
-                         f"its name on its link")
+                         f"its name on its link (a rank's file holds its own side of each message: give every "
+                         f"rank's file)")
     return {"messages": len(flights), "unpaired": unpaired, "median_bytes": statistics.median(sizes),
             "flight_us": _quantiles(flights), "links": {link: {"messages": len(f), "flight_us": _quantiles(f)}
                                                          for link, f in sorted(per_link.items())}}
