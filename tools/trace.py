@@ -406,8 +406,11 @@ def format_summary(s: dict) -> str:
 
 # ---- messages between ranks ------------------------------------------------------------------------
 def _quantiles(values: list[float]) -> dict:
+    """10th percentile, median, 90th percentile (the nearest ranks) and mean of `values` (some)."""
     ordered = sorted(values)
-    at = lambda q: ordered[round(q * (len(ordered) - 1))]   # noqa: E731
+
+    def at(q: float) -> float:
+        return ordered[round(q * (len(ordered) - 1))]
     return {"p10": at(0.1), "median": statistics.median(ordered), "p90": at(0.9), "mean": statistics.fmean(ordered)}
 
 
@@ -417,12 +420,13 @@ def messages(trace: Trace) -> dict:
     a link pairs with the k-th receipt of that name there (MPI keeps one sender's messages of a
     tag in order). What the simulator's `message_delay` stands for, less the wire's time
     (docs/accuracy.md, session 36). Quantiles in us, in all and per link."""
+    where = ", ".join(trace.meta.get("sources", [])) or "trace"
     sends, receipts = defaultdict(list), defaultdict(list)
     for e in trace.events:   # (sorted by start)
         if e["kind"] in ("send", "recv"):
             (sends if e["kind"] == "send" else receipts)[(e["proc"], e["name"])].append(e)
     if not sends or not receipts:
-        raise TraceError(f"{', '.join(trace.meta.get('sources', [])) or 'trace'}: no messages between ranks (no "
+        raise TraceError(f"{where}: no messages between ranks (no "
                          f"{'send' if not sends else 'recv'} events: a trace of one rank needs its other ranks' "
                          f"files, and a simulated trace has copies, not messages)")
     flights, per_link, unpaired, sizes = [], defaultdict(list), 0, []
@@ -435,7 +439,7 @@ def messages(trace: Trace) -> dict:
             per_link[key[0]].append(flight)
             sizes.append(send["bytes"] or 0)
     if not flights:
-        raise TraceError(f"{', '.join(trace.meta.get('sources', [])) or 'trace'}: no send pairs with a receipt of "
+        raise TraceError(f"{where}: no send pairs with a receipt of "
                          f"its name on its link (a rank's file holds its own side of each message: give every "
                          f"rank's file)")
     return {"messages": len(flights), "unpaired": unpaired, "median_bytes": statistics.median(sizes),
