@@ -10,8 +10,8 @@ random one for each of `--random-seeds` are trained for real (`mpiexec -n 2 pyth
 FILE`) `--rounds` times each, taking turns (a strategy another of them already is, as when the
 search ends at data parallelism, once: it says which), and simulated with the cost model (the local
 model's runtime figures; kernels and batch source as measured here during the bench). A
-strategy's measured time is the median over its runs of each run's median iteration after
-the warm-up. This machine's speed drifts by up to two times within an hour, so a shared cost
+strategy's measured time is the fastest of its runs, each run's time its median iteration after
+the warm-up (apps.calibrate.measured_time: other work here only adds time). This machine's speed drifts by up to two times within an hour, so a shared cost
 cache would hold kernels timed in another hour: before each round the bench measures every
 kernel of the strategies and the batch source afresh, and predicts with each one's median
 over the rounds (a cost cache of the run's own). It also probes the runtime's own speed then
@@ -54,7 +54,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
-from apps.calibrate import COSTS_FILE, calibration_strategies, figures_text, measure_strategies, predict  # noqa: E402
+from apps.calibrate import (COSTS_FILE, calibration_strategies, figures_text, measure_strategies,  # noqa: E402
+                            measured_time, predict)
 from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
@@ -236,7 +237,7 @@ def main(argv=None) -> dict:
             saved = {app: {**a, "app": app, "batch": args.batch_size, "run": args.save or tmp}
                      for app, a in run_apps(args, setup, args.save or tmp).items()}
         for a in saved.values():
-            a["measured"] = {name: float(np.median(r)) for name, r in a["runs"].items()}
+            a["measured"] = {name: measured_time(r) for name, r in a["runs"].items()}
         on = [label for label, a in saved.items() if a["app"] in args.calibrate_on]
         # every label at every grid point, once, for the calibration and --fit alike
         grid = grid_times(_linear(saved, setup.machine_model)) if on or args.fit else None

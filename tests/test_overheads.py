@@ -83,6 +83,17 @@ def test_score_and_tau():
     assert error == pytest.approx(0.25) and tau == 1.0
 
 
+@given(st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=5))
+def test_a_strategys_measured_time_is_its_fastest_run(runs):
+    assert cal.measured_time(runs) == min(runs)
+    assert cal.measured_time(runs + [max(runs) * 3]) == min(runs)   # a slow run changes nothing
+
+
+def test_no_runs_is_refused():
+    with pytest.raises(ValueError, match="no runs"):
+        cal.measured_time([])
+
+
 def test_bad_figures_and_machines_are_refused(tiny_mlp):
     model, output, strategies, mm, _ = tiny_mlp
     with pytest.raises(ValueError, match="launch"):
