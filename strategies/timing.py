@@ -28,57 +28,86 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
+
+# ---- the queue of ready nodes -------------------------------------------------------------------
+# The schedule takes nodes in order of (time ready, id), and no node becomes ready before the one
+# taken last: a monotone priority queue, kept as a radix heap. Times are non-negative doubles,
+# whose bits order as int64s do; a waiting node sits in the bucket of the highest bit in which
+# its time differs from the last time taken (bucket 0: the same time, there in a binary heap of
+# ids, since ties go by id). Taking the least empties the lowest bucket into lower ones, so a node
+# moves a few times at most; a binary heap of all the waiting nodes (1,600 of them on average in
+# an Inception-v3 step on 64 devices) had taken three quarters of the schedule's time.
 
 @numba.njit(cache=True, nogil=True)
-def _heap_push(keys, ids, size, key, nid):
-    """Add (key, nid) to the binary heap of the first `size` entries (least key first, ties by
-    id); the new size."""
-    _rise(keys, ids, size, key, nid)
+def _id_push(heap, size, nid):
+    """Add nid to the binary min-heap of the first `size` ids; the new size."""
+    i = size
+    while i > 0:
+        parent = (i - 1) >> 1
+        if heap[parent] <= nid:
+            break
+        heap[i] = heap[parent]
+        i = parent
+    heap[i] = nid
     return size + 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _rise(keys, ids, i, key, nid):
-    """Put (key, nid) in the heap's hole at i, moving parents down into the hole until one is
-    less. Moving rather than swapping: with a swap, numba counted two references to the
-    arrays each call, atomically, in the schedule's loop."""
-    while i > 0:
-        parent = (i - 1) >> 1
-        pk = keys[parent]
-        pid = ids[parent]
-        if pk < key or (pk == key and pid < nid):
-            break
-        keys[i] = pk
-        ids[i] = pid
-        i = parent
-    keys[i] = key
-    ids[i] = nid
-
-
-@numba.njit(cache=True, nogil=True)
-def _heap_pop(keys, ids, size):
-    """(key, nid, size) of the heap's least entry, removed. Bottom-up: the hole goes down to a
-    leaf along the lesser children (one comparison a level), and the last entry rises from
-    there; it belongs near the leaves, so this compares about half as often as sinking it."""
-    key, nid = keys[0], ids[0]
+def _id_pop(heap, size):
+    """(the least id, the new size) of the binary min-heap of the first `size` ids."""
+    least = heap[0]
     size -= 1
-    last_key, last_id = keys[size], ids[size]
+    last = heap[size]
     i = 0
     while True:
         child = 2 * i + 1
         if child >= size:
             break
-        right = child + 1
-        if right < size:   # the lesser child by arithmetic, not a branch (which one is a coin toss)
-            kr = keys[right]
-            kc = keys[child]
-            child += np.int64((kr < kc) | ((kr == kc) & (ids[right] < ids[child])))
-        keys[i] = keys[child]
-        ids[i] = ids[child]
+        if child + 1 < size and heap[child + 1] < heap[child]:
+            child += 1
+        if last <= heap[child]:
+            break
+        heap[i] = heap[child]
         i = child
-    _rise(keys, ids, i, last_key, last_id)
-    return key, nid, size
+    heap[i] = last
+    return least, size
+
+
+@numba.njit(cache=True, nogil=True)
+def _queue_push(bits, link, head, ids, last, mask, n_ids, nid):
+    """Put nid, whose time's bits are bits[nid] (at least `last`, the bits of the time taken
+    last), in its bucket; the new (mask of non-empty buckets, size of bucket 0's heap)."""
+    d = bits[nid] ^ last
+    if d == 0:
+        return mask, _id_push(ids, n_ids, nid)
+    b = 64 - leading_zeros(d)
+    link[nid] = head[b]
+    head[b] = nid
+    return mask | (np.int64(1) << b), n_ids
+
+
+@numba.njit(cache=True, nogil=True)
+def _queue_refill(bits, link, head, ids, mask):
+    """Bucket 0 is empty and `mask` is not: take the least time of the lowest non-empty bucket as
+    the last, and share that bucket out below it. Returns (last, mask, size of bucket 0's heap)."""
+    b = trailing_zeros(mask)
+    nid = head[b]
+    last = bits[nid]
+    while nid >= 0:
+        if bits[nid] < last:
+            last = bits[nid]
+        nid = link[nid]
+    nid = head[b]
+    head[b] = -1
+    mask &= ~(np.int64(1) << b)
+    n_ids = 0
+    while nid >= 0:
+        after = link[nid]
+        mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, nid)
+        nid = after
+    return last, mask, n_ids
 
 
 @numba.njit(cache=True, nogil=True)
@@ -115,45 +144,59 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
     n = res.shape[0]
     phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
     indeg = indegree.copy()
-    ready = np.zeros(n)
     start = np.zeros(n)
     end = np.zeros(n)
     free = np.zeros(num_resources)
     # the nodes ready from the start (often a third of them) wait in id order in `roots`, the rest
-    # in a heap as they become ready: the same order as one heap of all, on a smaller heap
+    # in the queue as they become ready: the same order as one queue of all, on a smaller queue
     roots = np.empty(n, np.int64)
     n_roots = 0
     for i in range(n):
         if indeg[i] == 0:
             roots[n_roots] = i
             n_roots += 1
-    # a heap entry is a node's code: i when it became ready, n + i when its part before is done
-    # (its own resource next), 2n + i when its delay has passed (its part after next)
-    keys = np.empty(n)
+    # a queue entry is a node's code: i when it became ready, n + i when its part before is done
+    # (its own resource next), 2n + i when its delay has passed (its part after next); times[code]
+    # is when (for i: `ready`, the latest end of its predecessors so far), and bits its float's
+    # bits (the same memory)
+    times = np.zeros(3 * n if phases else n)
+    ready = times[:n]
+    bits = times.view(np.int64)
+    link = np.empty(times.shape[0], np.int64)
+    head = np.full(64, -1, np.int64)
     ids = np.empty(n, np.int64)
-    size = 0
+    last, mask, n_ids = np.int64(0), np.int64(0), 0
     next_root = 0
     done = 0
-    while size > 0 or next_root < n_roots:
-        if next_root < n_roots and (size == 0 or keys[0] > 0.0 or ids[0] > roots[next_root]):
+    while True:
+        # while roots wait, the last time taken is 0: bucket 0 holds the queue's nodes ready at 0,
+        # and any others are later than every root
+        if next_root < n_roots and (n_ids == 0 or ids[0] > roots[next_root]):
             t, code = 0.0, roots[next_root]
             next_root += 1
         else:
-            t, code, size = _heap_pop(keys, ids, size)
-        i = code % n
-        step = code // n
+            if n_ids == 0:
+                if mask == 0:
+                    break
+                last, mask, n_ids = _queue_refill(bits, link, head, ids, mask)
+            code, n_ids = _id_pop(ids, n_ids)
+            t = times[code]
+        step = 0 if code < n else (1 if code < 2 * n else 2)   # (not code // n: a division a node)
+        i = code - step * n
         if step == 0 and (res[i] < -1 or res[i] >= num_resources or dur[i] < 0 or delay[i] < 0):
             return start, end, done, False   # (checked here rather than in a pass of their own)
         if step == 0 and phases and pre_res[i] >= 0:
             s = _occupy(free, pre_res[i], t, pre_dur[i])
-            size = _heap_push(keys, ids, size, s + pre_dur[i], n + i)
+            times[n + i] = s + pre_dur[i]
+            mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, n + i)
             continue
         if step < 2:
             s = _occupy(free, res[i], t, dur[i])
             e = s + dur[i] + delay[i]
             start[i] = s
             if phases and post_res[i] >= 0:
-                size = _heap_push(keys, ids, size, e, 2 * n + i)
+                times[2 * n + i] = e
+                mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, 2 * n + i)
                 continue
         else:
             e = _occupy(free, post_res[i], t, post_dur[i]) + post_dur[i]
@@ -167,7 +210,7 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
                 ready[j] = e
             indeg[j] -= 1
             if indeg[j] == 0:
-                size = _heap_push(keys, ids, size, ready[j], j)
+                mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, j)
     return start, end, done, True
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from strategies.timing import Handling, Successors, _heap_pop, _heap_push, schedule, schedule_successors
+from strategies.timing import (Handling, Successors, _id_pop, _queue_push, _queue_refill, schedule,
+                               schedule_successors)
 
 
 def _csr(preds):
@@ -34,22 +35,36 @@ def _reference(res, dur, preds, delay=None):
     return np.array(start), np.array(end)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(st.tuples(st.integers(0, 4), st.integers(0, 30)), st.none()), max_size=80))
-def test_the_heap_gives_the_least_key_then_the_least_id(steps):
-    """Pushes (key, id) and pops (None) in any mix, with many equal keys: each pop is the least
-    pair waiting, as a sorted list says."""
-    keys, ids, size, waiting = np.empty(80), np.empty(80, np.int64), 0, []
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.sampled_from([0.0, 0.0, 1e-9, 3e-6, 0.25, 1.0, 7.5]), st.integers(0, 30)),
+                          st.none()), max_size=120))
+def test_the_queue_gives_the_least_time_then_the_least_id(steps):
+    """Puts (a time no earlier than the last one taken, plus a gap: often none, else of any size,
+    id) and takes (None) in any mix: each take is the least pair waiting, as a sorted list says."""
+    times = np.empty(31)
+    bits, link, head, ids = times.view(np.int64), np.empty(31, np.int64), np.full(64, -1, np.int64), np.empty(31, np.int64)
+    last, mask, n_ids, waiting, taken = np.int64(0), np.int64(0), 0, [], 0.0
     for step in steps:
         if step is None:
             if waiting:
-                key, nid, size = _heap_pop(keys, ids, size)
-                assert (key, nid) == min(waiting)
-                waiting.remove((key, nid))
-        else:
-            size = _heap_push(keys, ids, size, float(step[0]), step[1])
-            waiting.append((float(step[0]), step[1]))
-    assert size == len(waiting)
+                if n_ids == 0:
+                    last, mask, n_ids = _queue_refill(bits, link, head, ids, mask)
+                nid, n_ids = _id_pop(ids, n_ids)
+                assert (times[nid], nid) == min(waiting)
+                waiting.remove((times[nid], nid))
+                taken = times[nid]
+        elif all(step[1] != nid for _, nid in waiting):   # (an id waits once at a time)
+            times[step[1]] = taken + step[0]
+            mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, step[1])
+            waiting.append((times[step[1]], step[1]))
+    assert n_ids + sum(1 for b in range(64) for _ in _bucket(head, link, b)) == len(waiting)
+
+
+def _bucket(head, link, b):
+    nid = head[b]
+    while nid >= 0:
+        yield nid
+        nid = link[nid]
 
 
 def test_a_chain_adds_up_and_one_resource_serializes():
