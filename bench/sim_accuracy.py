@@ -1,7 +1,7 @@
 """How close the simulator's predictions come to real runs: strategies of two tiny apps on 2 ranks.
 
     python bench/sim_accuracy.py [--apps mlp alexnet] [--calibrate-on transformer] [--iterations 20]
-                                 [--budget 40] [--rounds 3] [--random-seeds 1 2 3 4] [--fit]
+                                 [--budget 40] [--rounds 5] [--random-seeds 1 2 3 4] [--fit]
                                  [--save DIR | --rescore DIR [DIR ...]]
 
 For each app (tiny, on 2 MPI ranks of one CPU worker each, the `local` machine model with one
@@ -206,7 +206,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--iterations", type=at_least(2), default=20)
     p.add_argument("--budget", type=at_least(1), default=40, help="search proposals for the searched strategy")
-    p.add_argument("--rounds", type=at_least(1), default=3, help="runs of each strategy, taking turns")
+    p.add_argument("--rounds", type=at_least(1), default=5, help="runs of each strategy, taking turns (its time the fastest)")
     p.add_argument("--random-seeds", type=at_least(0), nargs="*", default=[1, 2, 3, 4],
                    help="a random strategy of each app for each seed")
     p.add_argument("--calibrate-on", nargs="*", default=["transformer"], choices=APPS, metavar="APP",

@@ -33,7 +33,8 @@ FLOP/s, bytes/s, bytes, seconds):
 - `send_overhead`, `receive_overhead` (optional, cpu machines only, default 0): seconds of
   the sending and of the receiving device's processor that a copy between two ranks takes.
   The runtime's MPI handling (posting, completing, its progress thread's wake-ups) runs on
-  the cores the workers use, so the simulator charges it to them, before and after the wire.
+  the cores the workers use, so the simulator charges it to them, before and after the wire:
+  at once, beside what the worker runs, whose work then ends that much later.
 - `message_delay` (optional, cpu machines only, default 0): seconds a copy between two ranks
   spends in flight besides the link's latency, holding no processor: the runtime's hand-offs
   between its threads (the issuing thread posting the send, the progress thread finding the

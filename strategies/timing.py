@@ -12,9 +12,13 @@ per processor and one per memory's copies, each taking ready nodes first come, f
 
 A node may also occupy a resource just before and one just after its own (`handling`: the
 sending and the receiving processor of a copy between ranks, where their runtime's Python
-handles the message on the cores that the workers use). Each part waits its turn like a
-node of its own: the part before when the node is ready, the node's own resource when that
-part is done, the part after when the node's delay has passed; the node ends with it.
+handles the message on the cores that the workers use): the part before when the node is
+ready, the node's own resource when that part is done, the part after when the node's delay
+has passed; the node ends with it. A part does not wait for its resource: another thread of
+the rank runs it at once, sharing the core, and whatever the resource runs or has queued then
+finishes that much later (the node running keeps its end; the next one starts later). Waiting
+behind the task the worker had started had put a message's send after a 3 ms convolution in
+alexnet's model parallelism, 42% too long (docs/accuracy.md, session 37).
 
 `schedule` returns the start (on its own resource) and end of every node; `Timing` adds the
 iteration time and each resource's busy time. `schedule_successors` does the same for a
@@ -139,6 +143,15 @@ def _occupy(free, r, t, seconds):
     return s
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _share(free, r, t, seconds):
+    """The start of a handling part ready at t on resource r (-1: none): at once, r's work then
+    done `seconds` later than it would have been (see the module docstring)."""
+    if r >= 0:
+        free[r] = (t if free[r] <= t else free[r]) + seconds
+    return t
+
+
 @numba.njit(cache=True, nogil=True)
 def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_res, pre_dur, post_res, post_dur):
     n = res.shape[0]
@@ -186,7 +199,7 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
         if step == 0 and (res[i] < -1 or res[i] >= num_resources or dur[i] < 0 or delay[i] < 0):
             return start, end, done, False   # (checked here rather than in a pass of their own)
         if step == 0 and phases and pre_res[i] >= 0:
-            s = _occupy(free, pre_res[i], t, pre_dur[i])
+            s = _share(free, pre_res[i], t, pre_dur[i])
             times[n + i] = s + pre_dur[i]
             mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, n + i)
             continue
@@ -199,7 +212,7 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
                 mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, 2 * n + i)
                 continue
         else:
-            e = _occupy(free, post_res[i], t, post_dur[i]) + post_dur[i]
+            e = _share(free, post_res[i], t, post_dur[i]) + post_dur[i]
         end[i] = e
         done += 1
         for k in range(succ_ptr[i], succ_ptr[i + 1]):

@@ -168,7 +168,9 @@ def test_bad_successor_arrays_are_refused_by_name():
 def _reference_with_handling(res, dur, preds, delay, pre, post):
     """_reference where node i may first hold pre[i] = (resource, seconds) and last post[i]: every
     part is an item of its own, picked by (time it became ready, code), code i for a node's
-    first part, n + i for its own resource after a part before, 2n + i for its part after."""
+    first part, n + i for its own resource after a part before, 2n + i for its part after. A
+    part before or after starts when it is ready and makes its resource's work end that much
+    later."""
     n = len(res)
     start, end, free = [None] * n, [None] * n, {}
     items = {}   # code -> ready time, for items whose turn can come
@@ -178,6 +180,11 @@ def _reference_with_handling(res, dur, preds, delay, pre, post):
         if r >= 0:
             free[r] = s + seconds
         return s
+
+    def share(r, t, seconds):
+        if r >= 0:
+            free[r] = max(t, free.get(r, 0.0)) + seconds
+        return t
 
     left = set(range(n))
     while left or items:
@@ -189,7 +196,7 @@ def _reference_with_handling(res, dur, preds, delay, pre, post):
         t = items.pop(code)
         i, step = code % n, code // n
         if step == 0 and pre[i][0] >= 0:
-            items[n + i] = take(pre[i][0], t, pre[i][1]) + pre[i][1]
+            items[n + i] = share(pre[i][0], t, pre[i][1]) + pre[i][1]
         elif step < 2:
             start[i] = take(res[i], t, dur[i])
             e = start[i] + dur[i] + delay[i]
@@ -198,7 +205,7 @@ def _reference_with_handling(res, dur, preds, delay, pre, post):
             else:
                 end[i] = e
         else:
-            end[i] = take(post[i][0], t, post[i][1]) + post[i][1]
+            end[i] = share(post[i][0], t, post[i][1]) + post[i][1]
     return np.array(start), np.array(end)
 
 
@@ -213,7 +220,7 @@ def handled_graphs(draw):
 
 @settings(max_examples=200, deadline=None)
 @given(handled_graphs())
-def test_handling_parts_take_their_turns_as_the_reference_says(g):
+def test_handling_parts_share_their_resources_as_the_reference_says(g):
     res, dur, preds, resources, delay, pre, post = g
     ptr, idx = _csr(preds)
     handling = Handling(np.array([r for r, _ in pre]), np.array([d for _, d in pre]),
@@ -229,17 +236,18 @@ def test_handling_parts_take_their_turns_as_the_reference_says(g):
     np.testing.assert_allclose(t.busy, busy)
 
 
-def test_a_copy_between_ranks_holds_both_processors():
+def test_a_copy_between_ranks_shares_both_processors():
     # node 0 a task on processor 0; node 1 a copy on link 2 that processor 0 sends (1 s) and
     # processor 1 receives (2 s); node 2 a task on processor 1 after it; node 3 a task on
-    # processor 1 ready at 0 that the receive waits for
+    # processor 1 ready at 0, running when the message arrives
     ptr, idx = _csr([[], [0], [1], []])
     handling = Handling(np.array([-1, 0, -1, -1]), np.array([0.0, 1.0, 0.0, 0.0]),
                         np.array([-1, 1, -1, -1]), np.array([0.0, 2.0, 0.0, 0.0]))
     t = schedule(np.array([0, 2, 1, 1]), np.array([1.0, 0.5, 1.0, 3.0]), ptr, idx, 3,
                  np.array([0.0, 0.25, 0.0, 0.0]), handling)
-    # send 1-2, wire 2-2.5, latency to 2.75, receive waits for node 3 (0-3) then 3-5, node 2 5-6
-    assert list(t.start) == [0.0, 2.0, 5.0, 0.0] and list(t.end) == [1.0, 5.0, 6.0, 3.0]
+    # send 1-2, wire 2-2.5, latency to 2.75, receive 2.75-4.75 beside node 3 (0-3), which
+    # keeps its end but leaves processor 1 free at 3 + 2 = 5 rather than 3: node 2 5-6
+    assert list(t.start) == [0.0, 2.0, 5.0, 0.0] and list(t.end) == [1.0, 4.75, 6.0, 3.0]
     assert list(t.busy) == [2.0, 6.0, 0.5]
 
 
