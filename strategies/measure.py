@@ -1,9 +1,11 @@
 """Measuring kernels here: an op tile's forward and backward, or an optimizer update, on random
-arrays of exactly the rects the tile reads, timed as the median of a few runs after a warm-up;
+arrays at exactly the rects the tile reads, timed as the median of a few runs after a warm-up;
 and an app's batch source making a rank's share of a batch.
 
-`tile_arrays` builds the arrays as lowering would hand them to the kernels (only weights and
-state with non-empty rects; valid indices for integer inputs); `Backend` is numpy under the
+`tile_arrays` builds the arrays as lowering would hand them to the kernels (views of full-size
+arrays, as the runtime's instances are; only weights and state with non-empty rects; valid
+indices for integer inputs), and a tile's results and input gradients are written into such
+views as lowering writes them, inside the timed parts; `Backend` is numpy under the
 BLAS thread limit a CPU worker gets, or cupy on GPU 0 with a sync around every timed part;
 `Progress` is the one-line progress bar of CostModel.measure_all (strategies/cost.py).
 """
@@ -19,10 +21,15 @@ from taskrt.geometry import Rect
 from taskrt.heap import keep_freed_memory
 
 
-def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
-    """Random host arrays for one tile: (inputs at its input rects, weights, state), as lowering
-    gives them: only the weights and state with non-empty rects. Floats are uniform in
-    [0.5, 1.5) (no zeros, no negatives under a log); integer inputs are valid indices."""
+def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator, put=None):
+    """Random arrays for one tile: (inputs at its input rects, weights, state), as lowering gives
+    them: each a view of its tensor's full-size array (the runtime keeps one full-size instance
+    per region and memory and hands a task the view of its rect, strided where the tile is cut
+    along an inner dim: taskrt/instances.py), `put` on the backend (default: the host arrays);
+    only the weights and state with non-empty rects. Floats are uniform in [0.5, 1.5) (no
+    zeros, no negatives under a log); integer inputs are valid indices."""
+    put = put or (lambda a: a)
+
     def floats(shape, dtype):
         return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
 
@@ -30,13 +37,36 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator):
     for i, (spec, rect) in enumerate(zip(op.inputs, op.input_rects(tile))):
         if np.dtype(spec.dtype).kind in "iu":
             bound = op.index_bound(i) or 1  # an integer input that indexes nothing gets zeros
-            inputs.append(rng.integers(0, bound, size=rect.shape).astype(spec.dtype))
+            full = rng.integers(0, bound, size=spec.shape).astype(spec.dtype)
         else:
-            inputs.append(floats(rect.shape, spec.dtype))
+            full = floats(spec.shape, spec.dtype)
+        inputs.append(put(full)[rect.slices()])
     rects = op.tile_weight_rects(tile)
-    weights = {k: floats(rects[k].shape, op.weight_dtype(k)) for k in op.weight_shapes() if not rects[k].empty}
-    state = {k: floats(rects[k].shape, op.weight_dtype(k)) for k in op.state_shapes() if not rects[k].empty}
+    shapes = {**op.weight_shapes(), **op.state_shapes()}
+    weights = {k: put(floats(shapes[k], op.weight_dtype(k)))[rects[k].slices()] for k in op.weight_shapes()
+               if not rects[k].empty}
+    state = {k: put(floats(shapes[k], op.weight_dtype(k)))[rects[k].slices()] for k in op.state_shapes()
+             if not rects[k].empty}
     return inputs, weights, state or None
+
+
+def instance_views(specs, rects, put) -> list:
+    """Per tensor, a view at its rect of a full-size array on the backend (None for an empty rect
+    or an integer tensor): where lowering writes a tile's results and gradients."""
+    return [None if rect.empty or np.dtype(spec.dtype).kind != "f" else put(np.zeros(spec.shape, spec.dtype))[rect.slices()]
+            for spec, rect in zip(specs, rects)]
+
+
+def _contiguous_or_none(view):
+    """What lowering offers a `writes_out` kernel for a result: the view where it is C-contiguous."""
+    return view if view is not None and view.flags.c_contiguous else None
+
+
+def _write_back(views, arrays) -> None:
+    """Lowering's copy of each result into its view, where the kernel did not write it there."""
+    for view, arr in zip(views, arrays):
+        if view is not None and arr is not None and arr is not view:
+            view[...] = arr
 
 
 def _kernel_extras(op: Op) -> dict:
@@ -111,32 +141,36 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
     then a backward on the arrays and saved values that forward made. input_grads=False times a
     backward told that no one reads the input gradients (out=False, ops with writes_out)."""
     rng = np.random.default_rng(seed)
-    inputs, weights, state = tile_arrays(op, tile, rng)
-    in_rects = op.input_rects(tile)
     put = backend.put
-    inputs = [put(x) for x in inputs]
-    weights = {k: put(v) for k, v in weights.items()}
+    inputs, weights, state = tile_arrays(op, tile, rng, put)
+    in_rects = op.input_rects(tile)
+    out_rects = op.output_rects(tile)
     grads = []
-    for spec, rect in zip(op.outputs, op.output_rects(tile)):
+    for spec, rect in zip(op.outputs, out_rects):
         float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
-        grads.append(put(rng.uniform(0.5, 1.5, size=rect.shape).astype(spec.dtype)) if float_out else None)
+        grads.append(put(rng.uniform(0.5, 1.5, size=spec.shape).astype(spec.dtype))[rect.slices()] if float_out else None)
+    out_views = instance_views(op.outputs, out_rects, put)
+    grad_views = instance_views(op.inputs, in_rects, put) if input_grads else [None] * len(op.inputs)
     extra = _kernel_extras(op)
     bwd_extra = {k: v for k, v in extra.items() if k != "step"}
-    if not input_grads and op.writes_out:
-        bwd_extra["out"] = [False] * len(op.inputs)
+    if op.writes_out:
+        extra["out"] = [_contiguous_or_none(v) for v in out_views]
+        bwd_extra["out"] = [_contiguous_or_none(v) if input_grads else False for v in grad_views]
     xp, sync = backend.xp, backend.sync
     carry_rects = _carry_rects(op, tile)
 
     def step():
-        st = None if state is None else {k: put(v.copy()) for k, v in state.items()}
+        st = None if state is None else {k: v.copy() for k, v in state.items()}
         if carry_rects:   # what the chunk before left (forward) and the one after (backward)
             extra["carry"], bwd_extra["carry"] = (_carry_arrays(op, carry_rects, rng, put) for _ in range(2))
         sync()
         t0 = time.perf_counter()
         outs, saved = op.forward(xp, tile, inputs, in_rects, weights, training=True, state=st, **extra)
+        _write_back(out_views, outs)
         sync()
         t1 = time.perf_counter()
-        op.backward(xp, tile, inputs, in_rects, weights, outs, grads, saved, **bwd_extra)
+        grad_inputs, _ = op.backward(xp, tile, inputs, in_rects, weights, outs, grads, saved, **bwd_extra)
+        _write_back(grad_views, grad_inputs)
         sync()
         return [t0, t1, time.perf_counter()]
 

@@ -222,7 +222,8 @@ def test_a_backward_of_the_weight_gradients_alone_is_measured_with_the_input_gra
     assert seen == [[False], [False]]  # every run told that no one reads dx
     assert cost.key(op, "backward_weights", tile, mm.device) != cost.key(op, "backward", tile, mm.device)
     cost.task_time(op, "backward", tile, mm.device)
-    assert seen[2:] == [None, None]
+    # the full backward is offered dx's place, as lowering offers it: a C-contiguous view of the input's
+    assert [(len(o), o[0].shape, o[0].flags.c_contiguous) for o in seen[2:]] == [(1, (16, 32), True)] * 2
     flops = {ph: cost.work(op, ph, tile)[0] for ph in ("forward", "backward", "backward_weights")}
     assert flops["backward_weights"] == flops["forward"] < flops["backward"]
 
@@ -414,3 +415,28 @@ def test_calibrate_command_refuses_bad_flags_before_measuring(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_tile_is_measured_as_the_runtime_hands_it_a_view_and_writes_its_results(monkeypatch):
+    """A tile cut along its last dim reads a strided view of a full-size array (the runtime's
+    instance), and what its kernels return is written into views of full-size arrays, as
+    lowering does (values checked: the views hold the kernels' results)."""
+    from strategies import measure
+    op = ElementUnary("r", [spec(4, 6, 8)], "relu")
+    tile = Rect((0, 0, 2), (4, 6, 6))
+    seen, written = [], []
+    forward, write_back = ElementUnary.forward, measure._write_back
+
+    def spy(self, xp, tile, inputs, *args, **kw):
+        seen.append((inputs[0].shape, inputs[0].flags.c_contiguous, inputs[0].base.shape))
+        return forward(self, xp, tile, inputs, *args, **kw)
+
+    def spy_write(views, arrays):
+        write_back(views, arrays)
+        written.append([(v.shape, v.flags.c_contiguous, np.array_equal(v, a)) for v, a in zip(views, arrays)])
+
+    monkeypatch.setattr(ElementUnary, "forward", spy)
+    monkeypatch.setattr(measure, "_write_back", spy_write)
+    measure.measure_tile(op, tile, measure.Backend("cpu", 1), runs=1, warmup=0)
+    assert seen == [((4, 6, 4), False, (4, 6, 8))]
+    assert written == [[((4, 6, 4), False, True)]] * 2   # the output, then the input's gradient
