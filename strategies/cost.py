@@ -1,7 +1,8 @@
 """The cost model: the seconds each task of a simulated iteration takes on a machine model.
 
 - *Measured*: an op tile's forward and backward kernels run on a device that is here (this
-  machine's CPU; a GPU cupy sees), on random arrays of exactly the rects the tile reads,
+  machine's CPU; a GPU cupy sees), on random arrays at exactly the rects the tile reads (views
+  of full-size arrays, as the runtime's instances are, its results written into such views),
   `repeats` times after `warmup` runs; the median is kept in a JSON file by cost key
   (CostKey), so later runs and searches reuse it. `measure_all` measures many with a
   progress bar. Optimizer updates of weight shards are measured the same way.
