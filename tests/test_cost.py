@@ -440,3 +440,23 @@ def test_a_tile_is_measured_as_the_runtime_hands_it_a_view_and_writes_its_result
     measure.measure_tile(op, tile, measure.Backend("cpu", 1), runs=1, warmup=0)
     assert seen == [((4, 6, 4), False, (4, 6, 8))]
     assert written == [[((4, 6, 4), False, True)]] * 2   # the output, then the input's gradient
+
+
+@pytest.mark.parametrize("hi, offered", [((8, 24, 32), True), ((16, 12, 32), False)])
+def test_a_writes_out_kernel_is_offered_its_view_only_where_lowering_would(monkeypatch, hi, offered):
+    """Lowering offers a `writes_out` kernel the view of its result where that is C-contiguous (a
+    tile cut along the batch), else None (cut along an inner dim): the measurement does the same."""
+    from strategies import measure
+    op = Dense("fc", [spec(16, 32)], 24)
+    seen = []
+    forward = Dense.forward
+
+    def spy(self, *args, out=None, **kw):
+        seen.append(out)
+        return forward(self, *args, out=out, **kw)
+
+    monkeypatch.setattr(Dense, "forward", spy)
+    measure.measure_tile(op, Rect((0, 0, 0), hi), measure.Backend("cpu", 1), runs=1, warmup=0)
+    assert len(seen) == 1 and len(seen[0]) == 1   # one run; the tile space is (batch, out, in)
+    assert all((o[0] is not None) == offered for o in seen)
+    assert all(o[0] is None or (o[0].shape == hi[:2] and o[0].base.shape == (16, 24)) for o in seen)
