@@ -11,7 +11,8 @@ FILE`) `--rounds` times each, taking turns (a strategy another of them already i
 search ends at data parallelism, once: it says which), and simulated with the cost model (the local
 model's runtime figures; kernels and batch source as measured here during the bench). A
 strategy's measured time is the fastest of its runs, each run's time its median iteration after
-the warm-up (apps.calibrate.measured_time: other work here only adds time). This machine's speed drifts by up to two times within an hour, so a shared cost
+the warm-up (apps.calibrate.measured_time: other work here only adds time). This machine's
+speed drifts by up to two times within an hour, so a shared cost
 cache would hold kernels timed in another hour: before each round the bench measures every
 kernel of the strategies and the batch source afresh, and predicts with each one's median
 over the rounds (a cost cache of the run's own). It also probes the runtime's own speed then
@@ -206,7 +207,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--iterations", type=at_least(2), default=20)
     p.add_argument("--budget", type=at_least(1), default=40, help="search proposals for the searched strategy")
-    p.add_argument("--rounds", type=at_least(1), default=5, help="runs of each strategy, taking turns (its time the fastest)")
+    p.add_argument("--rounds", type=at_least(1), default=5,
+                   help="runs of each strategy, taking turns (its time the fastest)")
     p.add_argument("--random-seeds", type=at_least(0), nargs="*", default=[1, 2, 3, 4],
                    help="a random strategy of each app for each seed")
     p.add_argument("--calibrate-on", nargs="*", default=["transformer"], choices=APPS, metavar="APP",

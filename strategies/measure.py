@@ -53,8 +53,8 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator, put=None):
 def instance_views(specs, rects, put) -> list:
     """Per tensor, a view at its rect of a full-size array on the backend (None for an empty rect
     or an integer tensor): where lowering writes a tile's results and gradients."""
-    return [None if rect.empty or np.dtype(spec.dtype).kind != "f" else put(np.zeros(spec.shape, spec.dtype))[rect.slices()]
-            for spec, rect in zip(specs, rects)]
+    return [None if rect.empty or np.dtype(spec.dtype).kind != "f"
+            else put(np.zeros(spec.shape, spec.dtype))[rect.slices()] for spec, rect in zip(specs, rects)]
 
 
 def _contiguous_or_none(view):
@@ -148,7 +148,8 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
     grads = []
     for spec, rect in zip(op.outputs, out_rects):
         float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
-        grads.append(put(rng.uniform(0.5, 1.5, size=spec.shape).astype(spec.dtype))[rect.slices()] if float_out else None)
+        full = put(rng.uniform(0.5, 1.5, size=spec.shape).astype(spec.dtype)) if float_out else None
+        grads.append(full[rect.slices()] if float_out else None)
     out_views = instance_views(op.outputs, out_rects, put)
     grad_views = instance_views(op.inputs, in_rects, put) if input_grads else [None] * len(op.inputs)
     extra = _kernel_extras(op)
