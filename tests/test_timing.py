@@ -42,7 +42,8 @@ def test_the_queue_gives_the_least_time_then_the_least_id(steps):
     """Puts (a time no earlier than the last one taken, plus a gap: often none, else of any size,
     id) and takes (None) in any mix: each take is the least pair waiting, as a sorted list says."""
     times = np.empty(31)
-    bits, link, head, ids = times.view(np.int64), np.empty(31, np.int64), np.full(64, -1, np.int64), np.empty(31, np.int64)
+    bits, link, ids = times.view(np.int64), np.empty(31, np.int64), np.empty(31, np.int64)
+    head = np.full(64, -1, np.int64)
     last, mask, n_ids, waiting, taken = np.int64(0), np.int64(0), 0, [], 0.0
     for step in steps:
         if step is None:
