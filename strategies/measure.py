@@ -30,23 +30,27 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator, put=None):
     zeros, no negatives under a log); integer inputs are valid indices."""
     put = put or (lambda a: a)
 
-    def floats(shape, dtype):
-        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+    def view(shape, rect, part):
+        """`part` (rect's values) at `rect` in a full-size array of `shape`, zeros elsewhere (not
+        drawn: a full-size batch would take seconds a tile), on the backend."""
+        full = np.zeros(shape, part.dtype)
+        full[rect.slices()] = part
+        return put(full)[rect.slices()]
+
+    def floats(rect, shape, dtype):
+        return view(shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(dtype))
 
     inputs = []
     for i, (spec, rect) in enumerate(zip(op.inputs, op.input_rects(tile))):
         if np.dtype(spec.dtype).kind in "iu":
             bound = op.index_bound(i) or 1  # an integer input that indexes nothing gets zeros
-            full = rng.integers(0, bound, size=spec.shape).astype(spec.dtype)
+            inputs.append(view(spec.shape, rect, rng.integers(0, bound, size=rect.shape).astype(spec.dtype)))
         else:
-            full = floats(spec.shape, spec.dtype)
-        inputs.append(put(full)[rect.slices()])
+            inputs.append(floats(rect, spec.shape, spec.dtype))
     rects = op.tile_weight_rects(tile)
     shapes = {**op.weight_shapes(), **op.state_shapes()}
-    weights = {k: put(floats(shapes[k], op.weight_dtype(k)))[rects[k].slices()] for k in op.weight_shapes()
-               if not rects[k].empty}
-    state = {k: put(floats(shapes[k], op.weight_dtype(k)))[rects[k].slices()] for k in op.state_shapes()
-             if not rects[k].empty}
+    weights = {k: floats(rects[k], shapes[k], op.weight_dtype(k)) for k in op.weight_shapes() if not rects[k].empty}
+    state = {k: floats(rects[k], shapes[k], op.weight_dtype(k)) for k in op.state_shapes() if not rects[k].empty}
     return inputs, weights, state or None
 
 
@@ -148,8 +152,12 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
     grads = []
     for spec, rect in zip(op.outputs, out_rects):
         float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
-        full = put(rng.uniform(0.5, 1.5, size=spec.shape).astype(spec.dtype)) if float_out else None
-        grads.append(full[rect.slices()] if float_out else None)
+        if float_out:
+            full = np.zeros(spec.shape, spec.dtype)
+            full[rect.slices()] = rng.uniform(0.5, 1.5, size=rect.shape)
+            grads.append(put(full)[rect.slices()])
+        else:
+            grads.append(None)
     out_views = instance_views(op.outputs, out_rects, put)
     grad_views = instance_views(op.inputs, in_rects, put) if input_grads else [None] * len(op.inputs)
     extra = _kernel_extras(op)
