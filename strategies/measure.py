@@ -30,21 +30,15 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator, put=None):
     zeros, no negatives under a log); integer inputs are valid indices."""
     put = put or (lambda a: a)
 
-    def view(shape, rect, part):
-        """`part` (rect's values) at `rect` in a full-size array of `shape`, zeros elsewhere (not
-        drawn: a full-size batch would take seconds a tile), on the backend."""
-        full = np.zeros(shape, part.dtype)
-        full[rect.slices()] = part
-        return put(full)[rect.slices()]
-
     def floats(rect, shape, dtype):
-        return view(shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(dtype))
+        return in_full_size(shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(dtype), put)
 
     inputs = []
     for i, (spec, rect) in enumerate(zip(op.inputs, op.input_rects(tile))):
         if np.dtype(spec.dtype).kind in "iu":
             bound = op.index_bound(i) or 1  # an integer input that indexes nothing gets zeros
-            inputs.append(view(spec.shape, rect, rng.integers(0, bound, size=rect.shape).astype(spec.dtype)))
+            indices = rng.integers(0, bound, size=rect.shape).astype(spec.dtype)
+            inputs.append(in_full_size(spec.shape, rect, indices, put))
         else:
             inputs.append(floats(rect, spec.shape, spec.dtype))
     rects = op.tile_weight_rects(tile)
@@ -52,6 +46,14 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator, put=None):
     weights = {k: floats(rects[k], shapes[k], op.weight_dtype(k)) for k in op.weight_shapes() if not rects[k].empty}
     state = {k: floats(rects[k], shapes[k], op.weight_dtype(k)) for k in op.state_shapes() if not rects[k].empty}
     return inputs, weights, state or None
+
+
+def in_full_size(shape, rect: Rect, part, put):
+    """The view at `rect` of a full-size array of `shape` on the backend that holds `part` there
+    and zeros elsewhere (pages never touched: a tile of a full-size batch draws only its part)."""
+    full = np.zeros(shape, part.dtype)
+    full[rect.slices()] = part
+    return put(full)[rect.slices()]
 
 
 def instance_views(specs, rects, put) -> list:
@@ -152,12 +154,8 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
     grads = []
     for spec, rect in zip(op.outputs, out_rects):
         float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
-        if float_out:
-            full = np.zeros(spec.shape, spec.dtype)
-            full[rect.slices()] = rng.uniform(0.5, 1.5, size=rect.shape)
-            grads.append(put(full)[rect.slices()])
-        else:
-            grads.append(None)
+        grads.append(in_full_size(spec.shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(spec.dtype), put)
+                     if float_out else None)
     out_views = instance_views(op.outputs, out_rects, put)
     grad_views = instance_views(op.inputs, in_rects, put) if input_grads else [None] * len(op.inputs)
     extra = _kernel_extras(op)
