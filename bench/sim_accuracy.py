@@ -12,15 +12,15 @@ search ends at data parallelism, once: it says which), and simulated with the co
 model's runtime figures; kernels and batch source as measured here during the bench). A
 strategy's measured time is the fastest of its runs, each run's time its median iteration after
 the warm-up (apps.calibrate.measured_time: other work here only adds time). This machine's
-speed drifts by up to two times within an hour, so a shared cost
-cache would hold kernels timed in another hour: before each round the bench measures every
-kernel of the strategies and the batch source afresh, and predicts with each one's median
-over the rounds (a cost cache of the run's own). It also probes the runtime's own speed then
-(strategies.probe: an empty task of a chain, a hop between the ranks) and prints it beside
-the errors, with the median message flight between the ranks in the runs' traces (tools.trace
-messages; what the model's message_delay stands for). Printed per strategy: measured (and
-each run) and predicted iteration time and
-the relative error; per app the mean error and Kendall's tau of the two orderings. Targets: mean error at most 10%, tau at least 0.8.
+speed drifts by up to two times within an hour, so a shared cost cache would hold kernels
+timed in another hour: before each round the bench measures every kernel of the strategies
+and the batch source afresh, and predicts with each one's median over the rounds (a cost
+cache of the run's own). It also probes the runtime's own speed then (strategies.probe: an
+empty task of a chain, a hop between the ranks) and prints it beside the errors, with the
+median message flight between the ranks in the runs' traces (tools.trace messages; what the
+model's message_delay stands for). Printed per strategy: measured (and each run) and
+predicted iteration time and the relative error; per app the mean error and Kendall's tau of
+the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 
 The runtime's own costs on this VM move with its phase (docs/accuracy.md), as the kernels'
 do, so the bench also calibrates them now: it trains the strategies of `--calibrate-on` apps

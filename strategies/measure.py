@@ -31,7 +31,7 @@ def tile_arrays(op: Op, tile: Rect, rng: np.random.Generator, put=None):
     put = put or (lambda a: a)
 
     def floats(rect, shape, dtype):
-        return in_full_size(shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(dtype), put)
+        return random_floats_at(rng, shape, rect, dtype, put)
 
     inputs = []
     for i, (spec, rect) in enumerate(zip(op.inputs, op.input_rects(tile))):
@@ -54,6 +54,11 @@ def in_full_size(shape, rect: Rect, part, put):
     full = np.zeros(shape, part.dtype)
     full[rect.slices()] = part
     return put(full)[rect.slices()]
+
+
+def random_floats_at(rng, shape, rect: Rect, dtype, put):
+    """in_full_size with floats uniform in [0.5, 1.5) at `rect`."""
+    return in_full_size(shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(dtype), put)
 
 
 def instance_views(specs, rects, put) -> list:
@@ -154,8 +159,7 @@ def measure_tile(op: Op, tile: Rect, backend: Backend, runs: int = 5, warmup: in
     grads = []
     for spec, rect in zip(op.outputs, out_rects):
         float_out = np.dtype(spec.dtype).kind == "f" and not rect.empty
-        grads.append(in_full_size(spec.shape, rect, rng.uniform(0.5, 1.5, size=rect.shape).astype(spec.dtype), put)
-                     if float_out else None)
+        grads.append(random_floats_at(rng, spec.shape, rect, spec.dtype, put) if float_out else None)
     out_views = instance_views(op.outputs, out_rects, put)
     grad_views = instance_views(op.inputs, in_rects, put) if input_grads else [None] * len(op.inputs)
     extra = _kernel_extras(op)

@@ -90,8 +90,9 @@ class LinearTimes:
     costings, (slowdown, launch) = (0, 0), (1, 0) and (0, 1) with send and receive 1 and no
     message delay, give every point's costs (the copies between ranks are those whose receipt
     then costs 1), and only the schedule runs per point. `base` must be a cpu machine model (the
-    one whose figures are fitted); kernels come from the cost cache `cache_path` (measured into it where missing), the batch source's
-    seconds a sample from `source_per_sample` (default: the cost model's own)."""
+    one whose figures are fitted); kernels come from the cost cache `cache_path` (measured into
+    it where missing), the batch source's seconds a sample from `source_per_sample` (default:
+    the cost model's own)."""
 
     def __init__(self, model, output, strategies: Mapping[str, object], base: MachineModel,
                  cache_path: str | None = None, source_per_sample: float | None = None, loss: str | None = None):

@@ -145,11 +145,10 @@ def _occupy(free, r, t, seconds):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _share(free, r, t, seconds):
-    """The start of a handling part ready at t on resource r (-1: none): at once, r's work then
-    done `seconds` later than it would have been (see the module docstring)."""
+    """A handling part ready at t on resource r (-1: none) runs at once (it starts at t): r's work
+    is then done `seconds` later than it would have been (see the module docstring)."""
     if r >= 0:
         free[r] = (t if free[r] <= t else free[r]) + seconds
-    return t
 
 
 @numba.njit(cache=True, nogil=True)
@@ -199,8 +198,8 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
         if step == 0 and (res[i] < -1 or res[i] >= num_resources or dur[i] < 0 or delay[i] < 0):
             return start, end, done, False   # (checked here rather than in a pass of their own)
         if step == 0 and phases and pre_res[i] >= 0:
-            s = _share(free, pre_res[i], t, pre_dur[i])
-            times[n + i] = s + pre_dur[i]
+            _share(free, pre_res[i], t, pre_dur[i])
+            times[n + i] = t + pre_dur[i]
             mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, n + i)
             continue
         if step < 2:
@@ -212,7 +211,8 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
                 mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, 2 * n + i)
                 continue
         else:
-            e = _share(free, post_res[i], t, post_dur[i]) + post_dur[i]
+            _share(free, post_res[i], t, post_dur[i])
+            e = t + post_dur[i]
         end[i] = e
         done += 1
         for k in range(succ_ptr[i], succ_ptr[i + 1]):

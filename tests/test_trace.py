@@ -282,7 +282,6 @@ def test_critical_path_of_the_simulation_sets_its_time(simulated, measured, caps
     assert len(json.loads(out)) == len(mpath)
 
 
-# ---- bad input -----------------------------------------------------------------------------------
 def _message(i: int, kind: str, name: str, link: str, start: float, end: float, nbytes: int = 64) -> dict:
     src, dst = (int(end_[1]) for end_ in link.split("->"))
     return {"id": i, "name": name, "kind": kind, "op": "", "rank": src if kind == "send" else dst, "proc": link,
@@ -311,6 +310,7 @@ def test_messages_pair_each_send_with_its_receipt_in_order(two_ranks, measured, 
     assert rc == 2 and "give every rank's file" in err
 
 
+# ---- bad input -----------------------------------------------------------------------------------
 def write(tmp_path, name, text):
     p = tmp_path / name
     p.write_text(text)

@@ -450,7 +450,7 @@ def messages(trace: Trace) -> dict:
 def format_messages(m: dict) -> str:
     """messages() as a table: flight quantiles in all and per link."""
     def row(label: str, n: int, q: dict) -> str:
-        return (f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}")
+        return f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
     lines = [f"{m['messages']} messages between ranks (median {_human_bytes(m['median_bytes'])}), "
              f"{m['unpaired']} unpaired; in flight from the send's post to the receipt's completion, us:",
              f"{'link':<24}{'messages':>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}",
