@@ -57,7 +57,8 @@ BURN_IN = 0.1
 @dataclass
 class SearchResult:
     """The best strategy found, its predicted iteration time (s), the baselines' predicted times,
-    and the search's counts: proposals made, accepted, rejected for memory, seconds spent."""
+    and the search's counts: proposals made, accepted, rejected for memory (of those that their
+    time would have had accepted), seconds spent."""
 
     best: Strategy
     best_time: float
@@ -104,18 +105,45 @@ class _Bar:
             self.stream.flush()
 
 
-def _time(sim: Simulator, strategy: Strategy, known: dict) -> float:
-    """Predicted seconds of one iteration; infinite when the strategy does not fit the memory.
-    `known` holds the time of every strategy timed so far in this search, by its configs in op
-    order: the chains often propose one again (a neighbour's config that the op already has, a
-    move back; a sixth of the proposals on tiny Inception-v3), and a simulation is
-    deterministic."""
-    key = _Configs(tuple([strategy.ops[op.name] for op in sim.ops]))
-    t = known.get(key)
-    if t is None:
-        result = sim.simulate(strategy)
-        t = known[key] = result.time if result.fits else math.inf
-    return t
+class _Memo:
+    """The predicted time of every strategy simulated so far in a search, and whether it fits
+    where that was asked, by its configs in op order: the chains often propose one again (a
+    neighbour's config that the op already has, a move back; a sixth of the proposals on tiny
+    Inception-v3), and a simulation is deterministic. Whether a strategy fits is asked only of
+    those a chain would accept on their time: its peak memory was a sixteenth of a proposal,
+    and about half of the proposals are turned down for their time alone."""
+
+    def __init__(self, sim: Simulator):
+        self.sim = sim
+        self.times: dict[_Configs, float] = {}
+        self.fit: dict[_Configs, bool] = {}
+        self._last: tuple | None = None   # (key, SimResult) of the last simulation
+
+    def key(self, strategy: Strategy) -> "_Configs":
+        return _Configs(tuple([strategy.ops[op.name] for op in self.sim.ops]))
+
+    def time(self, key: "_Configs", strategy: Strategy) -> float:
+        """Predicted seconds of one iteration, whether or not the strategy fits the memory."""
+        t = self.times.get(key)
+        if t is None:
+            result = self.sim.simulate(strategy)
+            t = self.times[key] = result.time
+            self._last = (key, result)
+        return t
+
+    def fits(self, key: "_Configs", strategy: Strategy) -> bool:
+        f = self.fit.get(key)
+        if f is None:
+            last = self._last
+            result = last[1] if last is not None and last[0] is key else self.sim.simulate(strategy)
+            f = self.fit[key] = result.fits
+        return f
+
+    def feasible_time(self, strategy: Strategy) -> float:
+        """Predicted seconds of one iteration; infinite when the strategy does not fit the memory."""
+        key = self.key(strategy)
+        t = self.time(key, strategy)
+        return t if self.fits(key, strategy) else math.inf
 
 
 class _Configs:
@@ -164,11 +192,11 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     graph_ops = model if model is not None else [op for op in sim.ops if op.name != sim.loss]
     baselines = {}
     starting = {}
-    known: dict[_Configs, float] = {}
+    memo = _Memo(sim)
     for name, make in BASELINES.items():
         s = _complete(sim, make(graph_ops, sim.machine))
         t = time.perf_counter()
-        baselines[name] = _time(sim, s, known)
+        baselines[name] = memo.feasible_time(s)
         starting[name] = s
         if progress is not None:   # a first graph at 64 devices takes seconds: say what is going on
             progress.write(f"search: baseline {name:8s} {baselines[name] * 1e3:10.3f} ms predicted "
@@ -183,7 +211,7 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     bar = _Bar(progress, budget)
     deadline = None if seconds is None else t0 + seconds
     with _collector_paused():
-        _chains(sim, result, starting, baselines, starts, budget, rng, beta, deadline, bar, known)
+        _chains(sim, result, starting, baselines, starts, budget, rng, beta, deadline, bar, memo)
     bar.close()
     result.seconds = time.perf_counter() - t0
     return result
@@ -221,7 +249,7 @@ class _Chain:
 
 
 def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dict, starts, budget: int, rng,
-            beta: float, deadline: float | None, bar: "_Bar", known: dict) -> None:
+            beta: float, deadline: float | None, bar: "_Bar", memo: _Memo) -> None:
     """The Metropolis-Hastings chains into `result`: one per start for BURN_IN of the budget (shared
     out in turn), then the chain that stands lowest goes on with the rest. A chain's descent is
     long (tiny Inception-v3 on 64 K80s: 3,000-4,000 proposals from any of the three starts), so
@@ -236,30 +264,32 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
     for start, n in zip(starts, shares):
         if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
             continue
-        t = baselines.get(start) if start in baselines else _time(sim, starting[start], known)
+        t = baselines.get(start) if start in baselines else memo.feasible_time(starting[start])
         chain = _Chain(start, starting[start], t, t)
         chains.append(chain)
-        _walk(sim, chain, n, ops, neighbours, result, rng, beta, deadline, bar, known)
+        _walk(sim, chain, n, ops, neighbours, result, rng, beta, deadline, bar, memo)
     leader = min(chains, key=lambda c: c.current_time)
     leader.since = 0
-    _walk(sim, leader, budget - result.proposals, ops, neighbours, result, rng, beta, deadline, bar, known)
+    _walk(sim, leader, budget - result.proposals, ops, neighbours, result, rng, beta, deadline, bar, memo)
 
 
 def _walk(sim: Simulator, chain: _Chain, n: int, ops, neighbours, result: SearchResult, rng, beta: float,
-          deadline: float | None, bar: "_Bar", known: dict) -> None:
+          deadline: float | None, bar: "_Bar", memo: _Memo) -> None:
     """`n` proposals of `chain` (fewer at the deadline, or once its best has not improved for n / 2)."""
     for _ in range(n):
         if deadline is not None and time.perf_counter() > deadline:
             break
         op = ops[int(rng.integers(len(ops)))]
         proposal = chain.current.replace(op.name, _propose(sim, op, chain.current, neighbours[op.name], rng))
-        t = _time(sim, proposal, known)
+        key = memo.key(proposal)
+        t = memo.time(key, proposal)
         result.proposals += 1
-        if not math.isfinite(t):
-            result.infeasible += 1
-        elif t <= chain.current_time or rng.random() < math.exp(beta * (chain.current_time - t)):
-            chain.current, chain.current_time = proposal, t
-            result.accepted += 1
+        if t <= chain.current_time or rng.random() < math.exp(beta * (chain.current_time - t)):
+            if memo.fits(key, proposal):
+                chain.current, chain.current_time = proposal, t
+                result.accepted += 1
+            else:
+                result.infeasible += 1
         if chain.current_time < chain.best:
             chain.best, chain.since = chain.current_time, 0
         else:

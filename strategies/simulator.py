@@ -25,8 +25,8 @@ import itertools
 import json
 import math
 import operator
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numba
 import numpy as np
@@ -57,17 +57,29 @@ DENSE_PAIRS = 1 << 25
 @dataclass
 class SimResult:
     """A simulated iteration: its time (seconds), the busy seconds of each processor (global
-    index; made when first asked for: a search reads only the time), the peak bytes of each
-    processor's memory, and the schedule behind them (`res`: each node's resource)."""
+    index), the peak bytes of each processor's memory and whether they fit, and the schedule
+    behind them (`res`: each node's resource). The busy seconds and the memory are worked out
+    when first asked for: a search reads the time of every proposal, and whether it fits only
+    of those it would accept (`peak_of` gives the graph's peak; `capacity` each processor's
+    memory, None where it has no limit)."""
 
     time: float
-    peak_memory: dict[int, int]
-    fits: bool
     graph: IterationGraph
     timing: Timing
     resources: list
     res: np.ndarray
     proc_index: dict
+    peak_of: Callable = field(repr=False)
+    capacity: list = field(repr=False)
+
+    @functools.cached_property
+    def peak_memory(self) -> dict[int, int]:
+        return self.peak_of(self.graph.lowering)
+
+    @functools.cached_property
+    def fits(self) -> bool:
+        capacity = self.capacity
+        return all(capacity[i] is None or b <= capacity[i] for i, b in self.peak_memory.items())
 
     @functools.cached_property
     def busy(self) -> dict[int, float]:
@@ -267,9 +279,8 @@ class Simulator:
         graph = self.graph(strategy, delta)
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
         timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling)
-        peak = self._peaks.peak(graph.lowering) if delta else plan_peak(graph.lowering, self.machine)
-        fits = all(self._capacity[i] is None or b <= self._capacity[i] for i, b in peak.items())
-        return SimResult(timing.time, peak, fits, graph, timing, list(resources), res, self._proc_index)
+        peak_of = self._peaks.peak if delta else functools.partial(plan_peak, machine=self.machine)
+        return SimResult(timing.time, graph, timing, list(resources), res, self._proc_index, peak_of, self._capacity)
 
     def node_costs(self, graph, cache: bool = False) -> tuple:
         """(resource index of each node, its seconds there, its delay after: a copy's latency in
