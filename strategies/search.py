@@ -118,6 +118,7 @@ class _Memo:
         self.times: dict[_Configs, float] = {}
         self.fit: dict[_Configs, bool] = {}
         self._last: tuple | None = None   # (key, SimResult) of the last simulation
+        self.place = {op.name: i for i, op in enumerate(sim.ops)}
 
     def key(self, strategy: Strategy) -> "_Configs":
         return _Configs(tuple([strategy.ops[op.name] for op in self.sim.ops]))
@@ -135,8 +136,7 @@ class _Memo:
         f = self.fit.get(key)
         if f is None:
             last = self._last
-            result = last[1] if last is not None and last[0] is key else self.sim.simulate(strategy)
-            f = self.fit[key] = result.fits
+            f = self.fit[key] = last[1].fits if last is not None and last[0] is key else self.sim.memory(strategy)[1]
         return f
 
     def feasible_time(self, strategy: Strategy) -> float:
@@ -147,20 +147,35 @@ class _Memo:
 
 
 class _Configs:
-    """A strategy's configs in op order, as a key of _time's dict: hashed once (a tuple hashes
-    its hundred configs at each lookup, in Python calls)."""
+    """A strategy's configs in op order, as a key of _Memo's dicts. Its hash is the sum of a term
+    per op (its place and its config), so that a proposal's key, which differs from its chain's
+    in one op, is made by changing one term (`replaced`): hashing the hundred configs, each a
+    Python call, was a fortieth of a proposal."""
 
     __slots__ = ("configs", "_hash")
 
-    def __init__(self, configs: tuple):
+    def __init__(self, configs: tuple, hash_: int | None = None):
         self.configs = configs
-        self._hash = hash(configs)
+        self._hash = sum(map(_term, range(len(configs)), configs)) & _MASK if hash_ is None else hash_
+
+    def replaced(self, i: int, config) -> "_Configs":
+        """This key with the config at place i replaced by `config`."""
+        configs = self.configs
+        return _Configs(configs[:i] + (config,) + configs[i + 1:],
+                        (self._hash - _term(i, configs[i]) + _term(i, config)) & _MASK)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _Configs) and self.configs == other.configs
+
+
+_MASK = (1 << 64) - 1
+
+
+def _term(i: int, config) -> int:
+    return hash((i, config))
 
 
 def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = None, beta: float | None = None,
@@ -243,6 +258,7 @@ class _Chain:
 
     start: str
     current: Strategy
+    key: "_Configs"   # the current strategy's (_Memo)
     current_time: float
     best: float
     since: int = 0
@@ -265,7 +281,7 @@ def _chains(sim: Simulator, result: SearchResult, starting: dict, baselines: dic
         if n == 0:   # a budget smaller than the starts: this chain makes no proposal, so is not timed
             continue
         t = baselines.get(start) if start in baselines else memo.feasible_time(starting[start])
-        chain = _Chain(start, starting[start], t, t)
+        chain = _Chain(start, starting[start], memo.key(starting[start]), t, t)
         chains.append(chain)
         _walk(sim, chain, n, ops, neighbours, result, rng, beta, deadline, bar, memo)
     leader = min(chains, key=lambda c: c.current_time)
@@ -280,13 +296,14 @@ def _walk(sim: Simulator, chain: _Chain, n: int, ops, neighbours, result: Search
         if deadline is not None and time.perf_counter() > deadline:
             break
         op = ops[int(rng.integers(len(ops)))]
-        proposal = chain.current.replace(op.name, _propose(sim, op, chain.current, neighbours[op.name], rng))
-        key = memo.key(proposal)
+        config = _propose(sim, op, chain.current, neighbours[op.name], rng)
+        proposal = chain.current.replace(op.name, config)
+        key = chain.key.replaced(memo.place[op.name], config)
         t = memo.time(key, proposal)
         result.proposals += 1
         if t <= chain.current_time or rng.random() < math.exp(beta * (chain.current_time - t)):
             if memo.fits(key, proposal):
-                chain.current, chain.current_time = proposal, t
+                chain.current, chain.key, chain.current_time = proposal, key, t
                 result.accepted += 1
             else:
                 result.infeasible += 1

@@ -341,18 +341,18 @@ class _PlanView:
     values: dict
     params: dict
     stats: dict
-    op_parts: list
+    update_plans: list   # each op's update plans, in op order
     op_index: dict
     delta: tuple | None
 
     @functools.cached_property
     def updates(self) -> list:
         """The update plans of every op, in op order (made when first asked for)."""
-        return list(itertools.chain.from_iterable(map(_update_plans_of, self.op_parts)))
+        return list(itertools.chain.from_iterable(self.update_plans))
 
     def updates_of(self, op_name: str) -> list:
         """The update plans of one op (what PeakCache asks of an op whose config changed)."""
-        return list(self.op_parts[self.op_index[op_name]].update_plans)
+        return list(self.update_plans[self.op_index[op_name]])
 
 
 class _ResultList:
@@ -794,7 +794,16 @@ class SegmentBuilder:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
         low = self.low
         parts, _, plans, _, delta, _ = self._last_ops
-        return _PlanView(self.ops, plans, low.values, low.params, low.stats, parts, self._op_index, delta)
+        return _PlanView(self.ops, plans, low.values, low.params, low.stats, list(map(_update_plans_of, parts)),
+                         self._op_index, delta)
+
+    def plan_view(self, configs: dict[str, TileConfig]) -> _PlanView:
+        """What strategies.memory reads of the ops under `configs` (op name -> resolved TileConfig,
+        every op), from the plans alone: no graph is built."""
+        low = self.low
+        return _PlanView(self.ops, {op.name: self.plan(op, configs[op.name]) for op in self.ops}, low.values,
+                         low.params, low.stats, [self.updates(op, configs[op.name]) for op in self.ops],
+                         self._op_index, None)
 
     # ---- one region's analysis -------------------------------------------------------------------
     def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:

@@ -78,8 +78,7 @@ class SimResult:
 
     @functools.cached_property
     def fits(self) -> bool:
-        capacity = self.capacity
-        return all(capacity[i] is None or b <= capacity[i] for i, b in self.peak_memory.items())
+        return _fits(self.peak_memory, self.capacity)
 
     @functools.cached_property
     def busy(self) -> dict[int, float]:
@@ -117,6 +116,11 @@ class SimResult:
                 f.write(json.dumps(e) + "\n")
         return path
 
+
+
+def _fits(peak: dict[int, int], capacity: list) -> bool:
+    """Every processor's peak bytes within its memory (`capacity` by processor, None: no limit)."""
+    return all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
 
 class Simulator:
     """Times training iterations of one graph (its ops with the loss op, its inputs with the labels)
@@ -281,6 +285,12 @@ class Simulator:
         timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling)
         peak_of = self._peaks.peak if delta else functools.partial(plan_peak, machine=self.machine)
         return SimResult(timing.time, graph, timing, list(resources), res, self._proc_index, peak_of, self._capacity)
+
+    def memory(self, strategy) -> tuple[dict[int, int], bool]:
+        """(the peak bytes of each processor's memory, whether they fit) under `strategy`: what
+        simulate's result says, from the ops' plans alone (no graph is built)."""
+        peak = self._peaks.peak(self.builder.plan_view(self.configs(strategy)))
+        return peak, _fits(peak, self._capacity)
 
     def node_costs(self, graph, cache: bool = False) -> tuple:
         """(resource index of each node, its seconds there, its delay after: a copy's latency in

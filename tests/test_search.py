@@ -8,7 +8,10 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ops.model import Model
 from strategies.cost import CostModel
@@ -180,6 +183,30 @@ def test_a_proposal_that_repeats_a_strategy_is_not_simulated_again(monkeypatch):
     result = search(sim, budget=60, seed=1, model=model)
     assert len(timed) == len(set(timed)), "a strategy simulated twice"
     assert len(timed) < result.proposals
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_proposal_key_made_by_one_change_equals_one_made_afresh(seed):
+    """The memo's key of a proposal is its chain's with one op's config replaced (its hash by one
+    term): equal to the key made from the whole strategy, hash and all."""
+    from strategies.random import random_strategy
+    from strategies.search import _Memo
+    model = mlp()
+    sim = simulator(model)
+    memo = _Memo(sim)
+    rng = np.random.default_rng(seed)
+    current = random_strategy(sim.ops, sim.machine, rng)
+    key = memo.key(current)
+    for _ in range(6):
+        op = sim.ops[int(rng.integers(len(sim.ops)))]
+        config = random_strategy([op], sim.machine, rng).ops[op.name]
+        proposal = current.replace(op.name, config)
+        replaced = key.replaced(memo.place[op.name], config)
+        fresh = memo.key(proposal)
+        assert replaced == fresh and hash(replaced) == hash(fresh)
+        if rng.random() < 0.5:
+            current, key = proposal, replaced
 
 
 def test_the_chains_take_a_tenth_in_turn_then_the_lowest_goes_on_alone(monkeypatch):
