@@ -28,7 +28,8 @@ numba (nogil, cached), because the search calls it tens of thousands of times.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -265,11 +266,16 @@ class Handling:
 @dataclass(frozen=True)
 class Timing:
     """The simulated run of one graph: when each node ran, the iteration time (the last end) and
-    each resource's busy seconds."""
+    each resource's busy seconds (summed when first asked for, from `parts`: the arguments of
+    _busy; a search reads only the time)."""
 
     start: np.ndarray
     end: np.ndarray
-    busy: np.ndarray
+    parts: tuple = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def busy(self) -> np.ndarray:
+        return _busy(*self.parts)
 
     @property
     def time(self) -> float:
@@ -313,7 +319,7 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
         _refuse(res, dur, delay, indeg, idx, num_resources)
     if done != n:
         raise ValueError(f"schedule: the graph has a cycle: {n - done} of {n} nodes never became ready")
-    return Timing(start, end, _busy(num_resources, res, dur, *parts))
+    return Timing(start, end, (num_resources, res, dur, *parts))
 
 
 @numba.njit(cache=True, nogil=True)
