@@ -286,15 +286,39 @@ class OpPlan:
     along an ordered dim; bwd_reqs None off the gradient path).
     """
 
+    #: what a plan's tiles fix whatever their devices (tiles, rects, partitions, requirement
+    #: lists): a plan of the op with the same degrees (`like`) shares them
+    SHAPE = ("colors", "tiles", "in_rects", "out_rects", "partial", "weight_names", "state_names", "weight_rects",
+             "state_rects", "updated_state_rects", "ordered", "sum_names", "carry_names", "_ins", "_outs", "_weights",
+             "_states", "_sums", "_carries", "fwd_reqs", "bwd_reqs", "writes_grads", "writes_weight_grads",
+             "grad_outputs", "grad_inputs", "_gouts", "_gins", "_gws", "_carry_grads")
+
     def __init__(self, low: "Lowering", op: Op, config: TileConfig, backward: bool,
-                 summarize: Callable | None):
+                 summarize: Callable | None, like: "OpPlan | None" = None):
         self.op = op
         self.config = config
         self.saved = low.saved
         self.summarize = summarize
+        if like is None:
+            self._shape(low, backward)
+        else:   # (the simulator's search makes a plan per proposal, a third of them of degrees seen before)
+            if like.op is not op or like.config.degrees != config.degrees or ("grad_inputs" in like.__dict__) != backward:
+                raise ValueError(f"OpPlan: {like!r} is not a plan of {op.kind} {op.name!r} with degrees "
+                                 f"{config.degrees} and backward {backward}")
+            self.__dict__.update({k: like.__dict__[k] for k in self.SHAPE if k in like.__dict__})
+        self.placement = dict(zip(self.colors, config.devices))
+        self._zero_outs = _zero_launches(self._outs, self.colors, self.placement) if self.partial else []
+        self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
+        # launches are pure functions of the plan (and of a few flags): made once, issued every
+        # step (a step's Python cost is the runtime's budget, and new partitions every step
+        # would miss the runtime's cache of mapped launches)
+        self._made: dict[tuple, list] = {}
+
+    def _shape(self, low: "Lowering", backward: bool) -> None:
+        """The attributes named in SHAPE."""
+        op, config = self.op, self.config
         self.colors = config.colors()
         self.tiles = tile_rects(op.tile_shape, config.degrees)
-        self.placement = dict(zip(self.colors, config.devices))
         self.in_rects = {c: op.input_rects(t) for c, t in self.tiles.items()}
         self.out_rects = {c: op.output_rects(t) for c, t in self.tiles.items()}
         self.partial = any(s.partial and config.degrees[s.dim] > 1 for s in op.split_dims())
@@ -334,14 +358,8 @@ class OpPlan:
         carry_rects = {c: op.carry_rects(t) for c, t in self.tiles.items()} if self.carry_names else {}
         self._carries = [part(Region(carry_shapes[k], carry_dtype, f"{name}.{k}.carry"),
                               {c: r[k] for c, r in carry_rects.items()}, f"carry.{k}") for k in self.carry_names]
-        self._zero_outs = _zero_launches(self._outs, self.colors, self.placement) if self.partial else []
-        self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
         self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
-        # launches are pure functions of the plan (and of a few flags): made once, issued every
-        # step (a step's Python cost is the runtime's budget, and new partitions every step
-        # would miss the runtime's cache of mapped launches)
-        self._made: dict[tuple, list] = {}
         self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
         self.writes_weight_grads = {k: False for k in self.weight_names}
         if not backward:

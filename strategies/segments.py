@@ -431,6 +431,7 @@ class SegmentBuilder:
         for u in self.low.updates:
             self._update_shorts.setdefault(u.op_name, []).append((u.param.name, u.param.name[len(u.op_name) + 1:]))
         self._plans: dict[tuple, OpPlan] = {}
+        self._plan_shapes: dict[tuple, OpPlan] = {}   # (op name, degrees) -> the first plan of them
         self._update_plans: dict[tuple, UpdatePlan] = {}
         self._segments: dict[tuple, RecordedSegment] = {}
         self._regions: dict[tuple, RegionResult] = {}
@@ -488,10 +489,16 @@ class SegmentBuilder:
 
     # ---- plans and segments, cached by config ------------------------------------------------
     def plan(self, op: Op, config: TileConfig) -> OpPlan:
+        """op's plan under `config`, made once; it shares its tiles, rects and partitions with the
+        first plan made of the op's degrees (OpPlan's `like`)."""
         key = (op.name, config)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = OpPlan(self.low, op, config, self._backward[op.name], None)
+            shape = (op.name, config.degrees)
+            like = self._plan_shapes.get(shape)
+            plan = self._plans[key] = OpPlan(self.low, op, config, self._backward[op.name], None, like)
+            if like is None:
+                self._plan_shapes[shape] = plan
         return plan
 
     def updates(self, op: Op, config: TileConfig) -> list[UpdatePlan]:

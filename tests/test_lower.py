@@ -144,6 +144,43 @@ def test_lowering_builds_tile_partitions_halos_reductions_and_updates():
         assert [r.privilege.mode for r in low.plans["flat"].bwd_reqs][-1] == "WD"
 
 
+def test_a_plan_made_like_another_of_its_degrees_launches_what_a_fresh_one_launches():
+    """The simulator's search makes a plan per proposal and shares the tiles, rects and partitions
+    of plans with the same degrees (OpPlan's `like`): only the placement differs, and the
+    launches are those of a plan made afresh. A plan of other degrees is refused as a model."""
+    from ops.lower import OpPlan
+    x, labels = spec((4, 2, 6, 6), name="x"), spec((4,), "int64", "labels")
+    conv = Conv2d("conv", [x], out_channels=4, kernel=3, padding=1)
+    bn = BatchNorm("bn", conv.outputs)
+    from ops.shape import Flat
+    flat = Flat("flat", bn.outputs)
+    fc = Dense("fc", flat.outputs, out_features=4)
+    loss = SparseCategoricalCrossEntropy("loss", [fc.outputs[0], labels], from_logits=True)
+    ops = [conv, bn, flat, fc, loss]
+    configs = {"conv": TileConfig((2, 2, 1, 1), (0, 1, 2, 3)), "bn": TileConfig((2, 1, 2, 1), (0, 1, 2, 3)),
+               "flat": TileConfig((2, 1), (2, 3)), "fc": TileConfig((1, 2, 2), (1, 3, 0, 2)),
+               "loss": TileConfig((2,), (0, 1))}
+    moved = {"conv": (3, 1, 0, 2), "bn": (2, 3, 1, 0), "fc": (0, 2, 3, 1)}
+
+    def launches(plan):
+        out = []
+        for launch in plan.forward_launches(True) + plan.backward_launches():
+            out.append((launch.name, launch.placement, [(r.partition.region.name, r.partition.rects, r.privilege)
+                                                        for r in launch.reqs], launch.args))
+        return out
+    with Runtime(machine=MACHINE4, execute=False) as rt:
+        low = Lowering(rt, ops, [x, labels], configs, SGD(lr=0.1), loss="loss", tag="like")
+        for name, devices in moved.items():
+            op = next(o for o in ops if o.name == name)
+            config = TileConfig(configs[name].degrees, devices)
+            fresh = OpPlan(low, op, config, True, None)
+            like = OpPlan(low, op, config, True, None, low.plans[name])
+            assert like.tiles is low.plans[name].tiles and like.placement == fresh.placement
+            assert launches(like) == launches(fresh)
+        with pytest.raises(ValueError, match="is not a plan of"):
+            OpPlan(low, conv, TileConfig((4, 1, 1, 1), (0, 1, 2, 3)), True, None, low.plans["conv"])
+
+
 def test_backward_needs_a_training_forward_and_consumes_what_it_saved(rt1):
     m = _mlp(rt1, batch=4)
     m.compile("sgd", "mean_squared_error")
