@@ -203,6 +203,15 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     if unknown or not starts:
         raise ValueError(f"search: starts must be some of {list(STARTS)}, got {list(starts)}")
     t0 = time.perf_counter()
+    with _collector_paused():
+        result = _search(sim, budget, seed, seconds, beta, starts, model, progress, t0)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _search(sim: Simulator, budget: int, seed: int, seconds: float | None, beta: float | None, starts, model,
+            progress, t0: float) -> SearchResult:
+    """search's work, its arguments checked: the baselines, then the chains."""
     rng = np.random.default_rng(seed)
     graph_ops = model if model is not None else [op for op in sim.ops if op.name != sim.loss]
     baselines = {}
@@ -225,21 +234,21 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     result = SearchResult(best, best_time, baselines)
     bar = _Bar(progress, budget)
     deadline = None if seconds is None else t0 + seconds
-    with _collector_paused():
-        _chains(sim, result, starting, baselines, starts, budget, rng, beta, deadline, bar, memo)
+    _chains(sim, result, starting, baselines, starts, budget, rng, beta, deadline, bar, memo)
     bar.close()
-    result.seconds = time.perf_counter() - t0
     return result
 
 
 @contextlib.contextmanager
 def _collector_paused():
-    """No cycle collection while the chains run. The simulator's caches are most of the objects
+    """No cycle collection while a search runs. The simulator's caches are most of the objects
     alive and grow with every new part, so the collector's passes over them grew too (1.8 ms of
-    a 14 ms simulation late in a 64-K80 search), while a proposal makes no reference cycle
-    (tests/test_search.py): memory is freed by reference counts alone. At the end, what the
-    chains made goes to the oldest generation with the rest (frozen, then unfrozen) rather than
-    staying young, where the next young collection would walk millions of objects (1.3 s)."""
+    a 14 ms simulation late in a 64-K80 search; the baselines' first graphs took 4.0 s rather
+    than 2.6 in a process that held a million objects already), while a proposal makes no
+    reference cycle (tests/test_search.py) and a first graph a few hundred small ones: memory
+    is freed by reference counts. At the end, what the search made goes to the oldest
+    generation with the rest (frozen, then unfrozen) rather than staying young, where the next
+    young collection would walk millions of objects (1.3 s)."""
     enabled = gc.isenabled()
     gc.freeze()
     gc.disable()
