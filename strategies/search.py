@@ -133,6 +133,8 @@ class _Memo:
         return t
 
     def fits(self, key: "_Configs", strategy: Strategy) -> bool:
+        """Whether the strategy fits every device's memory: from the last simulation's result
+        where it is that strategy's, else from its plans."""
         f = self.fit.get(key)
         if f is None:
             last = self._last
