@@ -367,9 +367,9 @@ class OpPlan:
         grads = low.grads
         self.grad_outputs = [t.name in grads for t in op.outputs]
         self.grad_inputs = [t.name in grads for t in op.inputs]
-        self._gouts = [part(grads[t.name], {c: r[i] for c, r in self.out_rects.items()}, f"gout{i}")
+        self._gouts = [self._outs[i].alike(grads[t.name], f"{name}.gout{i}")
                        for i, t in enumerate(op.outputs) if t.name in grads]
-        self._gins = [part(grads[t.name], {c: r[i] for c, r in self.in_rects.items()}, f"gin{i}")
+        self._gins = [self._ins[i].alike(grads[t.name], f"{name}.gin{i}")
                       for i, t in enumerate(op.inputs) if t.name in grads]
         # an input gradient that only this op (at this input) contributes to, and that its tiles
         # cover without overlap, is WRITTEN by them: no zero fill, no reduction buffers, no folds
@@ -377,8 +377,8 @@ class OpPlan:
         self.writes_grads = [t.name in grads and _written_whole(next(gin_parts), low.sole_consumers.get(t.name),
                                                                 (name, i))
                              for i, t in enumerate(op.inputs)]
-        self._gws = [part(low.params[f"{name}.{k}"].grad, {c: r[k] for c, r in self.weight_rects.items()},
-                          f"{k}.grad") for k in self.weight_names]
+        self._gws = [w.alike(low.params[f"{name}.{k}"].grad, f"{name}.{k}.grad")
+                     for k, w in zip(self.weight_names, self._weights)]
         # a weight gradient whose tiles' rects tile the weight exactly (no two tiles share a block:
         # no replicas, no chunks of an ordered dim) is WRITTEN by them: no zero fill, no folds
         self.writes_weight_grads = {k: disjoint_cover(list(p.rects.values()), p.region.rect)
@@ -702,10 +702,12 @@ class UpdatePlan:
         self.placement = dict(zip(self.colors, shards.values()))
         name = param.name
 
-        def part(region: Region, label: str) -> Partition:
-            return Partition.from_rects(region, rects, name=f"{name}.update.{label}")
+        value = Partition.from_rects(param.value, rects, name=f"{name}.update.value")
 
-        self.reqs = ([req(part(param.value, "value"), READ_WRITE), req(part(param.grad, "grad"), READ)]
+        def part(region: Region, label: str) -> Partition:
+            return value.alike(region, f"{name}.update.{label}")
+
+        self.reqs = ([req(value, READ_WRITE), req(part(param.grad, "grad"), READ)]
                      + [req(part(param.state[s], s), READ_WRITE) for s in self.state_names])
         self.grad_fill = req(part(param.grad, "grad"), WRITE)
         self.fn = self._update_task

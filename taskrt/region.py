@@ -142,6 +142,17 @@ class Partition:
             rects = {(i,): r for i, r in enumerate(rects)}
         return Partition(region, rects, name)
 
+    def alike(self, region: Region, name: str | None = None) -> "Partition":
+        """This partition's pieces as a partition of `region`, whose bounds are this one's region's
+        (a value's gradient, an optimizer state): the pieces were checked once, and are not
+        again (a simulator's search makes thousands of plans, each a dozen such partitions)."""
+        if region.rect != self.region.rect:
+            raise ValueError(f"Partition.alike: {region!r} has bounds {region.rect!r}, but {self!r} is of "
+                             f"{self.region.rect!r}")
+        part = Partition.__new__(Partition)
+        part.region, part.rects, part.name = region, self.rects, name or f"{region.name}.part"
+        return part
+
     def __repr__(self) -> str:
         kind = "disjoint" if self.disjoint else "aliased"
         return f"Partition({self.name!r}, {len(self.rects)} {kind} pieces of {self.region!r})"

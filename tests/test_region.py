@@ -64,6 +64,17 @@ def test_partition_errors_name_the_problem():
         region.partition((2, 1))[9]
 
 
+def test_a_partition_alike_has_the_same_pieces_of_a_region_of_the_same_bounds():
+    value, grad = Region((6, 4), name="w"), Region((6, 4), "float32", "w.grad")
+    part = Partition.from_rects(value, [Rect.make((0, 0), (4, 4)), Rect.make((2, 0), (6, 4))], name="w.tiles")
+    alike = part.alike(grad, "w.grad.tiles")
+    assert alike.region is grad and alike.name == "w.grad.tiles"
+    assert alike.rects == part.rects and alike.aliased and alike.complete
+    assert alike.key == (grad.uid, part.key[1])
+    with pytest.raises(ValueError, match="Partition.alike: Region\\('b'.* has bounds"):
+        part.alike(Region((6, 5), name="b"))
+
+
 def test_equal_partitions_are_cached():
     region = Region((8,))
     assert region.partition((4,)) is region.partition((4,))
