@@ -302,7 +302,8 @@ class OpPlan:
         if like is None:
             self._shape(low, backward)
         else:   # (the simulator's search makes a plan per proposal, a third of them of degrees seen before)
-            if like.op is not op or like.config.degrees != config.degrees or ("grad_inputs" in like.__dict__) != backward:
+            if (like.op is not op or like.config.degrees != config.degrees
+                    or ("grad_inputs" in like.__dict__) != backward):
                 raise ValueError(f"OpPlan: {like!r} is not a plan of {op.kind} {op.name!r} with degrees "
                                  f"{config.degrees} and backward {backward}")
             self.__dict__.update({k: like.__dict__[k] for k in self.SHAPE if k in like.__dict__})
