@@ -286,13 +286,6 @@ class OpPlan:
     along an ordered dim; bwd_reqs None off the gradient path).
     """
 
-    #: what a plan's tiles fix whatever their devices (tiles, rects, partitions, requirement
-    #: lists): a plan of the op with the same degrees (`like`) shares them
-    SHAPE = ("colors", "tiles", "in_rects", "out_rects", "partial", "weight_names", "state_names", "weight_rects",
-             "state_rects", "updated_state_rects", "ordered", "sum_names", "carry_names", "_ins", "_outs", "_weights",
-             "_states", "_sums", "_carries", "fwd_reqs", "bwd_reqs", "writes_grads", "writes_weight_grads",
-             "grad_outputs", "grad_inputs", "_gouts", "_gins", "_gws", "_carry_grads")
-
     def __init__(self, low: "Lowering", op: Op, config: TileConfig, backward: bool,
                  summarize: Callable | None, like: "OpPlan | None" = None):
         self.op = op
@@ -300,13 +293,17 @@ class OpPlan:
         self.saved = low.saved
         self.summarize = summarize
         if like is None:
+            before = set(self.__dict__)
             self._shape(low, backward)
+            #: the attributes _shape set (what a plan made `like` this one shares)
+            self._shaped = tuple(k for k in self.__dict__ if k not in before)
         else:   # (the simulator's search makes a plan per proposal, a third of them of degrees seen before)
             if (like.op is not op or like.config.degrees != config.degrees
                     or ("grad_inputs" in like.__dict__) != backward):
                 raise ValueError(f"OpPlan: {like!r} is not a plan of {op.kind} {op.name!r} with degrees "
                                  f"{config.degrees} and backward {backward}")
-            self.__dict__.update({k: like.__dict__[k] for k in self.SHAPE if k in like.__dict__})
+            self.__dict__.update({k: like.__dict__[k] for k in like._shaped})
+            self._shaped = like._shaped
         self.placement = dict(zip(self.colors, config.devices))
         self._zero_outs = _zero_launches(self._outs, self.colors, self.placement) if self.partial else []
         self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
@@ -316,7 +313,8 @@ class OpPlan:
         self._made: dict[tuple, list] = {}
 
     def _shape(self, low: "Lowering", backward: bool) -> None:
-        """The attributes named in SHAPE."""
+        """What a plan's tiles fix whatever their devices: tiles, rects, partitions and requirement
+        lists (a plan of the op with the same degrees, `like`, shares them)."""
         op, config = self.op, self.config
         self.colors = config.colors()
         self.tiles = tile_rects(op.tile_shape, config.degrees)

@@ -204,19 +204,24 @@ def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
     assert again.stats == {"measured": 0, "cached": 2, "analytic": 0}
 
 
+def _record_out(monkeypatch, cls, method: str) -> list:
+    """The `out=` that each call of cls.method is given, in a list, the method spied on for the test."""
+    seen = []
+    original = getattr(cls, method)
+
+    def spy(self, *args, out=None, **kw):
+        seen.append(out)
+        return original(self, *args, out=out, **kw)
+    monkeypatch.setattr(cls, method, spy)
+    return seen
+
+
 def test_a_backward_of_the_weight_gradients_alone_is_measured_with_the_input_gradient_skipped(tmp_path,
                                                                                                 monkeypatch):
     mm = load_machine("local")
     op = Dense("fc", [spec(16, 32)], 24, activation="relu")
     tile = Rect.from_shape(op.tile_shape)
-    seen = []
-    backward = Dense.backward
-
-    def spy(self, *args, out=None, **kw):
-        seen.append(out)
-        return backward(self, *args, out=out, **kw)
-
-    monkeypatch.setattr(Dense, "backward", spy)
+    seen = _record_out(monkeypatch, Dense, "backward")
     cost = CostModel(mm, cache_path=tmp_path / "costs.json", repeats=2, warmup=0)
     assert cost.task_time(op, "backward_weights", tile, mm.device) > mm.launch_overhead
     assert seen == [[False], [False]]  # every run told that no one reads dx
@@ -448,14 +453,7 @@ def test_a_writes_out_kernel_is_offered_its_view_only_where_lowering_would(monke
     tile cut along the batch), else None (cut along an inner dim): the measurement does the same."""
     from strategies import measure
     op = Dense("fc", [spec(16, 32)], 24)
-    seen = []
-    forward = Dense.forward
-
-    def spy(self, *args, out=None, **kw):
-        seen.append(out)
-        return forward(self, *args, out=out, **kw)
-
-    monkeypatch.setattr(Dense, "forward", spy)
+    seen = _record_out(monkeypatch, Dense, "forward")
     measure.measure_tile(op, Rect((0, 0, 0), hi), measure.Backend("cpu", 1), runs=1, warmup=0)
     assert len(seen) == 1 and len(seen[0]) == 1   # one run; the tile space is (batch, out, in)
     assert all((o[0] is not None) == offered for o in seen)
