@@ -47,6 +47,7 @@ from ops.base import Op, TensorSpec
 from ops.optimizers import SGD
 from strategies.machine_model import DeviceSpec, LinkSpec, MachineError, MachineModel, cpu_name, load_machine, write_efficiency
 from strategies.measure import Backend, Progress, measure_source, measure_tile, measure_update
+from taskrt.cores import node_cores
 from taskrt.geometry import Rect, as_int
 from taskrt.machine import Processor, count_gpus, gpus_from_env
 
@@ -302,7 +303,7 @@ class CostModel:
     def _blas_threads(self, device: DeviceSpec) -> int:
         """The BLAS threads a CPU worker of this model gets: the cores shared among the node's devices
         (as the runtime's limit_blas_threads shares them), all of them for a host."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = node_cores()
         mm = self.machine_model
         return max(1, cores // mm.devices_per_node) if device is mm.device and device.kind == "cpu" else cores
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from .analysis import Analyzer
 from .backends import gpu
+from .cores import bind_rank, node_cores
 from .executor import Executor, TaskError
 from .geometry import Rect, as_int
 from .heap import collect_cycles_less, keep_freed_memory
@@ -149,8 +150,11 @@ class Runtime:
                                      [self.tracer] if self.tracer else [], self._setup_worker, rank)
         self._closed = False
         self._blas_limit = None
+        self._binding = None
         if self.executor is not None:
             self._blas_limit = limit_blas_threads(self.machine, rank, blas_threads)
+            if transport is not None:
+                self._binding = bind_rank(self.machine, rank)
             keep_freed_memory()
             collect_cycles_less()
         if transport is not None:
@@ -594,6 +598,8 @@ class Runtime:
                 self.executor.shutdown()
             if self._blas_limit is not None:
                 self._blas_limit.restore_original_limits()
+            if self._binding is not None:
+                self._binding.restore()
             if self.trace_path:
                 self.write_trace()
 
@@ -609,7 +615,7 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
     if threads is None:
         threads = count_from_env("TASKRT_BLAS_THREADS", "BLAS threads", 1)
         if threads is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            cores = node_cores()
             ranks_here = max(1, len(machine.ranks_on_host(rank)))
             threads = max(1, cores // (ranks_here * max(1, cpus)))
             if threads >= cores:
