@@ -4,10 +4,9 @@ Under a plain `mpiexec -n 2` every thread of every rank may run on any core, and
 scheduler moves them: one rank's MPI progress thread takes the core where the other rank's
 worker was computing, and a worker that moves finds its data in the other core's cache. Bound
 (rank i of the node on cores [i * k, (i + 1) * k), k = cores // ranks), a rank's threads share
-only its own cores. Two ranks on this 2-core VM, alternating 4 rounds, fastest run of each
-(docs/mpi.md): alexnet's model parallelism 21.7 -> 19.3 ms an iteration, the transformer's
-20.0 -> 17.8 ms, its data parallelism 10.8 -> 10.3 ms, and one strategy's runs spread over
-17.8-19.1 ms rather than 20.0-26.6 ms.
+only its own cores. Two ranks on this 2-core VM ran 10 of 12 strategies of the tiny apps
+faster bound (0.84-1.00 of their time unbound, one 1.04) and most with less spread from run to
+run (docs/mpi.md, "Ranks bound to cores").
 
 A rank binds itself (`bind_rank`, when its Runtime starts) only where binding is its to do: on
 Linux, with its ranks on the node no more than the node's cores, and while it may use every
