@@ -38,7 +38,7 @@ from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
 from strategies.machine_model import MachineError, load_machine, write_fields
-from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held, score
+from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held_kernel, score
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_source
 from strategies.simulator import Simulator
@@ -131,7 +131,7 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
     """Measure the app's calibration strategies (measure_strategies) and fit the runtime figures
     to them: {"figures", "mean_error", "kendall_tau", "shipped": the machine model's own figures
     with their mean error and tau, "measured" and "predicted": name -> seconds}. The kernel
-    slowdown is held at the machine model's unless `fit_slowdown` (see strategies.overheads.held)."""
+    figures (slowdown, surcharge) are held at the machine model's unless `fit_slowdown` (strategies.overheads.held_kernel)."""
     strategies = calibration_strategies(app, BATCH, setup, seeds)
     say(f"calibrate: training {len(strategies)} strategies of the tiny {app} {rounds} time(s) each on "
         f"{setup.describe()}")
@@ -139,7 +139,7 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
     measured = {name: measured_time(r) for name, r in runs["runs"].items()}
     model, output = app_graph(app, BATCH, tiny=True)
     linear = LinearTimes(model, output, strategies, setup.machine_model, runs["costs"], runs["per_sample"])
-    grid = FIT_GRID if fit_slowdown else held("kernel_slowdown", setup.machine_model.kernel_slowdown)
+    grid = FIT_GRID if fit_slowdown else held_kernel(setup.machine_model)
     figures, _ = fit_figures({app: (linear, measured)}, grid)
     own = figures_of(setup.machine_model)
     fitted = linear.times(figures)
@@ -152,7 +152,7 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
 
 def figures_text(figures: dict) -> str:
     """The runtime figures on one line, overheads and delays in microseconds."""
-    return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith(("overhead", "delay")) else f"{k} {v}"
+    return ", ".join(f"{k} {v * 1e6:.0f} us" if k.endswith(("overhead", "delay", "cap")) else f"{k} {v}"
                      for k, v in figures.items())
 
 
@@ -166,8 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--random", type=at_least(0), default=2, help="random strategies besides the four baselines")
     p.add_argument("--machine", default="local", help="the cpu machine model whose figures are fitted: a name or a file")
     p.add_argument("--fit-slowdown", action="store_true",
-                   help="fit kernel_slowdown too (by default it is held at the machine file's: the transformer's runs, "
-                        "mostly the runtime's own time, do not tell it from a message's flight)")
+                   help="fit the kernel figures too (slowdown, surcharge: by default held at the machine file's: the transformer's runs, "
+                        "mostly the runtime's own time, do not tell them from a message's flight)")
     p.add_argument("--write", action="store_true", help="write the fitted figures into the machine file")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result as JSON to FILE")
     args = p.parse_args(argv)

@@ -25,12 +25,12 @@ the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 The runtime's own costs on this VM move with its phase (docs/accuracy.md), as the kernels'
 do, so the bench also calibrates them now: it trains the strategies of `--calibrate-on` apps
 too (default: the tiny transformer; first, in the same rounds), fits the local model's runtime
-figures to those runs alone on the --fit grid (the kernel slowdown held at the machine file's:
-those runs do not tell it from a message's flight), and scores the other apps, held out, with
+figures to those runs alone on the --fit grid (the kernel slowdown and surcharge held at the
+machine file's: those runs do not tell them from a message's flight), and scores the other apps, held out, with
 them as well as with the shipped figures.
 
 `--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
-receive_overhead, kernel_slowdown: see strategies/machines/README.md) to these runs, on a
+receive_overhead, message_delay and the kernel figures: see strategies/machines/README.md) to these runs, on a
 grid, minimizing the mean error over both apps; it prints the best figures with their error
 in sample and, so that the fit's own error shows, fitted on half the strategies of each app
 and scored on the other half (two folds).
@@ -60,7 +60,7 @@ from apps.calibrate import (COSTS_FILE, calibration_strategies, figures_text, me
 from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
-from strategies.overheads import LinearTimes, best_point, grid_times, held, score  # noqa: E402
+from strategies.overheads import KERNEL_FIGURES, LinearTimes, best_point, grid_times, held_kernel, score  # noqa: E402
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
 from tools import trace as trace_tools  # noqa: E402
@@ -152,18 +152,18 @@ def message_flight(a: dict) -> float | None:
     return float(np.median([m["flight_us"]["median"] for m in medians])) * 1e-6 if medians else None
 
 
-def calibrate(apps: dict, on: list[str], grid: tuple, slowdown: float) -> tuple[dict, dict]:
+def calibrate(apps: dict, on: list[str], grid: tuple, machine_model) -> tuple[dict, dict]:
     """(the FIT_GRID point with the least mean error over the calibration labels `on`, each
     label's predicted times at it): the runtime figures as they are now, fitted on some apps'
     runs and then used, held out, on the others. `grid`: grid_times of every label.
 
-    The kernel slowdown is held at the grid's value nearest `slowdown` (the machine file's): the
-    transformer's runs are mostly the runtime's own time, where a message's flight and the
-    kernels' slowdown trade off, and fitted free it came out at 1.0, which made alexnet's
-    kernel-bound strategies 20-27% short (docs/accuracy.md, session 36)."""
+    The kernel figures (slowdown and surcharge) are held at the grid's values nearest the machine
+    file's: the transformer's runs are mostly the runtime's own time, where a message's flight
+    and the kernels' slowdown trade off, and fitted free the slowdown came out at 1.0, which made
+    alexnet's kernel-bound strategies 20-27% short (docs/accuracy.md, session 36)."""
     points, predictions = grid
-    (value,) = held("kernel_slowdown", slowdown)["kernel_slowdown"]
-    keep = [k for k, point in enumerate(points) if point["kernel_slowdown"] == value]
+    kept = held_kernel(machine_model)
+    keep = [k for k, point in enumerate(points) if all(point[f] in kept[f] for f in KERNEL_FIGURES)]
     best = best_point([points[k] for k in keep], [predictions[k] for k in keep],
                       {label: apps[label]["measured"] for label in on})
     return points[keep[best]], predictions[keep[best]]
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
         grid = grid_times(_linear(saved, setup.machine_model)) if on or args.fit else None
         calibrated = {}
         if on:
-            figures, calibrated = calibrate(saved, on, grid, setup.machine_model.kernel_slowdown)
+            figures, calibrated = calibrate(saved, on, grid, setup.machine_model)
             out["calibration"] = {"on": on, "figures": figures}
             print(f"calibrated on {', '.join(on)}: {figures_text(figures)}", flush=True)
         for label, a in saved.items():

@@ -12,9 +12,9 @@
   `backward_flops(tile)` / `backward_bytes(tile)`. `fit_efficiency` fits the efficiencies
   to measurements (`python -m strategies.cost calibrate --machine local --write` refits a
   machine file where its device is here).
-- A kernel's seconds, measured or analytic, are multiplied by the machine's `kernel_slowdown`
-  (how much slower kernels run inside a run than alone), and every task adds its
-  `launch_overhead`. Copies take latency + bytes / bandwidth
+- A kernel's seconds, measured or analytic, become its seconds inside a run by the machine's
+  `kernel_seconds` (times `kernel_slowdown`, plus a surcharge for short kernels), and every task
+  adds its `launch_overhead`. Copies take latency + bytes / bandwidth
   of their link: the bytes occupy the link (the simulator queues copies on
   MachineModel.channel, one at a time), the latency is time in flight that the next copy
   overlaps; fills and folds are tasks on the device, bound by its memory bandwidth.
@@ -379,13 +379,13 @@ class CostModel:
         'backward_weights' (no input gradient: strategies.graph.BACKWARD_WEIGHTS), or in phase
         'update' the optimizer update of shard `rect` of weight `param` ('weight' or
         'op.weight'), on `device` (a DeviceSpec, a processor, or a kind): its kernel, measured
-        or analytic, times the machine's kernel slowdown, plus its launch overhead."""
+        or analytic, as inside a run (the machine's kernel_seconds), plus its launch overhead."""
         spec = self.device(device)
         mm = self.machine_model
         if not self.measures(spec):
             self.stats["analytic"] += 1
             kernel = self.analytic_time(op, phase, rect, spec, param, optimizer)
-            return kernel * mm.kernel_slowdown + mm.launch_overhead
+            return mm.kernel_seconds(kernel) + mm.launch_overhead
         key = self.key(op, phase, rect, spec, param, optimizer)
         entry = self.entries.get(key.text)
         if entry is None:
@@ -393,7 +393,7 @@ class CostModel:
             entry = self.entries[key.text]
         else:
             self.stats["cached"] += 1
-        return entry["seconds"] * mm.kernel_slowdown + mm.launch_overhead
+        return mm.kernel_seconds(entry["seconds"]) + mm.launch_overhead
 
     def measure_all(self, tasks: Iterable[Sequence]) -> int:
         """Measure every task (op, phase, rect, device[, param]) that this model measures and the
@@ -461,12 +461,12 @@ class CostModel:
 
     def source_time(self, samples: int, nbytes: int, device) -> float:
         """A source task making `samples` samples (`nbytes` of inputs and labels) on `device`: the
-        measured seconds a sample (measure_source) times the kernel slowdown where this model
+        measured seconds a sample (measure_source) as inside a run (kernel_seconds) where this model
         measures the device, else the batch written once at the device's memory bandwidth (a
         loader that has the data at hand); plus the launch overhead."""
         mm = self.machine_model
         if self.source_per_sample is not None and self.measures(device):
-            return samples * self.source_per_sample * mm.kernel_slowdown + mm.launch_overhead
+            return mm.kernel_seconds(samples * self.source_per_sample) + mm.launch_overhead
         return nbytes / self.device(device).mem_bandwidth + mm.launch_overhead
 
     # ---- copies, fills and folds ---------------------------------------------------------------------

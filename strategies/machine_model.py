@@ -42,6 +42,11 @@ FLOP/s, bytes/s, bytes, seconds):
 - `kernel_slowdown` (optional, default 1): a task's kernel inside a run over the same kernel
   measured alone; on CPUs the rank's issuing and MPI threads and the other ranks share the
   cores. Measured and roofline kernel seconds are multiplied by it.
+- `kernel_surcharge`, `kernel_surcharge_cap` (optional, default 0): more time
+  inside a run for short kernels: `kernel_surcharge` times the kernel's seconds alone, at most
+  `kernel_surcharge_cap` seconds. In a run a kernel of a few microseconds takes several times
+  as long as alone, a millisecond's convolution 1.1-1.2 times (docs/accuracy.md, session 39).
+  `kernel_seconds` puts the three together.
 - `efficiency`: op kind -> the fraction of `peak_flops` its kernels reach ("default" for
   the others), the roofline's compute term (strategies/cost.py); `fitted` says what
   they were fitted on (null: estimates, not fitted).
@@ -73,7 +78,7 @@ DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
            "host_link", "launch_overhead", "send_overhead", "receive_overhead", "message_delay", "kernel_slowdown",
-           "efficiency", "fitted", "runtime_fitted")
+           "kernel_surcharge", "kernel_surcharge_cap", "efficiency", "fitted", "runtime_fitted")
 _GPU_ONLY = ("host", "host_link")
 _CPU_ONLY = ("send_overhead", "receive_overhead", "message_delay")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
@@ -159,6 +164,8 @@ class MachineModel:
     receive_overhead: float = 0.0
     message_delay: float = 0.0
     kernel_slowdown: float = 1.0
+    kernel_surcharge: float = 0.0
+    kernel_surcharge_cap: float = 0.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     fitted: str | None = None
     runtime_fitted: str | None = None
@@ -183,6 +190,13 @@ class MachineModel:
     @property
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def kernel_seconds(self, alone):
+        """A kernel's seconds inside a run from its seconds `alone` (a float or an array): times
+        kernel_slowdown, plus kernel_surcharge times them up to kernel_surcharge_cap."""
+        extra = alone * self.kernel_surcharge
+        cap = self.kernel_surcharge_cap
+        return alone * self.kernel_slowdown + (np.minimum(extra, cap) if isinstance(extra, np.ndarray) else min(extra, cap))
 
     def efficiency_of(self, kind: str) -> float:
         """The fraction of peak an op kind's kernels reach (the 'default' entry for kinds not listed)."""
@@ -389,6 +403,10 @@ def from_dict(data, where: str = "machine") -> MachineModel:
                           if "receive_overhead" in data else 0.0),
         message_delay=_positive(data, "message_delay", "", where, zero=True) if "message_delay" in data else 0.0,
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
+        kernel_surcharge=(_positive(data, "kernel_surcharge", "", where, zero=True)
+                          if "kernel_surcharge" in data else 0.0),
+        kernel_surcharge_cap=(_positive(data, "kernel_surcharge_cap", "", where, zero=True)
+                              if "kernel_surcharge_cap" in data else 0.0),
         notes=tuple(notes), fitted=fitted, runtime_fitted=runtime_fitted, source=where)
 
 

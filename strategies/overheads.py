@@ -1,10 +1,10 @@
 """A cpu machine model's runtime figures, fitted to real runs on the machine at hand.
 
-`launch_overhead`, `send_overhead`, `receive_overhead`, `message_delay` and `kernel_slowdown`
-(strategies/machines/README.md) are the runtime's own costs around the kernels: its Python
-per task, its MPI handling per message on the workers' cores, the hand-offs between its
-threads that hold a message in flight, and how much slower a kernel runs among the rank's
-other threads than alone. They are not figures of the hardware. They move with the machine,
+`launch_overhead`, `send_overhead`, `receive_overhead`, `message_delay`, `kernel_slowdown`,
+`kernel_surcharge` and `kernel_surcharge_cap` (strategies/machines/README.md) are the
+runtime's own costs around the kernels: its Python per task, its MPI handling per message on
+the workers' cores, the hand-offs between its threads that hold a message in flight, and how
+much slower a kernel runs among the rank's other threads than alone (short ones more so). They are not figures of the hardware. They move with the machine,
 its load and, on a shared VM, its phase (docs/accuracy.md), as kernel times do. So they are
 fitted to runs measured here, as the efficiencies are (strategies.cost calibrate).
 `fit_figures` takes strategies with their measured iteration times and returns the point of
@@ -31,15 +31,20 @@ from strategies.machine_model import MachineModel
 from strategies.simulator import Simulator
 from strategies.timing import Handling, schedule_successors
 
-#: the figures a fit tries: each runtime figure of the machine model and its values
+#: the figures a fit tries: each runtime figure of the machine model and its values (a point
+#: with no surcharge is tried with the first cap only: the cap changes nothing there)
 FIT_GRID = {
-    "launch_overhead": (20e-6, 40e-6, 55e-6, 70e-6, 100e-6, 130e-6, 160e-6, 200e-6),
-    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6),
-    "receive_overhead": (0.0, 50e-6, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6),
-    "message_delay": (0.0, 50e-6, 100e-6, 150e-6, 200e-6, 300e-6),
-    "kernel_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
+    "launch_overhead": (20e-6, 30e-6, 40e-6, 55e-6, 70e-6, 100e-6, 130e-6),
+    "send_overhead": (0.0, 50e-6, 100e-6, 200e-6),
+    "receive_overhead": (0.0, 50e-6, 100e-6, 200e-6),
+    "message_delay": (0.0, 50e-6, 100e-6, 150e-6, 200e-6),
+    "kernel_slowdown": (1.0, 1.1, 1.2, 1.4, 1.6, 1.8),
+    "kernel_surcharge": (0.0, 0.5, 1.0, 1.5),
+    "kernel_surcharge_cap": (100e-6, 200e-6, 400e-6),
 }
 FIGURES = tuple(FIT_GRID)
+#: the figures that turn a kernel's seconds alone into its seconds in a run (MachineModel.kernel_seconds)
+KERNEL_FIGURES = ("kernel_slowdown", "kernel_surcharge", "kernel_surcharge_cap")
 
 
 def held(figure: str, value: float, grid: Mapping[str, tuple] = FIT_GRID) -> dict[str, tuple]:
@@ -49,6 +54,14 @@ def held(figure: str, value: float, grid: Mapping[str, tuple] = FIT_GRID) -> dic
     if figure not in grid:
         raise ValueError(f"held: {figure!r} is not a figure of the grid (those are {list(grid)})")
     return {**grid, figure: (min(grid[figure], key=lambda v: abs(v - value)),)}
+
+
+def held_kernel(machine_model: MachineModel, grid: Mapping[str, tuple] = FIT_GRID) -> dict[str, tuple]:
+    """`grid` with the kernel figures (KERNEL_FIGURES) held at the grid values nearest the
+    machine model's."""
+    for figure in KERNEL_FIGURES:
+        grid = held(figure, getattr(machine_model, figure), grid)
+    return grid
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -83,13 +96,14 @@ def with_figures(machine_model: MachineModel, figures: Mapping[str, float]) -> M
 
 class LinearTimes:
     """The simulated iterations of some strategies of one graph at any runtime figures, each graph
-    built and costed once. A node's seconds are linear in kernel_slowdown and launch_overhead (a
-    task: its kernel or source times the one plus the other; a fill or fold: bytes over bandwidth
-    plus the other; a copy: neither), and a copy between ranks holds its processors for
-    send_overhead and receive_overhead and is in flight message_delay longer. So three
-    costings, (slowdown, launch) = (0, 0), (1, 0) and (0, 1) with send and receive 1 and no
-    message delay, give every point's costs (the copies between ranks are those whose receipt
-    then costs 1), and only the schedule runs per point. `base` must be a cpu machine model (the
+    built and costed once. A node's seconds are its kernel's seconds alone k put through
+    kernel_seconds (k times kernel_slowdown, plus the surcharge) plus launch_overhead (a task: its
+    kernel or source; a fill or fold: bytes over bandwidth, no kernel; a copy: neither), and a copy
+    between ranks holds its processors for send_overhead and receive_overhead and is in flight
+    message_delay longer. So three costings, (slowdown, launch) = (0, 0), (1, 0) and (0, 1) with
+    no surcharge, send and receive 1 and no message delay, give every point's costs (k is the
+    second less the first; the copies between ranks are those whose receipt then costs 1), and
+    only the schedule runs per point. `base` must be a cpu machine model (the
     one whose figures are fitted); kernels come from the cost cache `cache_path` (measured into
     it where missing), the batch source's seconds a sample from `source_per_sample` (default:
     the cost model's own)."""
@@ -101,9 +115,11 @@ class LinearTimes:
                              f"{base.device.kind} devices")
         # every kernel measured into the cache first: the three costings below then read the same
         # seconds (each measuring what its own copy of the cache lacked, they timed a kernel thrice)
+        self.base = base
         first = Simulator.for_model(model, base, CostModel(base, cache_path=cache_path), loss=loss, output=output)
         first.cost.measure_all([task for strategy in strategies.values() for task in first.tasks_to_measure(strategy)])
-        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0, message_delay=0.0)
+        unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0, message_delay=0.0,
+                                   kernel_surcharge=0.0, kernel_surcharge_cap=0.0)
         sims = []
         for slowdown, launch in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
             mm = dataclasses.replace(unit, kernel_slowdown=slowdown, launch_overhead=launch)
@@ -115,8 +131,8 @@ class LinearTimes:
         for name, strategy in strategies.items():
             graph = sims[0].graph(strategy)   # one graph, costed by each simulator
             (res, fixed, delay, resources, handling), *others = (sim.node_costs(graph) for sim in sims)
-            per_slowdown, per_launch = (c[1] - fixed for c in others)
-            self.parts[name] = (graph.successors, res, fixed, per_slowdown, per_launch, delay, len(resources), handling)
+            kernel, per_launch = (c[1] - fixed for c in others)
+            self.parts[name] = (graph.successors, res, fixed, kernel, per_launch, delay, len(resources), handling)
 
     def __repr__(self) -> str:
         return f"LinearTimes({len(self.parts)} strategies: {', '.join(self.parts)})"
@@ -124,8 +140,9 @@ class LinearTimes:
     def times(self, figures: Mapping[str, float]) -> dict[str, float]:
         """Each strategy's iteration time (s) at `figures` (a value for each of FIGURES)."""
         out = {}
-        for name, (succ, res, fixed, per_slowdown, per_launch, delay, n_res, h) in self.parts.items():
-            dur = fixed + per_slowdown * figures["kernel_slowdown"] + per_launch * figures["launch_overhead"]
+        run = dataclasses.replace(self.base, **{k: figures[k] for k in KERNEL_FIGURES})
+        for name, (succ, res, fixed, kernel, per_launch, delay, n_res, h) in self.parts.items():
+            dur = fixed + run.kernel_seconds(kernel) + per_launch * figures["launch_overhead"]
             send, receive = figures["send_overhead"], figures["receive_overhead"]
             # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
             handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
@@ -138,6 +155,9 @@ def grid_times(linear: Mapping[str, LinearTimes], grid: Mapping[str, tuple] = FI
     """(every point of `grid`, and at each point every label's times): the whole grid simulated
     once, for fits over several subsets of the same runs."""
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    if "kernel_surcharge" in grid and "kernel_surcharge_cap" in grid:   # the cap matters only with a surcharge
+        first_cap = grid["kernel_surcharge_cap"][0]
+        points = [p for p in points if p["kernel_surcharge"] or p["kernel_surcharge_cap"] == first_cap]
     return points, [{label: t.times(point) for label, t in linear.items()} for point in points]
 
 

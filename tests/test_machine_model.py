@@ -3,8 +3,10 @@ and one test per malformed field (one line naming the file and the field)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from ops.lower import compute_processors
@@ -110,6 +112,16 @@ def test_device_of_a_processor():
     assert all(local.device_of(p) is local.device for p in local.to_machine().processors)
 
 
+def test_a_kernels_seconds_in_a_run_add_a_capped_surcharge_to_the_slowdown():
+    mm = dataclasses.replace(load_machine("local"), kernel_slowdown=1.2, kernel_surcharge=1.0, kernel_surcharge_cap=200e-6)
+    alone = np.array([0.0, 10e-6, 100e-6, 200e-6, 1e-3, 10e-3])
+    expect = alone * 1.2 + np.array([0.0, 10e-6, 100e-6, 200e-6, 200e-6, 200e-6])
+    np.testing.assert_allclose(mm.kernel_seconds(alone), expect, rtol=1e-12)
+    assert [mm.kernel_seconds(float(a)) for a in alone] == pytest.approx(list(expect), rel=1e-12)
+    plain = load_machine("p100")
+    assert plain.kernel_surcharge == plain.kernel_surcharge_cap == 0.0 and plain.kernel_seconds(1e-3) == 1e-3
+
+
 def test_device_spec_repr_is_readable():
     d = DeviceSpec("gpu", "X", 10.6e12, 732e9, 16_000_000_000)
     assert repr(d) == "DeviceSpec(gpu 'X': 10.6 TFLOP/s, 732 GB/s, 16 GB)"
@@ -188,6 +200,8 @@ BAD = [
     ("message_delay", lambda: _set(_p100(), "message_delay", 1e-4), "only for cpu machines"),
     ("message_delay", lambda: _set(_local(), "message_delay", "fast"), "a number >= 0"),
     ("kernel_slowdown", lambda: _set(_local(), "kernel_slowdown", 0), "a positive number"),
+    ("kernel_surcharge", lambda: _set(_local(), "kernel_surcharge", -0.5), "a number >= 0"),
+    ("kernel_surcharge_cap", lambda: _set(_p100(), "kernel_surcharge_cap", "long"), "a number >= 0"),
     ("efficiency", lambda: _set(_p100(), "efficiency", {"dense": 0.5}), "'default' entry"),
     ("efficiency.dense", lambda: _set(_p100(), "efficiency.dense", 1.5), "fraction in (0, 1]"),
     ("efficiency.densee", lambda: _set(_p100(), "efficiency.densee", 0.5), "is not an op kind"),

@@ -15,7 +15,8 @@ from apps.demo import machine_setup
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel
 from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
-from strategies.overheads import (FIGURES, FIT_GRID, LinearTimes, fit_figures, held, kendall_tau, score,
+from strategies.overheads import (FIGURES, FIT_GRID, KERNEL_FIGURES, LinearTimes, fit_figures, grid_times, held,
+                                  held_kernel, kendall_tau, score,
                                   with_figures)
 from strategies.random import random_strategy
 from strategies.search import app_graph
@@ -55,7 +56,7 @@ def test_linear_times_equal_a_simulation_with_the_figures(tiny_mlp, linear, figu
 
 def test_a_fit_finds_the_figures_that_made_the_times(linear):
     made = {"launch_overhead": 70e-6, "send_overhead": 50e-6, "receive_overhead": 200e-6, "message_delay": 150e-6,
-            "kernel_slowdown": 1.4}
+            "kernel_slowdown": 1.4, "kernel_surcharge": 1.0, "kernel_surcharge_cap": 200e-6}
     measured = linear.times(made)
     figures, error = fit_figures({"mlp": (linear, measured)})
     assert error == pytest.approx(0.0, abs=1e-12)
@@ -66,14 +67,24 @@ def test_a_fit_finds_the_figures_that_made_the_times(linear):
 
 def test_a_held_figure_keeps_its_nearest_grid_value(linear):
     grid = held("kernel_slowdown", 1.93)
-    assert grid["kernel_slowdown"] == (2.0,) and {k: v for k, v in grid.items() if k != "kernel_slowdown"} == \
+    assert grid["kernel_slowdown"] == (1.8,) and {k: v for k, v in grid.items() if k != "kernel_slowdown"} == \
         {k: v for k, v in FIT_GRID.items() if k != "kernel_slowdown"}
     made = {"launch_overhead": 70e-6, "send_overhead": 0.0, "receive_overhead": 100e-6, "message_delay": 50e-6,
-            "kernel_slowdown": 1.4}
+            "kernel_slowdown": 1.4, "kernel_surcharge": 0.5, "kernel_surcharge_cap": 100e-6}
     figures, _ = fit_figures({"mlp": (linear, linear.times(made))}, grid)
-    assert figures["kernel_slowdown"] == 2.0
+    assert figures["kernel_slowdown"] == 1.8
     with pytest.raises(ValueError, match="'slowdown' is not a figure"):
         held("slowdown", 2.0)
+
+
+def test_the_kernel_figures_are_held_at_the_machines_and_the_cap_tried_only_with_a_surcharge(linear):
+    mm = dataclasses.replace(linear.base, kernel_slowdown=1.15, kernel_surcharge=0.9, kernel_surcharge_cap=390e-6)
+    grid = held_kernel(mm)
+    assert (grid["kernel_slowdown"], grid["kernel_surcharge"], grid["kernel_surcharge_cap"]) == ((1.1,), (1.0,), (400e-6,))
+    assert all(grid[k] == FIT_GRID[k] for k in FIT_GRID if k not in KERNEL_FIGURES)
+    small = {**{k: v[:1] for k, v in FIT_GRID.items()}, "kernel_surcharge": (0.0, 1.0), "kernel_surcharge_cap": (1e-4, 2e-4)}
+    points, _ = grid_times({"mlp": linear}, small)
+    assert [(p["kernel_surcharge"], p["kernel_surcharge_cap"]) for p in points] == [(0.0, 1e-4), (1.0, 1e-4), (1.0, 2e-4)]
 
 
 def test_score_and_tau():
