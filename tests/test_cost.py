@@ -75,6 +75,9 @@ def test_the_kernel_slowdown_stretches_the_kernel_and_not_the_launch():
     kernel = CostModel(gpu_model(), measured=False).analytic_time(op, "forward", tile, GPU)
     slow = CostModel(gpu_model(kernel_slowdown=1.5), measured=False)
     assert slow.task_time(op, "forward", tile, GPU) == pytest.approx(1.5 * kernel + 1e-5)
+    for cap in (kernel / 4, 4 * kernel):   # a surcharge of half the kernel, capped below it and above
+        short = CostModel(gpu_model(kernel_slowdown=1.5, kernel_surcharge=0.5, kernel_surcharge_cap=cap), measured=False)
+        assert short.task_time(op, "forward", tile, GPU) == pytest.approx(1.5 * kernel + min(0.5 * kernel, cap) + 1e-5)
 
 
 def test_update_time_counts_the_optimizers_state():
@@ -113,7 +116,8 @@ def test_copy_fill_and_fold_times():
 def test_a_batch_source_is_measured_per_sample_where_the_host_is_measured(tmp_path):
     """A measured source's seconds a sample scale with the share and stretch like kernels; where the
     device is not measured, the batch is written at memory bandwidth as a fill."""
-    mm = dataclasses.replace(load_machine("local"), kernel_slowdown=1.5, launch_overhead=1e-4)
+    mm = dataclasses.replace(load_machine("local"), kernel_slowdown=1.5, kernel_surcharge=0.5, kernel_surcharge_cap=1e-4,
+                             launch_overhead=1e-4)
     calls = []
 
     def source(step, lo, hi):
@@ -126,7 +130,8 @@ def test_a_batch_source_is_measured_per_sample_where_the_host_is_measured(tmp_pa
     per_sample = cost.measure_source(source, 4, runs=3)
     assert [c[1:] for c in calls] == [(0, 4)] * 4 and len({c[0] for c in calls}) == 4   # a new step each call
     assert 2e-3 / 4 <= per_sample < 2e-2 / 4
-    assert cost.source_time(8, 10**6, mm.device) == pytest.approx(8 * per_sample * 1.5 + 1e-4)
+    assert cost.source_time(8, 10**6, mm.device) == pytest.approx(8 * per_sample * 1.5 + min(8 * per_sample * 0.5, 1e-4)
+                                                                  + 1e-4)
     analytic = CostModel(mm, measured=False, cache_path=tmp_path / "c.json")
     analytic.source_per_sample = per_sample
     assert analytic.source_time(8, 10**6, mm.device) == pytest.approx(10**6 / mm.device.mem_bandwidth + 1e-4)
@@ -196,7 +201,7 @@ def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
     entries = json.loads(path.read_text())["entries"]
     key = cost.key(op, "forward", tile, mm.device)
     # the cache keeps the kernel alone; a task adds the run's slowdown and its launch
-    assert entries[key.text]["seconds"] * mm.kernel_slowdown == pytest.approx(fwd - mm.launch_overhead)
+    assert mm.kernel_seconds(entries[key.text]["seconds"]) == pytest.approx(fwd - mm.launch_overhead)
     again = CostModel(mm, cache_path=path)
     assert again.task_time(op, "forward", tile, mm.device) == fwd
     assert again.task_time(op, "backward", tile, mm.device) == bwd
