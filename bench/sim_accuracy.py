@@ -26,14 +26,15 @@ The runtime's own costs on this VM move with its phase (docs/accuracy.md), as th
 do, so the bench also calibrates them now: it trains the strategies of `--calibrate-on` apps
 too (default: the tiny transformer; first, in the same rounds), fits the local model's runtime
 figures to those runs alone on the --fit grid (the kernel slowdown and surcharge held at the
-machine file's: those runs do not tell them from a message's flight), and scores the other apps, held out, with
-them as well as with the shipped figures.
+machine file's: those runs do not tell them from a message's flight), and scores the other
+apps, held out, with them as well as with the shipped figures.
 
 `--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
-receive_overhead, message_delay and the kernel figures: see strategies/machines/README.md) to these runs, on a
-grid, minimizing the mean error over both apps; it prints the best figures with their error
-in sample and, so that the fit's own error shows, fitted on half the strategies of each app
-and scored on the other half (two folds).
+receive_overhead, message_delay and the kernel figures: see strategies/machines/README.md) to
+these runs, on a grid, minimizing the mean error over the apps; it prints the best figures
+with their error in sample and, so that the fit's own error shows, fitted on half the
+strategies of each app and scored on the other half (two folds; with several saved runs, on
+all but one and scored on that one).
 
 `--save DIR` keeps the runs in DIR: each strategy's file and trace, `runs.json` (each run's
 median iteration, the probes and the measured source, per app) and `costs.json` (the kernels).

@@ -195,8 +195,9 @@ class MachineModel:
         """A kernel's seconds inside a run from its seconds `alone` (a float or an array): times
         kernel_slowdown, plus kernel_surcharge times them up to kernel_surcharge_cap."""
         extra = alone * self.kernel_surcharge
-        cap = self.kernel_surcharge_cap
-        return alone * self.kernel_slowdown + (np.minimum(extra, cap) if isinstance(extra, np.ndarray) else min(extra, cap))
+        capped = np.minimum(extra, self.kernel_surcharge_cap) if isinstance(extra, np.ndarray) else \
+            min(extra, self.kernel_surcharge_cap)
+        return alone * self.kernel_slowdown + capped
 
     def efficiency_of(self, kind: str) -> float:
         """The fraction of peak an op kind's kernels reach (the 'default' entry for kinds not listed)."""

@@ -4,9 +4,10 @@
 `kernel_surcharge` and `kernel_surcharge_cap` (strategies/machines/README.md) are the
 runtime's own costs around the kernels: its Python per task, its MPI handling per message on
 the workers' cores, the hand-offs between its threads that hold a message in flight, and how
-much slower a kernel runs among the rank's other threads than alone (short ones more so). They are not figures of the hardware. They move with the machine,
-its load and, on a shared VM, its phase (docs/accuracy.md), as kernel times do. So they are
-fitted to runs measured here, as the efficiencies are (strategies.cost calibrate).
+much slower a kernel runs among the rank's other threads than alone (short ones more so).
+They are not figures of the hardware. They move with the machine, its load and, on a shared
+VM, its phase (docs/accuracy.md), as kernel times do. So they are fitted to runs measured
+here, as the efficiencies are (strategies.cost calibrate).
 `fit_figures` takes strategies with their measured iteration times and returns the point of
 a grid (FIT_GRID) whose simulated times come closest, by mean relative error.
 
