@@ -192,12 +192,9 @@ class MachineModel:
         return self.nodes * self.devices_per_node
 
     def kernel_seconds(self, alone):
-        """A kernel's seconds inside a run from its seconds `alone` (a float or an array): times
-        kernel_slowdown, plus kernel_surcharge times them up to kernel_surcharge_cap."""
-        extra = alone * self.kernel_surcharge
-        capped = np.minimum(extra, self.kernel_surcharge_cap) if isinstance(extra, np.ndarray) else \
-            min(extra, self.kernel_surcharge_cap)
-        return alone * self.kernel_slowdown + capped
+        """A kernel's seconds inside a run from its seconds `alone` (a float or an array), by this
+        model's kernel figures (module function kernel_seconds)."""
+        return kernel_seconds(alone, self.kernel_slowdown, self.kernel_surcharge, self.kernel_surcharge_cap)
 
     def efficiency_of(self, kind: str) -> float:
         """The fraction of peak an op kind's kernels reach (the 'default' entry for kinds not listed)."""
@@ -337,6 +334,13 @@ def _json(value) -> str:
         if float(text) == value:
             return text
     return json.dumps(value)
+
+
+def kernel_seconds(alone, slowdown: float, surcharge: float, cap: float):
+    """A kernel's seconds inside a run from its seconds `alone` (a float or an array): `slowdown`
+    times them, plus `surcharge` times them up to `cap` seconds."""
+    extra = alone * surcharge
+    return alone * slowdown + (np.minimum(extra, cap) if isinstance(extra, np.ndarray) else min(extra, cap))
 
 
 def from_dict(data, where: str = "machine") -> MachineModel:

@@ -28,7 +28,7 @@ import itertools
 from typing import Mapping
 
 from strategies.cost import CostModel
-from strategies.machine_model import MachineModel
+from strategies.machine_model import MachineModel, kernel_seconds
 from strategies.simulator import Simulator
 from strategies.timing import Handling, schedule_successors
 
@@ -44,7 +44,7 @@ FIT_GRID = {
     "kernel_surcharge_cap": (100e-6, 200e-6, 400e-6),
 }
 FIGURES = tuple(FIT_GRID)
-#: the figures that turn a kernel's seconds alone into its seconds in a run (MachineModel.kernel_seconds)
+#: the figures that turn a kernel's seconds alone into its seconds in a run, in the order machine_model.kernel_seconds takes them
 KERNEL_FIGURES = ("kernel_slowdown", "kernel_surcharge", "kernel_surcharge_cap")
 
 
@@ -141,9 +141,9 @@ class LinearTimes:
     def times(self, figures: Mapping[str, float]) -> dict[str, float]:
         """Each strategy's iteration time (s) at `figures` (a value for each of FIGURES)."""
         out = {}
-        run = dataclasses.replace(self.base, **{k: figures[k] for k in KERNEL_FIGURES})
+        kernel_figures = [figures[k] for k in KERNEL_FIGURES]
         for name, (succ, res, fixed, kernel, per_launch, delay, n_res, h) in self.parts.items():
-            dur = fixed + run.kernel_seconds(kernel) + per_launch * figures["launch_overhead"]
+            dur = fixed + kernel_seconds(kernel, *kernel_figures) + per_launch * figures["launch_overhead"]
             send, receive = figures["send_overhead"], figures["receive_overhead"]
             # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
             handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
