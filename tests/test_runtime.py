@@ -774,3 +774,45 @@ def test_a_region_whose_data_another_open_runtime_holds_is_refused():
                                              r"is still open"):
             rt2.read(r)
         assert rt1.read(r).tolist() == [7.0] * 3
+
+
+@pytest.mark.parametrize("mode", ["with", "program"])
+def test_a_replayed_block_waits_only_for_the_regions_it_touches(mode):
+    """A replayed block starts on a region once that region is ready (the region's fence):
+    a block on b runs to the end while a slow task on a, issued just before it, still runs."""
+    release, finished = threading.Event(), threading.Event()
+
+    def slow(view):
+        release.wait(10.0)
+        view += 1
+        finished.set()
+
+    def inc(view):
+        view += 1
+
+    with Runtime(cpus=4) as rt:
+        a, b = rt.region((4,), "int64", "a"), rt.region((4,), "int64", "b")
+        rt.fill(a, 0)
+        rt.fill(b, 0)
+        program = (Launch(inc, ((),), (req(b, READ_WRITE),), "inc"),)
+
+        def step():
+            if mode == "program":
+                rt.issue_program("step", program, [()])
+            else:
+                with rt.replay("step"):
+                    rt.launch(inc, req(b, READ_WRITE), proc=0)
+
+        for _ in range(3):
+            step()
+        rt.launch(slow, req(a, READ_WRITE), proc=3)
+        step()
+        try:
+            got = rt.read(b)
+            still_running = not finished.is_set()
+        finally:
+            release.set()
+        assert rt.replay_stats["replayed"] >= 2
+        np.testing.assert_array_equal(got, np.full(4, 4))
+        assert still_running, "the replayed block on b waited for the slow task on a"
+        np.testing.assert_array_equal(rt.read(a), np.full(4, 1))
