@@ -136,16 +136,6 @@ class RegionState:
         pending = tuple((r, op, m) for r, op, _, m, _ in self.pending)
         return pieces, pending
 
-    def nodes(self) -> set[int]:
-        """Every node id the state names: what a later access to the region can wait for."""
-        out = {n for u in self.users.values() for n in u.reads}
-        out.update(n for u in self.users.values() for _, n in u.others)
-        out.update(n for v in self.pieces.values() for n in v.values())
-        for _, _, buffer, _, n in self.pending:
-            out.update((buffer[0], n))
-        out.discard(None)
-        return out
-
     def remap(self, f: Callable[[int | None], int | None]) -> "RegionState":
         """A copy with every node id passed through f."""
         return RegionState(
@@ -198,15 +188,6 @@ class Analyzer:
             return deferred[0].abstract()
         st = self.states.get(uid)
         return None if st is None else st.abstract()
-
-    def nodes(self, uid: int) -> set[int]:
-        """The node ids region uid's state names (without making a deferred state)."""
-        deferred = self.deferred.get(uid)
-        if deferred is not None:
-            encoded, decode = deferred
-            return {decode(e) for e in encoded.nodes()}
-        st = self.states.get(uid)
-        return set() if st is None else st.nodes()
 
     def abstracts(self) -> dict[int, tuple]:
         """Every region's abstract, by uid."""

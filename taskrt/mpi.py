@@ -151,18 +151,18 @@ class MPITransport:
                 ex.submit(Join(node.id), join)
         self.values.max_submitted = node.id
 
-    def submit_rows(self, rows, routed, base: int, fences: list, make, tracer=None) -> None:
+    def submit_rows(self, rows, routed, base: int, fence: int, make, tracer=None) -> None:
         """A reissued program block (ReplayBlock.reissue): this rank's rows as `routed`
         (mpi_routing.route_rows) says, row i's node made by make(i) with id base + i, handed to
         the executor in batches; remote rows get frontiers (Router.take_block)."""
         ex, router, log_hash = self.executor, self.router, self.log.hash
-        fences_local = [tuple(router.localize((f,), ex.unfinished)) for f in fences]
-        sends, recvs = router.take_block(routed, base, fences_local, ex.unfinished)
+        fence_local = tuple(router.localize((fence,), ex.unfinished))
+        sends, recvs = router.take_block(routed, base, fence_local, ex.unfinished)
         items = []
-        for i, how, preds, waits_fences, seq in routed.submitted:
+        for i, how, preds, waits_fence, seq in routed.submitted:
             wait = tuple([base + j for j in preds])
-            if waits_fences:
-                wait = tuple({*wait, *(p for s in waits_fences for p in fences_local[s])})
+            if waits_fence:
+                wait += fence_local
             if how is Route.JOIN:
                 items.append((Join(base + i), wait))
                 continue
@@ -177,7 +177,7 @@ class MPITransport:
                 item = self.copies.recv_half(node, recvs[node.src.rank] + seq, log_hash)
             if tracer is not None:
                 inner, external = rows[i][1], rows[i][2]
-                tracer.preds[node.id] = tuple([base + j for j in inner]) + tuple([fences[s] for s in external])
+                tracer.preds[node.id] = tuple([base + j for j in inner]) + ((fence,) if external else ())
             items.append((item, wait))
             if len(items) >= 256:
                 ex.submit_many(items)

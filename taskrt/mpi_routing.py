@@ -20,7 +20,7 @@ order on both sides: `sends_to[b]` on a, `recvs_from[a]` on b.
 A reissued program block (taskrt/replay.py) is routed once per recording instead of node
 by node: `route_rows` works out, from the block's rows alone, which rows this rank submits
 and what each waits for locally (its preds, with remote ones replaced by the local rows they
-stand for, and which of the block's fences it waits for), each copy's number among the
+stand for, and whether it waits for the block's fence), each copy's number among the
 block's copies with its peer, and the frontier of every remote row that stands for local
 ones. Those frontiers hold every local row a remote one reaches, finished or not: a superset
 of what `stand_in` keeps, and so the same order.
@@ -73,11 +73,10 @@ def route(node, rank: int) -> Route:
 @dataclass(frozen=True)
 class RoutedRows:
     """How one rank submits a program block's rows (see `route_rows`). `submitted`: per row
-    this rank's executor gets, in order, (row, route, the local rows it waits for, the fence
-    slots whose frontiers it waits for, the copy's number among the block's copies with its
-    peer (-1 for others)). `frontiers`: per remote row that stands for local ones, (row, those
-    rows, the fence slots whose frontiers count too). `sends` / `recvs`: the block's copies to
-    / from each peer."""
+    this rank's executor gets, in order, (row, route, the local rows it waits for, whether it
+    waits for the fence, the copy's number among the block's copies with its peer (-1 for
+    others)). `frontiers`: per remote row that stands for local ones, (row, those rows, whether
+    the fence's frontier counts too). `sends` / `recvs`: the block's copies to / from each peer."""
 
     submitted: tuple
     frontiers: tuple
@@ -86,27 +85,27 @@ class RoutedRows:
 
 
 def route_rows(rows, rank: int, size: int) -> RoutedRows:
-    """Route a program block's rows (node, preds as row offsets, fence slots, ...) for `rank`
-    of `size` ranks, as `Router` would route them node by node."""
+    """Route a program block's rows (node, preds as row offsets, waits for the fence, ...) for
+    `rank` of `size` ranks, as `Router` would route them node by node."""
     submitted, frontiers = [], []
     local_rows: set[int] = set()
-    stands_for: dict[int, tuple[frozenset, frozenset]] = {}
+    stands_for: dict[int, tuple[frozenset, bool]] = {}
     sends, recvs = [0] * size, [0] * size
     for i, (node, inner, external, _, _) in enumerate(rows):
-        local, fences = set(), set(external)
+        local, fence = set(), bool(external)
         for j in inner:
             if j in local_rows:
                 local.add(j)
             elif j in stands_for:
-                more, more_fences = stands_for[j]
+                more, more_fence = stands_for[j]
                 local |= more
-                fences |= more_fences
+                fence |= more_fence
         how = route(node, rank)
         if how is Route.REMOTE:
-            if len(local) + len(fences) <= FRONTIER_MAX:
-                if local or fences:
-                    stands_for[i] = (frozenset(local), frozenset(fences))
-                    frontiers.append((i, tuple(sorted(local)), tuple(sorted(fences))))
+            if len(local) + fence <= FRONTIER_MAX:
+                if local or fence:
+                    stands_for[i] = (frozenset(local), fence)
+                    frontiers.append((i, tuple(sorted(local)), fence))
                 continue
             how = Route.JOIN
         seq = -1
@@ -115,7 +114,7 @@ def route_rows(rows, rank: int, size: int) -> RoutedRows:
         elif how is Route.RECV:
             seq, recvs[node.src.rank] = recvs[node.src.rank], recvs[node.src.rank] + 1
         local_rows.add(i)
-        submitted.append((i, how, tuple(sorted(local)), tuple(sorted(fences)), seq))
+        submitted.append((i, how, tuple(sorted(local)), fence, seq))
     return RoutedRows(tuple(submitted), tuple(frontiers), tuple(sends), tuple(recvs))
 
 
@@ -176,16 +175,15 @@ class Router:
                 self.sweep(unfinished)
         return None
 
-    def take_block(self, routed: RoutedRows, base: int, fences_local: list, unfinished) -> tuple[list, list]:
+    def take_block(self, routed: RoutedRows, base: int, fence_local: tuple, unfinished) -> tuple[list, list]:
         """A reissued block's rows numbered from `base` (RoutedRows): note its remote rows'
-        frontiers (with `fences_local[s]`, what fence s stands for here, where they reach it)
-        and count its copies; the first copy numbers to and from each peer."""
+        frontiers (with `fence_local`, what the fence stands for, where they reach it) and
+        count its copies; the first copy numbers to and from each peer."""
+        fence_set = set(fence_local)
         frontier = self.frontier
-        for i, rows, fences in routed.frontiers:
+        for i, rows, fence in routed.frontiers:
             f = {base + j for j in rows}
-            for s in fences:
-                f.update(fences_local[s])
-            frontier[base + i] = f
+            frontier[base + i] = f | fence_set if fence else f
         first_sends, first_recvs = list(self.sends_to), list(self.recvs_from)
         self.sends_to = [a + b for a, b in zip(self.sends_to, routed.sends)]
         self.recvs_from = [a + b for a, b in zip(self.recvs_from, routed.recvs)]

@@ -4,16 +4,12 @@
 entry differs from the recording's) the block is analyzed normally and recorded: its
 launches' keys, its nodes with their preds inside the block, and the analysis state of
 every region it touched at entry (without node ids) and at exit. Later entries whose
-state matches replay the nodes without any dependence analysis: one fence node per region
-the block touches stands for what that region's state names at entry (its last writers, its
-readers since, its producers and pending reductions), every root of the block waits on the
-fences of the regions it touches, and the exit state is installed with the block's fresh
-node ids, the region's fence standing for the nodes from before the block that it still
-names (deferred: a state is made only when something looks at it, and the next replay
-mostly does not). So a block starts on each region as soon as that region is ready: the
-next iteration's copy of a weight leaves once that weight's update is done, not once the
-whole previous iteration is. A region's fence names at most its state's nodes, and the
-fence of the block before it, so fences do not grow with the program.
+state matches replay the nodes without any dependence analysis: a fence node stands for
+everything issued before the block, every root of the block waits on it, and the exit
+state is installed with the block's fresh node ids (deferred: a state is made only when
+something looks at it, and the next replay mostly does not). (A fence on just the nodes
+that the touched regions' states name would let blocks on other regions overlap, but those
+sets are not transitively reduced: each block would carry the sets of the blocks before it.)
 A launch that differs from the recording stops the replay with a ReplayMismatch warning:
 the launches replayed so far are re-analyzed (without making nodes again) and the block
 goes on dynamically.
@@ -57,8 +53,6 @@ class Recording:
     replayable: bool = True
     #: regions whose state at exit has the state at entry's abstract (a steady-state step)
     steady: set[int] = field(default_factory=set)
-    #: the regions touched, in the order of their fences (a row's fence slots index it)
-    fenced: tuple[int, ...] = ()
     #: the launch list of an issue_program block (None for a `with` block), its launches'
     #: replication signatures, and the flattened rows that reissue makes nodes from
     program: object = None
@@ -66,30 +60,24 @@ class Recording:
     _rows: "Rows | None" = None
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
-        """Turn what was emitted into per-launch templates with block-relative ids. A template
-        is (node, its preds in the block, the fence slots it waits on, its point's index); a
-        node waits on the fences of the regions it touches when it waited for something from
-        before the block, or for nothing at all."""
+        """Turn what was emitted into per-launch templates with block-relative ids."""
         index = {node.id: i for i, (node, _) in enumerate(self.emitted)}
         by_launch = {lid: k for k, lid in enumerate(launch_ids)}
         # a task's point as its index in the launch's points (the launch key holds them)
         point_index = [{p: i for i, p in enumerate(key[2])} for key in self.launch_keys]
-        touched = [_regions_of(node) for node, _ in self.emitted]
-        self.regions = set().union(*touched)
-        self.fenced = tuple(sorted(self.regions))
-        fence_slot = {uid: s for s, uid in enumerate(self.fenced)}
         self.templates = [[] for _ in launch_ids]
-        for (node, preds), uids in zip(self.emitted, touched):
+        for node, preds in self.emitted:
             inner = tuple(index[p] for p in preds if p in index)
-            external = ()
-            if len(inner) < len(preds) or not inner:
-                external = tuple(sorted(fence_slot[u] for u in uids))
+            external = len(inner) < len(preds) or not inner
             slot = None
             if isinstance(node, TaskNode):
                 slot = point_index[by_launch[node.launch]][node.point]
-            elif node.buffer is not None and node.buffer[0] not in index:
-                # folds a reduction made before the block: its buffer differs every time
-                self.replayable = False
+                self.regions.update(r.region.uid for r in node.reqs)
+            else:
+                self.regions.add(node.region.uid)
+                if node.buffer is not None and node.buffer[0] not in index:
+                    # folds a reduction made before the block: its buffer differs every time
+                    self.replayable = False
             self.templates[by_launch[node.launch]].append((node, inner, external, slot))
 
         def encode(nid):
@@ -113,12 +101,14 @@ class Recording:
 @dataclass(frozen=True)
 class Rows:
     """A program block's recorded nodes flattened in issue order (node i is the block's i-th
-    node): per node (template, offsets of its preds in the block, the fence slots it waits on,
-    its launch's index, its point's index in the launch (tasks) or its fold buffer task's
-    offset (copies, -1: none)); and per launch whose futures are returned, the row of each
-    of its points."""
+    node): per node (template, offsets of its preds in the block, whether it waits on the
+    fence, its launch's index, its point's index in the launch (tasks) or its fold buffer
+    task's offset (copies, -1: none)); the nodes no other node of the block waits for; and per
+    launch whose futures are returned, the row of each of its points."""
 
     rows: tuple
+    sinks: tuple[int, ...]
+    any_external: bool
     returning: dict[int, tuple[int, ...]]
     _routed: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -132,7 +122,7 @@ class Rows:
 
     @staticmethod
     def of(rec: Recording) -> "Rows":
-        rows = []
+        rows, waited = [], set()
         returns = {k for k, launch in enumerate(rec.program) if launch.returns}
         returning: dict[int, list] = {k: [None] * len(rec.launch_keys[k][2]) for k in returns}
         for k, templates in enumerate(rec.templates):
@@ -142,7 +132,9 @@ class Rows:
                 elif k in returning:
                     returning[k][slot] = len(rows)
                 rows.append((node, inner, external, k, slot))
-        return Rows(tuple(rows), {k: tuple(v) for k, v in returning.items()})
+                waited.update(inner)
+        sinks = tuple(i for i in range(len(rows)) if i not in waited)
+        return Rows(tuple(rows), sinks, any(r[2] for r in rows), {k: tuple(v) for k, v in returning.items()})
 
 
 class ReplayBlock:
@@ -156,8 +148,7 @@ class ReplayBlock:
         self.launch_ids: list[int] = []
         self.specs: list = []
         self.new_ids: list[int] | range = []
-        #: the ids of the fences of the recording's regions (Recording.fenced), when replaying
-        self.fences: list[int] = []
+        self.fence_id: int | None = None
         #: the launch list when issue_program runs the block; whether reissue made its nodes
         self.program = None
         self.reissued = False
@@ -173,7 +164,7 @@ class ReplayBlock:
                                                       for uid in rec.regions):
             self.mode = "replaying"
             self.recording = rec
-            self.fences = [rt._emit_region_fence(f"replay-fence:{self.name}:r{uid}", uid) for uid in rec.fenced]
+            self.fence_id = rt._emit_fence(f"replay-fence:{self.name}")
             rt.replay_stats["replayed"] += 1
         else:
             self.mode = "recording"
@@ -240,13 +231,14 @@ class ReplayBlock:
     def _instantiate(self, k: int, spec) -> None:
         """Launch k's recorded nodes with fresh ids, this launch's args and futures, emitted together."""
         rt = self.rt
-        new_ids, fences, first = self.new_ids, self.fences, self.recording.first_id
+        new_ids, fence, first = self.new_ids, self.fence_id, self.recording.first_id
         items = []
         for node, inner, external, i in self.recording.templates[k]:
             nid = rt._new_id()
             new_ids.append(nid)
             preds = [new_ids[j] for j in inner]
-            preds.extend(fences[s] for s in external)
+            if external:
+                preds.append(fence)
             if type(node) is TaskNode:
                 fut = spec.futures[i]
                 new = TaskNode(nid, node.name, node.proc, node.fn, node.reqs, spec.args[i], node.point,
@@ -273,7 +265,7 @@ class ReplayBlock:
         (None for launches that do not return)."""
         rt, rec = self.rt, self.recording
         rows = rec.rows()
-        fences = self.fences
+        fence = self.fence_id
         base = rt._next_id
         rt._next_id += len(rows.rows)
         self.new_ids = range(base, base + len(rows.rows))
@@ -301,29 +293,32 @@ class ReplayBlock:
         offset = base.__add__
         if transport is not None and not rt.graph.keep:
             # only this rank's share of the rows, routed once per recording (mpi_routing.route_rows)
-            transport.submit_rows(rows.rows, rows.routed(transport.rank, transport.size), base, fences, make,
+            transport.submit_rows(rows.rows, rows.routed(transport.rank, transport.size), base, fence, make,
                                   rt.tracer)
         else:
             items = []
             for i, (_, inner, external, _, _) in enumerate(rows.rows):
                 preds = tuple(map(offset, inner))
-                items.append((make(i), preds + tuple([fences[s] for s in external]) if external else preds))
+                items.append((make(i), preds + (fence,) if external else preds))
                 if len(items) == EMIT_BATCH:
-                    rt._emit_many(items)
+                    rt._emit_many(items, sinks=False)
                     items = []
-            rt._emit_many(items)
+            rt._emit_many(items, sinks=False)
+        rt._add_sinks(map(offset, rows.sinks), fence if rows.any_external else None)
         self.reissued = True
         rt.replay_stats["reissued"] += 1
         return out
 
     def _install_end_state(self) -> None:
-        """Each touched region's state at exit: the recording's, with this entry's node ids and
-        the region's fence for the nodes from before the block."""
-        rec, new_ids, defer = self.recording, self.new_ids, self.rt.analyzer.defer
-        for uid, fence in zip(rec.fenced, self.fences):
-            st = rec.end_states.get(uid)
-            if st is not None:
-                defer(uid, st, _decoder(new_ids, fence))
+        rt, fence = self.rt, self.fence_id
+
+        def decode(e):
+            if e is None:
+                return None
+            return fence if e < 0 else self.new_ids[e]
+
+        for uid, st in self.recording.end_states.items():
+            rt.analyzer.defer(uid, st, decode)
 
     def _fall_back(self, why: str) -> None:
         """Re-analyze the launches replayed so far onto the nodes already issued, then go dynamic."""
@@ -342,22 +337,6 @@ class ReplayBlock:
             analyzer.new_id, analyzer.emit = saved
         rt._recordings.pop(self.name, None)
         self.mode = "dynamic"
-
-
-def _regions_of(node) -> set[int]:
-    """The uids of the regions a node touches."""
-    if type(node) is TaskNode:
-        return {r.region.uid for r in node.reqs}
-    return {node.region.uid}
-
-
-def _decoder(new_ids, fence: int):
-    """Block-relative ids to this entry's: -1 (a node from before the block) is the fence."""
-    def decode(e):
-        if e is None:
-            return None
-        return fence if e < 0 else new_ids[e]
-    return decode
 
 
 def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:

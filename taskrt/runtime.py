@@ -116,6 +116,8 @@ class Runtime:
         #: whether mapped launches are kept for the next step (False for one that maps each launch
         #: once, as the simulator's segment recording does: keying them was most of mapping one)
         self.keep_mapped_launches = True
+        self._sinks: set[int] = set()
+        self._sink_limit = 1024
         self._replay: ReplayBlock | None = None
         self._recordings = {}
         self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0, "reissued": 0}
@@ -385,17 +387,22 @@ class Runtime:
     def _emit(self, node, preds) -> None:
         self._emit_many([(node, tuple(preds))])
 
-    def _emit_many(self, items: list[tuple]) -> None:
-        """Record and submit (node, preds tuple) pairs in order (one executor call for them all)."""
+    def _emit_many(self, items: list[tuple], sinks: bool = True) -> None:
+        """Record and submit (node, preds tuple) pairs in order (one executor call for them all).
+        sinks=False: the caller keeps `_sinks` itself (ReplayBlock.reissue knows the block's)."""
         graph, tracer, replay = self.graph, self.tracer, self._replay
-        recording = replay is not None and replay.mode == "recording"
-        if graph.keep or tracer is not None or recording:
+        if graph.keep or tracer is not None or sinks or (replay is not None and replay.mode == "recording"):
             for node, preds in items:
                 graph.add(node, preds)
                 if tracer is not None:
                     tracer.preds[node.id] = preds
-                if recording:
+                if sinks:
+                    self._sinks.difference_update(preds)
+                    self._sinks.add(node.id)
+                if replay is not None:
                     replay.on_emit(node, preds)
+            if sinks:
+                self._prune_sinks()
         if self.executor is not None:
             if self.transport is not None:
                 for node, preds in items:
@@ -403,10 +410,24 @@ class Runtime:
             else:
                 self.executor.submit_many(items)
 
-    def _emit_region_fence(self, name: str, uid: int) -> int:
-        """A no-op node after the unfinished nodes that region uid's state names; returns its id."""
+    def _add_sinks(self, ids, waited_for: int | None) -> None:
+        """Nodes `ids` are sinks now, and `waited_for` (if any) no longer is one."""
+        if waited_for is not None:
+            self._sinks.discard(waited_for)
+        self._sinks.update(ids)
+        self._prune_sinks()
+
+    def _prune_sinks(self) -> None:
+        if len(self._sinks) > self._sink_limit:
+            self._sinks = {s for s in self._sinks if not self._is_done(s)}
+            self._sink_limit = max(1024, 2 * len(self._sinks))
+
+    def _emit_fence(self, name: str) -> int:
+        """A no-op node after everything issued so far; returns its id."""
         node = TaskNode(self._new_id(), name, self.home, None, ())
-        self._emit(node, [n for n in self.analyzer.nodes(uid) if not self._is_done(n)])
+        live = [s for s in self._sinks if not self._is_done(s)]
+        self._sinks.clear()
+        self._emit(node, live)
         return node.id
 
     def _is_done(self, node_id: int) -> bool:

@@ -222,35 +222,33 @@ def test_as_nodes_finish_every_unfinished_ancestor_is_still_waited_for(graph, ra
 @settings(max_examples=200)
 @given(graphs(), st.integers(0, 2), st.data())
 def test_routed_rows_wait_for_the_nearest_local_ancestors_and_number_copies_in_order(graph, rank, data):
-    """route_rows on a program block's rows (some waiting for some of the block's fences):
-    every row the rank submits waits for exactly its nearest local ancestors (a fence standing
-    for local nodes), every remote row's frontier names exactly its own, and copies are
-    numbered per peer in row order, as node-by-node routing numbers them."""
+    """route_rows on a program block's rows (some waiting for the block's fence): every row the
+    rank submits waits for exactly its nearest local ancestors (the fence standing for a local
+    node), every remote row's frontier names exactly its own, and copies are numbered per peer
+    in row order, as node-by-node routing numbers them."""
     nodes, preds = graph
-    slots = st.lists(st.integers(0, 2), unique=True, max_size=3).map(lambda s: tuple(sorted(s)))
-    external = {node.id: data.draw(slots) for node in nodes}
+    external = {node.id: data.draw(st.booleans()) for node in nodes}
     routed = route_rows([(node, tuple(preds[node.id]), external[node.id], 0, 0) for node in nodes], rank,
                         MACHINE.num_ranks)
-    fences = (-1, -2, -3)
-    ref_preds = {**{f: [] for f in fences},
-                 **{n.id: preds[n.id] + [fences[s] for s in external[n.id]] for n in nodes}}
-    local = {n.id for n in nodes if route(n, rank) is not Route.REMOTE} | set(fences)
-    joins = {i: (waits, slots) for i, how, waits, slots, _ in routed.submitted if how is Route.JOIN}
+    fence = -1
+    ref_preds = {fence: [], **{n.id: preds[n.id] + ([fence] if external[n.id] else []) for n in nodes}}
+    local = {n.id for n in nodes if route(n, rank) is not Route.REMOTE} | {fence}
+    joins = {i: (waits, waits_fence) for i, how, waits, waits_fence, _ in routed.submitted if how is Route.JOIN}
 
-    def expand(waits, slots) -> set[int]:
-        out = {fences[s] for s in slots}
+    def expand(waits, waits_fence) -> set[int]:
+        out = {fence} if waits_fence else set()
         for j in waits:
             out |= expand(*joins[j]) if j in joins else {j}
         return out
 
     memo: dict = {}
-    stands_for = {i: (waits, slots) for i, waits, slots in routed.frontiers}
+    stands_for = {i: (waits, waits_fence) for i, waits, waits_fence in routed.frontiers}
     for node in nodes:
         want = nearest_local(node.id, ref_preds, local, memo)
         if route(node, rank) is not Route.REMOTE:
             continue
         if node.id in joins:
-            assert len(joins[node.id][0]) + len(joins[node.id][1]) > FRONTIER_MAX
+            assert len(joins[node.id][0]) + joins[node.id][1] > FRONTIER_MAX
             assert expand(*joins[node.id]) == want, f"join #{node.id} on rank {rank}"
         elif want:
             assert expand(*stands_for[node.id]) == want, f"remote #{node.id} on rank {rank}"
@@ -258,11 +256,11 @@ def test_routed_rows_wait_for_the_nearest_local_ancestors_and_number_copies_in_o
             assert node.id not in stands_for
     router = Router(rank, MACHINE.num_ranks)
     submitted = [i for i, *_ in routed.submitted]
-    assert submitted == sorted((local - set(fences)) | set(joins))
-    for i, how, waits, slots, seq in routed.submitted:
+    assert submitted == sorted((local - {fence}) | set(joins))
+    for i, how, waits, waits_fence, seq in routed.submitted:
         assert how is (Route.JOIN if i in joins else route(nodes[i], rank))
         if how is not Route.JOIN:
-            assert expand(waits, slots) == nearest_local(i, ref_preds, local, memo), f"#{i} on rank {rank}"
+            assert expand(waits, waits_fence) == nearest_local(i, ref_preds, local, memo), f"#{i} on rank {rank}"
         if how is Route.SEND:
             assert seq == router.next_send(nodes[i].dst.rank)
         elif how is Route.RECV:
@@ -273,18 +271,17 @@ def test_routed_rows_wait_for_the_nearest_local_ancestors_and_number_copies_in_o
 
 
 def test_a_taken_block_notes_its_remote_rows_frontiers_and_counts_its_copies():
-    """Rows numbered from base: a remote row's frontier is its local rows (and the local nodes
-    of the fences it reaches); copy numbers go on from where the router stood."""
+    """Rows numbered from base: a remote row's frontier is its local rows (and the fence's local
+    nodes where it reaches the fence); copy numbers go on from where the router stood."""
     local, remote = MACHINE.processors[0], MACHINE.processors[-1]
     other = next(m for m in MACHINE.memories if m.rank == 1)
-    rows = [(task(0, local), (), (0,), 0, 0), (task(1, remote), (0,), (), 0, 0),
-            (task(2, remote), (), (0, 1), 0, 0), (copy(3, local.memory, other), (0,), (), 0, 0),
-            (task(4, remote), (), (1,), 0, 0)]
+    rows = [(task(0, local), (), True, 0, 0), (task(1, remote), (0,), False, 0, 0),
+            (task(2, remote), (), True, 0, 0), (copy(3, local.memory, other), (0,), False, 0, 0)]
     router = Router(0, MACHINE.num_ranks)
     router.next_send(1)
     routed = route_rows(rows, 0, MACHINE.num_ranks)
-    first_sends, _ = router.take_block(routed, 100, [(7, 8), (9,)], unfinished={100, 103, 7, 8, 9})
-    assert router.frontier == {101: {100}, 102: {7, 8, 9}, 104: {9}}
+    first_sends, _ = router.take_block(routed, 100, (7, 8), unfinished={100, 103, 7, 8})
+    assert router.frontier == {101: {100}, 102: {7, 8}}
     assert first_sends[1] == 1 and router.sends_to[1] == 2
-    assert sorted(router.localize([101, 102], {100, 7, 8, 9})) == [7, 8, 9, 100]
+    assert sorted(router.localize([101, 102], {100, 7, 8})) == [7, 8, 100]
     assert not router.is_done(101, {100}) and router.is_done(101, set())
