@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from typing import Callable
 
 from .taskgraph import TaskNode
@@ -123,16 +124,19 @@ class Executor:
         Join, right here)."""
         kind = type(node)
         if kind is Join or (self.inline_types and kind in self.inline_types and node.inline):
-            # a loop, not recursion: an inline node that finishes at once may ready another
+            # a loop, not recursion: an inline node that finishes at once may ready another.
+            # First in, first out: a Join that readies a block's sends posts them in graph
+            # order, as the simulator has them (taken last first, alexnet's next iteration sent
+            # conv1's weight, needed first, last of a dozen)
             local = self._inline
             pending = getattr(local, "pending", None)
             if pending is not None:
                 pending.append(node)
                 return
-            local.pending = pending = [node]
+            local.pending = pending = deque([node])
             try:
                 while pending:
-                    node = pending.pop()
+                    node = pending.popleft()
                     if type(node) is Join:
                         self._finish(node)
                     else:

@@ -73,3 +73,26 @@ def test_a_join_of_finished_preds_finishes_at_once():
     assert ex.is_done(1)
     ex.wait_node(1, timeout=1)
     ex.shutdown()
+
+
+class Post(Step):
+    """An inline node (like a message's send): it runs in the thread that readies it."""
+
+    inline = True
+
+
+def test_inline_nodes_a_join_readies_run_in_the_order_they_were_submitted():
+    """First come, first served, as the simulator times it: the sends a block's fence readies
+    are posted in graph order (the first needed first), not last first."""
+    log = []
+    ex = make_executor()
+    ex.inline_types = frozenset({Post})
+    gate = threading.Event()
+    ex.submit(Step(0, log, gate), [])
+    ex.submit(Join(1), [0])
+    for i in range(2, 12):
+        ex.submit(Post(i, log), [1])
+    gate.set()
+    ex.wait_all(timeout=5)
+    assert log == [0, *range(2, 12)]
+    ex.shutdown()
