@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -29,8 +30,11 @@ def main():
         during = threads_cores()
         cores = node_cores()
         rank = rt.rank
-    print(json.dumps({"rank": rank, "during": during, "after": threads_cores(), "node_cores": cores}), flush=True)
-    print(f"OK rank {rank}", flush=True)
+    # one write a line: print writes the newline apart, and mpiexec may put another rank's
+    # output between the two
+    report = json.dumps({"rank": rank, "during": during, "after": threads_cores(), "node_cores": cores})
+    sys.stdout.write(f"{report}\nOK rank {rank}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
