@@ -13,8 +13,9 @@ A run may return PENDING instead: it has started something (an MPI message) that
 later, and whoever sees it end calls `complete(node, start)` (or `fail`), from any thread,
 or `resume(node)` to run it again on its worker. Nodes of a type in `inline_types` whose
 `inline` is true (cheap to start: posting a message) run in the thread that makes them
-ready instead of waiting for their worker. A `Join` runs nothing and has no worker: it
-finishes as soon as its preds have (Realm's merged event), in the thread that readies it.
+ready instead of waiting for their worker, in the order they became ready. A `Join` runs
+nothing and has no worker: it finishes as soon as its preds have (Realm's merged event), in
+the thread that readies it.
 The executor does not know what a task computes, nor whether a copy crosses ranks:
 `transport` (taskrt/mpi.py on many ranks) handles nodes that touch another rank.
 `on_error`, when set, is called with the TaskError of the first failure.
