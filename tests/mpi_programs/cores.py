@@ -30,8 +30,8 @@ def main():
         during = threads_cores()
         cores = node_cores()
         rank = rt.rank
-    # one write a line: print writes the newline apart, and mpiexec may put another rank's
-    # output between the two
+    # both lines in one write: print writes the newline apart, and mpiexec may put another
+    # rank's output between a line and its newline
     report = json.dumps({"rank": rank, "during": during, "after": threads_cores(), "node_cores": cores})
     sys.stdout.write(f"{report}\nOK rank {rank}\n")
     sys.stdout.flush()
