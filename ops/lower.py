@@ -48,7 +48,10 @@ Replay: one training iteration (forward, fills, backward, updates) is one progra
 values in place of the markers. The runtime analyzes it once (twice: the first entry finds
 the weights in host memory only) and afterwards makes the recorded nodes again in one go.
 Inputs and labels are attached before the block, so the block always starts from the same
-state. Inference (`infer_step`) is a program too.
+state; or the block starts with the batch source's launch (`train_step(source=...)`, what
+Model.train_on issues), so that the step's weight copies do not wait for its batch: issued
+before the block, the source would be among what the replay's fence stands for. Inference
+(`infer_step`) is a program too.
 """
 from __future__ import annotations
 
@@ -213,7 +216,8 @@ class ParamRegions:
 
 class ProgramArg:
     """A marker in the args of a cached program's launches, replaced by its value at each
-    issue (Lowering._issue_program): STEP, the training iteration; VALID, the real samples."""
+    issue (Lowering._issue_program): STEP, the training iteration; VALID, the real samples;
+    SOURCE, the batch source a step's program makes its batch with."""
 
     def __init__(self, name: str):
         self.name = name
@@ -222,7 +226,7 @@ class ProgramArg:
         return self.name.upper()
 
 
-STEP, VALID = ProgramArg("step"), ProgramArg("valid")
+STEP, VALID, SOURCE_ARG = ProgramArg("step"), ProgramArg("valid"), ProgramArg("source")
 
 
 def _step_arg(step):
@@ -968,13 +972,19 @@ class Lowering:
         for segment in self.update_segments(step):
             self.issue(segment)
 
-    def train_step(self, step: int, valid: int | None = None):
+    def train_step(self, step: int, valid: int | None = None, source: tuple | None = None):
         """One iteration (forward, backward, update) as one program; returns the loss FutureMap
-        (None without a loss)."""
+        (None without a loss). `source` = (fn, source): the program starts with the batch
+        source's launch (source_segment(fn, (source, step))), so that the replayed step's
+        roots, the source's tasks among them, wait only for the steps before it, and not the
+        step's weight copies for its batch (issued before the step, the source was one of what
+        the replay's fence waits for)."""
         def make():
-            return ([self.forward_segment(self.plans[op.name], True, VALID, STEP) for op in self.ops]
+            first = [] if source is None else [self.source_segment(source[0], (SOURCE_ARG, STEP))]
+            return (first + [self.forward_segment(self.plans[op.name], True, VALID, STEP) for op in self.ops]
                     + self.backward_segments() + self.update_segments(STEP))
-        return self._issue_program(f"train_step:{self.tag}", make, int(step), valid)
+        name = f"train_step{'' if source is None else '+source'}:{self.tag}"
+        return self._issue_program(name, make, int(step), valid, None if source is None else source[1])
 
     def infer_step(self, valid: int | None = None, with_loss: bool = False):
         """Inference forward of the graph (with or without the loss op) as one program; the loss
@@ -984,11 +994,12 @@ class Lowering:
                     if with_loss or op.name != self.loss]
         return self._issue_program(f"infer{'+loss' if with_loss else ''}:{self.tag}", make, 0, valid)
 
-    def _issue_program(self, name: str, make: Callable[[], list[Segment]], step: int, valid: int | None):
-        """Issue the program `make()` gives (made once per name) with STEP and VALID replaced
-        by `step` and `valid`; the FutureMap of the loss op's forward kernel, or None."""
+    def _issue_program(self, name: str, make: Callable[[], list[Segment]], step: int, valid: int | None,
+                       source=None):
+        """Issue the program `make()` gives (made once per name) with STEP, VALID and SOURCE_ARG
+        replaced by `step`, `valid` and `source`; the FutureMap of the loss op's forward kernel, or None."""
         launches, templates, marked = self._program(name, make)
-        values = {STEP: step, VALID: valid}
+        values = {STEP: step, VALID: valid, SOURCE_ARG: source}
         made: dict[tuple, tuple] = {}   # markers replaced once per distinct args tuple
         args = []
         for t, has_marker in zip(templates, marked):

@@ -568,8 +568,7 @@ class Model:
         pending = None
         for _ in range(iterations):
             self.step += 1
-            self._low.issue(self._low.source_segment(self._source_task, (source, self.step)))
-            futures = self._low.train_step(self.step, valid=self.batch_size)
+            futures = self._low.train_step(self.step, valid=self.batch_size, source=(self._source_task, source))
             if pending is not None:
                 yield _mean_loss(pending)
             pending = futures

@@ -16,7 +16,7 @@ from ops.lower import Lowering, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
 from ops.norm import BatchNorm
 from ops.pool import Pool2d
-from taskrt import Machine, Partition, Rect, Region, ReplayMismatch, Runtime, TaskNode
+from taskrt import CopyNode, Machine, Partition, Rect, Region, ReplayMismatch, Runtime, TaskNode
 from tests.opcheck import spec
 
 MACHINE4 = Machine.build(1, 4)
@@ -501,3 +501,41 @@ def test_the_batch_source_gives_each_rank_its_share_and_refuses_inputs_without_t
                    {op.name: default_config(op, machine) for op in (fc, loss)}, SGD(lr=0.1), loss="loss")
     with pytest.raises(ValueError, match=r"input 'extra' has shape \(4, 3\), but every input needs the batch \(5\)"):
         odd.source_segment(None)
+
+
+def test_a_step_with_its_source_lets_the_weight_copies_go_before_the_batch_is_made():
+    """train_step(source=...) puts the batch source's launch first in the step's program, so in a
+    replayed step the source's tasks and the weight copies between ranks are roots side by side,
+    each waiting only for the steps before (as the simulator times a step). Issued before the step
+    instead, the source is among what the replay's fence waits for, and so are the copies."""
+    x, labels = spec((4, 3), name="x"), spec((4,), "int64", "labels")
+    fc = Dense("fc", [x], out_features=2)
+    loss = SparseCategoricalCrossEntropy("loss", [fc.outputs[0], labels], from_logits=True)
+    machine = Machine.build(2, 1)
+
+    def last_step(inside: bool):
+        rt = Runtime(machine, execute=False)
+        low = Lowering(rt, [fc, loss], [x, labels], {op.name: default_config(op, machine) for op in (fc, loss)},
+                       SGD(lr=0.1), loss="loss")
+        for step in (1, 2, 3, 4):
+            first = rt._next_id
+            if inside:
+                low.train_step(step, source=(None, "a source"))
+            else:
+                low.issue(low.source_segment(None, ("a source", step)))
+                low.train_step(step)
+        ids = range(first, rt._next_id)
+        sources = [i for i in ids if isinstance(rt.graph.nodes[i], TaskNode) and rt.graph.nodes[i].name == "source"]
+        copies = [i for i in ids if isinstance(rt.graph.nodes[i], CopyNode) and rt.graph.nodes[i].region.name ==
+                  "fc.weight" and rt.graph.nodes[i].src.rank != rt.graph.nodes[i].dst.rank]
+        assert len(sources) == 2 and copies and rt.replay_stats["reissued"] >= 1
+        behind, todo = set(), list(copies)
+        while todo:
+            for p in rt.graph.preds[todo.pop()]:
+                if p >= first and p not in behind:
+                    behind.add(p)
+                    todo.append(p)
+        return set(sources) & behind
+
+    assert not last_step(inside=True), "a weight copy waited for the step's own source"
+    assert last_step(inside=False), "issued before the step, the source was not behind the fence"
