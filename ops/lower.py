@@ -975,10 +975,11 @@ class Lowering:
     def train_step(self, step: int, valid: int | None = None, source: tuple | None = None):
         """One iteration (forward, backward, update) as one program; returns the loss FutureMap
         (None without a loss). `source` = (fn, source): the program starts with the batch
-        source's launch (source_segment(fn, (source, step))), so that the replayed step's
-        roots, the source's tasks among them, wait only for the steps before it, and not the
-        step's weight copies for its batch (issued before the step, the source was one of what
-        the replay's fence waits for)."""
+        source's launch (source_segment(fn, (source, step))), so that the replayed step's roots,
+        the source's tasks among them, wait only for the steps before it: its weight copies do
+        not wait for its batch, as they did with the source issued before the step (the replay's
+        fence waits for everything issued before it). A program is made once per name, so `fn`
+        must be the same at every step (Model.train_on's task)."""
         def make():
             first = [] if source is None else [self.source_segment(source[0], (SOURCE_ARG, STEP))]
             return (first + [self.forward_segment(self.plans[op.name], True, VALID, STEP) for op in self.ops]
