@@ -40,8 +40,10 @@ all but one and scored on that one).
 median iteration, the probes and the measured source, per app) and `costs.json` (the kernels).
 `--rescore DIR` trains nothing: it scores (and with --fit fits) the simulator as it is now
 on the runs saved there, so that a change to the simulator or the machine model is judged on
-the same runs as the code before it. With several DIRs it scores each and fits them pooled,
-the folds then holding out one bench run at a time. Last line: one JSON object.
+the same runs as the code before it. With several DIRs it scores each (and prints, per app,
+how well each run's measured ordering agrees with the median of the other runs': about the
+most a simulator's tau can reach against one run), and fits them pooled, the folds then
+holding out one bench run at a time. Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ from apps.calibrate import (COSTS_FILE, calibration_strategies, figures_text, me
 from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
-from strategies.overheads import KERNEL_FIGURES, LinearTimes, best_point, grid_times, held_kernel, score  # noqa: E402
+from strategies.overheads import (KERNEL_FIGURES, LinearTimes, best_point, grid_times, held_kernel,  # noqa: E402
+                                  ordering_ceiling, score)
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
 from tools import trace as trace_tools  # noqa: E402
@@ -202,6 +205,23 @@ def fit(apps: dict, grid: tuple) -> dict:
     return out
 
 
+def measured_ordering(apps: dict, scored: dict) -> dict:
+    """Per app rescored from several bench runs: each run's measured ordering against the median of
+    the others' (strategies.overheads.ordering_ceiling: about the most a simulator's tau can reach
+    against one run), printed beside the simulator's tau on those runs."""
+    out = {}
+    for app in dict.fromkeys(a["app"] for a in apps.values()):
+        labels = [label for label, a in apps.items() if a["app"] == app]
+        ceiling = ordering_ceiling([apps[label]["measured"] for label in labels])
+        simulated = [scored[label]["kendall_tau"] for label in labels]
+        out[app] = {"runs_against_the_others": [round(t, 3) for t in ceiling], "mean": round(float(np.mean(ceiling)), 3),
+                    "simulator_mean": round(float(np.mean(simulated)), 3)}
+        print(f"{app}: the measured ordering, each run against the median of the other runs: Kendall tau "
+              f"{', '.join(f'{t:.2f}' for t in ceiling)} (mean {np.mean(ceiling):.2f}); the simulator's against "
+              f"each run: mean {np.mean(simulated):.2f}", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--apps", nargs="+", default=["mlp", "alexnet"], choices=APPS, metavar="APP")
@@ -287,6 +307,8 @@ def main(argv=None) -> dict:
                 summary += " (a calibration app: not scored)"
             print(f"{summary} (its batch source {per_sample * 1e6:.1f} us a sample; the runtime probe: "
                   f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)
+        if args.rescore and len(args.rescore) > 1:
+            out["measured_ordering"] = measured_ordering(saved, out["apps"])
         if args.fit:
             out["fit"] = fit(saved, grid)
             f = out["fit"]

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Mapping
+import statistics
+from typing import Mapping, Sequence
 
 from strategies.cost import CostModel
 from strategies.machine_model import MachineModel, kernel_seconds
@@ -80,6 +81,25 @@ def score(measured: Mapping[str, float], predicted: Mapping[str, float], names=N
     names = list(measured) if names is None else list(names)
     error = sum(abs(predicted[n] - measured[n]) / measured[n] for n in names) / len(names)
     return error, kendall_tau([measured[n] for n in names], [predicted[n] for n in names])
+
+
+def ordering_ceiling(runs: Sequence[Mapping[str, float]]) -> list[float]:
+    """Kendall's tau of each run's measured times against the median, strategy by strategy, of
+    the other runs' (over the strategies every run has): about what a predictor that knew each
+    strategy's true time would score against one run, so the most that the measurement's own
+    noise leaves for a simulator's tau."""
+    if len(runs) < 2:
+        raise ValueError(f"ordering_ceiling: needs at least 2 runs of the same strategies, got {len(runs)}")
+    names = [name for name in runs[0] if all(name in run for run in runs[1:])]
+    if len(names) < 2:
+        raise ValueError(f"ordering_ceiling: the runs have {len(names)} strategies in common, need at least 2 "
+                         f"(their strategies: {[sorted(run) for run in runs]})")
+    taus = []
+    for k, run in enumerate(runs):
+        others = [r for i, r in enumerate(runs) if i != k]
+        median = [statistics.median(r[name] for r in others) for name in names]
+        taus.append(kendall_tau([run[name] for name in names], median))
+    return taus
 
 
 def figures_of(machine_model: MachineModel) -> dict[str, float]:

@@ -16,7 +16,7 @@ from strategies.baselines import BASELINES
 from strategies.cost import CostModel
 from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
 from strategies.overheads import (FIGURES, FIT_GRID, KERNEL_FIGURES, LinearTimes, fit_figures, grid_times, held,
-                                  held_kernel, kendall_tau, score,
+                                  held_kernel, kendall_tau, ordering_ceiling, score,
                                   with_figures)
 from strategies.random import random_strategy
 from strategies.search import app_graph
@@ -92,6 +92,28 @@ def test_score_and_tau():
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
     error, tau = score({"a": 1.0, "b": 2.0}, {"a": 1.5, "b": 2.0})
     assert error == pytest.approx(0.25) and tau == 1.0
+
+
+def test_the_ordering_ceiling_scores_each_run_against_the_others_median():
+    same = {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert ordering_ceiling([same, same, same]) == [1.0, 1.0, 1.0]
+    swapped = {"a": 2.0, "b": 1.0, "c": 3.0, "d": 9.0}   # a and b tie within the noise; d is in one run only
+    # runs 1 and 2 against a median in which a and b tie: that pair counts neither way (2 of 3
+    # pairs agree); run 3 against the two others' order: one pair of three swapped
+    assert ordering_ceiling([same, same, swapped]) == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    with pytest.raises(ValueError, match="at least 2 runs"):
+        ordering_ceiling([same])
+    with pytest.raises(ValueError, match="1 strategies in common"):
+        ordering_ceiling([same, {"a": 1.0, "z": 2.0}])
+
+
+@given(st.lists(st.lists(st.floats(1e-3, 1.0), min_size=3, max_size=3), min_size=2, max_size=5))
+def test_the_ordering_ceiling_is_a_tau_per_run(times):
+    runs = [dict(zip("abc", t)) for t in times]
+    taus = ordering_ceiling(runs)
+    assert len(taus) == len(runs) and all(-1.0 <= t <= 1.0 for t in taus)
+    if len(runs) == 2:   # each run's "others" is the other run
+        assert taus[0] == taus[1] == kendall_tau(times[0], times[1])
 
 
 @given(st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=5))
