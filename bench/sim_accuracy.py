@@ -31,7 +31,8 @@ apps, held out, with them as well as with the shipped figures.
 
 `--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
 receive_overhead, message_delay and the kernel figures: see strategies/machines/README.md) to
-these runs, on a grid, minimizing the mean error over the apps; it prints the best figures
+these runs, on a grid, minimizing the mean error less 0.2 times Kendall's tau summed over the
+apps (strategies.overheads.best_point, ORDER_WEIGHT); it prints the best figures
 with their error in sample and, so that the fit's own error shows, fitted on half the
 strategies of each app and scored on the other half (two folds; with several saved runs, on
 all but one and scored on that one).
@@ -157,7 +158,7 @@ def message_flight(a: dict) -> float | None:
 
 
 def calibrate(apps: dict, on: list[str], grid: tuple, machine_model) -> tuple[dict, dict]:
-    """(the FIT_GRID point with the least mean error over the calibration labels `on`, each
+    """(the FIT_GRID point best_point picks over the calibration labels `on`, each
     label's predicted times at it): the runtime figures as they are now, fitted on some apps'
     runs and then used, held out, on the others. `grid`: grid_times of every label.
 
@@ -174,7 +175,7 @@ def calibrate(apps: dict, on: list[str], grid: tuple, machine_model) -> tuple[di
 
 
 def fit(apps: dict, grid: tuple) -> dict:
-    """The FIT_GRID point with the least mean error over `apps` (label -> a saved app's runs), in
+    """The FIT_GRID point best_point picks over `apps` (label -> a saved app's runs), in
     sample and in folds: with runs of one bench run, fitted on the strategies at even places of
     each app and scored on the odd ones, and the other way; with several, fitted on all runs
     but one and scored on that one, for each. `grid`: grid_times of every label."""

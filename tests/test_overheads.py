@@ -15,8 +15,8 @@ from apps.demo import machine_setup
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel
 from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
-from strategies.overheads import (FIGURES, FIT_GRID, KERNEL_FIGURES, LinearTimes, fit_figures, grid_times, held,
-                                  held_kernel, kendall_tau, ordering_ceiling, score,
+from strategies.overheads import (FIGURES, FIT_GRID, KERNEL_FIGURES, ORDER_WEIGHT, LinearTimes, best_point,
+                                  fit_figures, grid_times, held, held_kernel, kendall_tau, ordering_ceiling, score,
                                   with_figures)
 from strategies.random import random_strategy
 from strategies.search import app_graph
@@ -92,6 +92,16 @@ def test_score_and_tau():
     assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
     error, tau = score({"a": 1.0, "b": 2.0}, {"a": 1.5, "b": 2.0})
     assert error == pytest.approx(0.25) and tau == 1.0
+
+
+def test_a_fit_weighs_the_order_against_the_error():
+    measured = {"app": {"a": 1.0, "b": 2.0, "c": 3.0}}
+    # the first point is closer on average (21.7% off) but swaps a and b; the second is 30% off in the true order
+    close_but_swapped = {"app": {"a": 1.25, "b": 1.2, "c": 3.0}}
+    ordered = {"app": {"a": 1.3, "b": 1.4, "c": 3.9}}
+    predictions = [close_but_swapped, ordered]
+    assert best_point([{}, {}], predictions, measured, order_weight=0.0) == 0
+    assert ORDER_WEIGHT > 0.15 and best_point([{}, {}], predictions, measured) == 1   # 0.217 - 0.067 > 0.3 - 0.2
 
 
 def test_the_ordering_ceiling_scores_each_run_against_the_others_median():
