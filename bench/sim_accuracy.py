@@ -31,8 +31,8 @@ apps, held out, with them as well as with the shipped figures.
 
 `--fit` then fits the local model's runtime figures (launch_overhead, send_overhead,
 receive_overhead, message_delay and the kernel figures: see strategies/machines/README.md) to
-these runs, on a grid, minimizing the mean error less 0.2 times Kendall's tau summed over the
-apps (strategies.overheads.best_point, ORDER_WEIGHT); it prints the best figures
+these runs, on a grid, minimizing the mean error less ORDER_WEIGHT times Kendall's tau summed
+over the apps (strategies.overheads.best_point); it prints the best figures
 with their error in sample and, so that the fit's own error shows, fitted on half the
 strategies of each app and scored on the other half (two folds; with several saved runs, on
 all but one and scored on that one).
@@ -214,12 +214,12 @@ def measured_ordering(apps: dict, scored: dict) -> dict:
     for app in dict.fromkeys(a["app"] for a in apps.values()):
         labels = [label for label, a in apps.items() if a["app"] == app]
         ceiling = ordering_ceiling([apps[label]["measured"] for label in labels])
-        simulated = [scored[label]["kendall_tau"] for label in labels]
-        out[app] = {"runs_against_the_others": [round(t, 3) for t in ceiling], "mean": round(float(np.mean(ceiling)), 3),
-                    "simulator_mean": round(float(np.mean(simulated)), 3)}
+        mean, simulated = float(np.mean(ceiling)), float(np.mean([scored[label]["kendall_tau"] for label in labels]))
+        out[app] = {"runs_against_the_others": [round(t, 3) for t in ceiling], "mean": round(mean, 3),
+                    "simulator_mean": round(simulated, 3)}
         print(f"{app}: the measured ordering, each run against the median of the other runs: Kendall tau "
-              f"{', '.join(f'{t:.2f}' for t in ceiling)} (mean {np.mean(ceiling):.2f}); the simulator's against "
-              f"each run: mean {np.mean(simulated):.2f}", flush=True)
+              f"{', '.join(f'{t:.2f}' for t in ceiling)} (mean {mean:.2f}); the simulator's against "
+              f"each run: mean {simulated:.2f}", flush=True)
     return out
 
 
