@@ -232,8 +232,8 @@ def _backward_parts(x, w, dy, top, left, dx, want_dx, dw, cuts):
 
 
 @functools.cache   # the types' construction alone took 15 us a call
-def _compile() -> None:
-    """The four kernels, each compiled once per float type (ops/per_float.py), for contiguous
+def _compile(dtype) -> None:
+    """The four kernels compiled for float type `dtype` (ops/per_float.py), for contiguous
     arrays: strided ones made their loops over a row scalar (10-14% slower) and doubled the
     compile time (12 s a version of _backward_parts); a tile's strided view is copied instead."""
     i64, boolean, cuts = numba.types.int64, numba.types.boolean, array(np.int64, 1)
@@ -241,11 +241,11 @@ def _compile() -> None:
     def contiguous(signature):
         return lambda t: [signature(lambda ndim, written=False: array(t, ndim, written, "C"))]
 
-    compile_per_float(forward, contiguous(lambda a: (a(4), a(4), a(1), i64, i64, a(4, True))))
-    compile_per_float(_forward_parts, contiguous(lambda a: (a(4), a(4), a(1), i64, i64, a(4, True), cuts)))
-    compile_per_float(backward, contiguous(lambda a: (a(4), a(4), a(4), i64, i64, a(4, True), boolean)))
+    compile_per_float(forward, contiguous(lambda a: (a(4), a(4), a(1), i64, i64, a(4, True))), dtype)
+    compile_per_float(_forward_parts, contiguous(lambda a: (a(4), a(4), a(1), i64, i64, a(4, True), cuts)), dtype)
+    compile_per_float(backward, contiguous(lambda a: (a(4), a(4), a(4), i64, i64, a(4, True), boolean)), dtype)
     compile_per_float(_backward_parts, contiguous(lambda a: (a(4), a(4), a(4), i64, i64, a(4, True), boolean,
-                                                             a(5, True), cuts)))
+                                                             a(5, True), cuts)), dtype)
 
 
 def _written(out):
@@ -256,7 +256,7 @@ def _written(out):
 def forward_in_parts(x, w, bias, top, left, y) -> None:
     """`forward` with the samples cut into parts, one per core of the task, in one compiled call
     (a part on cpu_pool's threads paid a wakeup and the GIL's handoffs each way)."""
-    _compile()
+    _compile(x.dtype)
     x, w, bias, out = np.ascontiguousarray(x), np.ascontiguousarray(w), np.ascontiguousarray(bias), _written(y)
     threads, cuts = batch_parts(x.shape[0])
     if threads == 1:
@@ -270,7 +270,7 @@ def forward_in_parts(x, w, bias, top, left, y) -> None:
 def backward_in_parts(x, w, dy, top, left, dx=None):
     """`backward` with the samples cut into parts, one per core of the task: the weight gradient
     (the parts' summed), and dx written unless it is None."""
-    _compile()
+    _compile(x.dtype)
     x, w, dy = np.ascontiguousarray(x), np.ascontiguousarray(w), np.ascontiguousarray(dy)
     want_dx = dx is not None
     out = _written(dx) if want_dx else np.empty((0,) * 4, x.dtype)

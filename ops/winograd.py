@@ -472,8 +472,8 @@ def _backward_parts(gemm, x, top, left, u, dy, dx, k, step, xs_flat, v_flat, g_f
 
 
 @functools.cache   # the types' construction alone took 15 us a call
-def _compile() -> None:
-    """The four compiled kernels, each once per float type whose GEMM numba can call
+def _compile(dtype) -> None:
+    """The four compiled kernels for float type `dtype`, where numba can call its GEMM
     (ops/per_float.py)."""
     i64, cuts = numba.types.int64, array(np.int64, 1)
 
@@ -491,10 +491,10 @@ def _compile() -> None:
         return (*start(t), array(t, 3, layout="C"), array(t, 4), array(t, 4, True),
                 numba.typeof(_consts(t)), i64, *[array(t, 1, True, "C")] * 4)
 
-    compile_per_float(_forward_compiled, each(forward_args))
-    compile_per_float(_forward_parts, each(lambda t: (*forward_args(t), cuts)))
-    compile_per_float(_backward_compiled, each(lambda t: (*backward_args(t), array(t, 3, True, "C"))))
-    compile_per_float(_backward_parts, each(lambda t: (*backward_args(t), array(t, 4, True, "C"), cuts)))
+    compile_per_float(_forward_compiled, each(forward_args), dtype)
+    compile_per_float(_forward_parts, each(lambda t: (*forward_args(t), cuts)), dtype)
+    compile_per_float(_backward_compiled, each(lambda t: (*backward_args(t), array(t, 3, True, "C"))), dtype)
+    compile_per_float(_backward_parts, each(lambda t: (*backward_args(t), array(t, 4, True, "C"), cuts)), dtype)
 
 
 def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
@@ -511,7 +511,7 @@ def forward(x, w, top_left, y, bias=None, most_parts: int = 1) -> None:
             ut = filter_transform(w, channels_last=True)
         cpu_pool.in_parts(lambda a, b: _forward_matmul(x[a:b], ut, top_left, y[a:b], bias, scratch), n, most_parts)
         return
-    _compile()
+    _compile(x.dtype)
     x = np.ascontiguousarray(x)
     threads, cuts = batch_parts(n, most_parts)
     step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)
@@ -555,7 +555,7 @@ def backward(x, w, dy, top_left, dx, most_parts: int = 1):
                                    n, most_parts))
         with cpu_pool.blas_on_one_thread():
             return filter_gradient(du)
-    _compile()
+    _compile(x.dtype)
     x = np.ascontiguousarray(x)
     threads, cuts = batch_parts(n, most_parts)
     step, buf = _buffers(x[:cuts[1]], (th, tw), scratch)

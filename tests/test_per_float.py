@@ -20,9 +20,13 @@ def _scale_into(x, factor, out):
 def _kernel(layouts: str):
     """A fresh (uncached) dispatcher of _scale_into, compiled per float in these layouts."""
     kernel = numba.njit(_scale_into)
-    compile_per_float(kernel, lambda t: [(array(t, 2, layout=lay), numba.from_dtype(t), array(t, 2, True, lay))
-                                         for lay in layouts])
+    for dtype in (np.float32, np.float64):
+        compile_per_float(kernel, _versions(layouts), dtype)
     return kernel
+
+
+def _versions(layouts: str):
+    return lambda t: [(array(t, 2, layout=lay), numba.from_dtype(t), array(t, 2, True, lay)) for lay in layouts]
 
 
 @settings(max_examples=20, deadline=None)
@@ -44,6 +48,23 @@ def test_two_layouts_each_per_float():
     kernel(x, np.float32(3), np.zeros((3, 4), np.float32))
     kernel(x[:, ::2], np.float32(3), np.zeros((3, 2), np.float32))
     assert len(kernel.overloads) == 4
+
+
+def test_each_float_type_is_compiled_when_first_asked_for():
+    kernel = numba.njit(_scale_into)
+    compile_per_float(kernel, _versions("A"), np.float32)
+    kernel(np.ones((2, 3), np.float32), np.float32(2), np.zeros((2, 3), np.float32))
+    assert len(kernel.overloads) == 1
+    with pytest.raises(TypeError):   # float64 not compiled yet, and compiling is off
+        kernel(np.ones((2, 3)), 2.0, np.zeros((2, 3)))
+    compile_per_float(kernel, _versions("A"), np.float64)
+    compile_per_float(kernel, _versions("A"), np.float32)   # done before: nothing more
+    out = np.zeros((2, 3))
+    kernel(np.ones((2, 3))[:, ::1], 2.0, out)
+    np.testing.assert_array_equal(out, 2.0)
+    assert len(kernel.overloads) == 2
+    with pytest.raises(ValueError, match="int64"):
+        compile_per_float(kernel, _versions("A"), np.int64)
 
 
 def test_a_type_it_was_not_compiled_for_is_refused():

@@ -272,7 +272,14 @@ def test_compiled_parts_on_views_and_several_chunks(monkeypatch):
         check_strided_views(lambda *args: run_parts(*args, most_parts=1))
     for kernel in (winograd._forward_compiled, winograd._backward_compiled, winograd._forward_parts,
                    winograd._backward_parts):
-        assert len(kernel.overloads) == sum(blas.gemm(t) is not None for t in (np.float32, np.float64))
+        assert_one_version_per_float(kernel, np.float64)
+
+
+def assert_one_version_per_float(kernel, dtype) -> None:
+    """`kernel` has one compiled version per float type it was compiled for (ops/per_float.py),
+    `dtype`'s among them."""
+    floats = [next(t.dtype for t in signature if isinstance(t, numba.types.Array)) for signature in kernel.overloads]
+    assert len(floats) == len(set(floats)) and numba.from_dtype(np.dtype(dtype)) in floats, (kernel.__name__, floats)
 
 
 def test_in_parts_splits_over_the_blas_threads_with_blas_on_one():
