@@ -7,7 +7,8 @@ numba compiling (13.6 min cold against 7.0 warm), while the suite keeps about on
 The tests compile what they call as before; this process compiles, on the other core, what
 they come to later, so that they find it cached: the simulator's compiled passes (the region
 analysis alone is 90 s; the first search test met them about four minutes in), then the
-recurrent apps' LSTM kernels. What it compiles is the same whichever process does it.
+recurrent apps' LSTM kernels and the LSTM's float64 ones that tests/test_lstm.py runs. What it
+compiles is the same whichever process does it.
 """
 from __future__ import annotations
 
@@ -37,7 +38,28 @@ def recurrent_apps() -> None:
         app.main(["--tiny", "--iterations", "1"])
 
 
+def lstm_float64() -> None:
+    """The LSTM op's float64 steps, on one thread and cut into parts of the hidden units (as
+    tests/test_lstm.py runs them)."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    import ops.lstm as lstm_module
+    from tests.test_lstm import lstm_case, run_path
+
+    op, xs, w, gs = lstm_case(3, 2, 3, 17, True, 0, np.float64)
+    old = lstm_module.PARALLEL_MIN_MACS
+    try:
+        for least in (1 << 62, 0):
+            lstm_module.PARALLEL_MIN_MACS = least
+            with threadpool_limits(3, user_api="blas"):
+                run_path(np, op, xs, w, gs)
+    finally:
+        lstm_module.PARALLEL_MIN_MACS = old
+
+
 if __name__ == "__main__":
     with contextlib.redirect_stdout(io.StringIO()):
         simulator()
         recurrent_apps()
+        lstm_float64()
