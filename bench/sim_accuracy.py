@@ -64,8 +64,8 @@ from apps.calibrate import (COSTS_FILE, calibration_strategies, figures_text, me
 from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
-from strategies.overheads import (KERNEL_FIGURES, LinearTimes, best_point, grid_times, held_kernel,  # noqa: E402
-                                  ordering_ceiling, score)
+from strategies.overheads import (KERNEL_FIGURES, LinearTimes, best_point, extended_fit, grid_times,  # noqa: E402
+                                  held_kernel, ordering_ceiling, score)
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
 from tools import trace as trace_tools  # noqa: E402
@@ -157,10 +157,12 @@ def message_flight(a: dict) -> float | None:
     return float(np.median([m["flight_us"]["median"] for m in medians])) * 1e-6 if medians else None
 
 
-def calibrate(apps: dict, on: list[str], grid: tuple, machine_model) -> tuple[dict, dict]:
-    """(the FIT_GRID point best_point picks over the calibration labels `on`, each
-    label's predicted times at it): the runtime figures as they are now, fitted on some apps'
-    runs and then used, held out, on the others. `grid`: grid_times of every label.
+def calibrate(apps: dict, on: list[str], grid: tuple, linear: dict, machine_model) -> tuple[dict, dict]:
+    """(the FIT_GRID point best_point picks over the calibration labels `on`, the grid extended
+    past a figure's largest value where that point takes it (extended_fit), and each label's
+    predicted times at it): the runtime figures as they are now, fitted on some apps' runs and
+    then used, held out, on the others. `grid`: grid_times of every label, `linear` their
+    LinearTimes.
 
     The kernel figures (slowdown and surcharge) are held at the grid's values nearest the machine
     file's: the transformer's runs are mostly the runtime's own time, where a message's flight
@@ -169,9 +171,9 @@ def calibrate(apps: dict, on: list[str], grid: tuple, machine_model) -> tuple[di
     points, predictions = grid
     kept = held_kernel(machine_model)
     keep = [k for k, point in enumerate(points) if all(point[f] in kept[f] for f in KERNEL_FIGURES)]
-    best = best_point([points[k] for k in keep], [predictions[k] for k in keep],
-                      {label: apps[label]["measured"] for label in on})
-    return points[keep[best]], predictions[keep[best]]
+    point, predicted, _ = extended_fit(linear, {label: apps[label]["measured"] for label in on}, kept,
+                                       [points[k] for k in keep], [predictions[k] for k in keep])
+    return point, predicted
 
 
 def fit(apps: dict, grid: tuple) -> dict:
@@ -264,10 +266,11 @@ def main(argv=None) -> dict:
             a["measured"] = {name: measured_time(r) for name, r in a["runs"].items()}
         on = [label for label, a in saved.items() if a["app"] in args.calibrate_on]
         # every label at every grid point, once, for the calibration and --fit alike
-        grid = grid_times(_linear(saved, setup.machine_model)) if on or args.fit else None
+        linear = _linear(saved, setup.machine_model) if on or args.fit else None
+        grid = grid_times(linear) if linear is not None else None
         calibrated = {}
         if on:
-            figures, calibrated = calibrate(saved, on, grid, setup.machine_model)
+            figures, calibrated = calibrate(saved, on, grid, linear, setup.machine_model)
             out["calibration"] = {"on": on, "figures": figures}
             print(f"calibrated on {', '.join(on)}: {figures_text(figures)}", flush=True)
         for label, a in saved.items():
