@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import statistics
 from typing import Mapping, Sequence
 
@@ -61,6 +62,8 @@ ORDER_WEIGHT = 0.2
 #: (docs/accuracy.md, session 43)
 EXTEND_BY = (1.3, 1.7, 2.2)
 EXTENSIONS = 4
+#: the most points an extension simulates with every value of the figures not extended
+EXTEND_POINTS = 8000
 #: the figures that turn a kernel's seconds alone into its seconds in a run, in the order machine_model.kernel_seconds takes them
 KERNEL_FIGURES = ("kernel_slowdown", "kernel_surcharge", "kernel_surcharge_cap")
 
@@ -204,22 +207,31 @@ def grid_times(linear: Mapping[str, LinearTimes], grid: Mapping[str, tuple] = FI
 
 def extended_fit(linear: Mapping[str, LinearTimes], measured: Mapping[str, Mapping[str, float]],
                  grid: Mapping[str, tuple], points: list, predictions: list) -> tuple[dict, dict, dict]:
-    """(the best point, each label's times there, the grid it is the best of): best_point over
-    `points` (all of `grid`, with their `predictions`), and while it takes a figure's largest
+    """(the best point, each label's times there, the values tried of each figure): best_point
+    over `points` (all of `grid`, with their `predictions`), and while it takes a figure's largest
     value (of two or more: a held figure stays), that figure's values go on past it (EXTEND_BY)
-    and the grid's new points are simulated and weighed with the rest."""
+    and the new points are simulated and weighed with the rest: the whole grid so extended where
+    it has at most EXTEND_POINTS points, else the best's value and those past it of the figures
+    extended, and the best's and its neighbours' of the others (the kernel figures' values
+    multiply FIT_GRID's points by 60: minutes a round)."""
     points, predictions = list(points), list(predictions)
     k = best_point(points, predictions, measured)
     for _ in range(EXTENSIONS):
-        edge = [f for f, values in grid.items() if len(values) > 1 and 0 < points[k][f] == max(values)]
+        best = points[k]
+        edge = [f for f, values in grid.items() if len(values) > 1 and 0 < best[f] == max(values)]
         if not edge:
             break
-        wider = {f: values + tuple(round(max(values) * x, 6) for x in EXTEND_BY) if f in edge else values
-                 for f, values in grid.items()}
-        more, more_predictions = grid_times(linear, wider, done=grid)
+        past = {f: tuple(round(best[f] * x, 6) for x in EXTEND_BY) for f in edge}
+        around = {f: values + past.get(f, ()) for f, values in grid.items()}
+        if math.prod(map(len, around.values())) > EXTEND_POINTS:
+            for f, values in grid.items():
+                ordered = sorted(values)
+                i = ordered.index(best[f])
+                around[f] = (best[f],) + past[f] if f in past else tuple(ordered[max(0, i - 1):i + 2])
+        more, more_predictions = grid_times(linear, around, done=grid)
         points += more
         predictions += more_predictions
-        grid = wider
+        grid = {f: tuple(sorted(set(values) | set(around[f]))) for f, values in grid.items()}
         k = best_point(points, predictions, measured)
     return points[k], predictions[k], grid
 

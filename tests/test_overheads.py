@@ -14,6 +14,7 @@ from apps import calibrate as cal
 from apps.demo import machine_setup
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel
+from strategies import overheads
 from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
 from strategies.overheads import (FIGURES, FIT_GRID, KERNEL_FIGURES, ORDER_WEIGHT, LinearTimes, best_point,
                                   fit_figures, grid_times, held, held_kernel, kendall_tau, ordering_ceiling, score,
@@ -77,6 +78,12 @@ def test_a_fit_goes_on_past_the_grid_where_the_times_lie_beyond_it(linear):
     assert error == pytest.approx(0.0, abs=1e-12)
     assert linear.times(figures) == pytest.approx(measured, rel=1e-12)
     assert figures["launch_overhead"] == 372e-6 and figures["receive_overhead"] == 260e-6
+    # past EXTEND_POINTS an extension tries only the figures' values near the best and past it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overheads, "EXTEND_POINTS", 0)
+        near, near_error = fit_figures({"mlp": (linear, measured)}, grid)
+    in_grid_error = score(measured, linear.times(in_grid))[0]
+    assert near_error < in_grid_error / 10 and near["launch_overhead"] > max(grid["launch_overhead"])
     # a point simulated before is not simulated again
     smaller = {**grid, "launch_overhead": (20e-6, 30e-6), "send_overhead": (0.0,), "receive_overhead": (0.0,)}
     points, _ = grid_times({"mlp": linear}, {**smaller, "launch_overhead": (20e-6, 30e-6, 40e-6)}, done=smaller)
