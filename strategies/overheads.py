@@ -58,7 +58,7 @@ ORDER_WEIGHT = 0.2
 #: where a fit picks a figure's largest grid value, the values tried next: that value times these
 #: (rounded to whole microseconds), for at most EXTENSIONS rounds. On a 2 GHz first-generation EPYC
 #: the demo's calibration took the grid's largest launch, send, receive and in-flight figures and
-#: still came out 12% off the transformer's runs (26% off the mlp's); past them, 2.6% and 4.1%
+#: still came out 12% off the transformer's runs (26% off the mlp's); past them, 2.8% and 4.3%
 #: (docs/accuracy.md, session 43)
 EXTEND_BY = (1.3, 1.7, 2.2)
 EXTENSIONS = 4
