@@ -9,7 +9,8 @@ them now:
    mpiexec on `--ranks` ranks of one CPU worker each, taking turns for `--rounds` rounds.
    Before each round, every kernel of the strategies and the batch source are measured afresh.
 2. strategies/overheads.py fits the five figures to the runs: the grid point whose simulated
-   iteration times come closest to the measured ones. The kernel slowdown is held at the
+   iteration times come closest to the measured ones, the grid going on past a figure's largest
+   value where the best point takes it (a slow machine's runtime). The kernel slowdown is held at the
    machine file's unless `--fit-slowdown`: the transformer's runs are mostly the runtime's own
    time and do not tell it from a message's flight (docs/accuracy.md, session 36).
 3. It prints the fitted figures with their mean error and Kendall tau, beside the machine
