@@ -192,16 +192,16 @@ class LinearTimes:
 
 
 def grid_times(linear: Mapping[str, LinearTimes], grid: Mapping[str, tuple] = FIT_GRID,
-               done: Mapping[str, tuple] | None = None) -> tuple[list, list]:
+               done: set | None = None) -> tuple[list, list]:
     """(every point of `grid`, and at each point every label's times): the whole grid simulated
-    once, for fits over several subsets of the same runs. With `done` (a grid whose points were
-    simulated before), its points are left out."""
+    once, for fits over several subsets of the same runs. With `done` (the points simulated
+    before, each as the tuple of its values in the grid's order), those are left out."""
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     if "kernel_surcharge" in grid and "kernel_surcharge_cap" in grid:   # the cap matters only with a surcharge
         first_cap = grid["kernel_surcharge_cap"][0]
         points = [p for p in points if p["kernel_surcharge"] or p["kernel_surcharge_cap"] == first_cap]
     if done is not None:
-        points = [p for p in points if not all(v in done[k] for k, v in p.items())]
+        points = [p for p in points if tuple(p.values()) not in done]
     return points, [{label: t.times(point) for label, t in linear.items()} for point in points]
 
 
@@ -215,6 +215,7 @@ def extended_fit(linear: Mapping[str, LinearTimes], measured: Mapping[str, Mappi
     extended, and the best's and its neighbours' of the others (the kernel figures' values
     multiply FIT_GRID's points by 60: minutes a round)."""
     points, predictions = list(points), list(predictions)
+    done = {tuple(p[f] for f in grid) for p in points}
     k = best_point(points, predictions, measured)
     for _ in range(EXTENSIONS):
         best = points[k]
@@ -228,7 +229,8 @@ def extended_fit(linear: Mapping[str, LinearTimes], measured: Mapping[str, Mappi
                 ordered = sorted(values)
                 i = ordered.index(best[f])
                 around[f] = (best[f],) + past[f] if f in past else tuple(ordered[max(0, i - 1):i + 2])
-        more, more_predictions = grid_times(linear, around, done=grid)
+        more, more_predictions = grid_times(linear, around, done=done)
+        done.update(tuple(p.values()) for p in more)
         points += more
         predictions += more_predictions
         grid = {f: tuple(sorted(set(values) | set(around[f]))) for f, values in grid.items()}

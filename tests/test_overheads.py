@@ -86,7 +86,8 @@ def test_a_fit_goes_on_past_the_grid_where_the_times_lie_beyond_it(linear):
     assert near_error < in_grid_error / 10 and near["launch_overhead"] > max(grid["launch_overhead"])
     # a point simulated before is not simulated again
     smaller = {**grid, "launch_overhead": (20e-6, 30e-6), "send_overhead": (0.0,), "receive_overhead": (0.0,)}
-    points, _ = grid_times({"mlp": linear}, {**smaller, "launch_overhead": (20e-6, 30e-6, 40e-6)}, done=smaller)
+    done = {tuple(p.values()) for p in grid_times({"mlp": linear}, smaller)[0]}
+    points, _ = grid_times({"mlp": linear}, {**smaller, "launch_overhead": (20e-6, 30e-6, 40e-6)}, done=done)
     assert sorted(p["launch_overhead"] for p in points) == [40e-6] * len(grid["message_delay"])
 
 
