@@ -171,9 +171,8 @@ def calibrate(apps: dict, on: list[str], grid: tuple, linear: dict, machine_mode
     points, predictions = grid
     kept = held_kernel(machine_model)
     keep = [k for k, point in enumerate(points) if all(point[f] in kept[f] for f in KERNEL_FIGURES)]
-    point, predicted, _ = extended_fit(linear, {label: apps[label]["measured"] for label in on}, kept,
-                                       [points[k] for k in keep], [predictions[k] for k in keep])
-    return point, predicted
+    return extended_fit(linear, {label: apps[label]["measured"] for label in on}, kept,
+                        [points[k] for k in keep], [predictions[k] for k in keep])
 
 
 def fit(apps: dict, grid: tuple) -> dict:

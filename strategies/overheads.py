@@ -206,9 +206,9 @@ def grid_times(linear: Mapping[str, LinearTimes], grid: Mapping[str, tuple] = FI
 
 
 def extended_fit(linear: Mapping[str, LinearTimes], measured: Mapping[str, Mapping[str, float]],
-                 grid: Mapping[str, tuple], points: list, predictions: list) -> tuple[dict, dict, dict]:
-    """(the best point, each label's times there, the values tried of each figure): best_point
-    over `points` (all of `grid`, with their `predictions`), and while it takes a figure's largest
+                 grid: Mapping[str, tuple], points: list, predictions: list) -> tuple[dict, dict]:
+    """(the best point, each label's times there): best_point over `points` (all of `grid`,
+    with their `predictions`), and while it takes a figure's largest
     value (of two or more: a held figure stays), that figure's values go on past it (EXTEND_BY)
     and the new points are simulated and weighed with the rest: the whole grid so extended where
     it has at most EXTEND_POINTS points, else the best's value and those past it of the figures
@@ -225,17 +225,22 @@ def extended_fit(linear: Mapping[str, LinearTimes], measured: Mapping[str, Mappi
         past = {f: tuple(round(best[f] * x, 6) for x in EXTEND_BY) for f in edge}
         around = {f: values + past.get(f, ()) for f, values in grid.items()}
         if math.prod(map(len, around.values())) > EXTEND_POINTS:
-            for f, values in grid.items():
-                ordered = sorted(values)
-                i = ordered.index(best[f])
-                around[f] = (best[f],) + past[f] if f in past else tuple(ordered[max(0, i - 1):i + 2])
+            around = {f: (best[f],) + past[f] if f in past else _neighbours(values, best[f])
+                      for f, values in grid.items()}
         more, more_predictions = grid_times(linear, around, done=done)
         done.update(tuple(p.values()) for p in more)
         points += more
         predictions += more_predictions
         grid = {f: tuple(sorted(set(values) | set(around[f]))) for f, values in grid.items()}
         k = best_point(points, predictions, measured)
-    return points[k], predictions[k], grid
+    return points[k], predictions[k]
+
+
+def _neighbours(values: tuple, value: float) -> tuple:
+    """`value` and the values next to it among `values` (sorted)."""
+    ordered = sorted(values)
+    i = ordered.index(value)
+    return tuple(ordered[max(0, i - 1):i + 2])
 
 
 def best_point(points: list, predictions: list, measured: Mapping[str, Mapping[str, float]],
@@ -267,6 +272,6 @@ def fit_figures(cases: Mapping[str, tuple[LinearTimes, Mapping[str, float]]],
                              f"LinearTimes does not simulate")
     linear = {label: linear for label, (linear, _) in cases.items()}
     measured = {label: m for label, (_, m) in cases.items()}
-    point, predicted, _ = extended_fit(linear, measured, grid, *grid_times(linear, grid))
+    point, predicted = extended_fit(linear, measured, grid, *grid_times(linear, grid))
     error = sum(score(m, predicted[label])[0] for label, m in measured.items()) / len(measured)
     return point, error

@@ -72,7 +72,7 @@ def test_a_fit_goes_on_past_the_grid_where_the_times_lie_beyond_it(linear):
     made = {"launch_overhead": 372e-6, "send_overhead": 50e-6, "receive_overhead": 260e-6, "message_delay": 100e-6,
             "kernel_slowdown": 1.1, "kernel_surcharge": 0.5, "kernel_surcharge_cap": 400e-6}
     measured = linear.times(made)
-    in_grid, _ = best_fit_in(grid, linear, measured)
+    in_grid = best_fit_in(grid, linear, measured)
     assert in_grid["launch_overhead"] == max(grid["launch_overhead"])   # the grid alone stops at its edge
     figures, error = fit_figures({"mlp": (linear, measured)}, grid)
     assert error == pytest.approx(0.0, abs=1e-12)
@@ -92,10 +92,9 @@ def test_a_fit_goes_on_past_the_grid_where_the_times_lie_beyond_it(linear):
 
 
 def best_fit_in(grid, linear, measured):
-    """The best point of `grid` alone and its index (best_point, no extension)."""
+    """The best point of `grid` alone (best_point, no extension)."""
     points, predictions = grid_times({"mlp": linear}, grid)
-    k = best_point(points, predictions, {"mlp": measured})
-    return points[k], k
+    return points[best_point(points, predictions, {"mlp": measured})]
 
 
 def test_a_held_figure_keeps_its_nearest_grid_value(linear):
