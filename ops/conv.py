@@ -22,7 +22,7 @@ import math
 import numba
 import numpy as np
 
-from ops import cpu_pool, cuda_kernels, direct_conv, winograd, winograd_1d
+from ops import cpu_pool, cuda_kernels, direct_conv, winograd, winograd_1d, winograd_strided
 from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, given_out, int_attr, register_op
 from ops.linear import torch_linear_init
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
@@ -84,6 +84,18 @@ _BATCHED_MAX_PIXELS = 32 * 32
 #: 3x3 to 4x4 0.62x (measured before the index was cached), and where a window is one run of its
 #: plane (stride 1, "same" width) 0.90-0.97x from 6x6 to 8x8 (a 5x5 at 7x7 0.91x)
 _INDEX_MAX_PIXELS = 8 * 8
+#: Winograd F(7, 2) over the phase rows of a strided convolution (ops/winograd_strided.py), where
+#: its transforms and its GEMMs' shapes pay. Measured on two cores, forward + backward, 3x3
+#: stride 2, against the batched path: 0.85-0.89x its time for 128 -> 128 channels from 56x56
+#: (8 and 32 samples), 0.86x for 128 -> 64, 0.95x for 256 -> 256 from 28x28 with 16 samples; but
+#: 1.09x for 64 -> 64 from 56x56, 1.38x for 32 -> 32, 1.49x for 256 -> 256 from 28x28 with 4
+#: samples (112 blocks) and 1.9x for 512 -> 512 from 14x14 (7 outputs a row: one block, thin
+#: GEMMs). So: at least this many (input channels x the tile's output channels),
+_STRIDED_MIN_CHANNEL_PAIRS = 8192
+#: this many blocks of 7 outputs in the tile,
+_STRIDED_MIN_BLOCKS = 448
+#: and the blocks' outputs at least this much used (17 outputs a row are 3 blocks, 21 outputs)
+_STRIDED_MIN_USE = 0.9
 
 
 def _im2col_view(xp, xpad, kernel, stride, out_hw):
@@ -664,6 +676,8 @@ class Conv2d(Op):
             return "winograd"
         if self._winograd_1d(xp, tile):
             return "winograd_1d"
+        if self._winograd_strided(xp, tile):
+            return "winograd_strided"
         return "batched" if self._batched(xp, tile) else "columns"
 
     def _direct(self, xp) -> bool:
@@ -700,6 +714,18 @@ class Conv2d(Op):
         return (c >= _WINOGRAD_1D_MIN_CHANNELS and c * oct_ >= _WINOGRAD_1D_MIN_CHANNEL_PAIRS
                 and n * rows * winograd_1d.blocks(length, r) >= _WINOGRAD_1D_MIN_BLOCKS)
 
+    def _winograd_strided(self, xp, tile: Rect) -> bool:
+        """Whether a tile runs as Winograd F(7, 2) along the width over its phase rows
+        (ops/winograd_strided.py): strided convolutions of one group on the CPU whose window
+        columns span two shifts of a phase (3 wide at stride 2), with enough channels and
+        blocks, and output rows that fill their blocks."""
+        if not (xp is np and self.groups == 1 and winograd_strided.supports(self.kernel, self.stride)):
+            return False
+        n, oct_, oh, ow = tile.shape
+        t = -(-ow // winograd_strided.M)
+        return (self.inputs[0].shape[1] * oct_ >= _STRIDED_MIN_CHANNEL_PAIRS and n * oh * t >= _STRIDED_MIN_BLOCKS
+                and ow >= _STRIDED_MIN_USE * winograd_strided.M * t)
+
     def _along(self, a):
         """A 1xr or rx1 convolution's image `a` [N, C, H, W] with the convolved axis last (a view)."""
         return a if self.kernel[0] == 1 else a.swapaxes(2, 3)
@@ -712,6 +738,11 @@ class Conv2d(Op):
     def _filters_1d(w):
         """winograd_1d's transform of the weights [OC, C, 1, r] or [OC, C, r, 1]."""
         return winograd_1d.filter_transform(w.reshape(*w.shape[:2], -1))
+
+    def _filters_strided(self, w, pads, channels_last: bool = False):
+        """winograd_strided's transform of the weights, stacked for the tile's left padding."""
+        g = winograd_strided.stacked_filters(w, self.stride, pads[1][0])
+        return winograd_strided.filter_transform(g, channels_last)
 
     def _pads(self, tile: Rect, in_rect: Rect):
         """The tile's virtual padding ((top, bottom), (left, right)) of its input rect."""
@@ -861,12 +892,16 @@ class Conv2d(Op):
         path, bias = self._path(xp, tile), weights["bias"] if self.use_bias else None
         ut = self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None
         r, left = self._along_pads(pads)
+        us = self._on_one_blas_thread(self._filters_strided, w, pads, True) if path == "winograd_strided" else None
         direct_bias = (np.zeros(oct_, x.dtype) if bias is None else bias) if path == "direct" else None
 
         def samples(a, b):
             if path == "winograd_1d":
                 winograd_1d.forward(self._along(x[a:b]), r, left, self._along(y[a:b].reshape(b - a, oct_, oh, ow)),
                                     bias, ut)
+            elif path == "winograd_strided":
+                winograd_strided.forward(x[a:b], self.kernel, self.stride, (pads[0][0], pads[1][0]),
+                                         y[a:b].reshape(b - a, oct_, oh, ow), bias, us)
             elif path == "batched":
                 self._forward_batched(tile, x[a:b], pads, w, bias, y[a:b])
             else:
@@ -930,6 +965,7 @@ class Conv2d(Op):
         # Winograd's parts share the transformed filters and add their gradients, turned into dw once
         u = self._on_one_blas_thread(self._filters_1d, w) if path == "winograd_1d" else None
         r, left = self._along_pads(pads)
+        us = self._on_one_blas_thread(self._filters_strided, w, pads) if path == "winograd_strided" else None
 
         def samples(a, b):
             """(the weight's gradient, the bias's) over samples a..b-1, dx's rows written."""
@@ -938,6 +974,9 @@ class Conv2d(Op):
             if path == "winograd_1d":
                 return winograd_1d.transformed_backward(self._along(x[a:b]), r, left, u, self._along(dy[a:b]),
                                                         None if dx_ab is None else self._along(dx_ab)), gb
+            if path == "winograd_strided":
+                return winograd_strided.transformed_backward(x[a:b], self.kernel, self.stride, (pads[0][0], pads[1][0]),
+                                                             us, dy[a:b], dx_ab), gb
             if path == "batched":
                 return self._backward_batched(tile, x[a:b], pads, w, dy[a:b], dx_ab), gb
             if path == "gemm":
@@ -953,6 +992,9 @@ class Conv2d(Op):
         gw = _summed([g for g, _ in parts])
         if path == "winograd_1d":
             gw = self._on_one_blas_thread(winograd_1d.filter_gradient, gw, r).reshape(w.shape)
+        if path == "winograd_strided":
+            gw = winograd_strided.filters_of_stacked(self._on_one_blas_thread(winograd_strided.filter_gradient, gw),
+                                                     w.shape, self.stride, pads[1][0])
         grads = {"weight": gw}
         if self.use_bias:   # (summed in the parts: a threaded BLAS call here would leave OpenBLAS's threads spinning)
             grads["bias"] = _summed([gb for _, gb in parts])

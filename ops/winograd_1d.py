@@ -105,7 +105,7 @@ def blocks(length: int, r: int) -> int:
 # pixel strides the image by a plane, 4 KiB at 32x32, where every access missed the cache:
 # 5-12x the time.)
 @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _split_transformed(x, left, m, mat, out):
+def split_transformed(x, left, m, mat, out):
     """out[p, n, h, t, c] = sum over s of mat[p, s] * x[n, c, h, m*t + s - left] (0 outside x):
     the S places of each block (t) of a row, mat [P, S] applied to them in cache. (A split into
     places and a GEMM with the matrix over them made a buffer 4 times the image more; one
@@ -138,10 +138,10 @@ def _split_transformed(x, left, m, mat, out):
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _merge_transformed(z, mat, left, m, bias, out):
+def merge_transformed(z, mat, left, m, bias, out):
     """out[n, c, h, j] = bias[c] (none if bias is empty) + the sum over the places (s, t) with
     m*t + s = j + left of sum over p of mat[s, p] * z[p, n, h, t, c]: mat [S, P] applied to each
-    block and the places added into the row, in cache (the adjoint of _split_transformed with
+    block and the places added into the row, in cache (the adjoint of split_transformed with
     mat transposed). z [P, N, H, T, C], out [N, C, H, W] (any strides)."""
     n_, c_, h_, w_ = out.shape
     s_, p_ = mat.shape
@@ -198,7 +198,7 @@ def _transformed_input(x, r: int, left: int, t_: int, scratch: dict):
     bt = _cast(r, x.dtype)[2]
     for a, b in chunks:
         v = buf.get("v", b - a, (n, -1, c))
-        _split_transformed(x[a:b], left, m, bt, v.reshape(n, b - a, h, t_, c))
+        split_transformed(x[a:b], left, m, bt, v.reshape(n, b - a, h, t_, c))
         yield a, b, v, buf
 
 
@@ -216,7 +216,7 @@ def forward(x, r: int, left: int, y, bias, u) -> None:
     scratch = {"m": (n, h * t_ * oc)}
     for a, b, v, buf in _transformed_input(x, r, left, t_, scratch):
         prod = np.matmul(v, ut, out=buf.get("m", b - a, (n, -1, oc)))
-        _merge_transformed(prod.reshape(n, b - a, h, t_, oc), at, 0, m, bias, y[a:b])
+        merge_transformed(prod.reshape(n, b - a, h, t_, oc), at, 0, m, bias, y[a:b])
 
 
 def transformed_backward(x, r: int, left: int, u, dy, dx):
@@ -231,12 +231,12 @@ def transformed_backward(x, r: int, left: int, u, dy, dx):
     scratch = {"m": (n, h * t_ * oc)}
     for a, b, v, buf in _transformed_input(x, r, left, t_, scratch):
         dm = buf.get("m", b - a, (n, -1, oc))
-        _split_transformed(dy[a:b], 0, m, a_, dm.reshape(n, b - a, h, t_, oc))
+        split_transformed(dy[a:b], 0, m, a_, dm.reshape(n, b - a, h, t_, oc))
         if du is None:
             du = np.matmul(dm.swapaxes(1, 2), v)
         else:
             du += np.matmul(dm.swapaxes(1, 2), v)
         if dx is not None:  # v is free now: the input's gradient goes through it
             np.matmul(dm, u, out=v)
-            _merge_transformed(v.reshape(n, b - a, h, t_, c), b_, left, m, np.empty(0, x.dtype), dx[a:b])
+            merge_transformed(v.reshape(n, b - a, h, t_, c), b_, left, m, np.empty(0, x.dtype), dx[a:b])
     return du

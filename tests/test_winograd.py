@@ -158,7 +158,7 @@ def check_conv_path(make, shape, out_channels, padding, use_bias, tol):
     xt = torch.tensor(x, requires_grad=True)
     wt = torch.tensor(weights["weight"], requires_grad=True)
     bt = torch.tensor(weights["bias"], requires_grad=True) if use_bias else None
-    yt = F.conv2d(xt, wt, bt, padding=op.padding)
+    yt = F.conv2d(xt, wt, bt, stride=op.stride, padding=op.padding)
     yt.backward(torch.tensor(g))
     np.testing.assert_allclose(y, yt.detach().numpy(), rtol=tol, atol=tol)
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=tol, atol=tol)
