@@ -11,7 +11,8 @@ then one GEMM each per chunk where per-sample ones would be thin; with strides o
 kernels read the input's phase planes (its entries split by position modulo the stride), where
 each window offset is a contiguous read. 3x3 stride-1 convolutions
 with enough channels and 4x4 output blocks are Winograd's (ops/winograd.py), so are stride-1 1x7,
-7x1, 1x3 and 3x1 ones along their one axis (ops/winograd_1d.py), and those of a few input
+7x1, 1x3 and 3x1 ones along their one axis (ops/winograd_1d.py) and 3x3 stride-2 ones along the
+width over their phase rows (ops/winograd_strided.py), and those of a few input
 channels (a first layer) direct convolution (ops/direct_conv.py). Pooling is ops/pool.py.
 """
 from __future__ import annotations
@@ -663,10 +664,11 @@ class Conv2d(Op):
 
     def _path(self, xp, tile: Rect) -> str:
         """How a tile runs: "direct" (see _direct), "winograd" (see _winograd), "winograd_1d" (see
-        _winograd_1d), "batched" (see _batched), "gemm" (on a GPU, see _forward_gemm) or
-        "columns": im2col per sample and one batched matmul per chunk (_forward_columns). A 1x1
-        stride-1 convolution on a GPU takes "columns", whose columns are the input itself: on an
-        H200 the "gemm" path's im2col, transposes and col2im made it 1.7x PyTorch's, "columns" 0.97x."""
+        _winograd_1d), "winograd_strided" (see _winograd_strided), "batched" (see _batched), "gemm"
+        (on a GPU, see _forward_gemm) or "columns": im2col per sample and one batched matmul per
+        chunk (_forward_columns). A 1x1 stride-1 convolution on a GPU takes "columns", whose
+        columns are the input itself: on an H200 the "gemm" path's im2col, transposes and col2im
+        made it 1.7x PyTorch's, "columns" 0.97x."""
         if (cuda_kernels.on_gpu(xp) and np.dtype(self.inputs[0].dtype) in (np.float32, np.float64)
                 and (self.kernel, self.stride) != ((1, 1), (1, 1))):
             return "gemm"
