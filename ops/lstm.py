@@ -16,7 +16,8 @@ different devices run as a wavefront: chunk k of layer 2 beside chunk k+1 of lay
 
 On the CPU (float32 and float64) each step is one numba call, its recurrent GEMM included
 (ops/thin_gemm.py's dots, which does not repack W_hh at every step as BLAS does: 110-170
-GFLOP/s on this VM's two cores at 8-32 samples against OpenBLAS's 55-115). A step's work is cut
+GFLOP/s on an AVX-512 VM's two cores at 8-32 samples against OpenBLAS's 55-115; with AVX2 its
+tiles of 2 samples, 35.6 GFLOP/s a core against OpenBLAS's 23.8). A step's work is cut
 by hidden units, one part per core of the task (prange): part i computes its units' four gate
 rows and their element-wise update, reading all of h_{t-1} and writing only its own units, so
 one call is one step and the parts meet once a step. Backward does the same with W_hh^T,

@@ -9,16 +9,17 @@ from threadpoolctl import threadpool_limits
 
 import ops.thin_gemm as thin_gemm
 from ops.linear import Dense
-from ops.thin_gemm import dots, thin_matmul, uses_dots
+from ops.thin_gemm import thin_matmul, uses_dots
 from tests.opcheck import check_tiled, run_whole, spec
 
 
+@pytest.mark.parametrize("kernel", [thin_gemm._dots_4x4, thin_gemm._dots_4x2])
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(1, 13), k=st.integers(1, 40), batch=st.integers(1, 11), steps=st.integers(1, 3),
        add=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
-def test_dots_is_the_matrix_product_of_any_rows(m, k, batch, steps, add, dtype, data):
-    """dots (4 x 4 tiles and their remainders) on rows lo..hi of a against numpy in float64,
-    writing or adding into one step of a 3-D out, touching nothing else."""
+def test_dots_is_the_matrix_product_of_any_rows(kernel, m, k, batch, steps, add, dtype, data):
+    """Both tilings of dots (4 x 4 and 4 x 2, and their remainders) on rows lo..hi of a against
+    numpy in float64, writing or adding into one step of a 3-D out, touching nothing else."""
     lo = data.draw(st.integers(0, m))
     hi = data.draw(st.integers(lo, m))
     s, so = data.draw(st.integers(0, steps - 1)), data.draw(st.integers(0, steps - 1))
@@ -29,7 +30,7 @@ def test_dots_is_the_matrix_product_of_any_rows(m, k, batch, steps, add, dtype, 
     expect = out.astype(np.float64)
     product = x[:, s].astype(np.float64) @ a[lo:hi].astype(np.float64).T
     expect[:, so, lo:hi] = product + (expect[:, so, lo:hi] if add else 0)
-    dots(a, x, s, out, so, lo, hi, add)
+    kernel(a, x, s, out, so, lo, hi, add)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expect, rtol=tol, atol=tol)
 
