@@ -56,9 +56,10 @@ PHASES = ("forward", "backward", "backward_weights", "update")
 #: 1x1 GEMMs, fused row kernels; 3: measured with freed memory kept, taskrt.heap, and kernels that
 #: write into the runtime's views; 4: channels-last Winograd, now also on small images; 5: direct
 #: convolution for 3x3 layers of few input channels; 6: tiles measured as views of full-size
-#: arrays, their results written into such views, as the runtime runs them), so that
-#: measurements of the old kernels are not reused
-CACHE_VERSION = 6
+#: arrays, their results written into such views, as the runtime runs them; 7: strided 3x3
+#: convolutions as Winograd over phase rows, the LSTM's recurrent steps in tiles that fit AVX2's
+#: registers), so that measurements of the old kernels are not reused
+CACHE_VERSION = 7
 #: the kind the analytic model files optimizer updates under (its efficiency entry)
 UPDATE_KIND = "update"
 
