@@ -53,11 +53,22 @@ def _put4(row, m, v0, v1, v2, v3, add):
     _put(row, m + 3, v3, add)
 
 
-#: whether the host has 32 vector registers (AVX-512) or 16 (AVX2): a tile's sums stay in
-#: registers only if they fit. One core of a first-generation EPYC (AVX2), 2048 x 1024 against
-#: 64 samples: 4 x 4 tiles 24.3 GFLOP/s (its 16 sums and 8 operands spill), 4 x 2 tiles 35.6,
-#: 3 x 3 34.0, OpenBLAS 23.8; with AVX-512 the 4 x 4 tiles ran at 93-101 (sessions 31-39)
-WIDE_REGISTERS = bool(llvm.get_host_cpu_features().get("avx512f", False))
+def _compiles_for_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512: the features numba is told to target
+    (NUMBA_CPU_NAME and NUMBA_CPU_FEATURES), else the host's as LLVM sees them."""
+    if numba.config.CPU_NAME:
+        return "+avx512f" in (numba.config.CPU_FEATURES or "")
+    try:
+        return bool(llvm.get_host_cpu_features().get("avx512f", False))
+    except RuntimeError:   # LLVM could not read the host's features
+        return False
+
+
+#: whether the kernels have 32 vector registers (AVX-512) or 16 (AVX2 and older): a tile's sums
+#: stay in registers only if they fit. One core of a first-generation EPYC (AVX2), 2048 x 1024
+#: against 64 samples: 4 x 4 tiles 24.3 GFLOP/s (its 16 sums and 8 operands spill), 4 x 2 tiles
+#: 35.6, 3 x 3 34.0, OpenBLAS 23.8; with AVX-512 the 4 x 4 tiles ran at 93-101 (sessions 31-39)
+WIDE_REGISTERS = _compiles_for_avx512()
 
 
 @numba.njit(inline="always", **_OPTIONS)

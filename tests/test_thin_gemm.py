@@ -1,6 +1,7 @@
 """ops/thin_gemm.py: the dot kernel and thin_matmul against numpy, and where each path is taken."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -33,6 +34,14 @@ def test_dots_is_the_matrix_product_of_any_rows(kernel, m, k, batch, steps, add,
     kernel(a, x, s, out, so, lo, hi, add)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expect, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("features, wide", [("+avx512f,+avx2", True), ("+avx2,+fma", False), ("", False)])
+def test_tiles_follow_the_target_numba_is_told(monkeypatch, features, wide):
+    """With NUMBA_CPU_NAME set, numba compiles for NUMBA_CPU_FEATURES, whatever the host has."""
+    monkeypatch.setattr(numba.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", features)
+    assert thin_gemm._compiles_for_avx512() is wide
 
 
 @pytest.fixture

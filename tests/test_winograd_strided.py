@@ -92,7 +92,8 @@ def test_forward_and_backward_match_torch(width, kh, sh, n, c, oc, h, w, top, bo
 
 
 def test_views_bias_and_several_chunks(monkeypatch):
-    """Strided views in (as a tile's are), a bias, and sample chunks smaller than the batch."""
+    """Strided views in (as a tile's are), a bias, sample chunks smaller than the batch, and a
+    backward that writes no input gradient."""
     monkeypatch.setattr(ws, "_CHUNK_BYTES", 1)
     monkeypatch.setattr(ws, "_MIN_ROWS", 1)
     rng = np.random.default_rng(3)
@@ -105,6 +106,11 @@ def test_views_bias_and_several_chunks(monkeypatch):
     np.testing.assert_allclose(y, y_ref + bias[:, None, None], rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-11, atol=1e-11)
+    # no input gradient wanted (a model's input): the same weight gradient
+    u = ws.filter_transform(ws.stacked_filters(w, (2, 2), 1))
+    du = ws.transformed_backward(x, (3, 3), (2, 2), (1, 1), u, dy, None)
+    np.testing.assert_allclose(ws.filters_of_stacked(ws.filter_gradient(du), w.shape, (2, 2), 1), dw_ref,
+                               rtol=1e-11, atol=1e-11)
 
 
 def test_float32_error_against_float64():
