@@ -3,8 +3,9 @@
 BLAS packs all of w into its panels at every call (OpenBLAS has no interface to pack it once),
 which a few rows of x do not pay back: a dense layer's 4096 x 4096 weight against 16 rows ran
 at 48 GFLOP/s on this VM's two cores, an LSTM's 4096 x 1024 recurrent weight against 16
-samples at 55-115. `dots` reads w's rows once per four rows of x and keeps 16 sums in
-registers: 122 and 110-170 GFLOP/s there (at 4 rows 60 against 16).
+samples at 55-115. `dots` reads w's rows once per tile of four rows of x (two without
+AVX-512) and keeps the tile's sums in registers: 122 and 110-170 GFLOP/s there (at 4 rows 60
+against 16).
 
     thin_matmul(x2, w, out)     # out = x2 @ w.T, rows of w over the task's cores, on the pool
     dots(a, x, s, out, so, lo, hi, add)   # the kernel, for callers that run it in their own loops
