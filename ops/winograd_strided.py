@@ -22,6 +22,7 @@ gradient's A go through ops/winograd_1d.py's general kernels (applied to OC chan
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -97,6 +98,15 @@ def _shifts(kw: int, sw: int, left: int) -> list[tuple[int, int]]:
     return [((j - left) % sw, (j - left) // sw) for j in range(kw)]
 
 
+def _taps(kw: int, sw: int, left: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """(the correlation's virtual left padding, and per window column j: (j, its phase, its tap
+    of the 2-tap correlation)): the shifts counted from the least."""
+    shifts = _shifts(kw, sw, left)
+    first = min(d for _, d in shifts)
+    return -first, [(j, pj, d - first) for j, (pj, d) in enumerate(shifts)]
+
+
+@functools.lru_cache(maxsize=None)
 def supports(kernel, stride) -> bool:
     """Whether a convolution with this kernel and stride is a 2-tap correlation of its phases
     here, whatever a tile's virtual left padding: a width stride over 1 and window columns over
@@ -116,11 +126,9 @@ def stacked_filters(w, stride, left: int):
     taps of phase pj at their shifts, zero where the phase has none."""
     oc, c, kh, kw = w.shape
     sw = stride[1]
-    shifts = _shifts(kw, sw, left)
-    first = min(d for _, d in shifts)
     g = np.zeros((oc, kh, sw, c, R), w.dtype)
-    for j, (pj, d) in enumerate(shifts):
-        g[:, :, pj, :, d - first] = w[:, :, :, j].transpose(0, 2, 1)
+    for j, pj, k in _taps(kw, sw, left)[1]:
+        g[:, :, pj, :, k] = w[:, :, :, j].transpose(0, 2, 1)
     return g.reshape(oc, kh * sw * c, R)
 
 
@@ -128,12 +136,10 @@ def filters_of_stacked(g, shape, stride, left: int):
     """The inverse of stacked_filters on gradients: dw [OC, C, KH, KW] from dg [OC, G*C, 2]."""
     oc, c, kh, kw = shape
     sw = stride[1]
-    shifts = _shifts(kw, sw, left)
-    first = min(d for _, d in shifts)
     g = g.reshape(oc, kh, sw, c, R)
     dw = np.empty(shape, g.dtype)
-    for j, (pj, d) in enumerate(shifts):
-        dw[:, :, :, j] = g[:, :, pj, :, d - first].transpose(0, 2, 1)
+    for j, pj, k in _taps(kw, sw, left)[1]:
+        dw[:, :, :, j] = g[:, :, pj, :, k].transpose(0, 2, 1)
     return dw
 
 
@@ -150,11 +156,6 @@ def filter_gradient(du):
     """dg [OC, GC, 2] from du [N, OC, GC], the gradient of U = filter_transform(g)."""
     n, oc, gc = du.shape
     return np.matmul(du.reshape(n, oc * gc).T, _cast(du.dtype)[2]).reshape(oc, gc, R)
-
-
-def _left(kernel, stride, left: int) -> int:
-    """The virtual padding before the phase rows of the 2-tap correlation."""
-    return -min(d for _, d in _shifts(kernel[1], stride[1], left))
 
 
 # The image is turned channels-last, a chunk of samples at a time, so that the kernels below
@@ -251,21 +252,23 @@ def _chunks(n: int, bytes_per_sample: int, blocks_per_sample: int) -> list[tuple
 
 
 class _Plan:
-    """One call's geometry: the blocks, the padded channels-last image and the chunks' buffers."""
+    """One call's geometry: the blocks, the padded channels-last image and the chunks' buffers
+    (the image, its transformed blocks, and the point GEMMs' products on the output's channels)."""
 
-    def __init__(self, x, kernel, stride, top_left, out_shape, scratch: dict):
+    def __init__(self, x, kernel, stride, top_left, out_shape):
         n, c, h, w = x.shape
-        oc, oh, ow = out_shape
+        self.oc, self.oh, ow = out_shape
         self.kh, (self.sh, self.sw) = kernel[0], stride
         self.top = top_left[0]
         self.t = -(-ow // M)
         self.gc = kernel[0] * stride[1] * c
         # columns of the padded image: x's column 0 at pad, the last block's last place inside
-        self.pad = self.sw * _left(kernel, stride, top_left[1])
+        self.pad = self.sw * _taps(kernel[1], self.sw, top_left[1])[0]
         self.wp = max(self.pad + w, self.sw * (M * self.t + 1))
-        sizes = {"x": (h * self.wp * c,), "v": (N, oh * self.t * self.gc), **scratch}
+        blocks = self.oh * self.t
+        sizes = {"x": (h * self.wp * c,), "v": (N, blocks * self.gc), "m": (N, blocks * self.oc)}
         per_sample = sum(math.prod(v) for v in sizes.values()) * x.itemsize
-        self.chunks = _chunks(n, per_sample, oh * self.t)
+        self.chunks = _chunks(n, per_sample, blocks)
         self.buf = winograd.Buffers(x.dtype, self.chunks[0][1] - self.chunks[0][0], sizes)
 
     def image(self, x, a: int, b: int):
@@ -280,36 +283,41 @@ class _Plan:
         xl[:, :, self.pad + x.shape[3]:] = 0
         np.copyto(xl[:, :, self.pad:self.pad + x.shape[3]], x[a:b].transpose(0, 2, 3, 1))
         v = self.buf.get("v", b - a, (N, -1, self.gc))
-        oh = v.shape[1] // ((b - a) * self.t)
-        _split(xl, self.kh, self.sh, self.sw, self.top, _consts(x.dtype), v.reshape(N, b - a, oh, self.t, self.gc))
+        _split(xl, self.kh, self.sh, self.sw, self.top, _consts(x.dtype), self.blocks(v, b - a))
         return xl, v
+
+    def products(self, a: int, b: int):
+        """The scratch [N, (b-a)*OH*T, OC] of samples [a, b)'s point GEMMs on the output's channels."""
+        return self.buf.get("m", b - a, (N, -1, self.oc))
+
+    def blocks(self, z, samples: int):
+        """z [N, samples*OH*T, K] as [N, samples, OH, T, K] (a view)."""
+        return z.reshape(N, samples, self.oh, self.t, z.shape[-1])
 
 
 def forward(x, kernel, stride, top_left, y, bias, ut) -> None:
     """y [N, OC, OH, OW] = the convolution of x [N, C, H, W] (virtual padding top_left) with the
     filters whose transform is ut = filter_transform(stacked_filters(w, ...), True), plus bias."""
-    oc, oh, ow = y.shape[1:]
-    plan = _Plan(x, kernel, stride, top_left, y.shape[1:], {"m": (N, oh * -(-ow // M) * oc)})
+    plan = _Plan(x, kernel, stride, top_left, y.shape[1:])
     bias = np.empty(0, x.dtype) if bias is None else bias
     at = _cast(x.dtype)[0]
     for a, b in plan.chunks:
         _, v = plan.transformed(x, a, b)
-        prod = np.matmul(v, ut, out=plan.buf.get("m", b - a, (N, -1, oc)))
-        winograd_1d.merge_transformed(prod.reshape(N, b - a, oh, plan.t, oc), at, 0, M, bias, y[a:b])
+        prod = np.matmul(v, ut, out=plan.products(a, b))
+        winograd_1d.merge_transformed(plan.blocks(prod, b - a), at, 0, M, bias, y[a:b])
 
 
 def transformed_backward(x, kernel, stride, top_left, u, dy, dx):
     """The gradient dU [N, OC, GC] of the transformed stacked filters u = filter_transform(g)
     (parts of a batch add theirs; filter_gradient and filters_of_stacked turn the sum into dw),
     with dx written unless it is None."""
-    oc, oh, ow = dy.shape[1:]
-    plan = _Plan(x, kernel, stride, top_left, dy.shape[1:], {"m": (N, oh * -(-ow // M) * oc)})
+    plan = _Plan(x, kernel, stride, top_left, dy.shape[1:])
     a_ = _cast(x.dtype)[1]
     du = None
     for a, b in plan.chunks:
         xl, v = plan.transformed(x, a, b)
-        dm = plan.buf.get("m", b - a, (N, -1, oc))
-        winograd_1d.split_transformed(dy[a:b], 0, M, a_, dm.reshape(N, b - a, oh, plan.t, oc))
+        dm = plan.products(a, b)
+        winograd_1d.split_transformed(dy[a:b], 0, M, a_, plan.blocks(dm, b - a))
         if du is None:
             du = np.matmul(dm.swapaxes(1, 2), v)
         else:
@@ -318,6 +326,6 @@ def transformed_backward(x, kernel, stride, top_left, u, dy, dx):
             continue
         np.matmul(dm, u, out=v)   # v and xl are free now: the gradients go through them
         xl[...] = 0
-        _merge_add(v.reshape(N, b - a, oh, plan.t, plan.gc), plan.kh, plan.sh, plan.sw, plan.top, _consts(x.dtype), xl)
+        _merge_add(plan.blocks(v, b - a), plan.kh, plan.sh, plan.sw, plan.top, _consts(x.dtype), xl)
         _channels_first(xl[:, :, plan.pad:plan.pad + x.shape[3]], dx[a:b])
     return du
