@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from threadpoolctl import threadpool_limits
+
+from ops import cpu_threads, norm
 from ops.base import ATTRIBUTE, OP_REGISTRY, PARAMETER, SAMPLE, ShapeError
 from ops.norm import BatchNorm, LayerNorm
 from taskrt.geometry import Rect
@@ -101,6 +104,42 @@ def test_batch_norm_numba_kernels_match_the_array_code(relu, training):
         results.append([y, gx, gw["weight"], gw["bias"], *st_.values()])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_passes_over_channel_ranges_on_several_cores_match_one_core(monkeypatch, relu):
+    """Each kernel run once a core of the task over its range of channels (5 channels on 3
+    cores, of a channel tile of a bigger array) gives what one run over all of them gives."""
+    shape = (3, 5, 4, 6)
+    op = BatchNorm("bn", [spec(shape)], relu=relu)
+    x, weights, state, g = bn_data(op, seed=4)
+    wide = np.zeros((shape[0], shape[1] + 2, *shape[2:]), np.float32)
+    wide[:, 1:-1] = x
+    wide = wide[:, 1:-1]
+    wide.flags.writeable = False
+    tile = Rect.from_shape(shape)
+    monkeypatch.setattr(norm, "PARALLEL_MIN_VALUES", 1)
+    runs = {}
+
+    def counted(name, kernel):
+        def run(*args):
+            runs[name] = runs.get(name, 0) + 1
+            return kernel(*args)
+        return run
+    for name in ("_bn_moments_cpu", "_bn_apply_cpu", "_bn_grad_sums_cpu", "_bn_dx_cpu"):
+        monkeypatch.setattr(norm, name, counted(name, getattr(norm, name)))
+    results = []
+    for cores in (1, 3):
+        runs.clear()
+        with threadpool_limits(limits=cores, user_api="blas"):
+            st_ = {k: v.copy() for k, v in state.items()}
+            (y,), saved = op.forward(np, tile, [wide], [tile], weights, training=True, state=st_)
+            (gx,), gw = op.backward(np, tile, [wide], [tile], weights, [y], [g], saved)
+            parts = min(3, cpu_threads.task_threads())
+        assert runs == dict.fromkeys(runs, parts) and len(runs) == 4, (cores, runs)
+        results.append([y, gx, gw["weight"], gw["bias"], *st_.values()])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("relu", [False, True])
