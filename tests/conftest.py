@@ -3,13 +3,16 @@ timing meaningless), and, under CI, derandomized so that a run is reproducible. 
 tests the CPU path, so runtimes it makes take no GPU even where one exists (TASKRT_GPUS=0,
 inherited by the MPI programs); tests/test_gpu.py builds GPU machines itself. A session of
 many tests starts tests/precompile.py beside it, which fills numba's cache with what the
-later tests compile."""
+later tests compile. The tests' own cached kernels (tests/test_blas.py's) get the packages'
+refresh of numba's cache (taskrt/jit_cache.py)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from hypothesis import settings
+
+from taskrt import jit_cache
 
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
@@ -18,6 +21,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 os.environ["TASKRT_GPUS"] = "0"
 
 ROOT = Path(__file__).resolve().parent.parent
+jit_cache.refresh(str(ROOT / "tests"))
 _precompile: list[subprocess.Popen] = []
 
 
