@@ -38,7 +38,7 @@ def refresh(package_dir: str) -> list[str]:
                for name in sorted(os.listdir(package_dir)) if name.endswith(".py")}
     stale = [module for module, digest in digests.items() if state["modules"].get(module) != digest]
     dropped = _drop(cache_dir, stale)
-    if stale or scan.changed:
+    if stale or scan.changed or scan.files.keys() != state["files"].keys():
         _save(state_path, {"version": _VERSION, "files": scan.files, "modules": digests})
     return dropped
 
@@ -53,12 +53,15 @@ def cache_folder(package_dir: str) -> str:
 
 
 class _Scan:
-    """Files of the project under root: their digests, imports and use of numba (kept in
-    `files` by path relative to root, with the size and time they were read at)."""
+    """Files of the project under root: their digests, imports and use of numba, by path
+    relative to root, with the size and time they were read at. `files` holds those this scan
+    met (read again where they changed since `known`, the last scan's), so files no module
+    depends on any more are forgotten."""
 
-    def __init__(self, root: str, files: dict):
+    def __init__(self, root: str, known: dict):
         self.root = root
-        self.files = dict(files)
+        self.known = known
+        self.files: dict[str, dict] = {}
         self.changed = False
 
     def closure_digest(self, path: str) -> str:
@@ -80,18 +83,24 @@ class _Scan:
         return deps
 
     def _entry(self, rel: str) -> dict:
-        path = os.path.join(self.root, rel)
-        stat = os.stat(path)
         entry = self.files.get(rel)
-        if entry is None or entry["size"] != stat.st_size or entry["mtime_ns"] != stat.st_mtime_ns:
-            with open(path, "rb") as f:
-                source = f.read()
-            imports, uses_numba = _imports(source, rel, self.root)
-            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                     "digest": hashlib.sha256(source).hexdigest(), "imports": imports,
-                     "numba": uses_numba}
-            self.files[rel] = entry
+        if entry is not None:
+            return entry
+        path = os.path.join(self.root, rel)
+        try:
+            stat = os.stat(path)
+            entry = self.known.get(rel)
+            if entry is None or entry["size"] != stat.st_size or entry["mtime_ns"] != stat.st_mtime_ns:
+                with open(path, "rb") as f:
+                    source = f.read()
+                imports, uses_numba = _imports(source, rel, self.root)
+                entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                         "digest": hashlib.sha256(source).hexdigest(), "imports": imports, "numba": uses_numba}
+                self.changed = True
+        except OSError:   # gone since a module that imports it was read: its import will say so
+            entry = {"size": -1, "mtime_ns": -1, "digest": "", "imports": [], "numba": False}
             self.changed = True
+        self.files[rel] = entry
         return entry
 
 

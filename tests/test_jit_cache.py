@@ -95,6 +95,15 @@ def test_a_time_without_a_change_drops_nothing_and_a_broken_state_drops_all(tree
     assert modules_of(jit_cache.refresh(tree)) == ["helper", "kern"]
 
 
+def test_a_dependency_gone_from_under_an_unchanged_importer_drops_the_importer(tree):
+    folder = jit_cache.cache_folder(tree)
+    jit_cache.refresh(tree)
+    cache_files(folder, "kern", "helper")
+    os.remove(os.path.join(tree, "other.py"))
+    assert modules_of(jit_cache.refresh(tree)) == ["kern"]
+    assert jit_cache.refresh(tree) == []
+
+
 def test_a_module_that_does_not_parse_leaves_the_refresh_to_its_import(tree):
     write(os.path.join(tree, "helper.py"), "def broken(:\n")
     jit_cache.refresh(tree)
