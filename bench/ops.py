@@ -154,6 +154,8 @@ def cases(quick: bool) -> list[Case]:
     conv("conv_resnet3x3", (32 // s, 64, 56, 56), 64, (3, 3), (1, 1), (1, 1))
     conv("conv_1x1", (32 // s, 256, 56, 56), 64, (1, 1), (1, 1), (0, 0))
     conv("conv_3x3_s2", (32 // s, 128, 56, 56), 128, (3, 3), (2, 2), (1, 1))
+    # Inception-v3's grid reduction (Mixed_6a's 3x3 stride 2, 288 -> 384, 35x35 -> 17x17)
+    conv("conv_3x3_s2_inception", (32 // s, 288, 35, 35), 384, (3, 3), (2, 2), (0, 0))
     # Inception-v3's factorized 1x7 (the 17x17 grid, 192 -> 192)
     conv("conv_1x7", (32 // s, 192, 17, 17), 192, (1, 7), (1, 1), (0, 3))
     # and its 3x1 of the 8x8 grid (384 -> 384)
