@@ -291,14 +291,17 @@ class OpPlan:
     """
 
     def __init__(self, low: "Lowering", op: Op, config: TileConfig, backward: bool,
-                 summarize: Callable | None, like: "OpPlan | None" = None):
+                 summarize: Callable | None, like: "OpPlan | None" = None, twin: "OpPlan | None" = None):
         self.op = op
         self.config = config
         self.saved = low.saved
         self.summarize = summarize
         if like is None:
+            if twin is not None and not _twins(twin, op, config):
+                raise ValueError(f"OpPlan: {twin!r} is not a plan of an op like {op.kind} {op.name!r} (its kind, "
+                                 f"attributes and input shapes) with degrees {config.degrees}")
             before = set(self.__dict__)
-            self._shape(low, backward)
+            self._shape(low, backward, twin)
             #: the attributes _shape set (what a plan made `like` this one shares)
             self._shaped = tuple(k for k in self.__dict__ if k not in before)
         else:   # (the simulator's search makes a plan per proposal, a third of them of degrees seen before)
@@ -316,9 +319,19 @@ class OpPlan:
         # would miss the runtime's cache of mapped launches)
         self._made: dict[tuple, list] = {}
 
-    def _shape(self, low: "Lowering", backward: bool) -> None:
+    def _shape(self, low: "Lowering", backward: bool, twin: "OpPlan | None" = None) -> None:
         """What a plan's tiles fix whatever their devices: tiles, rects, partitions and requirement
-        lists (a plan of the op with the same degrees, `like`, shares them)."""
+        lists (a plan of the op with the same degrees, `like`, shares them). A `twin`, a plan of
+        another op of the same kind, attributes, input shapes and degrees, gives its tiles and
+        rects, and its partitions' checked pieces for this op's regions."""
+        if twin is None:
+            self._tile_rects(low)
+        else:
+            self._twin_rects(low, twin)
+        self._region_reqs(low, backward)
+
+    def _tile_rects(self, low: "Lowering") -> None:
+        """_shape's tiles, their rects and the partitions of the op's regions into them."""
         op, config = self.op, self.config
         self.colors = config.colors()
         self.tiles = tile_rects(op.tile_shape, config.degrees)
@@ -361,6 +374,36 @@ class OpPlan:
         carry_rects = {c: op.carry_rects(t) for c, t in self.tiles.items()} if self.carry_names else {}
         self._carries = [part(Region(carry_shapes[k], carry_dtype, f"{name}.{k}.carry"),
                               {c: r[k] for c, r in carry_rects.items()}, f"carry.{k}") for k in self.carry_names]
+
+    def _twin_rects(self, low: "Lowering", twin: "OpPlan") -> None:
+        """_tile_rects from a twin's: the same tiles and rects, its partitions' pieces (checked when
+        the twin was made) on this op's regions of the same bounds."""
+        for k in _TILE_GEOMETRY:
+            setattr(self, k, getattr(twin, k))
+        op, name, values = self.op, self.op.name, low.values
+        self._ins = [p.alike(values[t.name], f"{name}.in{i}") for i, (p, t) in enumerate(zip(twin._ins, op.inputs))]
+        self._outs = [p.alike(values[t.name], f"{name}.out{i}")
+                      for i, (p, t) in enumerate(zip(twin._outs, op.outputs))]
+        self._weights = [p.alike(low.params[f"{name}.{k}"].value, f"{name}.{k}")
+                         for p, k in zip(twin._weights, self.weight_names)]
+        self._states = {training: [p.alike(low.stats[f"{name}.{k}"], f"{name}.{k}")
+                                   for p, k in zip(parts, self.state_names)]
+                        for training, parts in twin._states.items()}
+        self._sums = {k: p.alike(Region(p.region.shape, "float64", f"{name}.{k}.sum"), f"{name}.sum.{k}")
+                      for k, p in twin._sums.items()}
+        carry_dtype = op.outputs[0].dtype
+        self._carries = [p.alike(Region(p.region.shape, carry_dtype, f"{name}.{k}.carry"), f"{name}.carry.{k}")
+                         for p, k in zip(twin._carries, self.carry_names)]
+
+    def _region_reqs(self, low: "Lowering", backward: bool) -> None:
+        """_shape's requirement lists, and the gradients' partitions where the op is on the
+        gradient path."""
+        op, name = self.op, self.op.name
+        carry_dtype = op.outputs[0].dtype
+
+        def part(region: Region, rects: dict, label: str) -> Partition:
+            return Partition.from_rects(region, rects, name=f"{name}.{label}")
+
         self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
         self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
@@ -623,6 +666,19 @@ def _target(view, rect: Rect):
     """What a kernel with `writes_out` may write a result into: the runtime's view of it, where
     that is C-contiguous and not empty (else None: the kernel allocates, lowering copies)."""
     return None if rect.empty or not view.flags.c_contiguous else view
+
+
+#: what OpPlan._tile_rects sets besides the partitions: a twin's are taken as they are
+_TILE_GEOMETRY = ("colors", "tiles", "in_rects", "out_rects", "partial", "weight_names", "state_names",
+                  "weight_rects", "state_rects", "updated_state_rects", "ordered", "sum_names", "carry_names")
+
+
+def _twins(plan: OpPlan, op: Op, config: TileConfig) -> bool:
+    """Whether `plan` can give its tiles and rects to a plan of `op` under `config`: its op of the
+    same class, attributes and input shapes and dtypes (which fix every rect), the same degrees."""
+    other = plan.op
+    return (type(other) is type(op) and other.attrs() == op.attrs() and plan.config.degrees == config.degrees
+            and [(t.shape, t.dtype) for t in other.inputs] == [(t.shape, t.dtype) for t in op.inputs])
 
 
 def first_users(colors: list, rects: dict) -> dict:

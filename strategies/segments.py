@@ -432,6 +432,8 @@ class SegmentBuilder:
             self._update_shorts.setdefault(u.op_name, []).append((u.param.name, u.param.name[len(u.op_name) + 1:]))
         self._plans: dict[tuple, OpPlan] = {}
         self._plan_shapes: dict[tuple, OpPlan] = {}   # (op name, degrees) -> the first plan of them
+        self._plan_twins: dict[tuple, OpPlan] = {}    # (an op's geometry, degrees) -> the first plan of them
+        self._geometries: dict[str, tuple] = {}       # op name -> _geometry_of
         self._update_plans: dict[tuple, UpdatePlan] = {}
         self._segments: dict[tuple, RecordedSegment] = {}
         self._regions: dict[tuple, RegionResult] = {}
@@ -490,16 +492,31 @@ class SegmentBuilder:
     # ---- plans and segments, cached by config ------------------------------------------------
     def plan(self, op: Op, config: TileConfig) -> OpPlan:
         """op's plan under `config`, made once; it shares its tiles, rects and partitions with the
-        first plan made of the op's degrees (OpPlan's `like`)."""
+        first plan made of the op's degrees (OpPlan's `like`), or, for the first, its tiles and
+        rects with the first plan of a twin op of those degrees (OpPlan's `twin`: the same kind,
+        attributes and input shapes; networks repeat their blocks)."""
         key = (op.name, config)
         plan = self._plans.get(key)
         if plan is None:
             shape = (op.name, config.degrees)
             like = self._plan_shapes.get(shape)
-            plan = self._plans[key] = OpPlan(self.low, op, config, self._backward[op.name], None, like)
+            twin = None
+            if like is None:
+                geometry = (self._geometry_of(op), config.degrees)
+                twin = self._plan_twins.get(geometry)
+            plan = self._plans[key] = OpPlan(self.low, op, config, self._backward[op.name], None, like, twin)
             if like is None:
                 self._plan_shapes[shape] = plan
+                self._plan_twins.setdefault(geometry, plan)
         return plan
+
+    def _geometry_of(self, op: Op) -> tuple:
+        """What fixes op's tiles' rects under any degrees (OpPlan's twins share them), made once."""
+        geometry = self._geometries.get(op.name)
+        if geometry is None:
+            geometry = self._geometries[op.name] = (type(op), repr(sorted(op.attrs().items())),
+                                                    tuple((t.shape, str(t.dtype)) for t in op.inputs))
+        return geometry
 
     def updates(self, op: Op, config: TileConfig) -> list[UpdatePlan]:
         """The update plans of op's trained weights under `config`, in the Lowering's order."""

@@ -181,6 +181,46 @@ def test_a_plan_made_like_another_of_its_degrees_launches_what_a_fresh_one_launc
             OpPlan(low, conv, TileConfig((4, 1, 1, 1), (0, 1, 2, 3)), True, None, low.plans["conv"])
 
 
+def test_a_plan_made_from_a_twin_launches_what_a_fresh_one_launches():
+    """A plan of an op whose kind, attributes, input shapes and degrees another op's plan has (its
+    `twin`: networks repeat their blocks) takes that plan's tiles and rects and its partitions'
+    pieces on its own regions; its launches are those of a plan made afresh. A plan of an op of
+    other attributes is refused as a twin."""
+    from ops.lower import OpPlan
+    from ops.shape import Flat
+    x, labels = spec((4, 3, 6, 6), name="x"), spec((4,), "int64", "labels")
+    conv1 = Conv2d("conv1", [x], out_channels=3, kernel=3, padding=1)
+    bn1 = BatchNorm("bn1", conv1.outputs, relu=True)
+    conv2 = Conv2d("conv2", bn1.outputs, out_channels=3, kernel=3, padding=1)
+    bn2 = BatchNorm("bn2", conv2.outputs, relu=True)
+    conv3 = Conv2d("conv3", bn2.outputs, out_channels=3, kernel=3, padding=0)
+    flat = Flat("flat", conv3.outputs)
+    fc = Dense("fc", flat.outputs, out_features=4)
+    loss = SparseCategoricalCrossEntropy("loss", [fc.outputs[0], labels], from_logits=True)
+    ops = [conv1, bn1, conv2, bn2, conv3, flat, fc, loss]
+    configs = {"conv1": TileConfig((2, 3, 1, 2), (0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3)),
+               "bn1": TileConfig((2, 3, 2, 1), (0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3)),
+               "conv2": TileConfig((1, 1, 1, 1), (3,)), "bn2": TileConfig((1, 1, 1, 1), (3,)),
+               "conv3": TileConfig((2, 1, 1, 1), (0, 1)), "flat": TileConfig((2, 1), (2, 3)),
+               "fc": TileConfig((1, 2, 2), (1, 3, 0, 2)), "loss": TileConfig((2,), (0, 1))}
+
+    def launches(plan):
+        return [(launch.name, launch.placement, [(r.partition.region.name, r.partition.rects, r.privilege)
+                                                 for r in launch.reqs], launch.args)
+                for launch in plan.forward_launches(True) + plan.forward_launches(False) + plan.backward_launches()]
+    with Runtime(machine=MACHINE4, execute=False) as rt:
+        low = Lowering(rt, ops, [x, labels], configs, SGD(lr=0.1), loss="loss", tag="twin")
+        for name, twin_of in (("conv2", "conv1"), ("bn2", "bn1")):
+            op = next(o for o in ops if o.name == name)
+            config = TileConfig(configs[twin_of].degrees, tuple(reversed(configs[twin_of].devices)))
+            fresh = OpPlan(low, op, config, True, None)
+            twin = OpPlan(low, op, config, True, None, None, low.plans[twin_of])
+            assert twin.tiles is low.plans[twin_of].tiles and twin._ins[0].rects is low.plans[twin_of]._ins[0].rects
+            assert launches(twin) == launches(fresh)
+        with pytest.raises(ValueError, match="is not a plan of an op like"):
+            OpPlan(low, conv3, configs["conv2"], True, None, None, low.plans["conv2"])
+
+
 def test_backward_needs_a_training_forward_and_consumes_what_it_saved(rt1):
     m = _mlp(rt1, batch=4)
     m.compile("sgd", "mean_squared_error")
