@@ -106,6 +106,21 @@ def task_cost_of(op: Op | None, plan, name: str, rects, point) -> TaskCost:
     return TaskCost(op, phase, plan.tiles[point])
 
 
+def launch_task_costs(op: Op | None, plan, name: str, rects: list, points: list) -> list[TaskCost]:
+    """task_cost_of for each point of one launch (rects[i] the requirement rects of points[i]),
+    its phase worked out once: a segment's launches have 64 points at 64 devices."""
+    if name.startswith("fill:") or name == SOURCE or name.endswith(".update"):
+        return [task_cost_of(op, plan, name, r, point) for r, point in zip(rects, points)]
+    phase = launch_phase(name)
+    if phase == BACKWARD and plan.skips_input_grads:
+        phase = BACKWARD_WEIGHTS
+    tiles, new = plan.tiles, TaskCost.__new__
+    costs = [new(TaskCost) for _ in points]
+    for cost, point in zip(costs, points):   # TaskCost's fields set directly: its frozen __init__ took
+        cost.__dict__.update(op=op, phase=phase, rect=tiles[point], param=None)   # half of this
+    return costs
+
+
 def launch_phase(name: str) -> str:
     """The cost phase of an op's kernel launch by its name: BACKWARD for 'op.bwd' (and an ordered
     dim's 'op.bwd[k]': a launch per position along it, an LSTM's time chunks), else FORWARD."""

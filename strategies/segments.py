@@ -49,7 +49,7 @@ from ops.base import Op, TensorSpec
 from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, SOURCE_PHASE, UPDATE_PHASE, ZERO_GRAD_PHASE,
                        Lowering, OpPlan, Segment, TileConfig, UpdatePlan, default_config)
 from ops.optimizers import SGD
-from strategies.graph import TaskCost, task_cost_of
+from strategies.graph import TaskCost, launch_task_costs
 from strategies.arena import Arena, columns_of
 from strategies.timing import Successors, successor_lists
 from taskrt import Runtime
@@ -666,13 +666,30 @@ class SegmentBuilder:
             codes = [_privilege_code(p) for p in privileges]
             uids = [region.uid for region in regions]
             self._region_of.update(zip(uids, regions))
-            for i, point in enumerate(spec.points):
-                rects = spec.rects[i]
-                index = len(procs)
-                procs.append(spec.procs[i])
-                costs.append(task_cost_of(op, plan, spec.name, rects, point))
+            base = len(procs)
+            procs += spec.procs
+            costs += launch_task_costs(op, plan, spec.name, spec.rects, spec.points)
+            if len(set(uids)) == len(uids):   # each region once a task: requirement by requirement
+                for j, uid in enumerate(uids):
+                    column = [rects[j] for rects in spec.rects]
+                    indexes = [i for i, rect in enumerate(column, base) if not rect._empty]
+                    if not indexes:
+                        continue
+                    if uid not in accesses:
+                        accesses[uid], asked[uid], rows[uid] = [], [], []
+                    accesses[uid] += indexes
+                    flat, row, code = asked[uid], rows[uid], codes[j]
+                    for index in indexes:
+                        rect = column[index - base]
+                        asks = (j, *rect.lo, *rect.hi, code)
+                        flat.append(-1)
+                        flat += asks
+                        row.append(index)
+                        row += asks
+                continue
+            for index, rects in enumerate(spec.rects, base):
                 for j, rect in enumerate(rects):
-                    if rect.empty:
+                    if rect._empty:
                         continue
                     uid = uids[j]
                     tasks = accesses.get(uid)
