@@ -4,11 +4,10 @@
 use, so importing a single operator module stays light.
 """
 import importlib
-import os
 
 from taskrt.jit_cache import refresh as _refresh_jit_cache
 
-_refresh_jit_cache(os.path.dirname(os.path.abspath(__file__)))   # before any kernel loads its cache
+_refresh_jit_cache(__file__)   # before any kernel loads its cache
 
 _LAZY = {"Model": "ops.model", "History": "ops.model", "TileConfig": "ops.lower", "ConfigError": "ops.lower",
          "default_config": "ops.lower", "SGD": "ops.optimizers", "Adam": "ops.optimizers",

@@ -673,12 +673,15 @@ _TILE_GEOMETRY = ("colors", "tiles", "in_rects", "out_rects", "partial", "weight
                   "weight_rects", "state_rects", "updated_state_rects", "ordered", "sum_names", "carry_names")
 
 
+def geometry(op: Op) -> tuple:
+    """What fixes every rect of op's tiles under given degrees: its class, attributes and input
+    shapes and dtypes. Ops of one geometry are twins: their plans of one degrees share tiles."""
+    return type(op), repr(sorted(op.attrs().items())), tuple((t.shape, str(t.dtype)) for t in op.inputs)
+
+
 def _twins(plan: OpPlan, op: Op, config: TileConfig) -> bool:
-    """Whether `plan` can give its tiles and rects to a plan of `op` under `config`: its op of the
-    same class, attributes and input shapes and dtypes (which fix every rect), the same degrees."""
-    other = plan.op
-    return (type(other) is type(op) and other.attrs() == op.attrs() and plan.config.degrees == config.degrees
-            and [(t.shape, t.dtype) for t in other.inputs] == [(t.shape, t.dtype) for t in op.inputs])
+    """Whether `plan` can give its tiles and rects to a plan of `op` under `config`."""
+    return plan.config.degrees == config.degrees and geometry(plan.op) == geometry(op)
 
 
 def first_users(colors: list, rects: dict) -> dict:

@@ -1,11 +1,10 @@
 """The SOAP optimizer's floor: strategies (values and files: ops.strategy), baselines and random
 configs; `from strategies import expert` loads a module on first use."""
 import importlib
-import os
 
 from taskrt.jit_cache import refresh as _refresh_jit_cache
 
-_refresh_jit_cache(os.path.dirname(os.path.abspath(__file__)))   # before any kernel loads its cache
+_refresh_jit_cache(__file__)   # before any kernel loads its cache
 
 _LAZY = {"Strategy": "ops.strategy", "StrategyError": "ops.strategy", "load": "ops.strategy",
          "save": "ops.strategy", "model_fingerprint": "ops.strategy",

@@ -94,23 +94,19 @@ def task_cost_of(op: Op | None, plan, name: str, rects, point) -> TaskCost:
     """What a task computes, from its launch's name: a fill its rect; an update ('W.update') its
     shard of weight W (its first requirement's rect, of `rects`); a kernel task its plan's tile
     at its point."""
-    if name.startswith("fill:"):
-        return TaskCost(None, FILL, rects[0] if rects else Rect((), ()))
-    if name == SOURCE:
-        return TaskCost(None, SOURCE_PHASE, rects[0])
-    if name.endswith(".update"):
-        return TaskCost(op, UPDATE, rects[0], name[:-len(".update")])
-    phase = launch_phase(name)
-    if phase == BACKWARD and plan.skips_input_grads:
-        phase = BACKWARD_WEIGHTS
-    return TaskCost(op, phase, plan.tiles[point])
+    return launch_task_costs(op, plan, name, [rects], [point])[0]
 
 
 def launch_task_costs(op: Op | None, plan, name: str, rects: list, points: list) -> list[TaskCost]:
     """task_cost_of for each point of one launch (rects[i] the requirement rects of points[i]),
-    its phase worked out once: a segment's launches have 64 points at 64 devices."""
-    if name.startswith("fill:") or name == SOURCE or name.endswith(".update"):
-        return [task_cost_of(op, plan, name, r, point) for r, point in zip(rects, points)]
+    the launch's kind and phase worked out once: a segment's launches have 64 points at 64
+    devices."""
+    if name.startswith("fill:"):
+        return [TaskCost(None, FILL, r[0] if r else Rect((), ())) for r in rects]
+    if name == SOURCE:
+        return [TaskCost(None, SOURCE_PHASE, r[0]) for r in rects]
+    if name.endswith(".update"):
+        return [TaskCost(op, UPDATE, r[0], name[:-len(".update")]) for r in rects]
     phase = launch_phase(name)
     if phase == BACKWARD and plan.skips_input_grads:
         phase = BACKWARD_WEIGHTS

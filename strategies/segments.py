@@ -47,7 +47,7 @@ import numpy as np
 
 from ops.base import Op, TensorSpec
 from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, SOURCE_PHASE, UPDATE_PHASE, ZERO_GRAD_PHASE,
-                       Lowering, OpPlan, Segment, TileConfig, UpdatePlan, default_config)
+                       Lowering, OpPlan, Segment, TileConfig, UpdatePlan, default_config, geometry)
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, launch_task_costs
 from strategies.arena import Arena, columns_of
@@ -502,21 +502,20 @@ class SegmentBuilder:
             like = self._plan_shapes.get(shape)
             twin = None
             if like is None:
-                geometry = (self._geometry_of(op), config.degrees)
-                twin = self._plan_twins.get(geometry)
+                twin_key = (self._geometry_of(op), config.degrees)
+                twin = self._plan_twins.get(twin_key)
             plan = self._plans[key] = OpPlan(self.low, op, config, self._backward[op.name], None, like, twin)
             if like is None:
                 self._plan_shapes[shape] = plan
-                self._plan_twins.setdefault(geometry, plan)
+                self._plan_twins.setdefault(twin_key, plan)
         return plan
 
     def _geometry_of(self, op: Op) -> tuple:
-        """What fixes op's tiles' rects under any degrees (OpPlan's twins share them), made once."""
-        geometry = self._geometries.get(op.name)
-        if geometry is None:
-            geometry = self._geometries[op.name] = (type(op), repr(sorted(op.attrs().items())),
-                                                    tuple((t.shape, str(t.dtype)) for t in op.inputs))
-        return geometry
+        """ops.lower.geometry of op (what OpPlan's twins share), made once per op."""
+        known = self._geometries.get(op.name)
+        if known is None:
+            known = self._geometries[op.name] = geometry(op)
+        return known
 
     def updates(self, op: Op, config: TileConfig) -> list[UpdatePlan]:
         """The update plans of op's trained weights under `config`, in the Lowering's order."""

@@ -4,11 +4,9 @@ Regions are logical tensors; partitions split them into sub-rects; tasks name th
 they touch with privileges; the runtime finds the parallelism, moves the data and
 traces everything. See README.md.
 """
-import os
-
 from .jit_cache import refresh as _refresh_jit_cache
 
-_refresh_jit_cache(os.path.dirname(os.path.abspath(__file__)))   # before any kernel loads its cache
+_refresh_jit_cache(__file__)   # before any kernel loads its cache
 
 from .executor import TaskError
 from .geometry import Rect

@@ -25,11 +25,14 @@ STATE_NAME = "jit_deps.json"
 _VERSION = 1
 
 
-def refresh(package_dir: str) -> list[str]:
-    """Drop the numba cache files of each module of the package at package_dir whose
-    dependencies changed since the last refresh; return the dropped files' names. Never raises
-    for the file system: a cache that cannot be read or written is left to numba."""
-    package_dir = os.path.abspath(package_dir)
+def refresh(package: str) -> list[str]:
+    """Drop the numba cache files of each module of `package` (its folder, or a file in it: a
+    package's __init__.py calls refresh(__file__)) whose dependencies changed since the last
+    refresh; return the dropped files' names. Never raises for the file system: a cache that
+    cannot be read or written is left to numba."""
+    package_dir = os.path.abspath(package)
+    if os.path.isfile(package_dir):
+        package_dir = os.path.dirname(package_dir)
     cache_dir = cache_folder(package_dir)
     state_path = os.path.join(cache_dir, STATE_NAME)
     state = _load(state_path)

@@ -21,7 +21,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 os.environ["TASKRT_GPUS"] = "0"
 
 ROOT = Path(__file__).resolve().parent.parent
-jit_cache.refresh(str(ROOT / "tests"))
+jit_cache.refresh(__file__)
 _precompile: list[subprocess.Popen] = []
 
 
