@@ -32,9 +32,11 @@ import math
 import statistics
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from strategies.cost import CostModel
 from strategies.machine_model import MachineModel, kernel_seconds
-from strategies.simulator import Simulator
+from strategies.simulator import Simulator, with_issue
 from strategies.timing import Handling, schedule_successors
 
 #: the figures a fit tries: each runtime figure of the machine model and its values (a point
@@ -172,7 +174,16 @@ class LinearTimes:
             graph = sims[0].graph(strategy)   # one graph, costed by each simulator
             (res, fixed, delay, resources, handling), *others = (sim.node_costs(graph) for sim in sims)
             kernel, per_launch = (c[1] - fixed for c in others)
-            self.parts[name] = (graph.successors, res, fixed, kernel, per_launch, delay, len(resources), handling)
+            successors, issue = graph.successors, None
+            if base.issue_overhead > 0:   # the ranks' issue parts, of fixed seconds: the base's figure
+                losses, issue_res, issue_nodes = sims[0].issue_parts(graph)
+                n, k = res.shape[0], issue_res.shape[0]
+                seconds = np.concatenate([np.zeros(n), issue_nodes * base.issue_overhead])
+                issue = (seconds, with_issue(successors, res, fixed, delay, None, losses, issue_res, seconds[n:])[4])
+                successors, res, fixed, delay, handling = with_issue(successors, res, fixed, delay, handling, losses,
+                                                                     issue_res, np.zeros(k))
+                kernel, per_launch = (np.concatenate([a, np.zeros(k)]) for a in (kernel, per_launch))
+            self.parts[name] = (successors, res, fixed, kernel, per_launch, delay, len(resources), handling, issue)
 
     def __repr__(self) -> str:
         return f"LinearTimes({len(self.parts)} strategies: {', '.join(self.parts)})"
@@ -181,11 +192,15 @@ class LinearTimes:
         """Each strategy's iteration time (s) at `figures` (a value for each of FIGURES)."""
         out = {}
         kernel_figures = [figures[k] for k in KERNEL_FIGURES]
-        for name, (succ, res, fixed, kernel, per_launch, delay, n_res, h) in self.parts.items():
+        for name, (succ, res, fixed, kernel, per_launch, delay, n_res, h, issue) in self.parts.items():
             dur = fixed + kernel_seconds(kernel, *kernel_figures) + per_launch * figures["launch_overhead"]
             send, receive = figures["send_overhead"], figures["receive_overhead"]
             # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
-            handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
+            if send or receive:
+                pre = h.pre_dur * send if issue is None else h.pre_dur * send + issue[0]
+                handling = Handling(h.pre_res, pre, h.post_res, h.post_dur * receive)
+            else:   # the issue parts alone (issue[1]), or none
+                handling = None if issue is None else issue[1]
             in_flight = delay + h.post_dur * figures["message_delay"]   # post_dur: 1 between ranks, else 0
             out[name] = schedule_successors(res, dur, succ, n_res, in_flight, handling).time
         return out
