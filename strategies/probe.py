@@ -10,10 +10,13 @@ probe measures them as they are, so that a run's times can be read beside them
   kernel);
 - `pingpong`: seconds a hop of one chain of empty tasks that alternates between the ranks,
   each task waiting on the previous one's write on the other rank (a task plus a message
-  between ranks and its handling).
+  between ranks and its handling);
+- `issue`: seconds of a rank's main thread a node of its share of a program issued again
+  (Runtime.issue_program, as the apps issue each training step: the machine model's
+  issue_overhead), from a program of CHAIN launches of one empty task on each rank.
 
-Both are the median over blocks of CHAIN tasks, issued as replay blocks as the apps' steps
-are. `python -m strategies.probe [--ranks R]` (or `measure_overheads`) runs it under
+Each is the median over blocks of CHAIN tasks, issued as replay blocks as the apps' steps
+are; `issue` the median of each rank's own, the slowest rank's taken. `python -m strategies.probe [--ranks R]` (or `measure_overheads`) runs it under
 mpiexec and prints the JSON.
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _empty(v):
 
 
 def probe(rt) -> dict[str, float]:
-    """Run both probes on runtime `rt` (every rank calls it): {'chain': s, 'pingpong': s}."""
+    """Run the probes on runtime `rt` (every rank calls it): {'issue': s, 'chain': s, 'pingpong': s}."""
     from taskrt import READ_WRITE, req
 
     ranks = rt.num_ranks
@@ -47,6 +50,7 @@ def probe(rt) -> dict[str, float]:
         "pingpong": lambda k: rt.launch(_empty, req(shared, READ_WRITE), proc=procs[k % ranks]),
     }
     out = {}
+    out["issue"] = _issue(rt, procs)
     for name, launch in launches.items():
         times = []
         for block in range(WARMUP + BLOCKS):
@@ -60,6 +64,31 @@ def probe(rt) -> dict[str, float]:
                 times.append((time.perf_counter() - t0) / CHAIN)
         out[name] = float(np.median(times))
     return out
+
+
+def _issue(rt, procs) -> float:
+    """The `issue` probe: main-thread seconds a node of this rank's share of a program of CHAIN
+    launches (one empty task on each rank each), issued again after its recording; the largest
+    over the ranks."""
+    from taskrt import READ_WRITE, req
+    from taskrt.program import Launch
+
+    ranks = rt.num_ranks
+    own = rt.region((4 * ranks,), "float32", "probe_issue").partition((ranks,))
+    placement = {color: procs[color[0]] for color in own.colors()}
+    program = tuple(Launch(_empty, tuple(own.colors()), (req(own, READ_WRITE),), f"probe_issue{k}", placement)
+                    for k in range(CHAIN))
+    args = [()] * CHAIN
+    times = []
+    for block in range(WARMUP + BLOCKS):
+        rt.wait()
+        t0 = time.thread_time()
+        rt.issue_program("probe_issue", program, args)
+        if block >= WARMUP:
+            times.append((time.thread_time() - t0) / CHAIN)
+    rt.wait()
+    mine = float(np.median(times))
+    return max(rt.transport.world.allgather(mine)) if rt.transport is not None else mine
 
 
 def measure_overheads(ranks: int = 2, timeout: float = 120) -> dict[str, float]:

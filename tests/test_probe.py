@@ -8,11 +8,13 @@ import pytest
 from strategies.probe import measure_overheads
 
 
-def test_the_probe_measures_a_task_and_a_hop_between_ranks():
+def test_the_probe_measures_a_task_a_hop_between_ranks_and_the_issue_of_a_node():
     found = measure_overheads(2)
-    assert set(found) == {"chain", "pingpong"}
+    assert set(found) == {"issue", "chain", "pingpong"}
     # empty tasks: tens of microseconds to a few milliseconds each on any machine
-    assert all(math.isfinite(v) and 1e-6 < v < 0.1 for v in found.values()), found
+    assert all(math.isfinite(v) and 1e-6 < v < 0.1 for k, v in found.items() if k != "issue"), found
+    # a node issued again is the main thread's Python alone: more than nothing, less than a task's run
+    assert 0 < found["issue"] < found["chain"], found
 
 
 def test_the_ping_pong_needs_two_ranks():
