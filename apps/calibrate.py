@@ -8,8 +8,7 @@ them now:
 1. A tiny app's four baselines and `--random` random strategies are trained for real, under
    mpiexec on `--ranks` ranks of one CPU worker each, taking turns for `--rounds` rounds.
    Before each round, every kernel of the strategies and the batch source are measured afresh.
-2. The runtime probe (strategies/probe.py) measures the main thread's issue of a step, a
-   node (`issue_overhead`), and strategies/overheads.py fits the other figures to the runs: the grid point whose simulated
+2. strategies/overheads.py fits the five figures to the runs: the grid point whose simulated
    iteration times come closest to the measured ones, the grid going on past a figure's largest
    value where the best point takes it (a slow machine's runtime). The kernel slowdown is held at the
    machine file's unless `--fit-slowdown`: the transformer's runs are mostly the runtime's own
@@ -41,7 +40,6 @@ from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
 from strategies.machine_model import MachineError, load_machine, write_fields
 from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held_kernel, score
-from strategies.probe import measure_overheads
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_source
 from strategies.simulator import Simulator
@@ -140,14 +138,10 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
         f"{setup.describe()}")
     runs = measure_strategies(app, BATCH, iterations, strategies, setup, rounds, out_dir)
     measured = {name: measured_time(r) for name, r in runs["runs"].items()}
-    issue = measure_overheads(setup.ranks)["issue"]   # measured, not fitted (strategies.overheads.FIGURES)
-    say(f"calibrate: the runtime probe's issue of a step: {issue * 1e6:.1f} us a node")
     model, output = app_graph(app, BATCH, tiny=True)
-    base = dataclasses.replace(setup.machine_model, issue_overhead=issue)
-    linear = LinearTimes(model, output, strategies, base, runs["costs"], runs["per_sample"])
+    linear = LinearTimes(model, output, strategies, setup.machine_model, runs["costs"], runs["per_sample"])
     grid = FIT_GRID if fit_slowdown else held_kernel(setup.machine_model)
     figures, _ = fit_figures({app: (linear, measured)}, grid)
-    figures = {**figures, "issue_overhead": issue}
     own = figures_of(setup.machine_model)
     fitted = linear.times(figures)
     error, tau = score(measured, fitted)

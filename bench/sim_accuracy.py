@@ -16,9 +16,8 @@ speed drifts by up to two times within an hour, so a shared cost cache would hol
 timed in another hour: before each round the bench measures every kernel of the strategies
 and the batch source afresh, and predicts with each one's median over the rounds (a cost
 cache of the run's own). It also probes the runtime's own speed then (strategies.probe: an
-empty task of a chain, a hop between the ranks, the main thread's issue of a step a node:
-the last is what the simulator charges a rank's main thread for issuing a step, the machine
-model's issue_overhead, in the calibrated predictions) and prints it beside the errors, with the
+empty task of a chain, a hop between the ranks, the main thread's issue of a replayed step a
+node) and prints it beside the errors, with the
 median message flight between the ranks in the runs' traces (tools.trace messages; what the
 model's message_delay stands for). Printed per strategy: measured (and each run) and
 predicted iteration time and the relative error; per app the mean error and Kendall's tau of
@@ -51,7 +50,6 @@ holding out one bench run at a time. Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -139,22 +137,12 @@ def load_runs(directory: str, apps: list[str]) -> tuple[int, dict]:
 
 
 def _linear(apps: dict, base) -> dict:
-    """A LinearTimes of each label's strategies (strategies/overheads.py), on its run's kernels,
-    with the issue overhead its run's probes measured (probed_issue)."""
+    """A LinearTimes of each label's strategies (strategies/overheads.py), on its run's kernels."""
     linear = {}
     for label, a in apps.items():
         model, output = app_graph(a["app"], a["batch"], tiny=True)
-        probed = dataclasses.replace(base, issue_overhead=probed_issue(a, base))
-        linear[label] = LinearTimes(model, output, a["strategies"], probed, a["costs"], a["per_sample"])
+        linear[label] = LinearTimes(model, output, a["strategies"], base, a["costs"], a["per_sample"])
     return linear
-
-
-def probed_issue(a: dict, base) -> float:
-    """The main thread's seconds a node of a step (MachineModel.issue_overhead) as the runtime
-    probe measured it before each round of the app's runs, their median; the machine model's
-    own figure for runs saved before the probe measured it."""
-    issue = [p["issue"] for p in a["probes"] if "issue" in p]
-    return float(np.median(issue)) if issue else base.issue_overhead
 
 
 def message_flight(a: dict) -> float | None:
@@ -284,11 +272,7 @@ def main(argv=None) -> dict:
         if on:
             figures, calibrated = calibrate(saved, on, grid, linear, setup.machine_model)
             out["calibration"] = {"on": on, "figures": figures}
-            issue = {label: probed_issue(saved[label], setup.machine_model) for label in on}
-            out["calibration"]["issue_overhead"] = issue
-            print(f"calibrated on {', '.join(on)}: {figures_text(figures)}; issue_overhead as probed "
-                  f"({', '.join(f'{v * 1e6:.1f} us' for v in issue.values())}; each app's own probe for its "
-                  f"prediction)", flush=True)
+            print(f"calibrated on {', '.join(on)}: {figures_text(figures)}", flush=True)
         for label, a in saved.items():
             app, strategies, runs, per_sample, measured = (a["app"], a["strategies"], a["runs"], a["per_sample"],
                                                            a["measured"])

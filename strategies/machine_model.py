@@ -39,11 +39,6 @@ FLOP/s, bytes/s, bytes, seconds):
   spends in flight besides the link's latency, holding no processor: the runtime's hand-offs
   between its threads (the issuing thread posting the send, the progress thread finding the
   message, the worker waking up to it).
-- `issue_overhead` (optional, cpu machines only, default 0): seconds of a rank's main thread a
-  node of its share of a training step (its tasks, and the copies it sends or receives). The
-  main thread issues the step after next once a step's loss is known (ops/model.py train_on),
-  on a core the rank's workers use, so the simulator charges the issue to the rank's first
-  processor once every loss tile is done, at once, beside what that processor runs.
 - `kernel_slowdown` (optional, default 1): a task's kernel inside a run over the same kernel
   measured alone; on CPUs the rank's issuing and MPI threads and the other ranks share the
   cores. Measured and roofline kernel seconds are multiplied by it.
@@ -82,10 +77,10 @@ MACHINES_DIR = Path(__file__).with_name("machines")
 DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
-           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "message_delay", "issue_overhead",
-           "kernel_slowdown", "kernel_surcharge", "kernel_surcharge_cap", "efficiency", "fitted", "runtime_fitted")
+           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "message_delay", "kernel_slowdown",
+           "kernel_surcharge", "kernel_surcharge_cap", "efficiency", "fitted", "runtime_fitted")
 _GPU_ONLY = ("host", "host_link")
-_CPU_ONLY = ("send_overhead", "receive_overhead", "message_delay", "issue_overhead")
+_CPU_ONLY = ("send_overhead", "receive_overhead", "message_delay")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
 _LINK_FIELDS = ("bandwidth", "latency", "shared_by")
 _MISSING = object()
@@ -168,7 +163,6 @@ class MachineModel:
     send_overhead: float = 0.0
     receive_overhead: float = 0.0
     message_delay: float = 0.0
-    issue_overhead: float = 0.0
     kernel_slowdown: float = 1.0
     kernel_surcharge: float = 0.0
     kernel_surcharge_cap: float = 0.0
@@ -413,7 +407,6 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         receive_overhead=(_positive(data, "receive_overhead", "", where, zero=True)
                           if "receive_overhead" in data else 0.0),
         message_delay=_positive(data, "message_delay", "", where, zero=True) if "message_delay" in data else 0.0,
-        issue_overhead=_positive(data, "issue_overhead", "", where, zero=True) if "issue_overhead" in data else 0.0,
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
         kernel_surcharge=(_positive(data, "kernel_surcharge", "", where, zero=True)
                           if "kernel_surcharge" in data else 0.0),

@@ -32,11 +32,9 @@ import math
 import statistics
 from typing import Mapping, Sequence
 
-import numpy as np
-
 from strategies.cost import CostModel
 from strategies.machine_model import MachineModel, kernel_seconds
-from strategies.simulator import Simulator, with_issue
+from strategies.simulator import Simulator
 from strategies.timing import Handling, schedule_successors
 
 #: the figures a fit tries: each runtime figure of the machine model and its values (a point
@@ -50,10 +48,7 @@ FIT_GRID = {
     "kernel_surcharge": (0.0, 0.5, 1.0, 1.5),
     "kernel_surcharge_cap": (100e-6, 200e-6, 400e-6),
 }
-#: the runtime figures: the fitted ones, and the main thread's issue a node of a step, which the
-#: runtime probe measures (strategies.probe) rather than a fit finding it: the transformer's runs
-#: alone do not tell it from a task's launch (docs/accuracy.md, session 46)
-FIGURES = tuple(FIT_GRID) + ("issue_overhead",)
+FIGURES = tuple(FIT_GRID)
 #: what a fit weighs an app's Kendall tau against its mean error by (it minimizes the error less
 #: this times tau): a search ranks strategies, so their order counts as well as their times. Fitted
 #: on seven bench runs and held out one at a time, 0.2 kept every error under 10% and raised
@@ -148,9 +143,7 @@ class LinearTimes:
     message_delay longer. So three costings, (slowdown, launch) = (0, 0), (1, 0) and (0, 1) with
     no surcharge, send and receive 1 and no message delay, give every point's costs (k is the
     second less the first; the copies between ranks are those whose receipt then costs 1), and
-    only the schedule runs per point. The ranks' issue parts (MachineModel.issue_overhead, the
-    figure's or else `base`'s) are a node count of each rank times the figure, on a second copy
-    of the graph that has them. `base` must be a cpu machine model (the
+    only the schedule runs per point. `base` must be a cpu machine model (the
     one whose figures are fitted); kernels come from the cost cache `cache_path` (measured into
     it where missing), the batch source's seconds a sample from `source_per_sample` (default:
     the cost model's own)."""
@@ -179,18 +172,7 @@ class LinearTimes:
             graph = sims[0].graph(strategy)   # one graph, costed by each simulator
             (res, fixed, delay, resources, handling), *others = (sim.node_costs(graph) for sim in sims)
             kernel, per_launch = (c[1] - fixed for c in others)
-            plain = (graph.successors, res, fixed, kernel, per_launch, delay, handling, None)
-            # the same graph with the ranks' issue parts (Simulator.simulate adds them where the
-            # issue overhead is more than 0), their seconds a node count times the figure
-            losses, issue_res, issue_nodes = sims[0].issue_parts(graph)
-            n, k = res.shape[0], issue_res.shape[0]
-            nodes = np.concatenate([np.zeros(n), issue_nodes])
-            succ, res_i, fixed_i, delay_i, handling_i = with_issue(graph.successors, res, fixed, delay, handling,
-                                                                   losses, issue_res, np.zeros(k))
-            alone = with_issue(graph.successors, res, fixed, delay, None, losses, issue_res, np.zeros(k))[4]
-            kernel_i, per_launch_i = (np.concatenate([a, np.zeros(k)]) for a in (kernel, per_launch))
-            issued = (succ, res_i, fixed_i, kernel_i, per_launch_i, delay_i, handling_i, (nodes, alone))
-            self.parts[name] = (plain, issued, len(resources))
+            self.parts[name] = (graph.successors, res, fixed, kernel, per_launch, delay, len(resources), handling)
 
     def __repr__(self) -> str:
         return f"LinearTimes({len(self.parts)} strategies: {', '.join(self.parts)})"
@@ -199,19 +181,11 @@ class LinearTimes:
         """Each strategy's iteration time (s) at `figures` (a value for each of FIGURES)."""
         out = {}
         kernel_figures = [figures[k] for k in KERNEL_FIGURES]
-        issue = figures.get("issue_overhead", self.base.issue_overhead)
-        for name, (plain, issued, n_res) in self.parts.items():
-            succ, res, fixed, kernel, per_launch, delay, h, nodes = issued if issue > 0 else plain
+        for name, (succ, res, fixed, kernel, per_launch, delay, n_res, h) in self.parts.items():
             dur = fixed + kernel_seconds(kernel, *kernel_figures) + per_launch * figures["launch_overhead"]
             send, receive = figures["send_overhead"], figures["receive_overhead"]
             # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
-            if send or receive:
-                pre = h.pre_dur * send if nodes is None else h.pre_dur * send + nodes[0] * issue
-                handling = Handling(h.pre_res, pre, h.post_res, h.post_dur * receive)
-            elif nodes is not None:   # the issue parts alone
-                handling = Handling(nodes[1].pre_res, nodes[0] * issue, nodes[1].post_res, nodes[1].post_dur)
-            else:
-                handling = None
+            handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
             in_flight = delay + h.post_dur * figures["message_delay"]   # post_dur: 1 between ranks, else 0
             out[name] = schedule_successors(res, dur, succ, n_res, in_flight, handling).time
         return out

@@ -12,8 +12,10 @@ probe measures them as they are, so that a run's times can be read beside them
   each task waiting on the previous one's write on the other rank (a task plus a message
   between ranks and its handling);
 - `issue`: seconds of a rank's main thread a node of its share of a program issued again
-  (Runtime.issue_program, as the apps issue each training step: the machine model's
-  issue_overhead), from a program of CHAIN launches of one empty task on each rank.
+  (Runtime.issue_program, as the apps issue each training step), from a program of CHAIN
+  launches of one empty task on each rank. The main thread issues the step after next on a
+  core the rank's worker uses, so a step's issue is time the worker loses (docs/accuracy.md,
+  session 46).
 
 Each is the median over blocks of CHAIN tasks, issued as replay blocks as the apps' steps
 are; `issue` the median of each rank's own, the slowest rank's taken. `python -m strategies.probe [--ranks R]` (or `measure_overheads`) runs it under

@@ -42,7 +42,7 @@ from strategies.arena import Arena, columns_of
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
-from strategies.timing import Handling, Successors, Timing, schedule_successors, successor_lists
+from strategies.timing import Handling, Timing, schedule_successors
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
 
@@ -121,29 +121,6 @@ class SimResult:
 def _fits(peak: dict[int, int], capacity: list) -> bool:
     """Every processor's peak bytes within its memory (`capacity` by processor, None: no limit)."""
     return all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
-
-
-def with_issue(successors: Successors, res: np.ndarray, dur: np.ndarray, delay: np.ndarray,
-               handling: Handling | None, losses: np.ndarray, issue_res: np.ndarray,
-               issue_seconds: np.ndarray) -> tuple:
-    """The graph's (successors, res, dur, delay, handling) with one node a rank after them: it
-    waits for every node of `losses` (the loss's forward tiles: a step's loss is known), holds
-    no resource itself, and holds resource issue_res[k] for issue_seconds[k] before it, at once,
-    as a copy's handling does (the rank's main thread issuing the step after next on a core its
-    worker uses). Nodes 0..n-1 keep their indices."""
-    n, k = res.shape[0], issue_res.shape[0]
-    src = np.repeat(np.arange(n, dtype=np.int64), np.diff(np.asarray(successors.ptr, np.int64)))
-    dst = np.asarray(successors.idx, np.int64)
-    extra = np.arange(n, n + k, dtype=np.int64)
-    indeg, ptr, idx = successor_lists(np.concatenate([dst, np.tile(extra, losses.shape[0])]),
-                                      np.concatenate([src, np.repeat(losses, k)]), n + k)
-    none, zeros = np.full(k, -1, np.int64), np.zeros(k)
-    if handling is None:
-        handling = Handling(np.full(n, -1, np.int64), np.zeros(n), np.full(n, -1, np.int64), np.zeros(n))
-    handling = Handling(np.concatenate([handling.pre_res, issue_res]), np.concatenate([handling.pre_dur, issue_seconds]),
-                        np.concatenate([handling.post_res, none]), np.concatenate([handling.post_dur, zeros]))
-    return (Successors(indeg, ptr, idx), np.concatenate([res, none]), np.concatenate([dur, zeros]),
-            np.concatenate([delay, zeros]), handling)
 
 class Simulator:
     """Times training iterations of one graph (its ops with the loss op, its inputs with the labels)
@@ -305,41 +282,9 @@ class Simulator:
         graph the same way, so their results are equal (tests/test_simulator.py)."""
         graph = self.graph(strategy, delta)
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
-        successors = graph.successors
-        issue = self.machine_model.issue_overhead
-        if issue > 0:
-            losses, issue_res, issue_nodes = self.issue_parts(graph)
-            successors, timed_res, dur, delay, handling = with_issue(
-                successors, res, dur, delay, handling, losses, issue_res, issue_nodes * issue)
-        else:
-            timed_res = res
-        timing = schedule_successors(timed_res, dur, successors, len(resources), delay, handling)
+        timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling)
         peak_of = self._peaks.peak if delta else functools.partial(plan_peak, machine=self.machine)
         return SimResult(timing.time, graph, timing, list(resources), res, self._proc_index, peak_of, self._capacity)
-
-    def issue_parts(self, graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(the graph's loss forward tiles, by index; for each rank with nodes, the resource of its
-        first processor and its node count: its tasks, and the copies it sends or receives):
-        where a rank's main thread issues the step after next (MachineModel.issue_overhead)."""
-        count: dict[int, int] = {}
-        losses = []
-        for i, node in enumerate(graph.nodes):
-            if type(node) is CopyNode:
-                src, dst = node.src.rank, node.dst.rank
-                count[src] = count.get(src, 0) + 1
-                if dst != src:
-                    count[dst] = count.get(dst, 0) + 1
-                continue
-            rank = node.proc.rank
-            count[rank] = count.get(rank, 0) + 1
-            if node.op == self.loss and graph.task_cost_at(i).phase == FORWARD:
-                losses.append(i)
-        ranks = sorted(count)
-        first = {}
-        for p in self.machine.processors:
-            first.setdefault(p.rank, p)
-        return (np.array(losses, np.int64), np.array([self._proc_resource(first[r]) for r in ranks], np.int64),
-                np.array([count[r] for r in ranks], float))
 
     def memory(self, strategy) -> tuple[dict[int, int], bool]:
         """(the peak bytes of each processor's memory, whether they fit) under `strategy`: what

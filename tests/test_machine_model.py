@@ -199,8 +199,6 @@ BAD = [
     ("receive_overhead", lambda: _set(_local(), "receive_overhead", -1e-4), "a number >= 0"),
     ("message_delay", lambda: _set(_p100(), "message_delay", 1e-4), "only for cpu machines"),
     ("message_delay", lambda: _set(_local(), "message_delay", "fast"), "a number >= 0"),
-    ("issue_overhead", lambda: _set(_p100(), "issue_overhead", 1e-5), "only for cpu machines"),
-    ("issue_overhead", lambda: _set(_local(), "issue_overhead", -1e-5), "a number >= 0"),
     ("kernel_slowdown", lambda: _set(_local(), "kernel_slowdown", 0), "a positive number"),
     ("kernel_surcharge", lambda: _set(_local(), "kernel_surcharge", -0.5), "a number >= 0"),
     ("kernel_surcharge_cap", lambda: _set(_p100(), "kernel_surcharge_cap", "long"), "a number >= 0"),

@@ -200,33 +200,6 @@ def test_a_copy_between_ranks_is_in_flight_for_the_message_delay():
     assert result.time > base.time
 
 
-def test_a_ranks_main_thread_issues_the_step_after_the_loss_on_its_first_processor():
-    """issue_overhead holds each rank's first processor for the figure times the rank's nodes (its
-    tasks, and the copies it sends or receives), once every loss tile is done: that processor's
-    busy time grows by as much, the others' not at all, and the iteration ends no sooner than the
-    last loss tile plus the longest issue."""
-    model = mlp(batch=16, width=32)
-    plain = dataclasses.replace(load_machine("local", nodes=2), devices_per_node=2, issue_overhead=0.0)
-    issued = dataclasses.replace(plain, issue_overhead=2e-4)
-    strategy = data_parallel(model, plain.to_machine())
-    base, result = (Simulator.for_model(model, mm, CostModel(mm, measured=False)).simulate(strategy)
-                    for mm in (plain, issued))
-    nodes = {0: 0, 1: 0}
-    for n in result.graph.nodes:
-        for rank in ({n.proc.rank} if isinstance(n, TaskNode) else {n.src.rank, n.dst.rank}):
-            nodes[rank] += 1
-    procs = plain.to_machine().processors
-    first = {rank: min(k for k, p in enumerate(procs) if p.rank == rank) for rank in nodes}
-    for k in base.busy:
-        extra = 2e-4 * nodes[procs[k].rank] if k == first[procs[k].rank] else 0.0
-        assert result.busy[k] == pytest.approx(base.busy[k] + extra, rel=1e-9, abs=1e-12)
-    losses = [i for i, n in enumerate(result.graph.nodes) if isinstance(n, TaskNode) and n.op == "loss"
-              and n.name.endswith(".fwd")]
-    assert losses and result.time >= max(result.timing.end[i] for i in losses) + 2e-4 * max(nodes.values())
-    assert [result.timing.end[i] for i in range(len(result.graph.nodes)) if i < min(losses)] == \
-        [base.timing.end[i] for i in range(min(losses))]   # nothing before the loss moves
-
-
 def test_the_chunks_of_a_split_sequence_are_costed_by_their_phase():
     m = Model(Runtime(execute=False), weights=False)
     x = m.input((4, 6, 5), name="x")
@@ -274,8 +247,6 @@ def test_delta_simulation_equals_full_simulation_exactly(seed, machine, nodes):
     kind = ("cnn", "rnn", "transformer", "mixer")[seed % 4]
     model = MODELS[kind](Runtime(execute=False))
     mm = load_machine(machine, nodes=nodes)
-    if machine == "local":   # with the ranks' issue parts (strategies/simulator.py with_issue)
-        mm = dataclasses.replace(mm, issue_overhead=1e-5)
     sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), loss=data(kind)[2])
     rng = np.random.default_rng(seed)
     configs = {}
