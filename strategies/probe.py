@@ -18,8 +18,8 @@ probe measures them as they are, so that a run's times can be read beside them
   session 46).
 
 Each is the median over blocks of CHAIN tasks, issued as replay blocks as the apps' steps
-are; `issue` the median of each rank's own, the slowest rank's taken. `python -m strategies.probe [--ranks R]` (or `measure_overheads`) runs it under
-mpiexec and prints the JSON.
+are (`issue`: each rank's median, the slowest rank's taken). `python -m strategies.probe
+[--ranks R]` (or `measure_overheads`) runs it under mpiexec and prints the JSON.
 """
 from __future__ import annotations
 
