@@ -399,11 +399,6 @@ class OpPlan:
         """_shape's requirement lists, and the gradients' partitions where the op is on the
         gradient path."""
         op, name = self.op, self.op.name
-        carry_dtype = op.outputs[0].dtype
-
-        def part(region: Region, rects: dict, label: str) -> Partition:
-            return Partition.from_rects(region, rects, name=f"{name}.{label}")
-
         self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
         self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
@@ -429,8 +424,8 @@ class OpPlan:
         # no replicas, no chunks of an ordered dim) is WRITTEN by them: no zero fill, no folds
         self.writes_weight_grads = {k: disjoint_cover(list(p.rects.values()), p.region.rect)
                                     for k, p in zip(self.weight_names, self._gws)}
-        self._carry_grads = [part(Region(p.region.shape, carry_dtype, f"{p.region.name}.grad"), p.rects,
-                                  f"carry.{k}.grad") for k, p in zip(self.carry_names, self._carries)]
+        self._carry_grads = [p.alike(Region(p.region.shape, p.region.dtype, f"{p.region.name}.grad"),
+                                     f"{name}.carry.{k}.grad") for k, p in zip(self.carry_names, self._carries)]
         self.bwd_reqs = self._backward_reqs(self._positions()[-1][0])
 
     def __repr__(self) -> str:
