@@ -6,6 +6,7 @@ sample drawn from its own generator (apps.cli.batch_source) is the same on any r
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -31,14 +32,18 @@ def image_templates(seed: int, classes: int, channels: int, grid: int) -> np.nda
 
 def images(rng, seed: int, batch_size: int, classes: int, shape, grid: int = 4, amplitude: float = 2.0):
     """(images [batch, C, H, W], labels): class c's coarse pattern (std `amplitude`) stretched over
-    the image, plus unit noise."""
+    the image, plus unit-variance noise: uniform, which numpy draws 3.5 times as fast as normal
+    (normals were two thirds of a tiny alexnet's batch)."""
     c, h, w = shape
     labels = rng.integers(0, classes, batch_size)
     coarse = image_templates(seed, classes, c, grid)[labels]
     rows = np.arange(h) * grid // h
     cols = np.arange(w) * grid // w
     x = amplitude * coarse.take(rows, axis=2).take(cols, axis=3)   # C-contiguous, unlike a 2-D fancy index
-    x += rng.standard_normal(x.shape, dtype=np.float32)
+    noise = rng.random(x.shape, dtype=np.float32)
+    noise -= 0.5
+    noise *= np.float32(math.sqrt(12.0))
+    x += noise
     return x, labels
 
 

@@ -16,11 +16,14 @@ import sys
 import time
 import tracemalloc
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from apps import alexnet, inception_v3, mlp, resnet101, transformer
+from apps import alexnet, inception_v3, mlp, nmt, resnet101, transformer
 from apps.__main__ import main as apps_main
-from apps.cli import RESULT_FIELDS, build_model, count_parameters
+from apps.cli import RESULT_FIELDS, SAMPLES_PER_DRAW, batch_source, build_model, count_parameters
 from taskrt.machine import count_gpus
 from taskrt.tracing import read_trace
 from tests.test_mpi import ROOT, _mpiexec, output, python_path
@@ -238,6 +241,26 @@ def test_data_is_the_same_on_one_and_two_ranks(capsys):
     two = json.loads(proc.stdout.splitlines()[-1])
     assert two["first_loss"] == pytest.approx(one["first_loss"], rel=1e-5)
     assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("module", [mlp, nmt], ids=["mlp", "nmt"])
+@given(cuts=st.lists(st.integers(0, 21), max_size=4), step=st.integers(0, 3))
+@settings(max_examples=15, deadline=None)
+def test_a_batch_source_gives_a_sample_the_same_data_in_any_share(module, cuts, step):
+    """Shares cut anywhere (as ranks split a batch, across the blocks drawn together) put
+    together are the whole batch, input by input; another step draws other data."""
+    model, _ = build_model(module.build, module.TINY, 21, weights=False)
+    source = batch_source(module.make_batch, model, module.TINY, seed=2)
+    whole_inputs, whole_labels = source(step, 0, 21)
+    bounds = [0, *sorted(cuts), 21]
+    shares = [source(step, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    assert 21 > SAMPLES_PER_DRAW and list(whole_inputs) == [t.name for t in model.inputs]
+    for name, whole in whole_inputs.items():
+        assert whole.shape[0] == 21
+        np.testing.assert_array_equal(np.concatenate([inputs[name] for inputs, _ in shares]), whole)
+    np.testing.assert_array_equal(np.concatenate([labels for _, labels in shares]), whole_labels)
+    other_inputs, _ = source(step + 1, 0, 21)
+    assert any(not np.array_equal(other_inputs[n], whole_inputs[n]) for n in whole_inputs)
 
 
 def losses(lines: list[str]) -> list[float]:
