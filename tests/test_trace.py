@@ -310,6 +310,26 @@ def test_messages_pair_each_send_with_its_receipt_in_order(two_ranks, measured, 
     assert rc == 2 and "give every rank's file" in err
 
 
+def test_messages_by_the_receivers_quiet_time(two_ranks, capsys):
+    """Each flight goes by how long the receiving rank had been without a receipt when the message
+    was sent (its progress thread's naps grow meanwhile): first, quiet 70 us, quiet 820 us,
+    and a receive posted after its send."""
+    there = "r0.sys0->r1.sys0"
+    events = [_message(0, "recv", "copy:x", there, -50.0, 30.0), _message(1, "send", "copy:x", there, 0.0, 5.0),
+              _message(2, "recv", "copy:x", there, 10.0, 180.0), _message(3, "send", "copy:x", there, 100.0, 104.0),
+              _message(4, "recv", "copy:z", there, 900.0, 1400.0), _message(5, "send", "copy:z", there, 1000.0, 1001.0),
+              _message(6, "send", "copy:w", there, 2000.0, 2001.0), _message(7, "recv", "copy:w", there, 2100.0, 2300.0)]
+    m = tt.messages(tt.Trace(sorted(events, key=lambda e: e["start"])))
+    by = m["by_quiet"]
+    assert list(by) == ["0-100", "700-1500", "first", "posted after"]
+    assert [(v["messages"], v["flight_us"]["median"]) for v in by.values()] == [(1, 80.0), (1, 400.0), (1, 30.0),
+                                                                               (1, 300.0)]
+    assert sum(v["messages"] for v in tt.messages(tt.load(two_ranks))["by_quiet"].values()) == \
+        tt.messages(tt.load(two_ranks))["messages"]
+    rc, out, _ = run_cli(capsys, "messages", two_ranks)
+    assert rc == 0 and "by the receiving rank's quiet time" in out
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def write(tmp_path, name, text):
     p = tmp_path / name

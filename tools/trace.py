@@ -419,7 +419,8 @@ def messages(trace: Trace) -> dict:
     receipt's completion (the recv event's end), on the merged clock. The k-th send of a name on
     a link pairs with the k-th receipt of that name there (MPI keeps one sender's messages of a
     tag in order). What the simulator's `message_delay` stands for, less the wire's time
-    (docs/accuracy.md, session 36). Quantiles in us, in all and per link."""
+    (docs/accuracy.md, session 36). Quantiles in us, in all and per link, and by how long the
+    receiving rank had been quiet (`by_quiet`, _by_quiet)."""
     where = ", ".join(trace.meta.get("sources", [])) or "trace"
     sends, receipts = defaultdict(list), defaultdict(list)
     for e in trace.events:   # (sorted by start)
@@ -429,7 +430,7 @@ def messages(trace: Trace) -> dict:
         raise TraceError(f"{where}: no messages between ranks (no "
                          f"{'send' if not sends else 'recv'} events: a trace of one rank needs its other ranks' "
                          f"files, and a simulated trace has copies, not messages)")
-    flights, per_link, unpaired, sizes = [], defaultdict(list), 0, []
+    flights, per_link, unpaired, sizes, pairs = [], defaultdict(list), 0, [], []
     for key in sends.keys() | receipts.keys():
         s, r = sends.get(key, []), receipts.get(key, [])
         unpaired += abs(len(s) - len(r))
@@ -438,13 +439,49 @@ def messages(trace: Trace) -> dict:
             flights.append(flight)
             per_link[key[0]].append(flight)
             sizes.append(send["bytes"] or 0)
+            pairs.append((send, receipt))
     if not flights:
         raise TraceError(f"{where}: no send pairs with a receipt of "
                          f"its name on its link (a rank's file holds its own side of each message: give every "
                          f"rank's file)")
     return {"messages": len(flights), "unpaired": unpaired, "median_bytes": statistics.median(sizes),
             "flight_us": _quantiles(flights), "links": {link: {"messages": len(f), "flight_us": _quantiles(f)}
-                                                         for link, f in sorted(per_link.items())}}
+                                                         for link, f in sorted(per_link.items())},
+            "by_quiet": _by_quiet(pairs, receipts)}
+
+
+#: the bounds (us) of _by_quiet's classes of a receiving rank's quiet time
+QUIET_BOUNDS_US = (100, 300, 700, 1500, 3000)
+
+
+def _by_quiet(pairs: list[tuple[dict, dict]], receipts: dict) -> dict:
+    """Flights by how long the receiving rank had been quiet when the message was sent: from the
+    end of its last receipt before the send's post to that post. A rank's MPI progress thread
+    naps while nothing ends, each nap twice the last up to MAX_NAP_S (taskrt/mpi_progress.py),
+    so a message to a rank quiet for long waits longer for it to look. Classes '0-100', ...,
+    '3000+' us, 'first' (no receipt before it), and 'posted after' (the receive was posted
+    after the send: the receiver was not waiting). Each: {messages, flight_us}."""
+    ends = defaultdict(list)
+    for events in receipts.values():
+        for e in events:
+            ends[e["rank"]].append(e["end"])
+    for v in ends.values():
+        v.sort()
+    labels = [f"{lo}-{hi}" for lo, hi in zip((0,) + QUIET_BOUNDS_US, QUIET_BOUNDS_US)] + [f"{QUIET_BOUNDS_US[-1]}+"]
+    classes = defaultdict(list)
+    for send, receipt in pairs:
+        flight = receipt["end"] - send["start"]
+        if receipt["start"] > send["start"]:
+            classes["posted after"].append(flight)
+            continue
+        before = ends[receipt["rank"]]
+        i = bisect.bisect_left(before, send["start"])
+        if i == 0:
+            classes["first"].append(flight)
+        else:
+            classes[labels[bisect.bisect_right(QUIET_BOUNDS_US, send["start"] - before[i - 1])]].append(flight)
+    return {label: {"messages": len(classes[label]), "flight_us": _quantiles(classes[label])}
+            for label in labels + ["first", "posted after"] if classes[label]}
 
 
 def format_messages(m: dict) -> str:
@@ -456,6 +493,9 @@ def format_messages(m: dict) -> str:
              f"{'link':<24}{'messages':>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}",
              row("all", m["messages"], m["flight_us"])]
     lines += [row(link, v["messages"], v["flight_us"]) for link, v in m["links"].items()]
+    lines.append("by the receiving rank's quiet time, from its last receipt's end to the send's post, us:")
+    lines += [row(f"quiet {label}" if label[0].isdigit() else label, v["messages"], v["flight_us"])
+              for label, v in m["by_quiet"].items()]
     return "\n".join(lines)
 
 
