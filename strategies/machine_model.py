@@ -39,6 +39,13 @@ FLOP/s, bytes/s, bytes, seconds):
   spends in flight besides the link's latency, holding no processor: the runtime's hand-offs
   between its threads (the issuing thread posting the send, the progress thread finding the
   message, the worker waking up to it).
+- `nap_first`, `nap_longest`, `nap_share` (optional, cpu machines only, default 0): where a
+  node's ranks have no core to spare for their MPI progress threads (Machine.threads_fit_node,
+  as the runtime decides), a progress thread naps while nothing ends, the first nap
+  `nap_first` seconds, each next one twice the last up to `nap_longest`
+  (taskrt/mpi_progress.py), and takes a message that arrived meanwhile when its nap is over.
+  A copy between ranks then waits, in flight, `nap_share` times half the nap in effect at how
+  long its receiver had gone without a receipt (strategies/timing.py, `Naps`).
 - `kernel_slowdown` (optional, default 1): a task's kernel inside a run over the same kernel
   measured alone; on CPUs the rank's issuing and MPI threads and the other ranks share the
   cores. Measured and roofline kernel seconds are multiplied by it.
@@ -77,10 +84,11 @@ MACHINES_DIR = Path(__file__).with_name("machines")
 DEVICE_KINDS = ("gpu", "cpu")
 SHARING = ("pair", "sender")
 _FIELDS = ("version", "name", "notes", "nodes", "devices_per_node", "device", "host", "intra_node", "inter_node",
-           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "message_delay", "kernel_slowdown",
-           "kernel_surcharge", "kernel_surcharge_cap", "efficiency", "fitted", "runtime_fitted")
+           "host_link", "launch_overhead", "send_overhead", "receive_overhead", "message_delay", "nap_first",
+           "nap_longest", "nap_share", "kernel_slowdown", "kernel_surcharge", "kernel_surcharge_cap", "efficiency",
+           "fitted", "runtime_fitted")
 _GPU_ONLY = ("host", "host_link")
-_CPU_ONLY = ("send_overhead", "receive_overhead", "message_delay")
+_CPU_ONLY = ("send_overhead", "receive_overhead", "message_delay", "nap_first", "nap_longest", "nap_share")
 _DEVICE_FIELDS = ("kind", "name", "peak_flops", "mem_bandwidth", "mem_bytes")
 _LINK_FIELDS = ("bandwidth", "latency", "shared_by")
 _MISSING = object()
@@ -163,6 +171,9 @@ class MachineModel:
     send_overhead: float = 0.0
     receive_overhead: float = 0.0
     message_delay: float = 0.0
+    nap_first: float = 0.0
+    nap_longest: float = 0.0
+    nap_share: float = 0.0
     kernel_slowdown: float = 1.0
     kernel_surcharge: float = 0.0
     kernel_surcharge_cap: float = 0.0
@@ -368,6 +379,10 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     for k in _CPU_ONLY:
         if not cpu and k in data:
             raise MachineError(f"{where}: field {k!r} is only for cpu machines, whose workers handle the messages")
+    if "nap_longest" in data and "nap_first" in data and isinstance(data["nap_longest"], (int, float)) \
+            and isinstance(data["nap_first"], (int, float)) and data["nap_longest"] < data["nap_first"]:
+        raise MachineError(f"{where}: field 'nap_longest' must be at least nap_first ({data['nap_first']}), got "
+                           f"{data['nap_longest']}")
     devices = data.get("devices_per_node", _MISSING)
     if devices is _MISSING:
         raise MachineError(f"{where}: missing field 'devices_per_node'")
@@ -407,6 +422,8 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         receive_overhead=(_positive(data, "receive_overhead", "", where, zero=True)
                           if "receive_overhead" in data else 0.0),
         message_delay=_positive(data, "message_delay", "", where, zero=True) if "message_delay" in data else 0.0,
+        **{name: _positive(data, name, "", where, zero=True) if name in data else 0.0
+           for name in ("nap_first", "nap_longest", "nap_share")},
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
         kernel_surcharge=(_positive(data, "kernel_surcharge", "", where, zero=True)
                           if "kernel_surcharge" in data else 0.0),

@@ -167,6 +167,7 @@ class LinearTimes:
             if source_per_sample is not None:
                 cost.source_per_sample = source_per_sample
             sims.append(Simulator.for_model(model, mm, cost, loss=loss, output=output))
+        self.naps = sims[0].naps   # the base's, held: the receivers' naps are the runtime's constants
         self.parts = {}
         for name, strategy in strategies.items():
             graph = sims[0].graph(strategy)   # one graph, costed by each simulator
@@ -187,7 +188,7 @@ class LinearTimes:
             # (with neither, the simulator makes no handling parts: a part of 0 s still waits its turn)
             handling = Handling(h.pre_res, h.pre_dur * send, h.post_res, h.post_dur * receive) if send or receive else None
             in_flight = delay + h.post_dur * figures["message_delay"]   # post_dur: 1 between ranks, else 0
-            out[name] = schedule_successors(res, dur, succ, n_res, in_flight, handling).time
+            out[name] = schedule_successors(res, dur, succ, n_res, in_flight, handling, self.naps).time
         return out
 
 

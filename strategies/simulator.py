@@ -42,7 +42,7 @@ from strategies.arena import Arena, columns_of
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
 from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
-from strategies.timing import Handling, Timing, schedule_successors
+from strategies.timing import NO_NAPS, Handling, Naps, Timing, schedule_successors
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
 
@@ -154,6 +154,10 @@ class Simulator:
         mm = machine_model
         # a copy between ranks holds its processors too (before and after: 4 more cost rows)
         self._handling = mm.device.kind == "cpu" and (mm.send_overhead > 0 or mm.receive_overhead > 0)
+        #: the receivers' naps, where a copy between ranks has a receipt and the runtime naps: where
+        #: the ranks of a node have no core to spare for their progress threads (taskrt/mpi.py)
+        self.naps = (Naps(mm.nap_first, mm.nap_longest, mm.nap_share)
+                     if self._handling and not self.machine.threads_fit_node(0, extra_per_rank=1) else NO_NAPS)
         self._rows = 7 if self._handling else 3
         self._part_costs_placed = Arena(self._rows, np.float64)   # the parts' costs, each placed once
         self._no_costs = np.zeros((self._rows, 0))
@@ -282,7 +286,7 @@ class Simulator:
         graph the same way, so their results are equal (tests/test_simulator.py)."""
         graph = self.graph(strategy, delta)
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
-        timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling)
+        timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling, self.naps)
         peak_of = self._peaks.peak if delta else functools.partial(plan_peak, machine=self.machine)
         return SimResult(timing.time, graph, timing, list(resources), res, self._proc_index, peak_of, self._capacity)
 

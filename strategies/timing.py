@@ -20,6 +20,15 @@ finishes that much later (the node running keeps its end; the next one starts la
 behind the task the worker had started had put a message's send after a 3 ms convolution in
 alexnet's model parallelism, 42% too long (docs/accuracy.md, session 37).
 
+A message's receipt may also wait for the receiving rank to look (`Naps`): where a node's cores
+are shared, the runtime's MPI progress thread naps while nothing ends, each nap twice the last
+up to a longest, and takes a message that arrived meanwhile when its nap is over. So a node
+with a part after waits, once its delay has passed, `share` times half the nap in effect at
+how long its part-after resource has been quiet (since the last such node there ended its
+wait; the nap in effect is the first while that is under one nap, the second under three, and
+so on), before its part after. (tools.trace messages shows the flights growing with that quiet
+time; docs/accuracy.md, session 47.)
+
 `schedule` returns the start (on its own resource) and end of every node; `Timing` adds the
 iteration time and each resource's busy time. `schedule_successors` does the same for a
 graph given by its successor lists and indegrees (`Successors`), which is how the core walks
@@ -29,6 +38,7 @@ numba (nogil, cached), because the search calls it tens of thousands of times.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numba
@@ -152,10 +162,25 @@ def _share(free, r, t, seconds):
         free[r] = (t if free[r] <= t else free[r]) + seconds
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nap_wait(quiet, first, most, share):
+    """`share` times half the nap in effect `quiet` seconds after a resource's last receipt: naps
+    of first, 2 first, 4 first, ... up to `most`, one after another (see the module docstring)."""
+    nap = first
+    end = first
+    while quiet >= end and nap < most:
+        nap = min(most, 2.0 * nap)
+        end += nap
+    return share * 0.5 * nap
+
+
 @numba.njit(cache=True, nogil=True)
-def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_res, pre_dur, post_res, post_dur):
+def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_res, pre_dur, post_res, post_dur,
+              nap_first, nap_most, nap_share):
     n = res.shape[0]
     phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
+    naps = phases and nap_share > 0.0 and nap_first > 0.0
+    quiet_since = np.zeros(num_resources)   # per part-after resource: when its last receipt ended its wait
     indeg = indegree.copy()
     start = np.zeros(n)
     end = np.zeros(n)
@@ -169,10 +194,11 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
             roots[n_roots] = i
             n_roots += 1
     # a queue entry is a node's code: i when it became ready, n + i when its part before is done
-    # (its own resource next), 2n + i when its delay has passed (its part after next); times[code]
+    # (its own resource next), 2n + i when its delay has passed (its part after next, or a nap's
+    # wait), 3n + i when that wait is over (its part after next); times[code]
     # is when (for i: `ready`, the latest end of its predecessors so far), and bits its float's
     # bits (the same memory)
-    times = np.zeros(3 * n if phases else n)
+    times = np.zeros((4 if naps else 3) * n if phases else n)
     ready = times[:n]
     bits = times.view(np.int64)
     link = np.empty(times.shape[0], np.int64)
@@ -194,7 +220,7 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
                 last, mask, n_ids = _queue_refill(bits, link, head, ids, mask)
             code, n_ids = _id_pop(ids, n_ids)
             t = times[code]
-        step = 0 if code < n else (1 if code < 2 * n else 2)   # (not code // n: a division a node)
+        step = 0 if code < n else (1 if code < 2 * n else (2 if code < 3 * n else 3))   # (not code // n)
         i = code - step * n
         if step == 0 and (res[i] < -1 or res[i] >= num_resources or dur[i] < 0 or delay[i] < 0):
             return start, end, done, False   # (checked here rather than in a pass of their own)
@@ -212,6 +238,16 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
                 mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, 2 * n + i)
                 continue
         else:
+            if naps:
+                r = post_res[i]
+                if step == 2:
+                    wait = _nap_wait(t - quiet_since[r], nap_first, nap_most, nap_share)
+                    if wait > 0.0:
+                        times[3 * n + i] = t + wait
+                        mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, 3 * n + i)
+                        continue
+                if t > quiet_since[r]:
+                    quiet_since[r] = t
             _share(free, post_res[i], t, post_dur[i])
             e = t + post_dur[i]
         end[i] = e
@@ -264,6 +300,27 @@ class Handling:
 
 
 @dataclass(frozen=True)
+class Naps:
+    """A receiving rank's naps (see the module docstring): the first and the longest, in seconds,
+    and the share of half the nap in effect that a receipt waits (0: none)."""
+
+    first: float
+    most: float
+    share: float
+
+    def __post_init__(self):
+        for name in ("first", "most", "share"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Naps: {name} must be a finite number >= 0, got {value!r}")
+        if self.most < self.first:
+            raise ValueError(f"Naps: the longest nap ({self.most}) is shorter than the first ({self.first})")
+
+
+NO_NAPS = Naps(0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
 class Timing:
     """The simulated run of one graph: when each node ran, the iteration time (the last end) and
     each resource's busy seconds (summed when first asked for, from `parts`: the arguments of
@@ -286,7 +343,8 @@ class Timing:
 
 
 def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: np.ndarray,
-             num_resources: int, delay: np.ndarray | None = None, handling: Handling | None = None) -> Timing:
+             num_resources: int, delay: np.ndarray | None = None, handling: Handling | None = None,
+             naps: Naps = NO_NAPS) -> Timing:
     """Simulate the graph (see the module docstring); raises ValueError on a cycle or bad index."""
     pred_ptr = np.ascontiguousarray(pred_ptr, np.int64)
     pred_idx = np.ascontiguousarray(pred_idx, np.int64)
@@ -295,13 +353,16 @@ def schedule(res: np.ndarray, dur: np.ndarray, pred_ptr: np.ndarray, pred_idx: n
         raise ValueError(f"schedule: {n} resources and {pred_ptr.shape[0]} pred offsets (need n + 1)")
     if pred_idx.size and (pred_idx.min() < 0 or pred_idx.max() >= n):
         raise ValueError(f"schedule: predecessor indices must be in 0..{n - 1}")
-    return schedule_successors(res, dur, Successors.of_preds(pred_ptr, pred_idx), num_resources, delay, handling)
+    return schedule_successors(res, dur, Successors.of_preds(pred_ptr, pred_idx), num_resources, delay, handling,
+                               naps)
 
 
 def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors, num_resources: int,
-                        delay: np.ndarray | None = None, handling: Handling | None = None) -> Timing:
+                        delay: np.ndarray | None = None, handling: Handling | None = None,
+                        naps: Naps = NO_NAPS) -> Timing:
     """`schedule` of a graph given by its Successors (what an assembled graph keeps: the search
-    times one a proposal, and making them from pred lists was a third of the schedule)."""
+    times one a proposal, and making them from pred lists was a third of the schedule). `naps`
+    apply to nodes with a part after (`handling`)."""
     res = np.ascontiguousarray(res, np.int64)
     dur = np.ascontiguousarray(dur, np.float64)
     delay = np.zeros(dur.shape) if delay is None else np.ascontiguousarray(delay, np.float64)
@@ -314,7 +375,8 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
     if delay.shape != dur.shape:
         raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
     parts = _handling_arrays(handling, n, num_resources)
-    start, end, done, ok = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts)
+    start, end, done, ok = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts,
+                                     float(naps.first), float(naps.most), float(naps.share))
     if (not ok or done != n) and not _well_formed(res, dur, delay, indeg, idx, num_resources):
         _refuse(res, dur, delay, indeg, idx, num_resources)
     if done != n:

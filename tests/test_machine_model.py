@@ -25,6 +25,14 @@ def test_every_shipped_machine_loads():
         assert name in repr(mm) and "FLOP/s" in repr(mm)
 
 
+def test_local_has_the_runtimes_naps_and_the_gpu_clusters_none():
+    """The local model's naps are the runtime's own constants where a node's cores are shared."""
+    from taskrt.mpi_progress import MAX_NAP_S, SHARED_CORE_NAP_S
+    local = load_machine("local")
+    assert (local.nap_first, local.nap_longest) == (SHARED_CORE_NAP_S, MAX_NAP_S) and 0 < local.nap_share <= 1
+    assert all((m.nap_first, m.nap_longest, m.nap_share) == (0, 0, 0) for m in map(load_machine, ("p100", "k80", "h100")))
+
+
 def test_the_papers_clusters_and_a_modern_one():
     p100, k80, h100 = load_machine("p100"), load_machine("k80"), load_machine("h100")
     assert (p100.nodes, p100.devices_per_node, p100.device.peak_flops) == (4, 4, 10.6e12)
@@ -199,6 +207,9 @@ BAD = [
     ("receive_overhead", lambda: _set(_local(), "receive_overhead", -1e-4), "a number >= 0"),
     ("message_delay", lambda: _set(_p100(), "message_delay", 1e-4), "only for cpu machines"),
     ("message_delay", lambda: _set(_local(), "message_delay", "fast"), "a number >= 0"),
+    ("nap_first", lambda: _set(_p100(), "nap_first", 1e-4), "only for cpu machines"),
+    ("nap_share", lambda: _set(_local(), "nap_share", -0.5), "a number >= 0"),
+    ("nap_longest", lambda: _set(_set(_local(), "nap_first", 1e-3), "nap_longest", 1e-4), "at least nap_first"),
     ("kernel_slowdown", lambda: _set(_local(), "kernel_slowdown", 0), "a positive number"),
     ("kernel_surcharge", lambda: _set(_local(), "kernel_surcharge", -0.5), "a number >= 0"),
     ("kernel_surcharge_cap", lambda: _set(_p100(), "kernel_surcharge_cap", "long"), "a number >= 0"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from strategies.graph import build_iteration
 from strategies.machine_model import load_machine
 from strategies.random import random_config
 from strategies.simulator import Simulator
+from strategies.timing import NO_NAPS, Naps
 from taskrt import Rect, Runtime, TaskNode
 from taskrt.taskgraph import CopyNode
 from tests.test_soap_models import MODELS, data
@@ -177,6 +179,27 @@ def test_a_copy_between_ranks_holds_its_sending_and_receiving_processors():
     for k in result.busy:
         assert result.busy[k] == pytest.approx(base.busy[k] + 3e-4 * sends[k] + 7e-4 * receives[k])
     assert result.time > base.time
+
+
+def test_a_receipt_waits_for_its_receivers_nap_only_where_the_ranks_share_cores(monkeypatch):
+    """Where a node's ranks have no core to spare for their progress threads (as the runtime
+    decides: Machine.threads_fit_node), each receipt waits for its receiver's nap (Naps, in
+    flight: the busy times stay) and the iteration grows; with cores to spare, or no share, none."""
+    model = mlp(batch=16, width=32)
+    mm = dataclasses.replace(load_machine("local", nodes=2), devices_per_node=1, send_overhead=1e-4,
+                             receive_overhead=1e-4)
+    assert mm.nap_share > 0
+    strategy = data_parallel(model, mm.to_machine())
+    runs = {}
+    for cores, model_ in ((2, mm), (64, mm), (2, dataclasses.replace(mm, nap_share=0.0))):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        sim = Simulator.for_model(model, model_, CostModel(model_, measured=False))
+        runs[cores, model_.nap_share] = sim.naps, sim.simulate(strategy), sim.simulate(strategy, delta=False)
+    (naps, shared, shared_full), (spare_naps, spare, _), (_, unshared, _) = runs.values()
+    assert naps == Naps(mm.nap_first, mm.nap_longest, mm.nap_share) and spare_naps == NO_NAPS
+    assert shared.time == shared_full.time and shared.busy == shared_full.busy
+    assert shared.time > spare.time and unshared.time == spare.time
+    assert shared.busy == pytest.approx(spare.busy)
 
 
 def test_a_copy_between_ranks_is_in_flight_for_the_message_delay():

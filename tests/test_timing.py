@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from strategies.timing import (Handling, Successors, _id_pop, _queue_push, _queue_refill, schedule,
+from strategies.timing import (Handling, Naps, Successors, _id_pop, _queue_push, _queue_refill, schedule,
                                schedule_successors)
 
 
@@ -164,6 +164,32 @@ def test_bad_successor_arrays_are_refused_by_name():
     with pytest.raises(ValueError, match="2 indegrees and 2 successor offsets"):
         schedule_successors(np.array([0, 0]), np.array([1.0, 1.0]),
                             Successors(np.array([0, 1]), np.array([0, 1]), np.array([1])), 1)
+
+
+def test_a_receipt_waits_half_the_nap_in_effect_at_its_receivers_quiet_time():
+    """Copy 1 arrives 1.5 ms after the start at a receiver quiet since then: naps of 0.1, 0.2, 0.4,
+    0.8 ms have passed and a 1 ms one is on (capped), so it waits 0.5 ms (share 1) before its
+    10 us receipt. Copy 3 arrives 0.16 ms after that wait ended, in the second nap (0.2 ms): it
+    waits 0.1 ms, its receipt shared beside task 2 as any part after is."""
+    res, dur = np.array([0, 2, 1, 2]), np.array([1e-3, 0.0, 1e-3, 0.0])
+    delay = np.array([0.0, 0.5e-3, 0.0, 0.15e-3])
+    ptr, idx = _csr([[], [0], [1], [1]])
+    handling = Handling(np.full(4, -1), np.zeros(4), np.array([-1, 1, -1, 1]), np.array([0.0, 1e-5, 0.0, 1e-5]))
+    naps = Naps(1e-4, 1e-3, 1.0)
+    t = schedule(res, dur, ptr, idx, 3, delay, handling, naps)
+    np.testing.assert_allclose(t.end, [1e-3, 2.01e-3, 3.01e-3, 2.27e-3], rtol=0, atol=1e-12)
+    assert t.time == pytest.approx(3.01e-3, abs=1e-12)
+    np.testing.assert_allclose(t.busy, [1e-3, 1.02e-3, 0.0], atol=1e-12)   # a wait holds nothing
+    half = schedule(res, dur, ptr, idx, 3, delay, handling, Naps(1e-4, 1e-3, 0.5))
+    assert half.end[1] == pytest.approx(1.5e-3 + 0.25e-3 + 1e-5, abs=1e-12)
+    plain = schedule(res, dur, ptr, idx, 3, delay, handling)
+    for none in (Naps(1e-4, 1e-3, 0.0), Naps(0.0, 0.0, 1.0)):
+        np.testing.assert_array_equal(schedule(res, dur, ptr, idx, 3, delay, handling, none).end, plain.end)
+    np.testing.assert_allclose(plain.end, [1e-3, 1.51e-3, 2.51e-3, 1.67e-3], atol=1e-12)
+    with pytest.raises(ValueError, match="Naps: the longest nap"):
+        Naps(1e-3, 1e-4, 1.0)
+    with pytest.raises(ValueError, match="Naps: share must be a finite number >= 0, got -1"):
+        Naps(1e-4, 1e-3, -1)
 
 
 def _reference_with_handling(res, dur, preds, delay, pre, post):
