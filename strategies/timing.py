@@ -163,20 +163,20 @@ def _share(free, r, t, seconds):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _nap_wait(quiet, first, most, share):
+def _nap_wait(quiet, first, longest, share):
     """`share` times half the nap in effect `quiet` seconds after a resource's last receipt: naps
-    of first, 2 first, 4 first, ... up to `most`, one after another (see the module docstring)."""
+    of first, 2 first, 4 first, ... up to `longest`, one after another (see the module docstring)."""
     nap = first
     end = first
-    while quiet >= end and nap < most:
-        nap = min(most, 2.0 * nap)
+    while quiet >= end and nap < longest:
+        nap = min(longest, 2.0 * nap)
         end += nap
     return share * 0.5 * nap
 
 
 @numba.njit(cache=True, nogil=True)
 def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_res, pre_dur, post_res, post_dur,
-              nap_first, nap_most, nap_share):
+              nap_first, nap_longest, nap_share):
     n = res.shape[0]
     phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
     naps = phases and nap_share > 0.0 and nap_first > 0.0
@@ -241,7 +241,7 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
             if naps:
                 r = post_res[i]
                 if step == 2:
-                    wait = _nap_wait(t - quiet_since[r], nap_first, nap_most, nap_share)
+                    wait = _nap_wait(t - quiet_since[r], nap_first, nap_longest, nap_share)
                     if wait > 0.0:
                         times[3 * n + i] = t + wait
                         mask, n_ids = _queue_push(bits, link, head, ids, last, mask, n_ids, 3 * n + i)
@@ -305,16 +305,16 @@ class Naps:
     and the share of half the nap in effect that a receipt waits (0: none)."""
 
     first: float
-    most: float
+    longest: float
     share: float
 
     def __post_init__(self):
-        for name in ("first", "most", "share"):
+        for name in ("first", "longest", "share"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"Naps: {name} must be a finite number >= 0, got {value!r}")
-        if self.most < self.first:
-            raise ValueError(f"Naps: the longest nap ({self.most}) is shorter than the first ({self.first})")
+        if self.longest < self.first:
+            raise ValueError(f"Naps: the longest nap ({self.longest}) is shorter than the first ({self.first})")
 
 
 NO_NAPS = Naps(0.0, 0.0, 0.0)
@@ -376,7 +376,7 @@ def schedule_successors(res: np.ndarray, dur: np.ndarray, successors: Successors
         raise ValueError(f"schedule: {n} durations but {delay.shape[0]} delays")
     parts = _handling_arrays(handling, n, num_resources)
     start, end, done, ok = _schedule(res, dur, delay, indeg, ptr, idx, num_resources, *parts,
-                                     float(naps.first), float(naps.most), float(naps.share))
+                                     float(naps.first), float(naps.longest), float(naps.share))
     if (not ok or done != n) and not _well_formed(res, dur, delay, indeg, idx, num_resources):
         _refuse(res, dur, delay, indeg, idx, num_resources)
     if done != n:
