@@ -379,10 +379,6 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     for k in _CPU_ONLY:
         if not cpu and k in data:
             raise MachineError(f"{where}: field {k!r} is only for cpu machines, whose workers handle the messages")
-    if "nap_longest" in data and "nap_first" in data and isinstance(data["nap_longest"], (int, float)) \
-            and isinstance(data["nap_first"], (int, float)) and data["nap_longest"] < data["nap_first"]:
-        raise MachineError(f"{where}: field 'nap_longest' must be at least nap_first ({data['nap_first']}), got "
-                           f"{data['nap_longest']}")
     devices = data.get("devices_per_node", _MISSING)
     if devices is _MISSING:
         raise MachineError(f"{where}: missing field 'devices_per_node'")
@@ -411,6 +407,11 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     if host is not None and host.kind != "cpu":
         raise MachineError(f"{where}: field 'host.kind' must be 'cpu' (a node's host runs the runtime), got "
                            f"{host.kind!r}")
+    naps = {k: _positive(data, k, "", where, zero=True) if k in data else 0.0
+            for k in ("nap_first", "nap_longest", "nap_share")}
+    if naps["nap_longest"] < naps["nap_first"]:
+        raise MachineError(f"{where}: field 'nap_longest' must be at least nap_first ({naps['nap_first']}), got "
+                           f"{naps['nap_longest']}")
     return MachineModel(
         name=name, nodes=_count("nodes", data.get("nodes", _MISSING), where), devices_per_node=devices,
         device=device, intra_node=_link(data, "intra_node", where), inter_node=_link(data, "inter_node", where),
@@ -422,8 +423,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         receive_overhead=(_positive(data, "receive_overhead", "", where, zero=True)
                           if "receive_overhead" in data else 0.0),
         message_delay=_positive(data, "message_delay", "", where, zero=True) if "message_delay" in data else 0.0,
-        **{name: _positive(data, name, "", where, zero=True) if name in data else 0.0
-           for name in ("nap_first", "nap_longest", "nap_share")},
+        **naps,
         kernel_slowdown=_positive(data, "kernel_slowdown", "", where) if "kernel_slowdown" in data else 1.0,
         kernel_surcharge=(_positive(data, "kernel_surcharge", "", where, zero=True)
                           if "kernel_surcharge" in data else 0.0),

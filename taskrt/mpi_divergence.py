@@ -45,17 +45,13 @@ class Divergence:
 
     # ---- launches and checkpoints (main thread) ------------------------------------------------
     def on_launch(self, spec) -> None:
-        self.log.add(spec.signature or launch_signature(spec))
-        self._compare_passed()
+        self.on_signatures((spec.signature or launch_signature(spec),))
 
     def on_signatures(self, signatures) -> None:
-        """Log launches made again without specs, in one go."""
+        """Log launches (made again without specs: in one go), then compare the peers'
+        checkpoints that this rank's launch count has reached (ReplicationCheck.reached
+        compares every one passed)."""
         self.log.add_many(signatures)
-        self._compare_passed()
-
-    def _compare_passed(self) -> None:
-        """Compare the peers' checkpoints that this rank's launch count has reached
-        (ReplicationCheck.reached compares every one passed)."""
         if self.log.count >= self.check.next_check:
             self.check.reached()
 

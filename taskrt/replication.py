@@ -58,16 +58,10 @@ class LaunchLog:
         self.lock = threading.Lock()
 
     def add(self, signature: str) -> None:
-        h = zlib.crc32(signature.encode(), self.hash)
-        with self.lock:
-            if len(self.entries) == self.entries.maxlen:
-                self.base += 1
-            self.entries.append((h, signature))
-            self.hash = h
-            self.count += 1
+        self.add_many((signature,))
 
     def add_many(self, signatures) -> None:
-        """add() of each signature in turn, the hashes chained outside the lock and the entries
+        """Log each signature in turn, the hashes chained outside the lock and the entries
         appended under one hold of it (a replayed step's launches: a lock and a call each were
         a tenth of reissuing it)."""
         hashes, h = [], self.hash
