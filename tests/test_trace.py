@@ -330,6 +330,37 @@ def test_messages_by_the_receivers_quiet_time(two_ranks, capsys):
     assert rc == 0 and "by the receiving rank's quiet time" in out
 
 
+def _with_preds(event: dict, *preds: int) -> dict:
+    return {**event, "preds": list(preds)}
+
+
+def test_waits_count_tasks_that_found_their_processor_idle(measured, simulated, two_ranks, capsys):
+    """b waits 40 us on an idle cpu0 after a; c, ready as early, queues behind b (left out); d's
+    pred is not in the trace (left out); e waits 5 us on cpu1; f's pred is another rank's node
+    (left out). In a run no task starts before its pred ends; a simulation's waits are 0 but
+    where a processor handled a message."""
+    events = [_task(0, "a.fwd", 0, 0.0, 10.0), _with_preds(_task(1, "b.fwd", 0, 50.0, 20.0), 0),
+              _with_preds(_task(2, "c.fwd", 0, 70.0, 5.0), 0), _with_preds(_task(3, "d.fwd", 0, 90.0, 5.0), 99),
+              _with_preds({**_task(4, "e.fwd", 0, 15.0, 1.0), "proc": "r0.cpu1"}, 0),
+              _with_preds(_task(5, "f.fwd", 1, 30.0, 1.0), 0)]
+    w = tt.waits(tt.Trace(sorted(events, key=lambda e: e["start"])), top=1)
+    assert w["tasks"] == 6 and w["counted"] == 2
+    assert w["processors"] == {"r0.cpu0": {"tasks": 1, "wait_us": {"p10": 40.0, "median": 40.0, "p90": 40.0,
+                                                                   "mean": 40.0}},
+                               "r0.cpu1": {"tasks": 1, "wait_us": {"p10": 5.0, "median": 5.0, "p90": 5.0, "mean": 5.0}}}
+    assert [(r["name"], r["wait_us"]) for r in w["longest"]] == [("b.fwd", 40.0)]
+    run = tt.waits(tt.load(measured))
+    assert run["counted"] > 0 and run["wait_us"]["p10"] >= 0
+    sim = tt.waits(tt.load(simulated))
+    assert sim["counted"] > 0 and abs(sim["wait_us"]["median"]) < 0.01
+    rc, out, _ = run_cli(capsys, "waits", two_ranks, "--top", "3")
+    assert rc == 0 and "idle processor" in out and "r1.cpu0" in out and len(out.split("the longest:")[1].split("\n")) == 5
+    with pytest.raises(tt.TraceError, match="names its preds"):
+        tt.waits(tt.Trace([_task(0, "a.fwd", 0, 0.0, 1.0)]))
+    with pytest.raises(tt.TraceError, match="no task started on an idle processor"):
+        tt.waits(tt.Trace([_with_preds(_task(0, "a.fwd", 0, 0.0, 1.0), 7)]))
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def write(tmp_path, name, text):
     p = tmp_path / name

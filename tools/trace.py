@@ -1,4 +1,5 @@
-"""Trace tools: merge, export, draw, summarize, find the critical path and compare traces.
+"""Trace tools: merge, export, draw, summarize, find the critical path, measure messages and
+waits, and compare traces.
 
     python -m tools.trace merge run.rank0.jsonl run.rank1.jsonl -o run.jsonl
     python -m tools.trace chrome run.jsonl -o run.chrome.json [--flows ID]
@@ -6,6 +7,7 @@
     python -m tools.trace summary run.jsonl [--json]
     python -m tools.trace critical-path sim.jsonl [--json]
     python -m tools.trace messages run.jsonl [--json]
+    python -m tools.trace waits run.jsonl [--json] [--top N]
     python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json] [--skip N]
 
 A path that does not exist but whose rank files do (run.jsonl -> run.rank0.jsonl, ...) stands
@@ -499,6 +501,66 @@ def format_messages(m: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- a task's wait for its processor -------------------------------------------------------------
+def waits(trace: Trace, top: int = 10) -> dict:
+    """How long tasks waited to start once they could, on a processor with nothing else to run:
+    from the end of a task's last pred on its rank to its start, for the tasks whose processor
+    had ended its previous task by then (a task queued behind another is left out: that wait
+    is the other's time). In a run this is the runtime's hand-off: a worker woken and given the
+    GIL, which the rank's other threads (the main thread issuing a later step, the progress
+    thread, the copy workers) may hold (docs/accuracy.md). In a simulation it is 0 (a task's
+    launch overhead is inside its time) but where the processor handled a message meanwhile
+    (the parts of a copy between ranks that the simulator charges beside its tasks). Preds the trace does not hold on the task's rank (a
+    fence, a remote node's stand-in, another rank's half of a copy) are left out, so a wait may
+    include waiting for them. Quantiles in us in all and per processor, and the `top` longest."""
+    where = ", ".join(trace.meta.get("sources", [])) or "trace"
+    if not any("preds" in e for e in trace.events):
+        raise TraceError(f"{where}: no event names its preds, so when a task could start is unknown "
+                         f"(traces written by taskrt and by the simulator have them)")
+    ends: dict = {}   # (rank, node id) -> the latest end of its events there
+    for e in trace.events:
+        key = (e["rank"], e["id"])
+        ends[key] = max(ends.get(key, e["end"]), e["end"])
+    rows: list[dict] = []
+    last_end: dict = {}   # processor -> the end of its latest task so far (events sorted by start)
+    tasks = 0
+    for e in trace.events:
+        if not is_task(e):
+            continue
+        tasks += 1
+        track = (e["rank"], e["proc"])
+        before = last_end.get(track, -math.inf)
+        last_end[track] = max(before, e["end"])
+        known = [ends[(e["rank"], p)] for p in e.get("preds", ()) if (e["rank"], p) in ends]
+        if known and max(known) >= before:
+            rows.append({"name": e["name"], "rank": e["rank"], "proc": e["proc"], "start_us": e["start"],
+                         "wait_us": e["start"] - max(known)})
+    if not rows:
+        raise TraceError(f"{where}: no task started on an idle processor after a pred in the trace "
+                         f"({tasks} tasks)")
+    per_proc = defaultdict(list)
+    for r in rows:
+        per_proc[row_label((r["rank"], r["proc"]))].append(r["wait_us"])
+    return {"tasks": tasks, "counted": len(rows), "wait_us": _quantiles([r["wait_us"] for r in rows]),
+            "processors": {proc: {"tasks": len(w), "wait_us": _quantiles(w)} for proc, w in sorted(per_proc.items())},
+            "longest": sorted(rows, key=lambda r: -r["wait_us"])[:top]}
+
+
+def format_waits(w: dict) -> str:
+    """waits() as a table: quantiles in all and per processor, then the longest waits."""
+    def row(label: str, n: int, q: dict) -> str:
+        return f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
+    lines = [f"{w['counted']} of {w['tasks']} tasks started on an idle processor after their last pred; "
+             f"from that pred's end to the task's start, us:",
+             f"{'processor':<24}{'tasks':>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}",
+             row("all", w["counted"], w["wait_us"])]
+    lines += [row(proc, v["tasks"], v["wait_us"]) for proc, v in w["processors"].items()]
+    lines.append("the longest:")
+    lines += [f"{r['wait_us']:>10.1f} us  {r['name']} on {row_label((r['rank'], r['proc']))} at "
+              f"{r['start_us'] / 1e3:.3f} ms" for r in w["longest"]]
+    return "\n".join(lines)
+
+
 # ---- Chrome trace export -------------------------------------------------------------------------
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -892,6 +954,10 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("messages", help="how long messages between ranks were in flight")
     g.add_argument("traces", nargs="+")
     g.add_argument("--json", action="store_true")
+    w = sub.add_parser("waits", help="how long tasks waited to start on an idle processor")
+    w.add_argument("traces", nargs="+")
+    w.add_argument("--json", action="store_true")
+    w.add_argument("--top", type=_count_from(0), default=10, help="the longest waits listed (default: %(default)s)")
     q = sub.add_parser("compare", help="a simulated trace against a measured one")
     q.add_argument("simulated")
     q.add_argument("measured", nargs="+")
@@ -953,6 +1019,9 @@ def _run(args) -> int:
     elif args.command == "messages":
         m = messages(trace)
         print(json.dumps(m, indent=1) if args.json else format_messages(m))
+    elif args.command == "waits":
+        w = waits(trace, args.top)
+        print(json.dumps(w, indent=1) if args.json else format_waits(w))
     return 0
 
 
