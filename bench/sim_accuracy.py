@@ -19,7 +19,8 @@ cache of the run's own). It also probes the runtime's own speed then (strategies
 empty task of a chain, a hop between the ranks, the main thread's issue of a replayed step a
 node) and prints it beside the errors, with the
 median message flight between the ranks in the runs' traces (tools.trace messages; what the
-model's message_delay stands for). Printed per strategy: measured (and each run) and
+model's message_delay stands for) and a task's mean wait for its idle worker there (tools.trace
+waits; a part of what launch_overhead stands for). Printed per strategy: measured (and each run) and
 predicted iteration time and the relative error; per app the mean error and Kendall's tau of
 the two orderings. Targets: mean error at most 10%, tau at least 0.8.
 
@@ -156,6 +157,21 @@ def message_flight(a: dict) -> float | None:
         except trace_tools.TraceError:   # a strategy with no messages between the ranks, or no trace kept
             continue
     return float(np.median([m["flight_us"]["median"] for m in medians])) * 1e-6 if medians else None
+
+
+def task_wait(a: dict) -> float | None:
+    """The median over an app's runs' traces of each trace's mean wait of a task that found its
+    processor idle, from its last pred's end to its start (tools.trace waits: the runtime's
+    hand-off to a worker, a part of what the model's launch_overhead stands for), in seconds. None
+    where no trace has such a task."""
+    means = []
+    for name in a["strategies"]:
+        try:
+            means.append(trace_tools.waits(trace_tools.load(os.path.join(a["run"], f"{a['app']}.{name}.jsonl")))
+                         ["wait_us"]["mean"])
+        except trace_tools.TraceError:   # no trace kept, or none with preds
+            continue
+    return float(np.median(means)) * 1e-6 if means else None
 
 
 def calibrate(apps: dict, on: list[str], grid: tuple, linear: dict, machine_model) -> tuple[dict, dict]:
@@ -296,9 +312,9 @@ def main(argv=None) -> dict:
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("issue", "chain", "pingpong")
                       if a["probes"] and all(k in p for p in a["probes"])}
-            flight = message_flight(a)
-            if flight is not None:
-                probes["message_flight"] = flight
+            for key, figure in (("message_flight", message_flight(a)), ("task_wait", task_wait(a))):
+                if figure is not None:
+                    probes[key] = figure
             out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
                                   "source_us_per_sample": round(per_sample * 1e6, 2),
                                   "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()},
