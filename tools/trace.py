@@ -486,14 +486,19 @@ def _by_quiet(pairs: list[tuple[dict, dict]], receipts: dict) -> dict:
             for label in labels + ["first", "posted after"] if classes[label]}
 
 
+def _quantile_row(label: str, n, q: dict | None) -> str:
+    """One row of a table of _quantiles: label, count, p10, median, p90, mean (a header: q None)."""
+    if q is None:
+        return f"{label:<24}{n:>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}"
+    return f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
+
+
 def format_messages(m: dict) -> str:
     """messages() as a table: flight quantiles in all and per link."""
-    def row(label: str, n: int, q: dict) -> str:
-        return f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
+    row = _quantile_row
     lines = [f"{m['messages']} messages between ranks (median {_human_bytes(m['median_bytes'])}), "
              f"{m['unpaired']} unpaired; in flight from the send's post to the receipt's completion, us:",
-             f"{'link':<24}{'messages':>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}",
-             row("all", m["messages"], m["flight_us"])]
+             row("link", "messages", None), row("all", m["messages"], m["flight_us"])]
     lines += [row(link, v["messages"], v["flight_us"]) for link, v in m["links"].items()]
     lines.append("by the receiving rank's quiet time, from its last receipt's end to the send's post, us:")
     lines += [row(f"quiet {label}" if label[0].isdigit() else label, v["messages"], v["flight_us"])
@@ -548,12 +553,10 @@ def waits(trace: Trace, top: int = 10) -> dict:
 
 def format_waits(w: dict) -> str:
     """waits() as a table: quantiles in all and per processor, then the longest waits."""
-    def row(label: str, n: int, q: dict) -> str:
-        return f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
+    row = _quantile_row
     lines = [f"{w['counted']} of {w['tasks']} tasks started on an idle processor after their last pred; "
              f"from that pred's end to the task's start, us:",
-             f"{'processor':<24}{'tasks':>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}",
-             row("all", w["counted"], w["wait_us"])]
+             row("processor", "tasks", None), row("all", w["counted"], w["wait_us"])]
     lines += [row(proc, v["tasks"], v["wait_us"]) for proc, v in w["processors"].items()]
     lines.append("the longest:")
     lines += [f"{r['wait_us']:>10.1f} us  {r['name']} on {row_label((r['rank'], r['proc']))} at "
