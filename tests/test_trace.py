@@ -354,7 +354,8 @@ def test_waits_count_tasks_that_found_their_processor_idle(measured, simulated, 
     sim = tt.waits(tt.load(simulated))
     assert sim["counted"] > 0 and abs(sim["wait_us"]["median"]) < 0.01
     rc, out, _ = run_cli(capsys, "waits", two_ranks, "--top", "3")
-    assert rc == 0 and "idle processor" in out and "r1.cpu0" in out and len(out.split("the longest:")[1].split("\n")) == 5
+    assert rc == 0 and "idle processor" in out and "r1.cpu0" in out
+    assert len(out.split("the longest:")[1].strip().splitlines()) == 3
     with pytest.raises(tt.TraceError, match="names its preds"):
         tt.waits(tt.Trace([_task(0, "a.fwd", 0, 0.0, 1.0)]))
     with pytest.raises(tt.TraceError, match="no task started on an idle processor"):

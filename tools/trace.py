@@ -515,9 +515,10 @@ def waits(trace: Trace, top: int = 10) -> dict:
     GIL, which the rank's other threads (the main thread issuing a later step, the progress
     thread, the copy workers) may hold (docs/accuracy.md). In a simulation it is 0 (a task's
     launch overhead is inside its time) but where the processor handled a message meanwhile
-    (the parts of a copy between ranks that the simulator charges beside its tasks). Preds the trace does not hold on the task's rank (a
-    fence, a remote node's stand-in, another rank's half of a copy) are left out, so a wait may
-    include waiting for them. Quantiles in us in all and per processor, and the `top` longest."""
+    (the parts of a copy between ranks that the simulator charges beside its tasks). Preds the
+    trace does not hold on the task's rank (a fence, a remote node's stand-in, another rank's
+    half of a copy) are left out, so a wait may include waiting for them. Quantiles in us in
+    all and per processor, and the `top` longest."""
     where = ", ".join(trace.meta.get("sources", [])) or "trace"
     if not any("preds" in e for e in trace.events):
         raise TraceError(f"{where}: no event names its preds, so when a task could start is unknown "
