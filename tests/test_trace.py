@@ -349,17 +349,22 @@ def test_waits_count_tasks_that_found_their_processor_idle(measured, simulated, 
                                                                    "mean": 40.0}},
                                "r0.cpu1": {"tasks": 1, "wait_us": {"p10": 5.0, "median": 5.0, "p90": 5.0, "mean": 5.0}}}
     assert [(r["name"], r["wait_us"]) for r in w["longest"]] == [("b.fwd", 40.0)]
+    again = events + [_with_preds(_task(6, "b.fwd", 0, 200.0, 1.0), 3)]   # b's second run waits 105 us for d
+    w = tt.waits(tt.Trace(sorted(again, key=lambda e: e["start"])), skip=1)
+    assert w["tasks"] == 7 and w["counted"] == 1 and w["longest"][0]["wait_us"] == 105.0
     run = tt.waits(tt.load(measured), top=10 ** 6)   # every counted task among the longest
     assert len(run["longest"]) == run["counted"] > 0 and min(r["wait_us"] for r in run["longest"]) >= 0
     sim = tt.waits(tt.load(simulated))
     assert sim["counted"] > 0 and abs(sim["wait_us"]["median"]) < 0.01
-    rc, out, _ = run_cli(capsys, "waits", two_ranks, "--top", "3")
+    rc, out, _ = run_cli(capsys, "waits", two_ranks, "--top", "3", "--skip", "1")
     assert rc == 0 and "idle processor" in out and "r1.cpu0" in out
     assert len(out.split("the longest:")[1].strip().splitlines()) == 3
     with pytest.raises(tt.TraceError, match="names its preds"):
         tt.waits(tt.Trace([_task(0, "a.fwd", 0, 0.0, 1.0)]))
     with pytest.raises(tt.TraceError, match="no task started on an idle processor"):
         tt.waits(tt.Trace([_with_preds(_task(0, "a.fwd", 0, 0.0, 1.0), 7)]))
+    with pytest.raises(tt.TraceError, match="first 1 runs left out"):
+        tt.waits(tt.Trace(sorted(events, key=lambda e: e["start"])), skip=1)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ waits, and compare traces.
     python -m tools.trace summary run.jsonl [--json]
     python -m tools.trace critical-path sim.jsonl [--json]
     python -m tools.trace messages run.jsonl [--json]
-    python -m tools.trace waits run.jsonl [--json] [--top N]
+    python -m tools.trace waits run.jsonl [--json] [--top N] [--skip N]
     python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json] [--skip N]
 
 A path that does not exist but whose rank files do (run.jsonl -> run.rank0.jsonl, ...) stands
@@ -507,7 +507,7 @@ def format_messages(m: dict) -> str:
 
 
 # ---- a task's wait for its processor -------------------------------------------------------------
-def waits(trace: Trace, top: int = 10) -> dict:
+def waits(trace: Trace, top: int = 10, skip: int = 0) -> dict:
     """How long tasks waited to start once they could, on a processor with nothing else to run:
     from the end of a task's last pred on its rank to its start, for the tasks whose processor
     had ended its previous task by then (a task queued behind another is left out: that wait
@@ -517,8 +517,9 @@ def waits(trace: Trace, top: int = 10) -> dict:
     launch overhead is inside its time) but where the processor handled a message meanwhile
     (the parts of a copy between ranks that the simulator charges beside its tasks). Preds the
     trace does not hold on the task's rank (a fence, a remote node's stand-in, another rank's
-    half of a copy) are left out, so a wait may include waiting for them. Quantiles in us in
-    all and per processor, and the `top` longest."""
+    half of a copy) are left out, so a wait may include waiting for them. Each task's first
+    `skip` runs (by name, rank and point) are left out too: a run's first iteration waits for
+    its kernels' compiles. Quantiles in us in all and per processor, and the `top` longest."""
     where = ", ".join(trace.meta.get("sources", [])) or "trace"
     if not any("preds" in e for e in trace.events):
         raise TraceError(f"{where}: no event names its preds, so when a task could start is unknown "
@@ -529,6 +530,7 @@ def waits(trace: Trace, top: int = 10) -> dict:
         ends[key] = max(ends.get(key, e["end"]), e["end"])
     rows: list[dict] = []
     last_end: dict = {}   # processor -> the end of its latest task so far (events sorted by start)
+    runs: dict = defaultdict(int)   # (rank, name, point) -> its runs so far
     tasks = 0
     for e in trace.events:
         if not is_task(e):
@@ -537,13 +539,17 @@ def waits(trace: Trace, top: int = 10) -> dict:
         track = (e["rank"], e["proc"])
         before = last_end.get(track, -math.inf)
         last_end[track] = max(before, e["end"])
+        run = (e["rank"], e["name"], tuple(e.get("point") or ()))
+        runs[run] += 1
+        if runs[run] <= skip:
+            continue
         known = [ends[(e["rank"], p)] for p in e.get("preds", ()) if (e["rank"], p) in ends]
         if known and max(known) >= before:
             rows.append({"name": e["name"], "rank": e["rank"], "proc": e["proc"], "start_us": e["start"],
                          "wait_us": e["start"] - max(known)})
     if not rows:
         raise TraceError(f"{where}: no task started on an idle processor after a pred in the trace "
-                         f"({tasks} tasks)")
+                         f"({tasks} tasks, each one's first {skip} runs left out)")
     per_proc = defaultdict(list)
     for r in rows:
         per_proc[row_label((r["rank"], r["proc"]))].append(r["wait_us"])
@@ -962,6 +968,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("traces", nargs="+")
     w.add_argument("--json", action="store_true")
     w.add_argument("--top", type=_count_from(0), default=10, help="the longest waits listed (default: %(default)s)")
+    w.add_argument("--skip", type=_count_from(0), default=0, metavar="N",
+                   help="leave out each task's first N runs (1: a training run's first iteration; default: 0)")
     q = sub.add_parser("compare", help="a simulated trace against a measured one")
     q.add_argument("simulated")
     q.add_argument("measured", nargs="+")
@@ -1024,7 +1032,7 @@ def _run(args) -> int:
         m = messages(trace)
         print(json.dumps(m, indent=1) if args.json else format_messages(m))
     elif args.command == "waits":
-        w = waits(trace, args.top)
+        w = waits(trace, args.top, args.skip)
         print(json.dumps(w, indent=1) if args.json else format_waits(w))
     return 0
 
