@@ -180,7 +180,7 @@ def _schedule(res, dur, delay, indegree, succ_ptr, succ_idx, num_resources, pre_
     n = res.shape[0]
     phases = pre_res.shape[0] == n   # else no node has handling parts (empty arrays)
     naps = phases and nap_share > 0.0 and nap_first > 0.0
-    quiet_since = np.zeros(num_resources)   # per part-after resource: when its last receipt ended its wait
+    quiet_since = np.zeros(num_resources if naps else 0)   # per part-after resource: its last receipt's wait's end
     indeg = indegree.copy()
     start = np.zeros(n)
     end = np.zeros(n)

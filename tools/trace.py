@@ -63,6 +63,11 @@ class Trace:
         return sorted({e["rank"] for e in self.events})
 
     @property
+    def where(self) -> str:
+        """The files it was read from, as an error names them ("trace" for one made in memory)."""
+        return ", ".join(self.meta.get("sources", [])) or "trace"
+
+    @property
     def simulated(self) -> bool:
         return bool(self.meta.get("simulated"))
 
@@ -423,7 +428,7 @@ def messages(trace: Trace) -> dict:
     tag in order). What the simulator's `message_delay` stands for, less the wire's time
     (docs/accuracy.md, session 36). Quantiles in us, in all and per link, and by how long the
     receiving rank had been quiet (`by_quiet`, _by_quiet)."""
-    where = ", ".join(trace.meta.get("sources", [])) or "trace"
+    where = trace.where
     sends, receipts = defaultdict(list), defaultdict(list)
     for e in trace.events:   # (sorted by start)
         if e["kind"] in ("send", "recv"):
@@ -486,24 +491,28 @@ def _by_quiet(pairs: list[tuple[dict, dict]], receipts: dict) -> dict:
             for label in labels + ["first", "posted after"] if classes[label]}
 
 
-def _quantile_row(label: str, n, q: dict | None) -> str:
-    """One row of a table of _quantiles: label, count, p10, median, p90, mean (a header: q None)."""
-    if q is None:
-        return f"{label:<24}{n:>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}"
-    return f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
+def _quantile_rows(rows) -> list[str]:
+    """Table lines of _quantiles, one a (label, count, quantiles) row: label, count, p10, median,
+    p90, mean."""
+    return [f"{label:<24}{n:>9}{q['p10']:>10.1f}{q['median']:>10.1f}{q['p90']:>10.1f}{q['mean']:>10.1f}"
+            for label, n, q in rows]
+
+
+def _quantile_header(label: str, count: str) -> str:
+    return f"{label:<24}{count:>9}{'p10':>10}{'median':>10}{'p90':>10}{'mean':>10}"
 
 
 def format_messages(m: dict) -> str:
     """messages() as a table: flight quantiles in all and per link."""
-    row = _quantile_row
-    lines = [f"{m['messages']} messages between ranks (median {_human_bytes(m['median_bytes'])}), "
-             f"{m['unpaired']} unpaired; in flight from the send's post to the receipt's completion, us:",
-             row("link", "messages", None), row("all", m["messages"], m["flight_us"])]
-    lines += [row(link, v["messages"], v["flight_us"]) for link, v in m["links"].items()]
-    lines.append("by the receiving rank's quiet time, from its last receipt's end to the send's post, us:")
-    lines += [row(f"quiet {label}" if label[0].isdigit() else label, v["messages"], v["flight_us"])
-              for label, v in m["by_quiet"].items()]
-    return "\n".join(lines)
+    return "\n".join(
+        [f"{m['messages']} messages between ranks (median {_human_bytes(m['median_bytes'])}), "
+         f"{m['unpaired']} unpaired; in flight from the send's post to the receipt's completion, us:",
+         _quantile_header("link", "messages")]
+        + _quantile_rows([("all", m["messages"], m["flight_us"])]
+                         + [(link, v["messages"], v["flight_us"]) for link, v in m["links"].items()])
+        + ["by the receiving rank's quiet time, from its last receipt's end to the send's post, us:"]
+        + _quantile_rows((f"quiet {label}" if label[0].isdigit() else label, v["messages"], v["flight_us"])
+                         for label, v in m["by_quiet"].items()))
 
 
 # ---- a task's wait for its processor -------------------------------------------------------------
@@ -520,7 +529,7 @@ def waits(trace: Trace, top: int = 10, skip: int = 0) -> dict:
     half of a copy) are left out, so a wait may include waiting for them. Each task's first
     `skip` runs (by name, rank and point) are left out too: a run's first iteration waits for
     its kernels' compiles. Quantiles in us in all and per processor, and the `top` longest."""
-    where = ", ".join(trace.meta.get("sources", [])) or "trace"
+    where = trace.where
     if not any("preds" in e for e in trace.events):
         raise TraceError(f"{where}: no event names its preds, so when a task could start is unknown "
                          f"(traces written by taskrt and by the simulator have them)")
@@ -543,10 +552,10 @@ def waits(trace: Trace, top: int = 10, skip: int = 0) -> dict:
         runs[run] += 1
         if runs[run] <= skip:
             continue
-        known = [ends[(e["rank"], p)] for p in e.get("preds", ()) if (e["rank"], p) in ends]
-        if known and max(known) >= before:
+        ready = max((ends[(e["rank"], p)] for p in e.get("preds", ()) if (e["rank"], p) in ends), default=None)
+        if ready is not None and ready >= before:
             rows.append({"name": e["name"], "rank": e["rank"], "proc": e["proc"], "start_us": e["start"],
-                         "wait_us": e["start"] - max(known)})
+                         "wait_us": e["start"] - ready})
     if not rows:
         raise TraceError(f"{where}: no task started on an idle processor after a pred in the trace "
                          f"({tasks} tasks, each one's first {skip} runs left out)")
@@ -560,15 +569,14 @@ def waits(trace: Trace, top: int = 10, skip: int = 0) -> dict:
 
 def format_waits(w: dict) -> str:
     """waits() as a table: quantiles in all and per processor, then the longest waits."""
-    row = _quantile_row
-    lines = [f"{w['counted']} of {w['tasks']} tasks started on an idle processor after their last pred; "
-             f"from that pred's end to the task's start, us:",
-             row("processor", "tasks", None), row("all", w["counted"], w["wait_us"])]
-    lines += [row(proc, v["tasks"], v["wait_us"]) for proc, v in w["processors"].items()]
-    lines.append("the longest:")
-    lines += [f"{r['wait_us']:>10.1f} us  {r['name']} on {row_label((r['rank'], r['proc']))} at "
-              f"{r['start_us'] / 1e3:.3f} ms" for r in w["longest"]]
-    return "\n".join(lines)
+    return "\n".join(
+        [f"{w['counted']} of {w['tasks']} tasks started on an idle processor after their last pred; "
+         f"from that pred's end to the task's start, us:", _quantile_header("processor", "tasks")]
+        + _quantile_rows([("all", w["counted"], w["wait_us"])]
+                         + [(proc, v["tasks"], v["wait_us"]) for proc, v in w["processors"].items()])
+        + ["the longest:"]
+        + [f"{r['wait_us']:>10.1f} us  {r['name']} on {row_label((r['rank'], r['proc']))} at "
+           f"{r['start_us'] / 1e3:.3f} ms" for r in w["longest"]])
 
 
 # ---- Chrome trace export -------------------------------------------------------------------------
