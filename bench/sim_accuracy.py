@@ -22,7 +22,10 @@ median message flight between the ranks in the runs' traces (tools.trace message
 model's message_delay stands for) and a task's mean wait for its idle worker there (tools.trace
 waits; a part of what launch_overhead stands for). Printed per strategy: measured (and each run) and
 predicted iteration time and the relative error; per app the mean error and Kendall's tau of
-the two orderings. Targets: mean error at most 10%, tau at least 0.8.
+the two orderings, and how well the run's measured ordering agrees with itself (the fastest of
+half the rounds against the other half's, over the ways to split them: split_half_ceiling, about
+the most a simulator's tau can reach against the run). Targets: mean error at most 10%, tau at
+least 0.8.
 
 The runtime's own costs on this VM move with its phase (docs/accuracy.md), as the kernels'
 do, so the bench also calibrates them now: it trains the strategies of `--calibrate-on` apps
@@ -67,7 +70,7 @@ from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.overheads import (KERNEL_FIGURES, LinearTimes, best_point, extended_fit, grid_times,  # noqa: E402
-                                  held_kernel, ordering_ceiling, score)
+                                  held_kernel, ordering_ceiling, score, split_half_ceiling)
 from strategies.probe import measure_overheads  # noqa: E402
 from strategies.search import app_graph  # noqa: E402
 from tools import trace as trace_tools  # noqa: E402
@@ -315,7 +318,12 @@ def main(argv=None) -> dict:
             for key, figure in (("message_flight", message_flight(a)), ("task_wait", task_wait(a))):
                 if figure is not None:
                     probes[key] = figure
+            rounds = {name: runs[name] for name in strategies}
+            counts = {len(times) for times in rounds.values()}
+            itself = split_half_ceiling(rounds) if len(rounds) >= 2 and min(counts) == max(counts) >= 2 \
+                else None   # (the same rounds for each strategy, at least two)
             out["apps"][label] = {"strategies": rows, "mean_error": round(error, 4), "kendall_tau": round(tau, 3),
+                                  "split_half_tau": None if itself is None else round(itself, 3),
                                   "source_us_per_sample": round(per_sample * 1e6, 2),
                                   "probe_us": {k: round(v * 1e6, 1) for k, v in probes.items()},
                                   "role": "calibration" if label in on else "scored", "same_as": a["same_as"]}
@@ -326,6 +334,8 @@ def main(argv=None) -> dict:
                 summary += f"; calibrated on {', '.join(on)}: mean error {c_error:.1%}, Kendall tau {c_tau:.2f}"
             elif label in on:
                 summary += " (a calibration app: not scored)"
+            if itself is not None:
+                summary += f"; the run against itself, half its rounds against the other half: Kendall tau {itself:.2f}"
             print(f"{summary} (its batch source {per_sample * 1e6:.1f} us a sample; the runtime probe: "
                   f"{', '.join(f'{k} {v * 1e6:.0f} us' for k, v in probes.items()) or 'not taken'})", flush=True)
         if args.rescore and len(args.rescore) > 1:

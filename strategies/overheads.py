@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 import statistics
 from typing import Mapping, Sequence
 
@@ -119,6 +120,39 @@ def ordering_ceiling(runs: Sequence[Mapping[str, float]]) -> list[float]:
         median = [statistics.median(r[name] for r in others) for name in names]
         taus.append(kendall_tau([run[name] for name in names], median))
     return taus
+
+
+#: how many ways of splitting a run's rounds in two split_half_ceiling takes at most, about: it takes
+#: every split up to twice as many (12 rounds have 462), else this many drawn with a fixed seed
+SPLITS = 2000
+
+
+def split_half_ceiling(runs: Mapping[str, Sequence[float]]) -> float:
+    """How well one bench run's measurement agrees with itself: Kendall's tau of the strategies'
+    fastest times over half of its rounds against their fastest over the other half (`runs`:
+    strategy -> each round's time, every strategy as many rounds), the mean over the ways of
+    splitting the rounds (an odd count: the larger half second): about the most a simulator's tau
+    against that run can be expected to reach, from the run alone (ordering_ceiling needs several
+    runs). The fastest of all the rounds is steadier than of half, so it is a little under what
+    the whole run's noise leaves."""
+    names = list(runs)
+    counts = {len(times) for times in runs.values()}
+    if len(names) < 2 or len(counts) != 1 or min(counts) < 2:
+        raise ValueError(f"split_half_ceiling: needs at least 2 strategies with the same number (at least 2) of "
+                         f"rounds each, got {({name: len(times) for name, times in runs.items()})}")
+    rounds = counts.pop()
+    if math.comb(rounds, rounds // 2) <= 2 * SPLITS:
+        # each split once: the first round always in the first half where the halves are alike
+        firsts = [c for c in itertools.combinations(range(rounds), rounds // 2) if rounds % 2 or c[0] == 0]
+    else:
+        rng = random.Random(0)
+        firsts = [rng.sample(range(rounds), rounds // 2) for _ in range(SPLITS)]
+    taus = []
+    for first in firsts:
+        second = [k for k in range(rounds) if k not in first]
+        taus.append(kendall_tau([min(runs[n][k] for k in first) for n in names],
+                                [min(runs[n][k] for k in second) for n in names]))
+    return statistics.fmean(taus)
 
 
 def figures_of(machine_model: MachineModel) -> dict[str, float]:

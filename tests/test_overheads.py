@@ -2,6 +2,7 @@
 simulation with them, a fit finds the point that made the times, and the calibration command
 runs, fits and writes a machine file."""
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from strategies import overheads
 from strategies.machine_model import MACHINES_DIR, MachineError, load_machine, write_fields
 from strategies.overheads import (FIGURES, FIT_GRID, KERNEL_FIGURES, ORDER_WEIGHT, LinearTimes, best_point,
                                   fit_figures, grid_times, held, held_kernel, kendall_tau, ordering_ceiling, score,
-                                  with_figures)
+                                  split_half_ceiling, with_figures)
 from strategies.random import random_strategy
 from strategies.search import app_graph
 from strategies.simulator import Simulator
@@ -134,6 +135,45 @@ def test_a_fit_weighs_the_order_against_the_error():
     predictions = [close_but_swapped, ordered]
     assert best_point([{}, {}], predictions, measured, order_weight=0.0) == 0
     assert ORDER_WEIGHT > 0.15 and best_point([{}, {}], predictions, measured) == 1   # 0.217 - 0.067 > 0.3 - 0.2
+
+
+def _tau_by_pairs(a, b):
+    """Kendall's tau-a counted pair by pair (the tests' own reference)."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    same = sum(1 for i, j in pairs if (a[i] < a[j] and b[i] < b[j]) or (a[i] > a[j] and b[i] > b[j]))
+    other = sum(1 for i, j in pairs if (a[i] < a[j] and b[i] > b[j]) or (a[i] > a[j] and b[i] < b[j]))
+    return (same - other) / len(pairs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5).flatmap(lambda n: st.integers(2, 7).flatmap(lambda r: st.lists(
+    st.lists(st.sampled_from([1.0, 1.5, 2.0, 2.5, 3.0]), min_size=r, max_size=r), min_size=n, max_size=n))))
+def test_the_split_half_ceiling_is_the_mean_over_every_split_of_the_rounds(rounds):
+    """Against every way to take half the rounds (each split met twice where the halves are alike),
+    the fastest of each half per strategy ordered against the other's."""
+    runs = {f"s{i}": times for i, times in enumerate(rounds)}
+    r = len(rounds[0])
+    taus = []
+    for first in itertools.combinations(range(r), r // 2):
+        second = [k for k in range(r) if k not in first]
+        taus.append(_tau_by_pairs([min(t[k] for k in first) for t in rounds],
+                                  [min(t[k] for k in second) for t in rounds]))
+    assert split_half_ceiling(runs) == pytest.approx(sum(taus) / len(taus))
+
+
+def test_the_split_half_ceiling_of_steady_rounds_and_of_swapped_ones():
+    assert split_half_ceiling({"a": [1.0] * 6, "b": [2.0] * 6, "c": [3.0] * 6}) == 1.0
+    # a is faster in round 0 and b in round 1: the two halves always disagree
+    assert split_half_ceiling({"a": [1.0, 3.0], "b": [2.0, 2.0]}) == -1.0
+    # 20 rounds have 184,756 splits: SPLITS of them drawn, the same each time
+    steady = {"a": [1.0 + 0.01 * k for k in range(20)], "b": [2.0] * 20}
+    assert split_half_ceiling(steady) == 1.0
+    noisy = {"a": [1.0, 2.2] * 10, "b": [2.0, 1.1] * 10, "c": [1.5 + 0.1 * (k % 3) for k in range(20)]}
+    assert split_half_ceiling(noisy) == split_half_ceiling(noisy)
+    for bad, why in (({"a": [1.0, 2.0]}, "at least 2 strategies"), ({"a": [1.0, 2.0], "b": [1.0]}, "same number"),
+                     ({"a": [1.0], "b": [2.0]}, "same number")):
+        with pytest.raises(ValueError, match=why):
+            split_half_ceiling(bad)
 
 
 def test_the_ordering_ceiling_scores_each_run_against_the_others_median():
