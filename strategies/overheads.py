@@ -122,8 +122,8 @@ def ordering_ceiling(runs: Sequence[Mapping[str, float]]) -> list[float]:
     return taus
 
 
-#: how many ways of splitting a run's rounds in two split_half_ceiling takes at most, about: it takes
-#: every split up to twice as many (12 rounds have 462), else this many drawn with a fixed seed
+#: split_half_ceiling takes every split of a run's rounds in two where there are at most twice as many
+#: ways to choose half of them (12 rounds: 924 ways, 462 splits), else this many drawn with a fixed seed
 SPLITS = 2000
 
 
