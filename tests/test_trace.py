@@ -330,6 +330,26 @@ def test_messages_by_the_receivers_quiet_time(two_ranks, capsys):
     assert rc == 0 and "by the receiving rank's quiet time" in out
 
 
+def test_messages_by_their_size(two_ranks, capsys):
+    """Each flight goes by its message's bytes: under 4 KiB, 4-64 KiB (4 KiB itself), 64 KiB-1 MiB
+    (none here: left out), 1-16 MiB and more."""
+    there = "r0.sys0->r1.sys0"
+    sizes_flights = [(100, 30.0), (4096, 50.0), (60_000, 70.0), (2 << 20, 400.0), (20 << 20, 900.0), (300, 10.0)]
+    events = []
+    for k, (nbytes, flight) in enumerate(sizes_flights):
+        name = f"copy:m{k}"
+        events += [_message(2 * k, "recv", name, there, 1000.0 * k - 5.0, 1000.0 * k + flight, nbytes),
+                   _message(2 * k + 1, "send", name, there, 1000.0 * k, 1000.0 * k + 1.0, nbytes)]
+    by = tt.messages(tt.Trace(sorted(events, key=lambda e: e["start"])))["by_size"]
+    assert list(by) == ["0-4 KiB", "4-64 KiB", "1-16 MiB", "16 MiB+"]
+    assert [(v["messages"], v["flight_us"]["median"]) for v in by.values()] == [(2, 20.0), (2, 60.0), (1, 400.0),
+                                                                              (1, 900.0)]
+    real = tt.messages(tt.load(two_ranks))
+    assert sum(v["messages"] for v in real["by_size"].values()) == real["messages"]
+    rc, out, _ = run_cli(capsys, "messages", two_ranks)
+    assert rc == 0 and "by the message's size" in out
+
+
 def _with_preds(event: dict, *preds: int) -> dict:
     return {**event, "preds": list(preds)}
 

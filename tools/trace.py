@@ -426,8 +426,8 @@ def messages(trace: Trace) -> dict:
     receipt's completion (the recv event's end), on the merged clock. The k-th send of a name on
     a link pairs with the k-th receipt of that name there (MPI keeps one sender's messages of a
     tag in order). What the simulator's `message_delay` stands for, less the wire's time
-    (docs/accuracy.md, session 36). Quantiles in us, in all and per link, and by how long the
-    receiving rank had been quiet (`by_quiet`, _by_quiet)."""
+    (docs/accuracy.md, session 36). Quantiles in us, in all and per link, by the message's size
+    (`by_size`, _by_size) and by how long the receiving rank had been quiet (`by_quiet`, _by_quiet)."""
     where = trace.where
     sends, receipts = defaultdict(list), defaultdict(list)
     for e in trace.events:   # (sorted by start)
@@ -454,7 +454,24 @@ def messages(trace: Trace) -> dict:
     return {"messages": len(flights), "unpaired": unpaired, "median_bytes": statistics.median(sizes),
             "flight_us": _quantiles(flights), "links": {link: {"messages": len(f), "flight_us": _quantiles(f)}
                                                          for link, f in sorted(per_link.items())},
-            "by_quiet": _by_quiet(pairs, receipts)}
+            "by_size": _by_size(pairs), "by_quiet": _by_quiet(pairs, receipts)}
+
+
+#: the bounds (bytes) of _by_size's classes of a message's size, and their labels
+SIZE_BOUNDS = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+SIZE_LABELS = ("0-4 KiB", "4-64 KiB", "64 KiB-1 MiB", "1-16 MiB", "16 MiB+")
+
+
+def _by_size(pairs: list[tuple[dict, dict]]) -> dict:
+    """Flights by the message's bytes (SIZE_LABELS): whether the wire sets a message's time, which
+    grows with its bytes, or its handling and waits, which do not (alexnet's data parallelism on a
+    2-core VM: messages of 64 KiB-1 MiB between its two ranks flew no longer than those under
+    4 KiB, docs/accuracy.md, session 49). Each: {messages, flight_us}."""
+    classes = defaultdict(list)
+    for send, receipt in pairs:
+        classes[SIZE_LABELS[bisect.bisect_right(SIZE_BOUNDS, send["bytes"] or 0)]].append(receipt["end"] - send["start"])
+    return {label: {"messages": len(classes[label]), "flight_us": _quantiles(classes[label])}
+            for label in SIZE_LABELS if classes[label]}
 
 
 #: the bounds (us) of _by_quiet's classes of a receiving rank's quiet time
@@ -503,13 +520,15 @@ def _quantile_header(label: str, count: str) -> str:
 
 
 def format_messages(m: dict) -> str:
-    """messages() as a table: flight quantiles in all and per link."""
+    """messages() as a table: flight quantiles in all, per link, by size and by the receiver's quiet time."""
     return "\n".join(
         [f"{m['messages']} messages between ranks (median {_human_bytes(m['median_bytes'])}), "
          f"{m['unpaired']} unpaired; in flight from the send's post to the receipt's completion, us:",
          _quantile_header("link", "messages")]
         + _quantile_rows([("all", m["messages"], m["flight_us"])]
                          + [(link, v["messages"], v["flight_us"]) for link, v in m["links"].items()])
+        + ["by the message's size, us:"]
+        + _quantile_rows((label, v["messages"], v["flight_us"]) for label, v in m["by_size"].items())
         + ["by the receiving rank's quiet time, from its last receipt's end to the send's post, us:"]
         + _quantile_rows((f"quiet {label}" if label[0].isdigit() else label, v["messages"], v["flight_us"])
                          for label, v in m["by_quiet"].items()))
