@@ -149,32 +149,41 @@ def _linear(apps: dict, base) -> dict:
     return linear
 
 
-def message_flight(a: dict) -> float | None:
-    """The median over an app's runs' traces of each trace's median message flight between the
-    ranks (tools.trace messages: a send's post to its receipt's completion), in seconds: what the
-    machine model's message_delay stands for. None where no trace has messages."""
-    medians = []
+def run_traces(a: dict) -> list:
+    """The traces an app's strategies left in its run's folder, each read once (a strategy whose
+    trace was not kept has none)."""
+    traces = []
     for name in a["strategies"]:
         try:
-            medians.append(trace_tools.messages(trace_tools.load(os.path.join(a["run"], f"{a['app']}.{name}.jsonl"))))
-        except trace_tools.TraceError:   # a strategy with no messages between the ranks, or no trace kept
+            traces.append(trace_tools.load(os.path.join(a["run"], f"{a['app']}.{name}.jsonl")))
+        except trace_tools.TraceError:
             continue
-    return float(np.median([m["flight_us"]["median"] for m in medians])) * 1e-6 if medians else None
+    return traces
 
 
-def task_wait(a: dict) -> float | None:
-    """The median over an app's runs' traces of each trace's mean wait of a task that found its
-    processor idle, from its last pred's end to its start (tools.trace waits: the runtime's
-    hand-off to a worker, a part of what the model's launch_overhead stands for), in seconds. None
-    where no trace has such a task."""
-    means = []
-    for name in a["strategies"]:
+def median_over(traces: list, figure) -> float | None:
+    """The median over `traces` of `figure(trace)` (microseconds), in seconds; traces it refuses
+    (tools.trace.TraceError: nothing of what it measures) left out; None where it refuses all."""
+    values = []
+    for trace in traces:
         try:
-            trace = trace_tools.load(os.path.join(a["run"], f"{a['app']}.{name}.jsonl"))
-            means.append(trace_tools.waits(trace, skip=1)["wait_us"]["mean"])   # (the first iteration compiles)
-        except trace_tools.TraceError:   # no trace kept, or none with preds
+            values.append(figure(trace))
+        except trace_tools.TraceError:
             continue
-    return float(np.median(means)) * 1e-6 if means else None
+    return float(np.median(values)) * 1e-6 if values else None
+
+
+def message_flight(trace) -> float:
+    """A trace's median message flight between the ranks (tools.trace messages: a send's post to
+    its receipt's completion), us: what the machine model's message_delay stands for."""
+    return trace_tools.messages(trace)["flight_us"]["median"]
+
+
+def task_wait(trace) -> float:
+    """A trace's mean wait of a task that found its processor idle, from its last pred's end to its
+    start (tools.trace waits, each task's first run left out: the first iteration compiles), us:
+    the runtime's hand-off to a worker, a part of what the model's launch_overhead stands for."""
+    return trace_tools.waits(trace, skip=1)["wait_us"]["mean"]
 
 
 def calibrate(apps: dict, on: list[str], grid: tuple, linear: dict, machine_model) -> tuple[dict, dict]:
@@ -315,7 +324,9 @@ def main(argv=None) -> dict:
             error, tau = score(measured, predicted)
             probes = {k: float(np.median([p[k] for p in a["probes"]])) for k in ("issue", "chain", "pingpong")
                       if a["probes"] and all(k in p for p in a["probes"])}
-            for key, figure in (("message_flight", message_flight(a)), ("task_wait", task_wait(a))):
+            traces = run_traces(a)
+            for key, figure in (("message_flight", median_over(traces, message_flight)),
+                                ("task_wait", median_over(traces, task_wait))):
                 if figure is not None:
                     probes[key] = figure
             try:

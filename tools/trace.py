@@ -470,8 +470,7 @@ def _by_size(pairs: list[tuple[dict, dict]]) -> dict:
     classes = defaultdict(list)
     for send, receipt in pairs:
         classes[SIZE_LABELS[bisect.bisect_right(SIZE_BOUNDS, send["bytes"] or 0)]].append(receipt["end"] - send["start"])
-    return {label: {"messages": len(classes[label]), "flight_us": _quantiles(classes[label])}
-            for label in SIZE_LABELS if classes[label]}
+    return _flights_by_class(classes, SIZE_LABELS)
 
 
 #: the bounds (us) of _by_quiet's classes of a receiving rank's quiet time
@@ -504,8 +503,13 @@ def _by_quiet(pairs: list[tuple[dict, dict]], receipts: dict) -> dict:
             classes["first"].append(flight)
         else:
             classes[labels[bisect.bisect_right(QUIET_BOUNDS_US, send["start"] - before[i - 1])]].append(flight)
+    return _flights_by_class(classes, labels + ["first", "posted after"])
+
+
+def _flights_by_class(classes: dict, labels) -> dict:
+    """{label: {messages, flight_us}} of the classes (label -> flights) that have any, in `labels`' order."""
     return {label: {"messages": len(classes[label]), "flight_us": _quantiles(classes[label])}
-            for label in labels + ["first", "posted after"] if classes[label]}
+            for label in labels if classes[label]}
 
 
 def _quantile_rows(rows) -> list[str]:
