@@ -49,9 +49,9 @@ BETA = 500.0
 #: from or one that reads it) instead of a drawn one, where that config fits the op and differs
 #: from its own: the tensors between the two then need no copies, which a drawn config rarely
 #: achieves. Tiny Inception-v3 on 64 K80s, 10,000 proposals, seeds 0 and 1: 5.24 and 5.16 ms
-#: found at three in four, 6.58 ms (seed 0) at one in four, in about a tenth less time a proposal
-#: (a neighbour's config often has its segments cached); 1,500 proposals: 9.27 and 8.67 ms
-#: against 9.09 and 9.93 (docs/search.md, session 50)
+#: found at three in four, 6.58 ms (seed 0) at one in four, and no slower a proposal (a
+#: neighbour's config often has its segments cached); 1,500 proposals: 9.27 and 8.67 ms against
+#: 9.09 and 9.93 (docs/search.md, session 50)
 NEIGHBOUR_SHARE = 0.75
 #: the share of the budget that the chains from every start take in turn before the one that
 #: stands lowest goes on alone: tiny Inception-v3 on 64 K80s, 4,500 proposals, found 8.58 ms
