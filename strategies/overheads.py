@@ -122,8 +122,8 @@ def ordering_ceiling(runs: Sequence[Mapping[str, float]]) -> list[float]:
     return taus
 
 
-#: split_half_ceiling takes every split of a run's rounds in two where there are at most twice as many
-#: ways to choose half of them (12 rounds: 924 ways, 462 splits), else this many drawn with a fixed seed
+#: split_half_ceiling takes every split of a run's rounds in two where there are at most this many
+#: (14 rounds: 1,716), else this many drawn with a fixed seed
 SPLITS = 2000
 
 
@@ -141,7 +141,8 @@ def split_half_ceiling(runs: Mapping[str, Sequence[float]]) -> float:
         raise ValueError(f"split_half_ceiling: needs at least 2 strategies with the same number (at least 2) of "
                          f"rounds each, got {({name: len(times) for name, times in runs.items()})}")
     rounds = counts.pop()
-    if math.comb(rounds, rounds // 2) <= 2 * SPLITS:
+    splits = math.comb(rounds, rounds // 2) // (1 if rounds % 2 else 2)   # even: each way of choosing met twice
+    if splits <= SPLITS:
         # each split once: the first round always in the first half where the halves are alike
         firsts = [c for c in itertools.combinations(range(rounds), rounds // 2) if rounds % 2 or c[0] == 0]
     else:
