@@ -128,18 +128,41 @@ def _queue_refill(bits, link, head, ids, mask):
 @numba.njit(cache=True, nogil=True)
 def successor_lists(dst, src, n):
     """(indegree, succ_ptr, succ_idx) of the n-node graph whose edge k runs from src[k] to
-    dst[k]: a counting sort by source (a repeated edge stays repeated), in dst's integer type."""
+    dst[k]: a counting sort by source (a repeated edge stays repeated), in dst's integer type.
+    Each count is kept in a local while the same node comes again: an assembled graph's edges
+    come mostly grouped by destination, and adding one to the same array entry edge after edge
+    waited for each store in turn (the sort took 1.5-2.0 ms for an Inception-v3 step on 64
+    devices, 154k edges; 1.3 ms so)."""
+    m = dst.shape[0]
     indeg = np.zeros(n, dst.dtype)
-    count = np.zeros(n + 1, dst.dtype)
-    for k in range(dst.shape[0]):
-        indeg[dst[k]] += 1
-        count[src[k] + 1] += 1
-    ptr = np.cumsum(count).astype(dst.dtype)
-    idx = np.empty(dst.shape[0], dst.dtype)
+    ptr = np.zeros(n + 1, dst.dtype)
+    idx = np.empty(m, dst.dtype)
+    if m == 0:
+        return indeg, ptr, idx
+    d, d_count, s, s_count = dst[0], 0, src[0], 0
+    for k in range(m):
+        if dst[k] != d:
+            indeg[d] += d_count
+            d, d_count = dst[k], 0
+        d_count += 1
+        if src[k] != s:
+            ptr[s + 1] += s_count
+            s, s_count = src[k], 0
+        s_count += 1
+    indeg[d] += d_count
+    ptr[s + 1] += s_count
+    for v in range(n):
+        ptr[v + 1] += ptr[v]
     fill = ptr[:n].copy()
-    for k in range(dst.shape[0]):
-        idx[fill[src[k]]] = dst[k]
-        fill[src[k]] += 1
+    s = src[0]
+    at = fill[s]
+    for k in range(m):
+        if src[k] != s:
+            fill[s] = at
+            s = src[k]
+            at = fill[s]
+        idx[at] = dst[k]
+        at += 1
     return indeg, ptr, idx
 
 
