@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from strategies.timing import (Handling, Naps, Successors, _id_pop, _queue_push, _queue_refill, schedule,
-                               schedule_successors)
+                               schedule_successors, successor_lists)
 
 
 def _csr(preds):
@@ -150,6 +150,24 @@ def test_successor_lists_in_any_order_and_with_repeated_edges_time_alike(g, rnd)
     made = Successors.of_preds(*_csr(preds))
     np.testing.assert_array_equal(made.indegree, [len(p) for p in preds])
     assert sorted(zip(np.repeat(np.arange(n), np.diff(made.ptr)).tolist(), made.idx.tolist())) == sorted(set(edges))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=40))),
+    st.sampled_from(["as drawn", "by destination", "by source"]), st.sampled_from([np.int32, np.int64]))
+def test_successor_lists_are_a_stable_counting_sort_by_source(g, arrangement, dtype):
+    # runs of one destination or one source (as an assembled graph's edges come) and none alike
+    n, edges = g
+    if arrangement != "as drawn":
+        edges = sorted(edges, key=lambda e: e[0 if arrangement == "by destination" else 1])
+    dst = np.array([d for d, _ in edges], dtype)
+    src = np.array([s for _, s in edges], dtype)
+    indeg, ptr, idx = successor_lists(dst, src, n)
+    assert indeg.dtype == ptr.dtype == idx.dtype == dtype
+    np.testing.assert_array_equal(indeg, np.bincount(dst, minlength=n))
+    np.testing.assert_array_equal(ptr, np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))]))
+    np.testing.assert_array_equal(idx, dst[np.argsort(src, kind="stable")])
 
 
 def test_bad_successor_arrays_are_refused_by_name():
