@@ -129,10 +129,10 @@ def _queue_refill(bits, link, head, ids, mask):
 def successor_lists(dst, src, n):
     """(indegree, succ_ptr, succ_idx) of the n-node graph whose edge k runs from src[k] to
     dst[k]: a counting sort by source (a repeated edge stays repeated), in dst's integer type.
-    Each count is kept in a local while the same node comes again: an assembled graph's edges
-    come mostly grouped by destination, and adding one to the same array entry edge after edge
-    waited for each store in turn (the sort took 1.5-2.0 ms for an Inception-v3 step on 64
-    devices, 154k edges; 1.3 ms so)."""
+    Each count (and fill position) is kept in a local while the same node comes again: an
+    assembled graph's edges come mostly grouped by destination, and adding one to the same
+    array entry edge after edge waited for each store in turn (an Inception-v3 step on 64
+    devices, 154k edges: 1.9 -> 1.3 ms)."""
     m = dst.shape[0]
     indeg = np.zeros(n, dst.dtype)
     ptr = np.zeros(n + 1, dst.dtype)
