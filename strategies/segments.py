@@ -51,7 +51,7 @@ from ops.lower import (BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE, SOURCE_PH
 from ops.optimizers import SGD
 from strategies.graph import TaskCost, launch_task_costs
 from strategies.arena import Arena, columns_of
-from strategies.timing import Successors, successor_lists
+from strategies.timing import Successors, stable_sort_by, successor_lists
 from taskrt import Runtime
 from taskrt.geometry import Rect
 from taskrt.heap import collect_cycles_less
@@ -1145,35 +1145,11 @@ def _lay_out(columns, copy_columns, edges, edge_starts, edge_counts, copy_counts
         n_tasks += sizes[j]
     n_copies = copy_columns.shape[0]
     n = n_tasks + n_copies
-    # copies bucketed by causing task (stably), each bucket then by requirement (stably). A
-    # result's copies come in runs of one causing task: each run is counted, and its bucket
-    # filled, in a local (as successor_lists does)
+    # copies bucketed by causing task (stably), each bucket then by requirement (stably)
     copy_task = np.empty(n_copies, np.int32)
-    start = np.zeros(n_tasks + 1, np.int32)
-    v, run = -1, 0
     for c in range(n_copies):
-        t = offset[columns[0, copy_columns[c]]] + columns[1, copy_columns[c]]
-        copy_task[c] = t
-        if t != v:
-            if run:
-                start[v + 1] += run
-            v, run = t, 0
-        run += 1
-    if run:
-        start[v + 1] += run
-    for v in range(n_tasks):
-        start[v + 1] += start[v]
-    bucket = np.empty(n_copies, np.int32)
-    fill = start[:n_tasks].copy()
-    v, at = -1, 0
-    for c in range(n_copies):
-        if copy_task[c] != v:
-            if v >= 0:
-                fill[v] = at
-            v = copy_task[c]
-            at = fill[v]
-        bucket[at] = c
-        at += 1
+        copy_task[c] = offset[columns[0, copy_columns[c]]] + columns[1, copy_columns[c]]
+    start, bucket = stable_sort_by(copy_task, np.arange(n_copies, dtype=np.int32), n_tasks)
     for v in range(n_tasks):
         for i in range(start[v] + 1, start[v + 1]):
             c = bucket[i]
