@@ -184,9 +184,9 @@ def parser(app: App) -> argparse.ArgumentParser:
                        help="search a strategy first, N proposals of the MCMC search on the simulator "
                             "(strategies.search), and train with it (default: no search)")
     p.add_argument("--machine", metavar="M", default=None,
-                   help="the machine model the search simulates: p100, k80, h100, local or a file, with as many "
-                        "devices as this run, a cpu model shaped as the run (default: this machine, as the "
-                        "'local' model); without "
+                   help="the machine model the search simulates: p100, k80, h100, local or a file; a gpu "
+                        "model as it is, which must have as many devices as this run has GPUs, a cpu model "
+                        "shaped as the run (default: this machine, as the 'local' model); without "
                         "--search-budget, the strategy trained with is simulated on it, its predicted "
                         "iteration time reported beside the measured one")
     p.add_argument("--export-strategy", metavar="FILE", default=None,
@@ -335,7 +335,9 @@ def _machine_model(args, machine: Machine):
     if mm.device.kind == "cpu":
         return dataclasses.replace(mm.with_nodes(machine.num_ranks), devices_per_node=devices // machine.num_ranks)
     if mm.num_devices != devices:
-        raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} devices, this run has {devices}")
+        raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} {mm.device.kind} devices, this run "
+                        f"has {devices} processors; train on a machine that has them, or search for this run with "
+                        f"'--machine local' (a strategy for another machine: python -m strategies.search)")
     return mm
 
 
@@ -377,9 +379,16 @@ def _load_strategy(path: str) -> Strategy:
         raise FlagError(f"--strategy {path}: {_problems(e, path)}") from None
 
 
+#: a strategy's problems named on its error line; the rest are counted (a file made for another
+#: machine has one for every op)
+SHOWN_PROBLEMS = 3
+
+
 def _problems(e: StrategyError, path: str) -> str:
-    """A StrategyError's problems on one line, without the file name each starts with."""
-    return "; ".join(p[len(path) + 2:] if p.startswith(f"{path}: ") else p for p in e.problems)
+    """A StrategyError's first problems on one line, without the file name each starts with."""
+    problems = [p[len(path) + 2:] if p.startswith(f"{path}: ") else p for p in e.problems]
+    more = len(problems) - SHOWN_PROBLEMS
+    return "; ".join(problems[:SHOWN_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
 
 
 def _agree(problem: str | None, ranks: int) -> None:

@@ -134,7 +134,8 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     out.mkdir(parents=True, exist_ok=True)
     setup = machine_setup(ranks, gpus)
     say(f"demo: the tiny {app} (batch {batch}) on {setup.describe()}, "
-        f"machine model {setup.machine_model.name!r} with {setup.machine_model.num_devices} devices")
+        f"machine model {setup.machine_model.name!r} with {setup.machine_model.num_devices} "
+        f"device{'s' * (setup.machine_model.num_devices != 1)}")
     t0 = time.perf_counter()
     if calibrate_on is not None and setup.gpus_per_rank == 0 and setup.ranks > 1:
         setup = _calibrated(setup, calibrate_on, say)

@@ -825,10 +825,12 @@ def _total(futures) -> tuple[float, int, int]:
 
 
 class _Progress:
-    """One line per epoch, rewritten in place (\\r) after every iteration; nothing when disabled."""
+    """One line per epoch, rewritten in place (\\r) after every iteration on a terminal, written
+    once at the epoch's end elsewhere (a log); nothing when disabled."""
 
     def __init__(self, stream, enabled: bool, total: int, per_epoch: int, accuracy: bool):
         self.stream, self.enabled = stream, enabled
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.total, self.per_epoch, self.accuracy = total, per_epoch, accuracy
         self.epochs = -(-total // per_epoch)
         self.width = 0
@@ -840,8 +842,9 @@ class _Progress:
         losses = history.loss[it - k:it + 1]
         mean = sum(losses) / len(losses)
         last = it + 1 == self.total or done == self.per_epoch
-        if self.enabled:
-            line = f"\repoch {epoch + 1}/{self.epochs}  {done}/{self.per_epoch}  loss {mean:.4f}"
+        if self.enabled and (self.tty or last):
+            line = f"epoch {epoch + 1}/{self.epochs}  {done}/{self.per_epoch}  loss {mean:.4f}"
+            line = "\r" + line if self.tty else line
             if self.accuracy:
                 accs = history.accuracy[it - k:it + 1]
                 line += f"  accuracy {sum(accs) / len(accs):.3f}"

@@ -409,6 +409,15 @@ def test_strategy_devices_the_machine_lacks(capsys, tmp_path):
                           f"processor 5")
 
 
+def test_a_strategy_for_a_bigger_machine_names_its_first_problems_and_counts_the_rest(capsys, tmp_path):
+    ops = ("fc1", "fc2", "fc3", "out", "drop1")
+    configs = ", ".join(f'"{name}": {{"degrees": [2, 1, 1], "devices": [1, 6]}}' for name in ops[:4])
+    path = strategy_file(tmp_path, f'{{"version": 1, "model": "mlp", "ops": {{{configs}, '
+                                   f'"drop1": {{"degrees": [2, 1], "devices": [1, 6]}}}}}}')
+    err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", 2, "--strategy", path)
+    assert err.count("places tile 1 on processor 6") == 3 and err.endswith("; and 2 more")
+
+
 def test_more_cpus_than_cores(capsys):
     cores = os.cpu_count()
     err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", cores + 1)
@@ -467,6 +476,7 @@ def test_machine_without_a_search_predicts_the_strategy_trained_with(capsys):
 
 def test_a_machine_model_that_does_not_match_the_run_is_a_bad_flag(capsys):
     err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "p100")
-    assert err.startswith("error: --machine p100: its model has 16 devices, this run has")
+    assert err.startswith("error: --machine p100: its model has 16 gpu devices, this run has")
+    assert "'--machine local'" in err
     err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "/no/such.json")
     assert err.startswith("error: --machine /no/such.json:")

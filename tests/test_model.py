@@ -154,15 +154,27 @@ def test_small_lstm_learns_the_sign_of_a_sum(rt):
     assert m.evaluate(x, y)["accuracy"] > 0.85
 
 
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, as fit's progress line asks."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_fit_shows_one_line_per_epoch_and_can_be_quiet(rt):
     m = small_mlp(rt, batch=4)
     m.compile("sgd", "mean_squared_error")
     x, y = np.ones((12, 7), np.float32), np.zeros((12, 3), np.float32)
-    out = io.StringIO()
+    out = Terminal()
     history = m.fit(x, y, epochs=2, stream=out)
     text = out.getvalue()
     assert text.count("\n") == 2 and text.count("\r") == 6
     assert "epoch 2/2  3/3  loss" in text and len(history.epoch_loss) == 2 and len(history.loss) == 6
+    log = io.StringIO()   # not a terminal: each epoch's last line only, no carriage returns
+    m.fit(x, y, epochs=2, stream=log)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and [line.split("  loss")[0] for line in lines] == ["epoch 1/2  3/3",
+                                                                                         "epoch 2/2  3/3"]
     quiet = io.StringIO()
     m.fit(x, y, iterations=4, stream=quiet, verbose=False)
     assert quiet.getvalue() == ""

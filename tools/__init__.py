@@ -1,0 +1,17 @@
+"""Command-line tools over traces and strategy files (tools/trace.py, tools/strategy.py)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def exit_with(main) -> None:
+    """sys.exit(main()), quietly where the reader of stdout went away (`... | head`): Python's
+    own recipe, stdout pointed at /dev/null so that the exit's flush does not fail again."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    sys.exit(code)

@@ -26,6 +26,7 @@ from ops.base import Op
 from ops.lower import ConfigError, TileConfig, check_degrees
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
 from taskrt.outputs import output_problem
+from tools import exit_with
 
 #: one letter per SOAP kind, as in SplitDim's str
 LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
@@ -276,7 +277,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m tools.strategy", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m tools.strategy", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def app_flags(q, required):
@@ -323,8 +324,10 @@ def main(argv=None) -> int:
     except ToolError as e:
         fail(str(e))
     except OSError as e:
+        if e.filename is None:   # not a file of ours: stdout's reader gone (exit_with), or worse
+            raise
         fail(f"{e.filename}: {e.strerror}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

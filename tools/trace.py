@@ -34,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from taskrt.tracing import rank_trace_path
+from tools import exit_with
 
 REQUIRED = ("id", "name", "kind", "rank", "proc", "start", "end", "bytes")
 PHASE_SUFFIXES = ((".fwd", "forward"), (".bwd", "backward"), (".update", "update"), (".infer", "inference"))
@@ -400,6 +401,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"{row_label((r['rank'], r['proc'])):<30}{r['count']:>7}{r['busy_us'] / 1e3:>10.3f}"
                      f"{r['copy_us'] / 1e3:>10.3f}{r['idle_us'] / 1e3:>10.3f}{r['utilization']:>6.0%}"
                      f"{r['bytes'] / 1e6:>9.2f}")
+    lines.append("(busy and copy ms add up each event's time, overlapping ones each in full: a link "
+                 "carries copies side by side; idle and util are of the time any event ran)")
     lines += ["", f"{'operator':<30}{'tasks':>7}{'ms':>10}{'share':>7}  phases (ms)"]
     for o in s["operators"]:
         ph = ", ".join(f"{k} {v / 1e3:.3f}" for k, v in sorted(o["phases"].items(), key=lambda kv: -kv[1]))
@@ -936,7 +939,7 @@ def format_compare(c: dict) -> str:
 
 def write_compare(simulated: Trace, measured: Trace, path: str, skip: int = 1) -> dict:
     """Both timelines in one PNG on one time scale, one legend: the simulated iteration above and,
-    below, the measured iteration whose time is the median (the whole run where it cannot be cut
+    below, the measured iteration whose time is the nearest to the median (the whole run where it cannot be cut
     into iterations); and the comparison table (`compare`), which it returns."""
     import matplotlib
     matplotlib.use("Agg")
@@ -947,7 +950,9 @@ def write_compare(simulated: Trace, measured: Trace, path: str, skip: int = 1) -
         k = result["median_iteration"]
         shown = Trace([e for e in measured.events if cut.index(e) == k], measured.meta)
         took = result["iteration"]["measured_each_us"][k - skip]
-        title = f"measured: iteration {k + 1} of {result['iterations']} (the median), {took / 1e3:.3f} ms"
+        median = result["iteration"]["measured_us"]
+        which = "the median" if took == median else f"the nearest to the median, {median / 1e3:.3f} ms"
+        title = f"measured: iteration {k + 1} of {result['iterations']} ({which}), {took / 1e3:.3f} ms"
         xmax = max(simulated.span_us, shown.span_us) / 1e3
         xmax_measured = xmax
     else:
@@ -972,7 +977,7 @@ def write_compare(simulated: Trace, measured: Trace, path: str, skip: int = 1) -
 
 # ---- command line ----------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="per-rank traces into one file, on one clock")
     m.add_argument("traces", nargs="+")
@@ -1069,4 +1074,4 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from tools import trace
+from tools import exit_with, trace
 
 
 def summarize(events: list[dict]) -> dict:
@@ -46,4 +46,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)
