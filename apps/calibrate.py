@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     unwritable = None if args.json is None else output_problem(args.json)
     if unwritable is not None:
         p.error(f"--json {args.json}: {unwritable}")
-    setup = Setup(args.ranks, 0, dataclasses.replace(mm, devices_per_node=1))
+    setup = Setup(args.ranks, 0, dataclasses.replace(mm, devices_per_node=1, nodes_per_host=args.ranks))
     with tempfile.TemporaryDirectory() as tmp:
         result = calibrate(args.app, setup, args.rounds, args.iterations, range(1, args.random + 1), tmp,
                            fit_slowdown=args.fit_slowdown)

@@ -333,7 +333,8 @@ def _machine_model(args, machine: Machine):
     except MachineError as e:
         raise FlagError(f"--machine {name}: {e}") from None
     if mm.device.kind == "cpu":
-        return dataclasses.replace(mm.with_nodes(machine.num_ranks), devices_per_node=devices // machine.num_ranks)
+        return dataclasses.replace(mm.with_nodes(machine.num_ranks), devices_per_node=devices // machine.num_ranks,
+                                   nodes_per_host=max(1, len(machine.ranks_on_host(0))))
     if mm.num_devices != devices:
         raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} {mm.device.kind} devices, this run "
                         f"has {devices} processors; train on a machine that has them, or search for this run with "

@@ -63,7 +63,8 @@ def machine_setup(ranks: int, gpus: int | None = None) -> Setup:
     if gpus > 0:
         ranks = min(ranks, gpus)
         return Setup(ranks, 1, dataclasses.replace(load_machine("h100", nodes=ranks), devices_per_node=1))
-    return Setup(ranks, 0, dataclasses.replace(load_machine("local", nodes=ranks), devices_per_node=1))
+    return Setup(ranks, 0, dataclasses.replace(load_machine("local", nodes=ranks), devices_per_node=1,
+                                               nodes_per_host=ranks))
 
 
 def cores_problem(ranks: int) -> str | None:

@@ -302,11 +302,14 @@ class CostModel:
         return self.measured is True or device.name == here
 
     def _blas_threads(self, device: DeviceSpec) -> int:
-        """The BLAS threads a CPU worker of this model gets: the cores shared among the node's devices
-        (as the runtime's limit_blas_threads shares them), all of them for a host."""
+        """The BLAS threads a CPU worker of this model gets: the host's cores shared among the devices
+        of the nodes on it (as the runtime's limit_blas_threads shares them among the ranks there and
+        their workers), all of them for a GPU machine's host."""
         cores = node_cores()
         mm = self.machine_model
-        return max(1, cores // mm.devices_per_node) if device is mm.device and device.kind == "cpu" else cores
+        if device is mm.device and device.kind == "cpu":
+            return max(1, cores // (mm.nodes_per_host * mm.devices_per_node))
+        return cores
 
     def device_tag(self, device: DeviceSpec) -> str:
         """What measurements on `device` are filed under: this machine's device name, and on CPUs

@@ -177,6 +177,11 @@ class MachineModel:
     kernel_slowdown: float = 1.0
     kernel_surcharge: float = 0.0
     kernel_surcharge_cap: float = 0.0
+    #: how many of the nodes share one host's cores: 1 for a machine of separate hosts; a cpu model
+    #: whose nodes are the ranks of one machine under mpiexec (the demo's, the apps') has them all
+    #: there. A CPU worker's BLAS threads, as measured, are the host's cores over nodes_per_host x
+    #: devices_per_node, as the runtime's limit_blas_threads shares them (strategies/cost.py)
+    nodes_per_host: int = 1
     notes: tuple[str, ...] = field(default=(), compare=False)
     fitted: str | None = None
     runtime_fitted: str | None = None
@@ -184,6 +189,10 @@ class MachineModel:
 
     def __post_init__(self):
         object.__setattr__(self, "efficiency", dict(self.efficiency))
+        if isinstance(self.nodes_per_host, bool) or not isinstance(self.nodes_per_host, int) or \
+                not 1 <= self.nodes_per_host <= self.nodes:
+            raise MachineError(f"{self.source or self.name}: nodes_per_host must be a whole number from 1 to its "
+                               f"{self.nodes} node(s), got {self.nodes_per_host!r}")
         if self.nodes * self.devices_per_node > MAX_DEVICES:
             raise MachineError(f"{self.source or self.name}: {self.nodes:,} nodes of {self.devices_per_node} devices "
                                f"are {self.nodes * self.devices_per_node:,} devices; a machine model has at most "
@@ -215,7 +224,7 @@ class MachineModel:
         """This model with `nodes` nodes."""
         if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 1:
             raise MachineError(f"{self.source or self.name}: nodes must be a whole number >= 1, got {nodes!r}")
-        return replace(self, nodes=int(nodes))
+        return replace(self, nodes=int(nodes), nodes_per_host=min(self.nodes_per_host, int(nodes)))
 
     def with_efficiency(self, efficiency: Mapping[str, float], fitted: str | None = None) -> "MachineModel":
         """This model with `efficiency` merged over its own (e.g. fitted from measurements)."""

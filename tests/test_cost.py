@@ -102,6 +102,22 @@ def test_processors_and_kinds_name_devices():
         cost.device("tpu")
 
 
+def test_a_cpu_worker_is_measured_with_its_share_of_the_hosts_cores(monkeypatch):
+    """As the runtime's limit_blas_threads: the host's cores over its ranks' workers."""
+    import strategies.cost as cost_module
+    monkeypatch.setattr(cost_module, "node_cores", lambda: 8)
+    alone = dataclasses.replace(cpu_model(), nodes=2)            # two hosts of two workers each
+    shared = dataclasses.replace(alone, devices_per_node=1, nodes_per_host=2)   # two ranks of one host
+    assert CostModel(alone).device_tag(alone.device).endswith("/4t")
+    assert CostModel(shared).device_tag(shared.device).endswith("/4t")
+    assert CostModel(dataclasses.replace(alone, nodes_per_host=2)).device_tag(alone.device).endswith("/2t")
+    assert CostModel(gpu_model()).device_tag(gpu_model().host).endswith("/8t")   # a GPU machine's host: all
+    assert dataclasses.replace(alone, nodes_per_host=2).with_nodes(1).nodes_per_host == 1
+    for wrong in (0, 3, True, 1.0):
+        with pytest.raises(ValueError, match=r"two: nodes_per_host must be a whole number from 1 to its 2 node"):
+            dataclasses.replace(alone, nodes_per_host=wrong)
+
+
 def test_copy_fill_and_fold_times():
     link = LinkSpec(1e10, 2e-6)
     assert copy_time(10**6, link) == pytest.approx(2e-6 + 1e-4)

@@ -15,6 +15,7 @@ def test_cpu_setup_matches_the_runs_machine():
     # what Machine.discover builds under mpiexec -n 2 with --cpus-per-rank 1 --gpus-per-rank 0
     discovered = Machine.from_ranks([RankSpec(1, ()), RankSpec(1, ())])
     assert setup.machine_model.to_machine().processors == discovered.processors
+    assert setup.machine_model.nodes_per_host == 2   # both ranks here: a worker's kernels measured on its share
 
 
 def test_gpu_setup_one_gpu_a_rank():
