@@ -127,7 +127,11 @@ def run(app: App, argv=None) -> dict:
 def fail(message: str) -> NoReturn:
     """One line on stderr and exit status 2. Every rank calls it with the same message (the same
     flags, or the problem the ranks agreed on), so only rank 0 prints it."""
-    if mpi_rank_from_env() == 0:
+    try:
+        rank = mpi_rank_from_env()
+    except ValueError:   # TASKRT_MPI itself is what is wrong: every rank says so
+        rank = 0
+    if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
@@ -228,7 +232,10 @@ def check(app: App, args) -> Plan:
 
     Checks whose answer could differ between ranks (files, devices) are agreed over MPI, then
     the machine is discovered (collective) and the rest follows from it and the same files."""
-    ranks = mpi_world_size_from_env()
+    try:
+        ranks = mpi_world_size_from_env()
+    except ValueError as e:   # TASKRT_MPI: before anything can be agreed between ranks
+        fail(str(e))
     problem, strategy = None, None
     try:
         if args.warmup is not None and args.warmup >= args.iterations:
@@ -274,12 +281,15 @@ def _rank() -> int:
 def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
     """Rank 0 searches (the cost model may measure kernels, so only one rank decides) and every
     rank takes its strategy; a machine model that does not match this run is a flag error."""
-    from strategies.search import search
+    from strategies.search import nothing_fits, search
 
     def searched():
         graph, sim = _simulator(app, args, plan)
         result = search(sim, args.search_budget, seed=args.seed, model=graph,
                         progress=sys.stderr if sys.stderr.isatty() else None)
+        problem = nothing_fits(result, sim)
+        if problem is not None:
+            raise FlagError(f"--search-budget {args.search_budget}: {problem}")
         mine = {op.name for op in graph.ops}
         return Strategy(app.name, {k: v for k, v in result.best.ops.items() if k in mine}).to_json(), result.best_time
     text, predicted = _on_rank_zero(searched, ranks)
@@ -307,13 +317,22 @@ def _simulator(app: App, args, plan: Plan):
 
 def _on_rank_zero(work, ranks: int):
     """work() on rank 0 (the cost model may measure kernels, so only one rank decides), its answer
-    sent to every rank; a FlagError it raises ends every rank."""
-    problem, answer = None, None
+    sent to every rank; a FlagError it raises ends every rank, and so does any other error (rank 0
+    raises it, the others exit saying so) rather than leave them waiting for the answer."""
+    problem, answer, crash = None, None, None
     if _rank() == 0:
         try:
             answer = work()
         except FlagError as e:
             problem = str(e)
+        except Exception as e:
+            crash = e
+            problem = f"rank 0 failed ({type(e).__name__}: {e})"
+    if crash is not None:
+        if ranks > 1:
+            from mpi4py import MPI
+            MPI.COMM_WORLD.allgather(problem)   # what the other ranks' _agree waits for
+        raise crash
     _agree(problem, ranks)
     if ranks > 1:
         from mpi4py import MPI
@@ -356,14 +375,19 @@ def _check_devices(args, ranks: int) -> None:
             raise FlagError(f"--gpus-per-rank {args.gpus_per_rank}: {local} rank(s) on {socket.gethostname()} "
                             f"need {args.gpus_per_rank * local} GPUs, cupy sees {visible}")
     try:
-        gpus_from_env()
+        env_gpus = gpus_from_env()
         cpus_from_env()
         count_from_env("TASKRT_BLAS_THREADS", "BLAS threads", 1)
         timeout_from_env()
-        for switch in ("TASKRT_KEEP_HEAP", "TASKRT_MPI", "TASKRT_MPI_NATIVE"):
+        for switch in ("TASKRT_KEEP_HEAP", "TASKRT_MPI", "TASKRT_MPI_NATIVE", "TASKRT_BIND_CORES"):
             switched_off(switch)
     except ValueError as e:
         raise FlagError(str(e)) from None
+    if args.gpus_per_rank is None and env_gpus:
+        visible = count_gpus()
+        if env_gpus * local > visible:
+            raise FlagError(f"TASKRT_GPUS={env_gpus}: {local} rank(s) on {socket.gethostname()} need "
+                            f"{env_gpus * local} GPUs, cupy sees {visible}")
 
 
 def _ranks_on_this_host(ranks: int) -> int:

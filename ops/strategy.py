@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -154,6 +155,8 @@ class Strategy:
             data = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, duplicates))
         except json.JSONDecodeError as e:
             raise StrategyError([f"{where}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}"]) from None
+        except RecursionError:
+            raise StrategyError([f"{where}: JSON nested too deeply to be a strategy"]) from None
         problems = [f"{where}: key {key!r} appears twice in one object" for key in duplicates]
         if not isinstance(data, dict):
             raise StrategyError(problems + [f"{where}: a strategy file holds a JSON object, got {type(data).__name__}"])
@@ -190,6 +193,8 @@ def save(strategy: Strategy, path) -> None:
 
 def load(path) -> Strategy:
     """Read and check a strategy file (its form; `Strategy.resolve` checks it against a model)."""
+    if not isinstance(path, (str, os.PathLike)):   # open() takes an int as a descriptor, and closes it
+        raise TypeError(f"strategy load: a file's path (str or path-like), got {type(path).__name__} {path!r}")
     where = str(path)
     try:
         with open(path) as f:

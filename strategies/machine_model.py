@@ -285,6 +285,9 @@ def shipped_machines() -> list[str]:
 def machine_path(name_or_path) -> Path:
     """The file of a shipped name, or the path itself; MachineError naming both when neither exists."""
     text = str(name_or_path)
+    if not text.strip():
+        raise MachineError(f"machine {text!r}: an empty name; the shipped machines are {', '.join(shipped_machines())}, "
+                           f"or give a file's path")
     shipped = MACHINES_DIR / f"{text}.json"
     if os.sep not in text and shipped.exists():
         return shipped
@@ -302,15 +305,30 @@ def load_machine(name_or_path, nodes: int | None = None) -> MachineModel:
     path = machine_path(name_or_path)
     where = str(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode()
     except OSError as e:
         raise MachineError(f"{where}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise MachineError(f"{where}: not a text file ({e.reason} at byte {e.start})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _object_once(pairs, where))
     except json.JSONDecodeError as e:
         raise MachineError(f"{where}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+    except RecursionError:
+        raise MachineError(f"{where}: JSON nested too deeply to be a machine file") from None
     model = from_dict(data, where)
     return model if nodes is None else model.with_nodes(nodes)
+
+
+def _object_once(pairs: list[tuple[str, object]], where: str) -> dict:
+    """json's object hook: a dict of `pairs`; a key given twice is an error (json.loads would keep
+    the last silently)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise MachineError(f"{where}: field {k!r} appears twice in one object")
+        out[k] = v
+    return out
 
 
 def write_efficiency(path, efficiency: Mapping[str, float], fitted: str) -> None:

@@ -84,6 +84,17 @@ class SearchResult:
         return min(feasible) / self.best_time if feasible else math.inf
 
 
+def nothing_fits(result: SearchResult, sim: Simulator) -> str | None:
+    """Why a search has no strategy to offer, or None: every strategy it tried (the baselines and
+    its proposals) needs more memory than a device of the machine has."""
+    if math.isfinite(result.best_time):
+        return None
+    device = sim.machine_model.device
+    return (f"no strategy fits the memory of {sim.machine_model.name}'s {device.kind} devices "
+            f"({device.mem_bytes / 2**30:.3g} GiB each): not the baselines, nor any of {result.proposals} "
+            f"proposals; a smaller batch, more devices or a bigger budget")
+
+
 class _Bar:
     """One line, rewritten in place on a terminal (every 1% otherwise), with the best time so far."""
 
@@ -206,6 +217,9 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     if progress is not None and not callable(getattr(progress, "write", None)):
         raise TypeError(f"search: progress must be a stream with write (sys.stderr, say), got "
                         f"{type(progress).__name__} {progress!r}")
+    if model is not None and not hasattr(model, "ops"):
+        raise TypeError(f"search: model must be the simulator's ops.Model (what the baselines take) or None, got "
+                        f"{type(model).__name__} {model!r}")
     unknown = [s for s in starts if s not in STARTS]
     if unknown or not starts:
         raise ValueError(f"search: starts must be some of {list(STARTS)}, got {list(starts)}")
@@ -414,6 +428,19 @@ def _bad_flag(args) -> str | None:
     return bad
 
 
+#: the most bytes a tensor may have: its regions' rects and byte counts are int64 arrays
+MAX_BYTES = 2 ** 62
+
+
+def _too_big(model) -> str | None:
+    """Which tensor of `model` has more bytes than the simulator's int64 arrays count, or None."""
+    for op in model.ops:
+        for t in (*op.inputs, *op.outputs):
+            if math.prod(t.shape) * np.dtype(t.dtype).itemsize > MAX_BYTES:
+                return f"{op.kind} {op.name!r}'s tensor {t.name!r} of shape {tuple(t.shape)} has too many bytes to count"
+    return None
+
+
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
@@ -442,8 +469,16 @@ def main(argv=None) -> int:
         print(f"error: --machine {args.machine}: {e}", file=sys.stderr)
         return 2
     model, output = app_graph(args.app, args.batch_size, args.tiny)
+    too_big = _too_big(model)
+    if too_big is not None:
+        print(f"error: --batch-size {args.batch_size}: {too_big}", file=sys.stderr)
+        return 2
     sim = Simulator.for_model(model, mm, output=output, source=app_source(args.app, model, args.tiny))
     result = search(sim, args.budget, args.seed, args.seconds, model=model, progress=sys.stderr)
+    problem = nothing_fits(result, sim)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     named = Strategy(args.app, {op.name: result.best.ops[op.name] for op in model.ops})
     if args.output:
         named.save(args.output)
@@ -451,10 +486,13 @@ def main(argv=None) -> int:
         print(f"  {name:8s} {t * 1e3:10.3f} ms")
     print(f"  {'searched':8s} {result.best_time * 1e3:10.3f} ms  ({result.speedup_over_baselines():.2f}x the best "
           f"baseline, {result.proposals} proposals in {result.seconds:.1f} s)")
+    def finite(x: float) -> float | None:   # JSON has no infinity: a baseline that does not fit is null
+        return x if math.isfinite(x) else None
     print(json.dumps({"app": args.app, "machine": mm.name, "devices": mm.num_devices, "proposals": result.proposals,
                       "seconds": round(result.seconds, 3), "best_ms": result.best_time * 1e3,
-                      "baselines_ms": {k: v * 1e3 for k, v in result.baselines.items()},
-                      "speedup_over_best_baseline": result.speedup_over_baselines(), "strategy": args.output}))
+                      "baselines_ms": {k: finite(v * 1e3) for k, v in result.baselines.items()},
+                      "speedup_over_best_baseline": finite(result.speedup_over_baselines()),
+                      "strategy": args.output}))
     return 0
 
 

@@ -192,6 +192,9 @@ class Simulator:
                             f"{type(machine_model).__name__} {machine_model!r}")
         if cost is not None and not isinstance(cost, CostModel):
             raise TypeError(f"Simulator: cost must be a CostModel or None, got {type(cost).__name__} {cost!r}")
+        if not hasattr(model, "training_graph"):
+            raise TypeError(f"Simulator.for_model: model must be an ops.Model (built with or without weights), got "
+                            f"{type(model).__name__} {model!r}")
         if not model.ops:
             raise ValueError("Simulator: the model has no operators")
         ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy", output)

@@ -443,6 +443,34 @@ def test_bad_strategy_stops_every_rank_before_work(tmp_path):
     assert proc.stderr.count(line) == 1 and "iteration" not in proc.stdout, output(proc)   # rank 0 says it
 
 
+#: rank 0 fails in what it alone does (a search, a prediction) with an error that is not a bad flag
+RANK_ZERO_FAILS = ("from apps.cli import _on_rank_zero\n"
+                   "def work():\n"
+                   "    raise RuntimeError('the search broke')\n"
+                   "_on_rank_zero(work, 2)\n"
+                   "print('went on')\n")
+
+
+def test_any_error_of_rank_zeros_work_ends_every_rank():
+    env = {**os.environ, "TASKRT_MPI_TIMEOUT": "30", "PYTHONPATH": python_path()}
+    t0 = time.monotonic()
+    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", RANK_ZERO_FAILS], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 25, output(proc)
+    assert "RuntimeError: the search broke" in proc.stderr and "went on" not in proc.stdout, output(proc)
+
+
+def test_environment_switches_and_gpus_are_checked_with_the_flags(capsys, monkeypatch):
+    for switch in ("TASKRT_BIND_CORES", "TASKRT_MPI"):
+        monkeypatch.setenv(switch, "abc")
+        assert bad(capsys, mlp, "--tiny") == f"error: {switch} must be 0 (off) or 1 (on), got 'abc'"
+        monkeypatch.delenv(switch)
+    want = count_gpus() + 1
+    monkeypatch.setenv("TASKRT_GPUS", str(want))
+    err = bad(capsys, mlp, "--tiny")
+    assert err.startswith(f"error: TASKRT_GPUS={want}: ") and f"cupy sees {want - 1}" in err
+
+
 # ---- searching before training (strategies.search through --search-budget) ----------------------
 def test_search_budget_searches_trains_with_it_and_exports_it(capsys, tmp_path):
     out = tmp_path / "searched.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,6 +67,8 @@ def test_an_unknown_name_lists_the_shipped_ones():
         load_machine("p101")
     with pytest.raises(MachineError, match=r"machine '/tmp': is a folder, not a machine file"):
         load_machine("/tmp")
+    with pytest.raises(MachineError, match=r"machine '': an empty name; the shipped machines are h100, k80"):
+        load_machine("")
 
 
 def test_to_machine_gpu_models_have_a_host_cpu_and_the_gpus_per_rank():
@@ -238,6 +241,20 @@ def test_malformed_json_names_the_file_and_line(tmp_path):
         load_machine(str(path))
     path.write_text("[1, 2]")
     with pytest.raises(MachineError, match=rf"^{path}: a machine file holds a JSON object, got list"):
+        load_machine(str(path))
+
+
+def test_a_binary_a_deeply_nested_or_a_twice_keyed_file_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(MachineError, match=rf"^{path}: not a text file \(invalid start byte at byte 0\)$"):
+        load_machine(str(path))
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(MachineError, match=rf"^{path}: JSON nested too deeply to be a machine file$"):
+        load_machine(str(path))
+    text = (Path(__file__).parent.parent / "strategies" / "machines" / "k80.json").read_text()
+    path.write_text(text.replace('"nodes": ', '"nodes": 2, "nodes": ', 1))
+    with pytest.raises(MachineError, match=rf"^{path}: field 'nodes' appears twice in one object$"):
         load_machine(str(path))
 
 

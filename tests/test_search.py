@@ -108,6 +108,23 @@ def test_the_command_line_names_an_out_of_range_number(flags, said, capsys):
     assert capsys.readouterr().err == f"error: {said}\n"
 
 
+def test_the_command_line_says_when_no_strategy_fits_and_writes_none(tmp_path, capsys):
+    import strategies.search as search_module
+    from strategies.machine_model import machine_path
+    data = json.loads(machine_path("p100").read_text())
+    data["device"]["mem_bytes"] = 1000
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(data))
+    out = tmp_path / "s.json"
+    assert search_module.main(["--app", "mlp", "--tiny", "--machine", str(small), "--nodes", "1", "--budget", "3",
+                               "-o", str(out)]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]   # after the progress lines
+    assert err.startswith("error: no strategy fits the memory of p100's gpu devices (9.31e-07 GiB each)")
+    assert not out.exists()
+    assert search_module.main(["--app", "mlp", "--tiny", "--machine", "p100", "--batch-size", str(10 ** 23)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --batch-size {10 ** 23}: ")
+
+
 def test_the_command_line_writes_a_strategy_the_app_trains_with(tmp_path):
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--tiny", "--machine", "local",
@@ -247,7 +264,11 @@ def test_the_api_names_a_wrong_kind_of_argument():
     for call, match in ((lambda: CostModel("p100"), r"CostModel: machine_model must be a MachineModel"),
                         (lambda: Simulator.for_model(m, "p100"), r"Simulator: machine_model must be a MachineModel"),
                         (lambda: Simulator.for_model(m, mm, cost="analytic"), r"Simulator: cost must be a CostModel"),
-                        (lambda: search(m, 2), r"search: sim must be a Simulator")):
+                        (lambda: search(m, 2), r"search: sim must be a Simulator"),
+                        (lambda: Simulator.for_model("mlp", mm), r"Simulator.for_model: model must be an ops.Model"),
+                        (lambda: Simulator.for_model(None, mm), r"Simulator.for_model: model must be an ops.Model"),
+                        (lambda: search(Simulator.for_model(m, mm), 2, model="x"),
+                         r"search: model must be the simulator's ops.Model")):
         with pytest.raises(TypeError, match=match):
             call()
     with pytest.raises(ValueError, match=r"Simulator: the model has no operators"):

@@ -120,6 +120,19 @@ def test_malformed_json_names_the_file_and_line(tmp_path):
     assert message.startswith(f"{path}:3:") and "malformed JSON" in message
 
 
+def test_json_nested_too_deeply_names_the_file(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"a": ' * 5000 + "1" + "}" * 5000)
+    assert problem(str(path)) == f"{path}: JSON nested too deeply to be a strategy"
+
+
+def test_load_takes_a_path_not_a_file_descriptor(tmp_path):
+    with open(write(tmp_path, {}), "rb") as f:
+        with pytest.raises(TypeError, match=r"strategy load: a file's path \(str or path-like\), got int"):
+            load(f.fileno())
+        assert f.read(1) == b"{"   # still open: load did not take it over
+
+
 def test_an_unknown_operator_gets_the_nearest_names(tmp_path):
     message = problem(write(tmp_path, {"dense_2": entry([1, 2])}))
     assert message.endswith("unknown operator 'dense_2'; nearest: 'dense_1', 'dense_0'"), message

@@ -404,6 +404,7 @@ def test_bad_traces_give_one_line_and_a_nonzero_exit(measured, tmp_path, capsys)
         cut_mid: ":6: truncated",
         cut_line: "truncated: the meta line says",
         write(tmp_path, "csv.jsonl", "proc,start,end\nr0.cpu0,1,2\n"): ":1: not JSON",
+        write(tmp_path, "deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"): ":1: not a taskrt trace: JSON nested",
         write(tmp_path, "other.jsonl", '{"traceEvents": []}\n'): ":1: not a taskrt trace",
         write(tmp_path, "keys.jsonl", lines[0] + '{"id": 1, "name": "x"}\n'): ":2: not a taskrt event",
         write(tmp_path, "times.jsonl", lines[0] + lines[1].replace('"end": ', '"end": -')): ":2: bad times",

@@ -147,6 +147,8 @@ def _read_file(path: str) -> tuple[dict, list[dict]]:
             last = lineno == len(lines) or not any(x.strip() for x in lines[lineno:])
             what = "truncated" if last and not text.endswith("\n") else "not JSON"
             raise TraceError(f"{path}:{lineno}: {what}: {e.msg} at column {e.colno}") from None
+        except RecursionError:
+            raise TraceError(f"{path}:{lineno}: not a taskrt trace: JSON nested too deeply") from None
         if meta is None:
             if not isinstance(rec, dict) or rec.get("kind") != "meta":
                 raise TraceError(f"{path}:{lineno}: not a taskrt trace: the first line is not a meta line "
