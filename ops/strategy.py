@@ -113,7 +113,7 @@ class Strategy:
         fingerprint = fingerprint or model_fingerprint(ops)
         if is_fingerprint(self.model) and self.model != fingerprint:
             raise StrategyError([f"{where}: made for model {self.model}, but this model is {fingerprint} "
-                                 f"(its ops, names or shapes differ)"])
+                                 f"(its ops, names or shapes differ; the batch size is in the shapes)"])
         if not is_fingerprint(self.model) and name is not None and self.model != name:
             raise StrategyError([f"{where}: made for model {self.model!r}, but this model is {name!r}"])
         by_name = {op.name: op for op in ops}

@@ -286,8 +286,8 @@ def machine_path(name_or_path) -> Path:
     """The file of a shipped name, or the path itself; MachineError naming both when neither exists."""
     text = str(name_or_path)
     if not text.strip():
-        raise MachineError(f"machine {text!r}: an empty name; the shipped machines are {', '.join(shipped_machines())}, "
-                           f"or give a file's path")
+        raise MachineError(f"machine {text!r}: an empty name; the shipped machines are "
+                           f"{', '.join(shipped_machines())}, or give a file's path")
     shipped = MACHINES_DIR / f"{text}.json"
     if os.sep not in text and shipped.exists():
         return shipped

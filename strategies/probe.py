@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -109,6 +110,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error(f"argument --ranks: {args.ranks} must be >= 2 (the ping-pong runs between two ranks)")
+    cores = os.cpu_count() or 1
+    if not args.child and args.ranks > cores:   # it measures ranks on cores of their own, as the apps run
+        p.error(f"argument --ranks: {args.ranks} ranks of one CPU worker each need {args.ranks} cores, this machine "
+                f"has {cores}")
     if not args.child:
         print(json.dumps(measure_overheads(args.ranks)))
         return

@@ -437,7 +437,8 @@ def _too_big(model) -> str | None:
     for op in model.ops:
         for t in (*op.inputs, *op.outputs):
             if math.prod(t.shape) * np.dtype(t.dtype).itemsize > MAX_BYTES:
-                return f"{op.kind} {op.name!r}'s tensor {t.name!r} of shape {tuple(t.shape)} has too many bytes to count"
+                return (f"{op.kind} {op.name!r}'s tensor {t.name!r} of shape {tuple(t.shape)} has too many bytes "
+                        f"to count")
     return None
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -22,8 +23,12 @@ def test_the_ping_pong_needs_two_ranks():
         measure_overheads(1)
 
 
-def test_the_command_line_refuses_fewer_than_two_ranks_before_starting_mpiexec(capsys):
+def test_the_command_line_refuses_fewer_than_two_ranks_or_more_than_the_cores_before_starting_mpiexec(capsys):
     from strategies.probe import main
     with pytest.raises(SystemExit) as e:
         main(["--ranks", "1"])
     assert e.value.code == 2 and "argument --ranks: 1 must be >= 2" in capsys.readouterr().err
+    cores = os.cpu_count() or 1
+    with pytest.raises(SystemExit) as e:
+        main(["--ranks", str(cores + 1)])
+    assert e.value.code == 2 and f"need {cores + 1} cores, this machine has {cores}" in capsys.readouterr().err

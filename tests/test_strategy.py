@@ -171,7 +171,8 @@ def test_a_file_for_another_model(tmp_path):
     other = model_fingerprint(small_cnn(batch=4).ops)
     message = problem(write(tmp_path, {"dense_0": entry([1, 2])}, model=other))
     assert message == (f"{tmp_path / 's.json'}: made for model {other}, but this model is "
-                       f"{model_fingerprint(small_cnn().ops)} (its ops, names or shapes differ)")
+                       f"{model_fingerprint(small_cnn().ops)} (its ops, names or shapes differ; the batch size is "
+                       f"in the shapes)")
     with pytest.raises(StrategyError, match=r"made for model 'resnet', but this model is 'cnn'$"):
         load(write(tmp_path, {}, model="resnet")).resolve(small_cnn().ops, MACHINE4, name="cnn")
 
