@@ -128,7 +128,8 @@ def test_diff(tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",
                                   "arity", "fingerprint", "diff missing", "no output", "no app", "bad engine",
-                                  "no command", "bad batch", "unsplittable dim", "over the extent", "unwritable"])
+                                  "no command", "bad batch", "unsplittable dim", "over the extent", "unwritable",
+                                  "sizes without an app"])
 def test_errors_one_line_exit_2(tmp_path, capsys, case):
     good = mlp_strategy(tmp_path / "s.json")
     bad = tmp_path / "bad.json"
@@ -148,7 +149,8 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "bad batch": ["show", good, "--app", "mlp", "--batch-size", "0"],
             "unsplittable dim": ["show", bad, "--app", "mlp", "--tiny"],
             "over the extent": ["draw", bad, "--app", "mlp", "--tiny", "-o", tmp_path / "g.png"],
-            "unwritable": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "nope" / "g.png"]}[case]
+            "unwritable": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "nope" / "g.png"],
+            "sizes without an app": ["show", good, "--batch-size", "4"]}[case]
     text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
             "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
             "other model": Strategy("mlp", {}).to_json(),
@@ -172,5 +174,6 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
               "bad batch": "--batch-size 0: must be at least 1",
               "unsplittable dim": "splits dim 2 2 ways, but dim 2 may not be split",
               "over the extent": "splits dim 0 (sample) 32 ways, more than its extent 16",
-              "unwritable": "the folder"}[case]
+              "unwritable": "the folder",
+              "sizes without an app": "--batch-size 4: sizes the app given with --app, and none is"}[case]
     assert expect in err

@@ -405,6 +405,8 @@ def test_bad_traces_give_one_line_and_a_nonzero_exit(measured, tmp_path, capsys)
         cut_line: "truncated: the meta line says",
         write(tmp_path, "csv.jsonl", "proc,start,end\nr0.cpu0,1,2\n"): ":1: not JSON",
         write(tmp_path, "deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"): ":1: not a taskrt trace: JSON nested",
+        write(tmp_path, "metarank.jsonl", lines[0].replace('"rank": 0', '"rank": "0"', 1) + lines[1]):
+            ":1: bad meta 'rank': '0'",
         write(tmp_path, "other.jsonl", '{"traceEvents": []}\n'): ":1: not a taskrt trace",
         write(tmp_path, "keys.jsonl", lines[0] + '{"id": 1, "name": "x"}\n'): ":2: not a taskrt event",
         write(tmp_path, "times.jsonl", lines[0] + lines[1].replace('"end": ', '"end": -')): ":2: bad times",
@@ -413,7 +415,7 @@ def test_bad_traces_give_one_line_and_a_nonzero_exit(measured, tmp_path, capsys)
     # fields of the wrong type used to reach the commands (a TypeError deep in summary)
     event = json.loads(lines[1])
     for i, (key, value) in enumerate([("proc", 5), ("name", None), ("bytes", "abc"), ("rank", "0"), ("preds", None),
-                                      ("id", 1.5), ("kind", ""), ("point", ["a"]), ("start", float("nan"))]):
+                                      ("id", 1.5), ("kind", ""), ("kind", "frob"), ("point", ["a"]), ("start", float("nan"))]):
         bad = json.dumps({**event, key: value})
         cases[write(tmp_path, f"field{i}.jsonl", lines[0] + bad + "\n")] = \
             ":2: bad times" if key == "start" else f":2: bad '{key}'"

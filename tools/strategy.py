@@ -306,6 +306,9 @@ def main(argv=None) -> int:
             lines = differences(read(args.a), read(args.b))
             print("\n".join(lines) if lines else "no differences")
             return 1 if lines else 0
+        if args.app is None and (args.tiny or args.batch_size is not None):
+            flag = "--tiny" if args.tiny else f"--batch-size {args.batch_size}"
+            raise ToolError(f"{flag}: sizes the app given with --app, and none is")
         strategy = read(args.file)
         unwritable = output_problem(args.output) if args.command == "draw" else None
         if unwritable is not None:

@@ -154,6 +154,12 @@ def _read_file(path: str) -> tuple[dict, list[dict]]:
                 raise TraceError(f"{path}:{lineno}: not a taskrt trace: the first line is not a meta line "
                                  f"(kind 'meta'), it is {line[:60]!r}")
             meta = rec
+            if "rank" in meta and not (_is_int(meta["rank"]) and meta["rank"] >= 0):
+                raise TraceError(f"{path}:{lineno}: bad meta 'rank': {meta['rank']!r} (it must be an integer >= 0)")
+            if "ranks" in meta and not (isinstance(meta["ranks"], list) and all(_is_int(r) and r >= 0
+                                                                             for r in meta["ranks"])):
+                raise TraceError(f"{path}:{lineno}: bad meta 'ranks': {meta['ranks']!r} (it must be a list of "
+                                 f"integers >= 0)")
             continue
         events.append(_check_event(rec, path, lineno))
     if not events:
@@ -188,11 +194,14 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: what an event is: a task, a copy or a fold inside a rank, or a rank's half of a copy between ranks
+EVENT_KINDS = ("task", "copy", "reduce", "send", "recv")
+
 #: (field, check, what it must be) of an event's fields other than its times
 _FIELDS = (
     ("id", _is_int, "an integer"),
     ("name", lambda x: isinstance(x, str) and x != "", "a non-empty string"),
-    ("kind", lambda x: isinstance(x, str) and x != "", "a non-empty string: task, copy or reduce"),
+    ("kind", lambda x: x in EVENT_KINDS, ", ".join(EVENT_KINDS)),
     ("rank", lambda x: _is_int(x) and x >= 0, "a rank, an integer >= 0"),
     ("proc", lambda x: isinstance(x, str) and x != "", "a non-empty string: a processor, or source->destination"),
     ("bytes", lambda x: x is None or (_is_int(x) and x >= 0), "an integer >= 0 or null"),
