@@ -318,7 +318,7 @@ def _simulator(app: App, args, plan: Plan):
 def _on_rank_zero(work, ranks: int):
     """work() on rank 0 (the cost model may measure kernels, so only one rank decides), its answer
     sent to every rank; a FlagError it raises ends every rank, and so does any other error (rank 0
-    raises it, the others exit saying so) rather than leave them waiting for the answer."""
+    raises it, the others exit with status 2) rather than leave them waiting for the answer."""
     problem, answer, crash = None, None, None
     if _rank() == 0:
         try:
