@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from apps.cli import APPS, at_least
-from apps.demo import Setup, cores_problem, train_mpi
+from apps.demo import Setup, train_mpi
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
@@ -43,6 +43,7 @@ from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures,
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_source
 from strategies.simulator import Simulator
+from taskrt.cores import cores_problem
 from taskrt.outputs import output_problem
 
 #: the batch of the calibration runs (the tiny apps' own)

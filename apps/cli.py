@@ -369,11 +369,6 @@ def _check_devices(args, ranks: int) -> None:
         on = f"{local} ranks on {socket.gethostname()} need" if local > 1 else f"{socket.gethostname()} would need"
         raise FlagError(f"--cpus-per-rank {args.cpus_per_rank}: {on} {args.cpus_per_rank * local} cores, "
                         f"it has {cores}")
-    if args.gpus_per_rank:
-        visible = count_gpus()
-        if args.gpus_per_rank * local > visible:
-            raise FlagError(f"--gpus-per-rank {args.gpus_per_rank}: {local} rank(s) on {socket.gethostname()} "
-                            f"need {args.gpus_per_rank * local} GPUs, cupy sees {visible}")
     try:
         env_gpus = gpus_from_env()
         cpus_from_env()
@@ -383,11 +378,13 @@ def _check_devices(args, ranks: int) -> None:
             switched_off(switch)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    if args.gpus_per_rank is None and env_gpus:
+    gpus, said = ((args.gpus_per_rank, f"--gpus-per-rank {args.gpus_per_rank}") if args.gpus_per_rank is not None
+                  else (env_gpus, f"TASKRT_GPUS={env_gpus}"))
+    if gpus:
         visible = count_gpus()
-        if env_gpus * local > visible:
-            raise FlagError(f"TASKRT_GPUS={env_gpus}: {local} rank(s) on {socket.gethostname()} need "
-                            f"{env_gpus * local} GPUs, cupy sees {visible}")
+        if gpus * local > visible:
+            raise FlagError(f"{said}: {local} rank(s) on {socket.gethostname()} need {gpus * local} GPUs, "
+                            f"cupy sees {visible}")
 
 
 def _ranks_on_this_host(ranks: int) -> int:

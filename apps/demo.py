@@ -32,6 +32,7 @@ from ops.strategy import Strategy
 from strategies.machine_model import MachineModel, load_machine
 from strategies.search import SearchResult, app_graph, app_source, search
 from strategies.simulator import Simulator
+from taskrt.cores import cores_problem
 from taskrt.machine import count_gpus
 from taskrt.mpiexec import run_module_json
 from taskrt.outputs import folder_problem
@@ -65,13 +66,6 @@ def machine_setup(ranks: int, gpus: int | None = None) -> Setup:
         return Setup(ranks, 1, dataclasses.replace(load_machine("h100", nodes=ranks), devices_per_node=1))
     return Setup(ranks, 0, dataclasses.replace(load_machine("local", nodes=ranks), devices_per_node=1,
                                                nodes_per_host=ranks))
-
-
-def cores_problem(ranks: int) -> str | None:
-    """Why `ranks` ranks of one CPU worker each cannot run here (the apps give each its own core,
-    apps/cli.py), or None."""
-    cores = os.cpu_count() or 1
-    return None if ranks <= cores else f"{ranks} ranks of one CPU worker each need {ranks} cores, this machine has {cores}"
 
 
 def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int = 0,

@@ -152,7 +152,7 @@ class Strategy:
             raise StrategyError([f"{where}: a strategy is JSON text, got {type(text).__name__}"])
         duplicates: list[str] = []
         try:
-            data = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, duplicates))
+            data = json.loads(text, object_pairs_hook=lambda pairs: noting_duplicates(pairs, duplicates))
         except json.JSONDecodeError as e:
             raise StrategyError([f"{where}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}"]) from None
         except RecursionError:
@@ -206,7 +206,7 @@ def load(path) -> Strategy:
     return Strategy.from_json(text, source=where)
 
 
-def _object(pairs: list[tuple[str, object]], duplicates: list[str]) -> dict:
+def noting_duplicates(pairs: list[tuple[str, object]], duplicates: list[str]) -> dict:
     """json's object hook: a dict, recording keys given twice (json.loads would keep the last silently)."""
     out = {}
     for k, v in pairs:

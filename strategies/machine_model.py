@@ -77,6 +77,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ops.strategy import noting_duplicates
 from taskrt.machine import Machine, Memory, Processor, physical_memory
 
 VERSION = 1
@@ -310,25 +311,17 @@ def load_machine(name_or_path, nodes: int | None = None) -> MachineModel:
         raise MachineError(f"{where}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise MachineError(f"{where}: not a text file ({e.reason} at byte {e.start})") from None
+    duplicates: list[str] = []
     try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _object_once(pairs, where))
+        data = json.loads(text, object_pairs_hook=lambda pairs: noting_duplicates(pairs, duplicates))
     except json.JSONDecodeError as e:
         raise MachineError(f"{where}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
     except RecursionError:
         raise MachineError(f"{where}: JSON nested too deeply to be a machine file") from None
+    if duplicates:
+        raise MachineError(f"{where}: field {duplicates[0]!r} appears twice in one object")
     model = from_dict(data, where)
     return model if nodes is None else model.with_nodes(nodes)
-
-
-def _object_once(pairs: list[tuple[str, object]], where: str) -> dict:
-    """json's object hook: a dict of `pairs`; a key given twice is an error (json.loads would keep
-    the last silently)."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise MachineError(f"{where}: field {k!r} appears twice in one object")
-        out[k] = v
-    return out
 
 
 def write_efficiency(path, efficiency: Mapping[str, float], fitted: str) -> None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import numpy as np
 
+from taskrt.cores import cores_problem
 from taskrt.mpiexec import run_module_json
 
 #: tasks a block (per rank for the chain, in all for the ping-pong), blocks timed, blocks of warm-up
@@ -110,10 +110,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error(f"argument --ranks: {args.ranks} must be >= 2 (the ping-pong runs between two ranks)")
-    cores = os.cpu_count() or 1
-    if not args.child and args.ranks > cores:   # it measures ranks on cores of their own, as the apps run
-        p.error(f"argument --ranks: {args.ranks} ranks of one CPU worker each need {args.ranks} cores, this machine "
-                f"has {cores}")
+    too_few_cores = None if args.child else cores_problem(args.ranks)
+    if too_few_cores is not None:   # it measures ranks on cores of their own, as the apps run
+        p.error(f"argument --ranks: {too_few_cores}")
     if not args.child:
         print(json.dumps(measure_overheads(args.ranks)))
         return

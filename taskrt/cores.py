@@ -26,6 +26,13 @@ THREADS_DIR = "/proc/self/task"
 _bound: list = []
 
 
+def cores_problem(ranks: int) -> str | None:
+    """Why `ranks` ranks of one CPU worker each cannot run on this machine (the apps give each its
+    own core, apps/cli.py), or None."""
+    cores = os.cpu_count() or 1
+    return None if ranks <= cores else f"{ranks} ranks of one CPU worker each need {ranks} cores, this machine has {cores}"
+
+
 def core_share(cores: list[int], ranks_here: list[int], rank: int) -> list[int] | None:
     """The cores of `rank` when the ranks `ranks_here` (rank among them) share `cores`: an equal
     run of them in rank order, the remainder left to none; None when there are fewer cores
