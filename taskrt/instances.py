@@ -1,7 +1,12 @@
 """Physical instances: the storage of each region in each memory of this rank.
 
-Every (region, memory) pair gets one full-size instance on first use; a task sees a view
-of its rect. Which parts of an instance hold valid data is the analysis's business
+Every (region, memory) pair gets one instance on first use, over the smallest box holding the
+rects that memory is asked for (`reserve`, before the nodes that touch them are submitted),
+not the whole region: a GPU that runs a quarter of a batch keeps a quarter of its activations,
+as Legion's mappers size instances and as strategies/memory.py counts. A rect outside an
+instance that exists already makes it grow (`grow`, once the nodes that use it have finished:
+the runtime waits for them); a pair never reserved gets the whole region. A task sees a view
+of its rect (`part`). Which parts of an instance hold valid data is the analysis's business
 (taskrt/analysis.py); this module only allocates, hands out views, copies and folds.
 Reduction buffers are private to one task's requirement and live until every part of
 them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect).
@@ -35,36 +40,83 @@ class _Buffer:
 
 class InstanceStore:
     def __init__(self, gpu_devices: dict[Memory, int] | None = None):
-        self.instances: dict[tuple[int, Memory], object] = {}
+        #: (region uid, memory) -> (the instance, the box of the region it holds)
+        self.instances: dict[tuple[int, Memory], tuple[object, Rect]] = {}
+        #: (region uid, memory) -> the box its instance is to hold (what reserve was told)
+        self.boxes: dict[tuple[int, Memory], Rect] = {}
         self.buffers: dict[tuple[int, int], object] = {}
         self.gpu_devices = gpu_devices or {}
         self._lock = threading.Lock()
-        #: (region uid, memory, rect, writable) -> the view tasks get: made once, since the
-        #: instances live as long as the store and a step asks for the same views every time
+        #: (region uid, memory, rect, writable) -> the view tasks get: made once, since a step
+        #: asks for the same views every time (dropped when an instance grows)
         self._views: dict[tuple, object] = {}
 
     def xp(self, memory: Memory):
         return np if memory.kind == "sys" else gpu.module()
 
-    def instance(self, region: Region, memory: Memory):
+    def reserve(self, region: Region, memory: Memory, rect: Rect) -> bool:
+        """Widen the box that (region, memory)'s instance holds to take in `rect`; called before
+        a node touching it is submitted. True when the instance exists already and is smaller:
+        the caller waits for every node submitted so far, then calls grow."""
+        if rect.empty:
+            return False
         key = (region.uid, memory)
-        inst = self.instances.get(key)
-        if inst is None:
+        box = self.boxes.get(key)
+        if box is not None and box.contains(rect):
+            return False
+        with self._lock:
+            box = self.boxes.get(key)
+            self.boxes[key] = rect if box is None else box.union_bbox(rect)
+            return key in self.instances
+
+    def grow(self, region: Region, memory: Memory) -> None:
+        """Remake (region, memory)'s instance over its widened box, keeping what it held; only
+        once no node that uses it is running or queued."""
+        key = (region.uid, memory)
+        with self._lock:
+            old, old_box = self.instances.pop(key)
+            box = self.boxes[key]
+            new = self._allocate(box.shape, region.dtype, memory)
+            dst = new[old_box.slices(box.lo)]
+            if memory.kind == "sys":
+                np.copyto(dst, old)
+            else:
+                gpu.copy(dst, old, self.gpu_devices[memory])
+            self.instances[key] = (new, box)
+            self._views.clear()
+
+    def _allocate(self, shape, dtype, memory: Memory):
+        if memory.kind == "sys":
+            return cpu.allocate(shape, dtype)
+        return gpu.allocate(shape, dtype, self.gpu_devices[memory])
+
+    def instance(self, region: Region, memory: Memory) -> tuple[object, Rect]:
+        """(the instance of region in memory, the box of the region it holds), made on first use."""
+        key = (region.uid, memory)
+        held = self.instances.get(key)
+        if held is None:
             with self._lock:
-                inst = self.instances.get(key)
-                if inst is None:
-                    if memory.kind == "sys":
-                        inst = cpu.allocate(region.shape, region.dtype)
-                    else:
-                        inst = gpu.allocate(region.shape, region.dtype, self.gpu_devices[memory])
-                    self.instances[key] = inst
-        return inst
+                held = self.instances.get(key)
+                if held is None:
+                    box = self.boxes.get(key, region.rect)
+                    held = self.instances[key] = (self._allocate(box.shape, region.dtype, memory), box)
+        return held
+
+    def part(self, region: Region, rect: Rect, memory: Memory):
+        """The view of `rect` in region's instance in memory."""
+        if rect.empty:
+            return self.xp(memory).empty(rect.shape, region.dtype)
+        inst, box = self.instance(region, memory)
+        if not box.contains(rect):
+            raise RuntimeError(f"{region!r} {rect!r} in memory {memory}: its instance there holds {box!r} only; "
+                               f"the rect was not reserved before its node was submitted")
+        return inst[rect.slices(box.lo)]
 
     def view(self, region: Region, rect: Rect, memory: Memory, writable: bool):
         key = (region.uid, memory, rect, writable)
         v = self._views.get(key)
         if v is None:
-            v = self.instance(region, memory)[rect.slices()]
+            v = self.part(region, rect, memory)
             if not writable:
                 v = cpu.read_only(v) if memory.kind == "sys" else gpu.read_only(v)
             if len(self._views) >= VIEWS_KEPT:
@@ -98,8 +150,8 @@ class InstanceStore:
         return b.array[rect.slices(b.rect.lo)]
 
     def copy(self, region: Region, rect: Rect, src: Memory, dst: Memory) -> None:
-        src_view = self.instance(region, src)[rect.slices()]
-        dst_view = self.instance(region, dst)[rect.slices()]
+        src_view = self.part(region, rect, src)
+        dst_view = self.part(region, rect, dst)
         if src.kind == "sys" and dst.kind == "sys":
             np.copyto(dst_view, src_view)
         else:
@@ -112,7 +164,7 @@ class InstanceStore:
     def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str) -> None:
         """dst[rect] op= buf (a reduction buffer, or one that came from another rank), first
         moving buf into dst's memory when it lives elsewhere."""
-        dst_view = self.instance(region, dst)[rect.slices()]
+        dst_view = self.part(region, rect, dst)
         if dst.kind == "sys":
             if not isinstance(buf, np.ndarray):
                 buf = gpu.to_numpy(buf)
@@ -122,7 +174,7 @@ class InstanceStore:
 
     def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray) -> None:
         """dst[rect] = a host array (data that came from another rank)."""
-        dst_view = self.instance(region, dst)[rect.slices()]
+        dst_view = self.part(region, rect, dst)
         if dst.kind == "sys":
             np.copyto(dst_view, array)
         else:

@@ -124,7 +124,7 @@ class Copies:
         start = time.perf_counter()
         node = half.copy
         if node.redop is None:
-            data = self.store.instance(node.region, node.src)[node.rect.slices()]
+            data = self.store.part(node.region, node.rect, node.src)
         else:
             data = self.store.take_buffer(node.buffer, node.rect)
         data = _host_contiguous(data)
@@ -144,7 +144,7 @@ class Copies:
         node = half.copy
         target = None
         if node.redop is None and node.dst.kind == "sys":
-            view = self.store.instance(node.region, node.dst)[node.rect.slices()]
+            view = self.store.part(node.region, node.rect, node.dst)
             if view.flags.c_contiguous:
                 target = view
         in_place = target is not None

@@ -404,11 +404,30 @@ class Runtime:
             if sinks:
                 self._prune_sinks()
         if self.executor is not None:
+            if replay is None or replay.mode != "replaying":   # a replay's nodes touch what its recording's did
+                self._reserve(items)
             if self.transport is not None:
                 for node, preds in items:
                     self.transport.submit(node, preds)
             else:
                 self.executor.submit_many(items)
+
+    def _reserve(self, items: list[tuple]) -> None:
+        """Tell the instance store what the nodes touch in this rank's memories before they are
+        submitted (an instance holds the box of the rects its memory is asked for). Where an
+        instance made already must grow, wait for every node submitted so far first: none of
+        them uses it then (a wait for nodes earlier in program order, so ranks that wait at
+        different points still finish what the others wait for)."""
+        rank, reserve = self.rank, self.store.reserve
+        grow = []
+        for node, _ in items:
+            for region, rect, memory in _touched(node):
+                if memory.rank == rank and reserve(region, memory, rect):
+                    grow.append((region, memory))
+        if grow:
+            self.executor.wait_all()
+            for region, memory in grow:
+                self.store.grow(region, memory)
 
     def _add_sinks(self, ids, waited_for: int | None) -> None:
         """Nodes `ids` are sinks now, and `waited_for` (if any) no longer is one."""
@@ -622,6 +641,18 @@ def limit_blas_threads(machine: Machine, rank: int, threads: int | None):
                 return None  # one worker alone on the node: BLAS may use every core
     from threadpoolctl import threadpool_limits
     return threadpool_limits(limits=threads, user_api="blas")
+
+
+def _touched(node) -> list[tuple]:
+    """(region, rect, memory) of each instance part a node reads or writes: a task's requirements
+    but its reductions (private buffers), a copy's source and destination, a fold's destination."""
+    if type(node) is TaskNode:
+        return [(r.region, r.rect, r.memory) for r in node.reqs if not r.privilege.is_reduce]
+    if type(node) is CopyNode:
+        if node.redop is None:
+            return [(node.region, node.rect, node.src), (node.region, node.rect, node.dst)]
+        return [(node.region, node.rect, node.dst)]
+    return []
 
 
 def _attach_kernel(view, array):

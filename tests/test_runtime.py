@@ -136,9 +136,11 @@ def run_sequential(shapes, parts, steps):
     return arrays, results
 
 
-def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
+def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False, wait=False):
     """The program on a runtime: `repeat` times over, each time in a replay block if asked
-    (replay="program": as one Runtime.issue_program of the same launch list each time).
+    (replay="program": as one Runtime.issue_program of the same launch list each time), and
+    waiting for each step to finish before the next is issued if `wait` (so every instance a
+    step touches is made before the next step may ask its memory for more).
     `steps` come through `_same_steps`, so no step reads the region it writes."""
     regions, partitions = build(lambda s: rt.region(s, "int64"), shapes, parts)
     for region, shape in zip(regions, shapes):
@@ -162,6 +164,8 @@ def run_runtime(rt, shapes, parts, steps, repeat=1, replay=False):
         with (rt.replay("program") if replay else nullcontext()):
             for fn, part, reqs, k in launches:
                 futures.append(rt.index_launch(fn, part, *reqs, args=(k,)))
+                if wait:
+                    rt.wait()
     arrays = [rt.read(region) for region in regions]
     return arrays, [fm.get() for fm in futures]
 
@@ -177,13 +181,14 @@ def _same_steps(steps):
     return out
 
 
-def check_program(rt, prog, repeat: int = 1, replay: bool = False, where: str = "") -> None:
-    """Run a drawn program on `rt` (`repeat` times, in a replay block if asked) and compare
-    the arrays read back and every point task's result with the sequential reference."""
+def check_program(rt, prog, repeat: int = 1, replay: bool = False, where: str = "", wait: bool = False) -> None:
+    """Run a drawn program on `rt` (`repeat` times, in a replay block if asked, each step waited
+    for if `wait`) and compare the arrays read back and every point task's result with the
+    sequential reference."""
     shapes, parts, steps = prog
     steps = _same_steps(steps)
     want_arrays, want_results = run_sequential(shapes, parts, steps * repeat)
-    got_arrays, got_results = run_runtime(rt, shapes, parts, steps, repeat, replay)
+    got_arrays, got_results = run_runtime(rt, shapes, parts, steps, repeat, replay, wait)
     for i, (got, want) in enumerate(zip(got_arrays, want_arrays)):
         np.testing.assert_array_equal(got, want, err_msg=f"{where}region {i} of program {prog}")
     assert got_results == want_results, f"{where}point results of program {prog}"
@@ -195,6 +200,15 @@ def check_program(rt, prog, repeat: int = 1, replay: bool = False, where: str = 
 def test_random_programs_match_sequential(cpus, separate, prog):
     with Runtime(cpus=cpus, separate_memories=separate) as rt:
         check_program(rt, prog)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prog=programs())
+def test_random_programs_waited_for_step_by_step_match_sequential(prog):
+    """Each step finished before the next is issued: a memory's instance is made for what the
+    steps so far asked of it, and grows (its data kept) when a later step asks for more."""
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        check_program(rt, prog, wait=True)
 
 
 @pytest.mark.parametrize("cpus,separate", [(2, False), (4, True)])

@@ -1,0 +1,107 @@
+"""Instances: each memory holds the box of the rects it is asked for, grows when asked for more,
+and hands out views of the right elements."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ops import Model, SGD, TileConfig
+from taskrt import READ_WRITE, WRITE, Rect, Region, Runtime, req
+from taskrt.instances import InstanceStore
+from taskrt.machine import Memory
+
+SYS = Memory("sys", 0, 0)
+
+
+def test_an_instance_holds_the_box_of_the_rects_its_memory_was_asked_for():
+    store = InstanceStore()
+    region = Region((10, 6), "float32", "a")
+    assert not store.reserve(region, SYS, Rect((2, 0), (4, 3)))
+    assert not store.reserve(region, SYS, Rect((5, 1), (7, 6)))
+    assert not store.reserve(region, SYS, Rect((3, 1), (4, 2)))   # inside already
+    inst, box = store.instance(region, SYS)
+    assert box == Rect((2, 0), (7, 6)) and inst.shape == (5, 6)
+    store.part(region, Rect((5, 1), (7, 6)), SYS)[...] = 7.0
+    store.part(region, Rect((2, 0), (3, 3)), SYS)[...] = 1.0
+    assert store.part(region, Rect((6, 5), (7, 6)), SYS)[0, 0] == 7.0
+    assert inst[0, :3].tolist() == [1.0, 1.0, 1.0] and inst[3:, 1:].sum() == 7.0 * 10
+
+
+def test_a_pair_never_reserved_holds_the_whole_region_and_an_empty_rect_has_an_empty_view():
+    store = InstanceStore()
+    region = Region((4, 3), "int64", "b")
+    _, box = store.instance(region, SYS)
+    assert box == region.rect
+    assert store.part(region, Rect((2, 0), (2, 3)), SYS).shape == (0, 3)
+    assert not store.reserve(region, SYS, Rect((9, 9), (9, 9)))   # empty: asks for nothing
+
+
+def test_a_rect_outside_its_instance_is_refused_with_the_region_rect_and_memory():
+    store = InstanceStore()
+    region = Region((8,), "float32", "c")
+    store.reserve(region, SYS, Rect((0,), (4,)))
+    store.instance(region, SYS)
+    with pytest.raises(RuntimeError, match=r"Region\('c'.* Rect\(4:6\) in memory r0.sys0: "
+                                           r"its instance there holds Rect\(0:4\) only"):
+        store.part(region, Rect((4,), (6,)), SYS)
+
+
+def test_growing_keeps_what_the_instance_held_and_drops_the_old_views():
+    store = InstanceStore()
+    region = Region((8, 2), "float64", "d")
+    store.reserve(region, SYS, Rect((2, 0), (4, 2)))
+    old = store.view(region, Rect((2, 0), (4, 2)), SYS, writable=True)
+    old[...] = [[1, 2], [3, 4]]
+    assert store.reserve(region, SYS, Rect((6, 0), (8, 2)))   # the instance exists: it must grow
+    store.grow(region, SYS)
+    inst, box = store.instance(region, SYS)
+    assert box == Rect((2, 0), (8, 2)) and inst.shape == (6, 2)
+    new = store.view(region, Rect((2, 0), (4, 2)), SYS, writable=False)
+    assert new.tolist() == [[1, 2], [3, 4]] and not np.shares_memory(new, old)
+
+
+def test_a_memory_asked_for_more_after_its_instance_was_made_grows_and_keeps_its_data():
+    """Processor 1 writes the first half of a region into its own memory and finishes; then it
+    updates the whole region, whose second half processor 0 wrote: its instance grows from the
+    half to the whole, the first half kept, and the result is the sequential one."""
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        mem1 = rt.machine.processors[1].memory
+        region = rt.region((8,), "int64", "r")
+        first, second = Rect((0,), (4,)), Rect((4,), (8,))
+
+        def write(view, value):
+            view[...] = value
+
+        def triple_plus_index(view):
+            view[...] = view * 3 + np.arange(view.shape[0])
+
+        rt.launch(write, req(region, WRITE, first), args=(5,), proc=1)
+        rt.wait()
+        assert rt.store.instance(region, mem1)[1] == first
+        rt.launch(write, req(region, WRITE, second), args=(2,), proc=0)
+        rt.launch(triple_plus_index, req(region, READ_WRITE), proc=1)
+        got = rt.read(region)
+        assert rt.store.instance(region, mem1)[1] == region.rect
+    assert got.tolist() == [15, 16, 17, 18, 10, 11, 12, 13]
+
+
+def test_a_data_parallel_step_keeps_each_device_s_share_of_the_activations_not_the_batch():
+    """Four devices with memories of their own, a dense layer data parallel: each device's
+    instances of its input and output hold its quarter of the batch, and the weights whole."""
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        model = Model(rt, seed=0)
+        x = model.input((16, 8), name="x")
+        y = model.dense(x, 6, name="fc")
+        model.compile(SGD(lr=0.1), loss="mean_squared_error", output=y,
+                      configs={"fc": TileConfig((4, 1, 1), (0, 1, 2, 3))})
+        rng = np.random.default_rng(0)
+        model.fit(rng.standard_normal((16, 8), np.float32), rng.standard_normal((16, 6), np.float32),
+                  iterations=2, verbose=False)
+        boxes = {}
+        for (uid, memory), (_, box) in rt.store.instances.items():
+            boxes.setdefault(memory.index, {})[uid] = box
+        out = model._low.values[y.name]
+        weight = model._low.params["fc.weight"].value
+        for device in (1, 2, 3):
+            assert boxes[device][out.uid] == Rect((4 * device, 0), (4 * device + 4, 6)), device
+            assert boxes[device][weight.uid] == weight.rect
