@@ -1,14 +1,19 @@
 """Peak memory per device under a strategy, from the lowered graph's own plans.
 
-What a device keeps during an iteration, each region counted once per memory (the union of
-the rects that memory holds of it):
+What a device keeps during an iteration is what the runtime's instances hold (taskrt/instances.py):
+per region, the smallest box holding every rect that the device's tasks ask its memory for:
 - weights and state (batch norm's running stats): the weight and state rects of the tiles on it;
-- gradients: the same rects of every trained weight's gradient;
-- optimizer state: the state of the update shards on it (ops/lower.py UpdatePlan: a weight
-  replicated over P devices keeps 1/P of its state on each);
-- activations kept for backward: every op's input and output rects on its tiles' devices.
-Not counted: activation gradients (REDUCE buffers live one op at a time), what a kernel saves
-for backward besides its inputs and outputs, and host memory (attached inputs, initial weights).
+- the weights' update shards (ops/lower.py UpdatePlan: a weight replicated over P devices keeps
+  1/P of its gradient and optimizer state on each), and a gradient that one tile writes whole;
+- activations: every op's input and output rects on its tiles' devices, and the gradients
+  its backward reads (its outputs') and writes whole (its inputs');
+- partial sums and an ordered op's carries, on its tiles' devices.
+These equal what the run's instances hold, region by region, on every device but the one that
+attaches the data (tests/test_memory.py). Besides, the reduction buffers: each tile's private
+buffer of what it sums into (a replicated weight's gradient, a shared input's gradient, a
+partial output), all counted as live at once (they live until folded, and in alexnet's data
+parallelism nine tenths of them were live at one time). Not counted: what a kernel keeps for
+backward besides its inputs and outputs, and host memory (attached inputs, initial weights).
 
 A strategy whose peak exceeds a device's `mem_bytes` does not fit (`fits`): the search treats
 it as invalid.
@@ -22,32 +27,8 @@ from ops.base import Op
 from ops.lower import Lowering, TileConfig, default_config, resolve_config
 from strategies.machine_model import MachineModel
 from taskrt import Runtime
-from taskrt.geometry import Rect, pairwise_disjoint
+from taskrt.geometry import Rect
 from taskrt.machine import Machine, Memory
-
-
-def union_volume(rects) -> int:
-    """Elements covered by the union of `rects` (each counted once where they overlap)."""
-    # PeakCache asks this of each memory's rects of each region it redoes: most are one rect, or
-    # two (a tile and its reader's), so those two cases come first
-    rects = set(rects)
-    if len(rects) == 1:
-        return next(iter(rects)).volume
-    rects = [r for r in rects if not r.empty]
-    if len(rects) == 2:
-        a, b = rects
-        return a.volume + b.volume - a.intersect(b).volume
-    if len(rects) <= 1 or pairwise_disjoint(rects):
-        return sum(r.volume for r in rects)
-    if rects[0].ndim == 0:
-        return 1
-    cuts = sorted({r.lo[0] for r in rects} | {r.hi[0] for r in rects})
-    total = 0
-    for a, b in zip(cuts, cuts[1:]):
-        inside = [Rect(r.lo[1:], r.hi[1:]) for r in rects if r.lo[0] <= a and r.hi[0] >= b]
-        if inside:
-            total += (b - a) * union_volume(inside)
-    return total
 
 
 def _sources(ops: Sequence[Op]) -> list:
@@ -61,43 +42,66 @@ def _sources(ops: Sequence[Op]) -> list:
     return list(seen.values())
 
 
+#: the prefix of the name under which an op's reduction buffers are kept (summed, not boxed)
+BUFFERS = "#buffers "
+
+
 def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> dict[tuple[Memory, str], tuple[list[Rect], int]]:
     """(memory, region name) -> (the rects of it that `op`'s tiles and its weights' update shards
-    (`updates`) keep in that memory, its itemsize)."""
+    (`updates`) ask that memory for, its itemsize), and (memory, BUFFERS + op name) -> (one
+    Rect((0,), (bytes,)) per reduction buffer of its tiles there, itemsize 1)."""
     held: dict[tuple[Memory, str], tuple[list[Rect], int]] = {}
 
-    def add(region, placed) -> None:
-        """Adds the non-empty rects of `placed` ((memory, rect) pairs) of `region`."""
-        name, itemsize = region.name, region.dtype.itemsize
-        for memory, rect in placed:
-            if rect.empty:
-                continue
-            known = held.get((memory, name))
-            if known is None:
-                held[(memory, name)] = ([rect], itemsize)
-            else:
-                known[0].append(rect)
+    def add(region, memory: Memory, rect: Rect) -> None:
+        if rect.empty:
+            return
+        known = held.get((memory, region.name))
+        if known is None:
+            held[(memory, region.name)] = ([rect], region.dtype.itemsize)
+        else:
+            known[0].append(rect)
+
+    def add_buffer(memory: Memory, nbytes: int) -> None:
+        if nbytes:
+            held.setdefault((memory, BUFFERS + op.name), ([], 1))[0].append(Rect((0,), (nbytes,)))
 
     procs = machine.processors
-    tiles = [(procs[proc].memory, color) for color, proc in plan.placement.items()]
-    for i, t in enumerate(op.inputs):
-        add(low.values[t.name], [(memory, plan.in_rects[color][i]) for memory, color in tiles])
-    for i, t in enumerate(op.outputs):
-        add(low.values[t.name], [(memory, plan.out_rects[color][i]) for memory, color in tiles])
-    for k in plan.weight_names:
-        param = low.params[f"{op.name}.{k}"]
-        placed = [(memory, plan.weight_rects[color][k]) for memory, color in tiles]
-        add(param.value, placed)
-        if param.grad is not None:
-            add(param.grad, placed)
-    for k in plan.state_names:
-        add(low.stats[f"{op.name}.{k}"], [(memory, plan.state_rects[color][k]) for memory, color in tiles])
+    reqs = list(plan.fwd_reqs[True]) + list(plan.bwd_reqs or ())
+    sums = [plan._sums[k] for k in dict.fromkeys(list(plan._forward_sum_names(True)) + list(
+        plan._backward_sum_names() if plan.bwd_reqs is not None else []))]
+    for color, proc in plan.placement.items():
+        memory = procs[proc].memory
+        for r in reqs:
+            rect = r.partition.rects[color]
+            if r.privilege.is_reduce:
+                add_buffer(memory, rect.volume * r.region.dtype.itemsize)
+            else:
+                add(r.region, memory, rect)
+        for part in sums:   # zero filled in place, then each tile's part summed in through a buffer
+            add(part.region, memory, part.rects[color])
+            add_buffer(memory, part.rects[color].volume * part.region.dtype.itemsize)
     for update in updates:
-        placed = [(procs[update.placement[color]].memory, rect)
-                  for color, rect in update.reqs[0].partition.rects.items()]
-        for region in update.param.state.values():
-            add(region, placed)
+        for r in update.reqs:
+            for color, rect in r.partition.rects.items():
+                add(r.region, procs[update.placement[color]].memory, rect)
     return held
+
+
+def box_volume(rects) -> int:
+    """Elements in the smallest box holding every non-empty rect of `rects` (what an instance holds)."""
+    box = None
+    for r in rects:
+        if not r.empty:
+            box = r if box is None else box.union_bbox(r)
+    return 0 if box is None else box.volume
+
+
+def held_bytes(name: str, rects, itemsize: int) -> int:
+    """Bytes a memory keeps of region `name` asked for `rects`: its instance's box, or for an op's
+    reduction buffers (BUFFERS) their sum."""
+    if name.startswith(BUFFERS):
+        return sum(r.volume for r in rects) * itemsize
+    return box_volume(rects) * itemsize
 
 
 def _updates_by_op(low) -> dict[str, list]:
@@ -206,7 +210,7 @@ class PeakCache:
             for n in names:
                 for memory, (rs, itemsize) in self._op_held[self._keys[n]].get(region, {}).items():
                     rects.setdefault(memory, ([], itemsize))[0].extend(rs)
-            per_memory = self._region_bytes[key] = {m: union_volume(rs) * itemsize
+            per_memory = self._region_bytes[key] = {m: held_bytes(region, rs, itemsize)
                                                     for m, (rs, itemsize) in rects.items()}
         return per_memory
 
@@ -241,7 +245,7 @@ def plan_peak(low, machine: Machine) -> dict[int, int]:
         first.setdefault(p.memory, i)
     peak: dict[int, int] = {}
     for memory, regions in _holdings(low, machine).items():
-        total = sum(union_volume(rects) * itemsize for rects, itemsize in regions.values())
+        total = sum(held_bytes(name, rects, itemsize) for name, (rects, itemsize) in regions.items())
         peak[first[memory]] = peak.get(first[memory], 0) + int(total)
     return dict(sorted(peak.items()))
 

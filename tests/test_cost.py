@@ -23,7 +23,7 @@ from ops.lower import Lowering, TileConfig
 from ops.optimizers import SGD, Adam
 from strategies.cost import CostModel, Measurement, copy_time, fit_efficiency, op_key, roofline
 from strategies.machine_model import SAME_MEMORY, DeviceSpec, LinkSpec, MachineModel, load_machine
-from strategies.memory import fits, peak_memory, union_volume
+from strategies.memory import box_volume, fits, peak_memory
 from taskrt import Runtime
 from taskrt.geometry import Rect
 
@@ -392,12 +392,14 @@ def test_peak_memory_data_parallel_by_hand():
           "loss": TileConfig((2,), (0, 1))}
     peak = peak_memory((ops, dp), cpu_model(), optimizer=SGD(lr=0.1, momentum=0.9))
     activations = (4 * 16 + 4 * 32 + 4 * 4 + 4) * 4 + 4 * 8  # x, h, y, loss rows; labels (int64)
-    weights = (32 * 16 + 4 * 32) * 4  # each device holds every weight
-    # momentum lives in the weights' shards: fc1.weight (2 KiB) in two halves; fc2.weight (512 B,
-    # under two of ops.lower.MIN_SHARD_BYTES) whole, on device 1 (the second update turns to it)
-    state = {0: 32 * 16 * 4 // 2, 1: 32 * 16 * 4 // 2 + 4 * 32 * 4}
-    assert peak == {d: activations + 2 * weights + state[d] for d in (0, 1)}
-    assert peak == {0: 7024, 1: 7536}
+    gradients = (4 * 32 + 4 * 4 + 4) * 4  # of h, y and the loss: each device's rows
+    weights = (32 * 16 + 4 * 32) * 4  # each device holds every weight, and sums its whole gradient in a buffer
+    # the gradients are folded into the weights' shards, where momentum lives too: fc1.weight (2 KiB)
+    # in two halves; fc2.weight (512 B, under two of ops.lower.MIN_SHARD_BYTES) whole, on device 1
+    # (the second update turns to it)
+    shards = {0: 32 * 16 * 4 // 2, 1: 32 * 16 * 4 // 2 + 4 * 32 * 4}
+    assert peak == {d: activations + gradients + 2 * weights + 2 * shards[d] for d in (0, 1)}
+    assert peak == {0: 8640, 1: 9664}
 
 
 def test_peak_memory_model_parallel_by_hand():
@@ -405,13 +407,14 @@ def test_peak_memory_model_parallel_by_hand():
     mp = {"fc1": TileConfig((1, 1, 1), (0,)), "fc2": TileConfig((1, 1, 1), (1,)), "loss": TileConfig((1,), (1,))}
     peak = peak_memory((ops, mp), cpu_model(), optimizer=SGD(lr=0.1, momentum=0.9))
     w1, w2 = 32 * 16 * 4, 4 * 32 * 4
-    assert peak == {0: (8 * 16 + 8 * 32) * 4 + 3 * w1,  # x, h; fc1's weight, gradient, momentum
-                    1: (8 * 32 + 8 * 4 + 8) * 4 + 8 * 8 + 3 * w2}  # h, y, loss, labels; fc2's three
-    assert peak == {0: 7680, 1: 2784}
+    # one tile a weight writes its whole gradient: no buffer, no shards
+    assert peak == {0: (8 * 16 + 8 * 32) * 4 + 8 * 32 * 4 + 3 * w1,  # x, h, h's gradient; fc1's weight, gradient, momentum
+                    1: (8 * 32 + 8 * 4 + 8) * 4 + 8 * 8 + (8 * 32 + 8 * 4 + 8) * 4 + 3 * w2}  # h, y, loss, labels,
+    assert peak == {0: 8704, 1: 3968}                                    # their gradients; fc2's three
     dp = {"fc1": TileConfig((2, 1, 1), (0, 1)), "fc2": TileConfig((2, 1, 1), (0, 1)),
           "loss": TileConfig((2,), (0, 1))}
-    small = cpu_model(mem_bytes=7600)
-    assert fits((ops, dp), small, optimizer=SGD(lr=0.1, momentum=0.9))
+    small = cpu_model(mem_bytes=8700)
+    assert fits((ops, dp), small, optimizer=SGD(lr=0.1))
     assert not fits((ops, mp), small, optimizer=SGD(lr=0.1, momentum=0.9))
 
 
@@ -422,15 +425,15 @@ def test_peak_memory_of_a_lowering_and_without_optimizer_state():
     mp = {"fc1": TileConfig((1, 1, 1), (0,)), "fc2": TileConfig((1, 1, 1), (1,)), "loss": TileConfig((1,), (1,))}
     with Runtime(machine, execute=False) as rt:
         low = Lowering(rt, ops, [ops[0].inputs[0], ops[2].inputs[1]], mp, optimizer=SGD(lr=0.1), loss="loss")
-        assert peak_memory(low, mm) == {0: 7680 - 2048, 1: 2784 - 512}  # plain SGD keeps no state
+        assert peak_memory(low, mm) == {0: 8704 - 2048, 1: 3968 - 512}  # plain SGD keeps no state
 
 
-def test_union_volume_counts_overlaps_once():
+def test_box_volume_is_the_smallest_box_holding_the_rects():
     a, b = Rect((0, 0), (4, 4)), Rect((2, 2), (6, 6))
-    assert union_volume([a, b]) == 16 + 16 - 4
-    assert union_volume([a, a, Rect((4, 0), (8, 4))]) == 32
-    assert union_volume([Rect((0,), (0,))]) == 0
-    assert union_volume([a, Rect((1, 1), (2, 2))]) == 16
+    assert box_volume([a, b]) == 36
+    assert box_volume([a, a, Rect((4, 0), (8, 4))]) == 32
+    assert box_volume([Rect((0,), (0,))]) == 0 and box_volume([]) == 0
+    assert box_volume([a, Rect((9, 9), (9, 9)), Rect((1, 1), (2, 2))]) == 16   # an empty rect adds nothing
 
 
 def test_calibrate_command_refuses_bad_flags_before_measuring(capsys):
