@@ -42,15 +42,13 @@ def _sources(ops: Sequence[Op]) -> list:
     return list(seen.values())
 
 
-#: the prefix of the name under which an op's reduction buffers are kept (summed, not boxed)
-BUFFERS = "#buffers "
-
-
-def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> dict[tuple[Memory, str], tuple[list[Rect], int]]:
-    """(memory, region name) -> (the rects of it that `op`'s tiles and its weights' update shards
-    (`updates`) ask that memory for, its itemsize), and (memory, BUFFERS + op name) -> (one
-    Rect((0,), (bytes,)) per reduction buffer of its tiles there, itemsize 1)."""
+def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> tuple[dict[tuple[Memory, str], tuple[list[Rect], int]],
+                                                                        dict[Memory, int]]:
+    """((memory, region name) -> (the rects of it that `op`'s tiles and its weights' update shards
+    (`updates`) ask that memory for, its itemsize), memory -> the bytes of its tiles' reduction
+    buffers there)."""
     held: dict[tuple[Memory, str], tuple[list[Rect], int]] = {}
+    buffers: dict[Memory, int] = {}
 
     def add(region, memory: Memory, rect: Rect) -> None:
         if rect.empty:
@@ -61,47 +59,40 @@ def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> dict[tuple[Mem
         else:
             known[0].append(rect)
 
-    def add_buffer(memory: Memory, nbytes: int) -> None:
-        if nbytes:
-            held.setdefault((memory, BUFFERS + op.name), ([], 1))[0].append(Rect((0,), (nbytes,)))
-
     procs = machine.processors
     reqs = list(plan.fwd_reqs[True]) + list(plan.bwd_reqs or ())
     sums = [plan._sums[k] for k in dict.fromkeys(list(plan._forward_sum_names(True)) + list(
         plan._backward_sum_names() if plan.bwd_reqs is not None else []))]
     for color, proc in plan.placement.items():
         memory = procs[proc].memory
+        nbytes = 0
         for r in reqs:
             rect = r.partition.rects[color]
             if r.privilege.is_reduce:
-                add_buffer(memory, rect.volume * r.region.dtype.itemsize)
+                nbytes += rect.volume * r.region.dtype.itemsize
             else:
                 add(r.region, memory, rect)
         for part in sums:   # zero filled in place, then each tile's part summed in through a buffer
             add(part.region, memory, part.rects[color])
-            add_buffer(memory, part.rects[color].volume * part.region.dtype.itemsize)
+            nbytes += part.rects[color].volume * part.region.dtype.itemsize
+        if nbytes:
+            buffers[memory] = buffers.get(memory, 0) + nbytes
     for update in updates:
         for r in update.reqs:
             for color, rect in r.partition.rects.items():
                 add(r.region, procs[update.placement[color]].memory, rect)
-    return held
+    return held, buffers
 
 
 def box_volume(rects) -> int:
     """Elements in the smallest box holding every non-empty rect of `rects` (what an instance holds)."""
-    box = None
-    for r in rects:
-        if not r.empty:
-            box = r if box is None else box.union_bbox(r)
-    return 0 if box is None else box.volume
-
-
-def held_bytes(name: str, rects, itemsize: int) -> int:
-    """Bytes a memory keeps of region `name` asked for `rects`: its instance's box, or for an op's
-    reduction buffers (BUFFERS) their sum."""
-    if name.startswith(BUFFERS):
-        return sum(r.volume for r in rects) * itemsize
-    return box_volume(rects) * itemsize
+    rects = [r for r in set(rects) if not r.empty]
+    if len(rects) <= 1:
+        return rects[0].volume if rects else 0
+    volume = 1
+    for los, his in zip(zip(*[r.lo for r in rects]), zip(*[r.hi for r in rects])):
+        volume *= max(his) - min(los)
+    return volume
 
 
 def _updates_by_op(low) -> dict[str, list]:
@@ -111,15 +102,20 @@ def _updates_by_op(low) -> dict[str, list]:
     return out
 
 
-def _holdings(low: Lowering, machine: Machine) -> dict[Memory, dict[str, tuple[list[Rect], int]]]:
-    """memory -> region name -> (the rects of it the memory holds, its itemsize)."""
+def _holdings(low: Lowering, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[list[Rect], int]]],
+                                                       dict[Memory, int]]:
+    """(memory -> region name -> (the rects of it the memory holds, its itemsize), memory -> the
+    bytes of reduction buffers there)."""
     held: dict[Memory, dict[str, tuple[list[Rect], int]]] = defaultdict(dict)
+    buffers: dict[Memory, int] = defaultdict(int)
     updates = _updates_by_op(low)
     for op in low.ops:
-        for (memory, name), (rects, itemsize) in _op_holdings(op, low.plans[op.name], updates.get(op.name, ()),
-                                                             low, machine).items():
+        regions, op_buffers = _op_holdings(op, low.plans[op.name], updates.get(op.name, ()), low, machine)
+        for (memory, name), (rects, itemsize) in regions.items():
             held[memory].setdefault(name, ([], itemsize))[0].extend(rects)
-    return held
+        for memory, nbytes in op_buffers.items():
+            buffers[memory] += nbytes
+    return held, buffers
 
 
 class PeakCache:
@@ -136,6 +132,8 @@ class PeakCache:
         self._seen = None   # the name of the last view's program (a view's delta)
         #: (op name, config) -> region name -> memory -> (the rects of it the op keeps there, itemsize)
         self._op_held: dict[tuple, dict[str, dict[Memory, tuple[list[Rect], int]]]] = {}
+        #: (op name, config) -> memory -> the bytes of the op's reduction buffers there
+        self._op_buffers: dict[tuple, dict[Memory, int]] = {}
         self._region_bytes: dict[tuple, dict[Memory, int]] = {}
         self._first = {}
         for i, p in enumerate(machine.processors):
@@ -150,9 +148,10 @@ class PeakCache:
     def _held(self, op, low, key) -> dict[str, dict[Memory, tuple[list[Rect], int]]]:
         got = self._op_held.get(key)
         if got is None:
-            updates = low.updates_of(op.name)
+            regions, self._op_buffers[key] = _op_holdings(op, low.plans[op.name], low.updates_of(op.name), low,
+                                                          self.machine)
             got = self._op_held[key] = {}
-            for (memory, name), held in _op_holdings(op, low.plans[op.name], updates, low, self.machine).items():
+            for (memory, name), held in regions.items():
                 got.setdefault(name, {})[memory] = held
         return got
 
@@ -185,6 +184,10 @@ class PeakCache:
                     names.append(op.name)
                     names.sort(key=self._order.__getitem__)
                 touched |= before | after
+                for memory, nbytes in (self._op_buffers[old].items() if old is not None else ()):
+                    self._total[memory] -= nbytes
+                for memory, nbytes in self._op_buffers[key].items():
+                    self._total[memory] = self._total.get(memory, 0) + nbytes
             for region in touched:
                 for memory, nbytes in self._bytes.pop(region, {}).items():
                     self._total[memory] -= nbytes
@@ -210,7 +213,7 @@ class PeakCache:
             for n in names:
                 for memory, (rs, itemsize) in self._op_held[self._keys[n]].get(region, {}).items():
                     rects.setdefault(memory, ([], itemsize))[0].extend(rs)
-            per_memory = self._region_bytes[key] = {m: held_bytes(region, rs, itemsize)
+            per_memory = self._region_bytes[key] = {m: box_volume(rs) * itemsize
                                                     for m, (rs, itemsize) in rects.items()}
         return per_memory
 
@@ -244,9 +247,10 @@ def plan_peak(low, machine: Machine) -> dict[int, int]:
     for i, p in enumerate(machine.processors):
         first.setdefault(p.memory, i)
     peak: dict[int, int] = {}
-    for memory, regions in _holdings(low, machine).items():
-        total = sum(held_bytes(name, rects, itemsize) for name, (rects, itemsize) in regions.items())
-        peak[first[memory]] = peak.get(first[memory], 0) + int(total)
+    held, buffers = _holdings(low, machine)
+    for memory in set(held) | set(buffers):
+        total = sum(box_volume(rects) * itemsize for rects, itemsize in held.get(memory, {}).values())
+        peak[first[memory]] = peak.get(first[memory], 0) + int(total + buffers.get(memory, 0))
     return dict(sorted(peak.items()))
 
 

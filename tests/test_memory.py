@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from apps.cli import batch_source, build_model
 from strategies.baselines import BASELINES
-from strategies.memory import BUFFERS, _holdings, box_volume, held_bytes
+from strategies.memory import _holdings, box_volume
 from strategies.random import random_strategy
 from taskrt import Rect, Runtime
 
@@ -45,11 +45,11 @@ def test_box_volume_spans_the_points_of_the_rects(rects):
     assert box_volume(rects) == want
 
 
-def test_held_bytes_box_a_region_and_sum_an_op_s_buffers():
+def test_box_volume_of_a_region_s_rects():
     halves = [Rect((0, 0), (2, 4)), Rect((2, 0), (4, 4))]
-    assert held_bytes("fc.out", halves, 4) == 4 * 4 * 4
-    assert held_bytes("fc.out", [halves[0], Rect((3, 3), (4, 4))], 4) == 4 * 4 * 4
-    assert held_bytes(BUFFERS + "fc", [Rect((0,), (64,)), Rect((0,), (64,))], 1) == 128
+    assert box_volume(halves) == 16 and box_volume(halves + halves) == 16
+    assert box_volume([halves[0], Rect((3, 3), (4, 4))]) == 16   # the gap between them is held too
+    assert box_volume([Rect((), ())]) == 1 and box_volume([Rect((), ()), Rect((), ())]) == 1
 
 
 class _LiveBuffers:
@@ -95,7 +95,7 @@ def test_the_predicted_memory_is_what_a_run_s_instances_hold(app, strategy):
         buffers = _LiveBuffers(rt.store)
         list(model.train_on(batch_source(module.make_batch, model, dict(module.TINY), 0), 2))
         rt.wait()
-        predicted = _holdings(model._low, rt.machine)
+        predicted, predicted_buffers = _holdings(model._low, rt.machine)
         names = {r.uid: r.name for r in list(model._low.values.values()) + list(model._low.grads.values())
                  + [r for p in model._low.params.values() for r in (p.value, p.grad, *p.state.values()) if r]
                  + list(model._low.stats.values())}
@@ -104,10 +104,7 @@ def test_the_predicted_memory_is_what_a_run_s_instances_hold(app, strategy):
                           + list(getattr(plan, "_carry_grads", []))})
         for memory in rt.machine.memories[1:]:
             held = {names[uid]: inst.nbytes for (uid, m), (inst, _) in rt.store.instances.items() if m == memory}
-            want = {name: held_bytes(name, rects, itemsize) for name, (rects, itemsize) in predicted[memory].items()
-                    if not name.startswith(BUFFERS)}
+            want = {name: box_volume(rects) * itemsize for name, (rects, itemsize) in predicted[memory].items()}
             assert held == want, (memory, {k: (held.get(k), want.get(k)) for k in set(held) | set(want)
                                            if held.get(k) != want.get(k)})
-            in_buffers = sum(held_bytes(name, rects, itemsize) for name, (rects, itemsize) in predicted[memory].items()
-                             if name.startswith(BUFFERS))
-            assert 0 < buffers.peak[memory] <= in_buffers or buffers.peak[memory] == in_buffers == 0
+            assert 0 < buffers.peak[memory] <= predicted_buffers[memory] or buffers.peak[memory] == 0
