@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
 from apps.cli import at_least  # noqa: E402
+from strategies.baselines import BASELINES  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
 from strategies.search import app_graph, search  # noqa: E402
@@ -36,6 +38,16 @@ MACHINES = (("p100", 1), ("p100", 2), ("p100", 4), ("k80", 4), ("k80", 8), ("k80
 PAPER = "1.3x to 3.3x over data parallel and expert on five of six networks; ResNet-101 about equal to data parallel"
 
 
+def _ms(seconds: float) -> float | None:
+    """Milliseconds for the JSON line; None for a strategy that does not fit (JSON has no infinity)."""
+    return round(seconds * 1e3, 4) if math.isfinite(seconds) else None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a over b, None where either does not fit."""
+    return round(a / b, 3) if math.isfinite(a) and math.isfinite(b) else None
+
+
 def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) -> dict:
     mm = load_machine(machine, nodes=nodes)
     per_gpu = 256 if app == "alexnet" else 64
@@ -44,12 +56,22 @@ def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) 
     sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
     t0 = time.perf_counter()
     result = search(sim, budget, seed=seed, model=model)
-    return {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,
-            "baselines_ms": {k: round(v * 1e3, 4) for k, v in result.baselines.items()},
-            "searched_ms": round(result.best_time * 1e3, 4),
-            "speedup_over_best_baseline": round(result.speedup_over_baselines(), 3),
-            "speedup_over_data": round(result.baselines["data"] / result.best_time, 3),
-            "proposals": result.proposals, "accepted": result.accepted, "seconds": round(time.perf_counter() - t0, 1)}
+    feasible = [t for t in result.baselines.values() if math.isfinite(t)]
+    row = {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,
+           "baselines_ms": {k: _ms(v) for k, v in result.baselines.items()},
+           "searched_ms": _ms(result.best_time),
+           "speedup_over_best_baseline": _ratio(min(feasible, default=math.inf), result.best_time),
+           "speedup_over_data": _ratio(result.baselines["data"], result.best_time),
+           "proposals": result.proposals, "accepted": result.accepted, "seconds": round(time.perf_counter() - t0, 1)}
+    if not math.isfinite(result.best_time):   # why: what data parallelism would need of each device
+        peak, _ = sim.memory(BASELINES["data"](model, sim.machine))
+        row["data_parallel_peak_gib"] = round(max(peak.values()) / 2**30, 2)
+        row["device_gib"] = round(mm.device.mem_bytes / 2**30, 2)
+    return row
+
+
+def _cell(ms: float | None, width: int) -> str:
+    return f"{ms:>{width}.3f}" if ms is not None else f"{'-':>{width}}"
 
 
 def main(argv=None) -> dict:
@@ -72,16 +94,20 @@ def main(argv=None) -> dict:
         machines = (("p100", 1), ("k80", 4))
     rows = []
     print(f"{'network':<14}{'machine':<10}{'data':>10}{'model':>10}{'expert':>10}{'tensor':>10}{'searched':>10}"
-          f"{'speedup':>9}  (ms; speedup over the best baseline)", file=sys.stderr)
+          f"{'speedup':>9}  (ms, - where it does not fit; speedup over the best baseline)", file=sys.stderr)
     for app in args.only or APPS:
         for machine, nodes in machines:
             row = one(app, machine, nodes, budget, args.quick, args.seed)
             rows.append(row)
             b = row["baselines_ms"]
-            print(f"{app:<14}{row['machine']:<10}" + "".join(f"{b.get(k, float('nan')):>10.3f}"
-                  for k in ("data", "model", "expert", "tensor"))
-                  + f"{row['searched_ms']:>10.3f}{row['speedup_over_best_baseline']:>8.2f}x", file=sys.stderr,
-                  flush=True)
+            speedup = row["speedup_over_best_baseline"]
+            line = (f"{app:<14}{row['machine']:<10}" + "".join(_cell(b.get(k), 10) for k in ("data", "model", "expert",
+                                                                                           "tensor"))
+                    + _cell(row["searched_ms"], 10) + (f"{speedup:>8.2f}x" if speedup is not None else f"{'-':>9}"))
+            if "data_parallel_peak_gib" in row:
+                line += (f"  nothing fits: data parallelism needs {row['data_parallel_peak_gib']:.1f} GiB a device "
+                         f"of {row['device_gib']:.1f}")
+            print(line, file=sys.stderr, flush=True)
     out = {"bench": "search_quality", "budget": budget, "tiny": args.quick, "paper": PAPER, "results": rows}
     print(json.dumps(out))
     return out
