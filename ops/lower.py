@@ -491,6 +491,17 @@ class OpPlan:
             made = self._made[key] = make()
         return made
 
+    def training_launches(self) -> list[tuple[list, dict, list]]:
+        """(colors, placement, requirements) of the op's launches in a training step but its
+        weights' updates and gradient fills: the forward's and backward's kernels, and each partial
+        sum's zero fill and the tiles' sums into it (what strategies/memory.py counts)."""
+        launches = [(self.colors, self.placement, self.fwd_reqs[True])]
+        sums = self._sum_launches(self._forward_sum_names(True), backward=False)
+        if self.bwd_reqs is not None:
+            launches.append((self.colors, self.placement, self.bwd_reqs))
+            sums += self._sum_launches(self._backward_sum_names(), backward=True)
+        return launches + [(launch.colors, launch.placement, launch.reqs) for launch in sums]
+
     def forward_launches(self, training: bool, valid: int | None = None, step: int = 0) -> list[PlanLaunch]:
         """The op's forward: zero fills of partial outputs, shared sums, then the kernel launches."""
         training = bool(training)

@@ -60,23 +60,15 @@ def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> tuple[dict[tup
             known[0].append(rect)
 
     procs = machine.processors
-    reqs = list(plan.fwd_reqs[True]) + list(plan.bwd_reqs or ())
-    sums = [plan._sums[k] for k in dict.fromkeys(list(plan._forward_sum_names(True)) + list(
-        plan._backward_sum_names() if plan.bwd_reqs is not None else []))]
-    for color, proc in plan.placement.items():
-        memory = procs[proc].memory
-        nbytes = 0
-        for r in reqs:
-            rect = r.partition.rects[color]
-            if r.privilege.is_reduce:
-                nbytes += rect.volume * r.region.dtype.itemsize
-            else:
-                add(r.region, memory, rect)
-        for part in sums:   # zero filled in place, then each tile's part summed in through a buffer
-            add(part.region, memory, part.rects[color])
-            nbytes += part.rects[color].volume * part.region.dtype.itemsize
-        if nbytes:
-            buffers[memory] = buffers.get(memory, 0) + nbytes
+    for colors, placement, reqs in plan.training_launches():
+        for color in colors:
+            memory = procs[placement[color]].memory
+            for r in reqs:
+                rect = r.partition.rects[color]
+                if r.privilege.is_reduce:   # into a private buffer of the tile's
+                    buffers[memory] = buffers.get(memory, 0) + rect.volume * r.region.dtype.itemsize
+                else:
+                    add(r.region, memory, rect)
     for update in updates:
         for r in update.reqs:
             for color, rect in r.partition.rects.items():
