@@ -29,7 +29,7 @@ from apps.cli import at_least  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
-from strategies.search import app_graph, search  # noqa: E402
+from strategies.search import app_graph, finite_or_none, search  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 
 APPS = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt")
@@ -38,14 +38,10 @@ MACHINES = (("p100", 1), ("p100", 2), ("p100", 4), ("k80", 4), ("k80", 8), ("k80
 PAPER = "1.3x to 3.3x over data parallel and expert on five of six networks; ResNet-101 about equal to data parallel"
 
 
-def _ms(seconds: float) -> float | None:
-    """Milliseconds for the JSON line; None for a strategy that does not fit (JSON has no infinity)."""
-    return round(seconds * 1e3, 4) if math.isfinite(seconds) else None
-
-
-def _ratio(a: float, b: float) -> float | None:
-    """a over b, None where either does not fit."""
-    return round(a / b, 3) if math.isfinite(a) and math.isfinite(b) else None
+def _rounded(x: float, digits: int) -> float | None:
+    """x rounded for the JSON line; None where it is not finite (a strategy that fits no device)."""
+    x = finite_or_none(x)
+    return None if x is None else round(x, digits)
 
 
 def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) -> dict:
@@ -56,12 +52,11 @@ def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) 
     sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
     t0 = time.perf_counter()
     result = search(sim, budget, seed=seed, model=model)
-    feasible = [t for t in result.baselines.values() if math.isfinite(t)]
     row = {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,
-           "baselines_ms": {k: _ms(v) for k, v in result.baselines.items()},
-           "searched_ms": _ms(result.best_time),
-           "speedup_over_best_baseline": _ratio(min(feasible, default=math.inf), result.best_time),
-           "speedup_over_data": _ratio(result.baselines["data"], result.best_time),
+           "baselines_ms": {k: _rounded(v * 1e3, 4) for k, v in result.baselines.items()},
+           "searched_ms": _rounded(result.best_time * 1e3, 4),
+           "speedup_over_best_baseline": _rounded(result.speedup_over_baselines(), 3),
+           "speedup_over_data": _rounded(result.baselines["data"] / result.best_time, 3),
            "proposals": result.proposals, "accepted": result.accepted, "seconds": round(time.perf_counter() - t0, 1)}
     if not math.isfinite(result.best_time):   # why: what data parallelism would need of each device
         peak, _ = sim.memory(BASELINES["data"](model, sim.machine))

@@ -42,11 +42,11 @@ def _sources(ops: Sequence[Op]) -> list:
     return list(seen.values())
 
 
-def _op_holdings(op: Op, plan, updates, low, machine: Machine) -> tuple[dict[tuple[Memory, str], tuple[list[Rect], int]],
-                                                                        dict[Memory, int]]:
-    """((memory, region name) -> (the rects of it that `op`'s tiles and its weights' update shards
-    (`updates`) ask that memory for, its itemsize), memory -> the bytes of its tiles' reduction
-    buffers there)."""
+def _op_holdings(plan, updates, machine: Machine) -> tuple[dict[tuple[Memory, str], tuple[list[Rect], int]],
+                                                          dict[Memory, int]]:
+    """((memory, region name) -> (the rects of it that an op's tiles (its `plan`) and its weights'
+    update shards (`updates`) ask that memory for, its itemsize), memory -> the bytes of its tiles'
+    reduction buffers there)."""
     held: dict[tuple[Memory, str], tuple[list[Rect], int]] = {}
     buffers: dict[Memory, int] = {}
 
@@ -102,7 +102,7 @@ def _holdings(low: Lowering, machine: Machine) -> tuple[dict[Memory, dict[str, t
     buffers: dict[Memory, int] = defaultdict(int)
     updates = _updates_by_op(low)
     for op in low.ops:
-        regions, op_buffers = _op_holdings(op, low.plans[op.name], updates.get(op.name, ()), low, machine)
+        regions, op_buffers = _op_holdings(low.plans[op.name], updates.get(op.name, ()), machine)
         for (memory, name), (rects, itemsize) in regions.items():
             held[memory].setdefault(name, ([], itemsize))[0].extend(rects)
         for memory, nbytes in op_buffers.items():
@@ -140,8 +140,7 @@ class PeakCache:
     def _held(self, op, low, key) -> dict[str, dict[Memory, tuple[list[Rect], int]]]:
         got = self._op_held.get(key)
         if got is None:
-            regions, self._op_buffers[key] = _op_holdings(op, low.plans[op.name], low.updates_of(op.name), low,
-                                                          self.machine)
+            regions, self._op_buffers[key] = _op_holdings(low.plans[op.name], low.updates_of(op.name), self.machine)
             got = self._op_held[key] = {}
             for (memory, name), held in regions.items():
                 got.setdefault(name, {})[memory] = held

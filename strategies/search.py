@@ -84,6 +84,11 @@ class SearchResult:
         return min(feasible) / self.best_time if feasible else math.inf
 
 
+def finite_or_none(x: float) -> float | None:
+    """x, or None where it is not finite (a strategy that fits no device): JSON has no infinity."""
+    return x if math.isfinite(x) else None
+
+
 def nothing_fits(result: SearchResult, sim: Simulator) -> str | None:
     """Why a search has no strategy to offer, or None: every strategy it tried (the baselines and
     its proposals) needs more memory than a device of the machine has."""
@@ -487,12 +492,10 @@ def main(argv=None) -> int:
         print(f"  {name:8s} {t * 1e3:10.3f} ms")
     print(f"  {'searched':8s} {result.best_time * 1e3:10.3f} ms  ({result.speedup_over_baselines():.2f}x the best "
           f"baseline, {result.proposals} proposals in {result.seconds:.1f} s)")
-    def finite(x: float) -> float | None:   # JSON has no infinity: a baseline that does not fit is null
-        return x if math.isfinite(x) else None
     print(json.dumps({"app": args.app, "machine": mm.name, "devices": mm.num_devices, "proposals": result.proposals,
                       "seconds": round(result.seconds, 3), "best_ms": result.best_time * 1e3,
-                      "baselines_ms": {k: finite(v * 1e3) for k, v in result.baselines.items()},
-                      "speedup_over_best_baseline": finite(result.speedup_over_baselines()),
+                      "baselines_ms": {k: finite_or_none(v * 1e3) for k, v in result.baselines.items()},
+                      "speedup_over_best_baseline": finite_or_none(result.speedup_over_baselines()),
                       "strategy": args.output}))
     return 0
 

@@ -74,16 +74,11 @@ class InstanceStore:
         once no node that uses it is running or queued."""
         key = (region.uid, memory)
         with self._lock:
-            old, old_box = self.instances.pop(key)
+            old, old_box = self.instances[key]
             box = self.boxes[key]
-            new = self._allocate(box.shape, region.dtype, memory)
-            dst = new[old_box.slices(box.lo)]
-            if memory.kind == "sys":
-                np.copyto(dst, old)
-            else:
-                gpu.copy(dst, old, self.gpu_devices[memory])
-            self.instances[key] = (new, box)
+            self.instances[key] = (self._allocate(box.shape, region.dtype, memory), box)
             self._views.clear()
+        self.put(region, old_box, memory, old)
 
     def _allocate(self, shape, dtype, memory: Memory):
         if memory.kind == "sys":
@@ -173,7 +168,8 @@ class InstanceStore:
         fold(self.xp(dst), redop, dst_view, buf)
 
     def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray) -> None:
-        """dst[rect] = a host array (data that came from another rank)."""
+        """dst[rect] = an array: a host array (data that came from another rank), or one in dst's
+        memory (an instance that grew)."""
         dst_view = self.part(region, rect, dst)
         if dst.kind == "sys":
             np.copyto(dst_view, array)

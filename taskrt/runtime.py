@@ -419,14 +419,14 @@ class Runtime:
         them uses it then (a wait for nodes earlier in program order, so ranks that wait at
         different points still finish what the others wait for)."""
         rank, reserve = self.rank, self.store.reserve
-        grow = []
+        grow = {}   # (region uid, memory) -> (region, memory): each instance grows once, to its widest
         for node, _ in items:
             for region, rect, memory in _touched(node):
                 if memory.rank == rank and reserve(region, memory, rect):
-                    grow.append((region, memory))
+                    grow[(region.uid, memory)] = (region, memory)
         if grow:
             self.executor.wait_all()
-            for region, memory in grow:
+            for region, memory in grow.values():
                 self.store.grow(region, memory)
 
     def _add_sinks(self, ids, waited_for: int | None) -> None:
