@@ -491,16 +491,15 @@ class OpPlan:
             made = self._made[key] = make()
         return made
 
-    def training_launches(self) -> list[tuple[list, dict, list]]:
-        """(colors, placement, requirements) of the op's launches in a training step but its
-        weights' updates and gradient fills: the forward's and backward's kernels, and each partial
-        sum's zero fill and the tiles' sums into it (what strategies/memory.py counts)."""
-        launches = [(self.colors, self.placement, self.fwd_reqs[True])]
-        sums = self._sum_launches(self._forward_sum_names(True), backward=False)
-        if self.bwd_reqs is not None:
-            launches.append((self.colors, self.placement, self.bwd_reqs))
-            sums += self._sum_launches(self._backward_sum_names(), backward=True)
-        return launches + [(launch.colors, launch.placement, launch.reqs) for launch in sums]
+    def training_launches(self) -> list[tuple[str, list, dict, list]]:
+        """(phase, colors, placement, requirements) of the op's launches in a training step but
+        its gradient fills and its weights' updates: the forward's (zero fills of partial outputs,
+        shared sums, kernels) and the backward's (shared sums, kernels); what strategies/memory.py
+        counts."""
+        return ([(FORWARD_PHASE, launch.colors, launch.placement, launch.reqs)
+                 for launch in self.forward_launches(True)]
+                + [(BACKWARD_PHASE, launch.colors, launch.placement, launch.reqs)
+                   for launch in self.backward_launches()])
 
     def forward_launches(self, training: bool, valid: int | None = None, step: int = 0) -> list[PlanLaunch]:
         """The op's forward: zero fills of partial outputs, shared sums, then the kernel launches."""
@@ -1050,7 +1049,8 @@ class Lowering:
             return (first + [self.forward_segment(self.plans[op.name], True, VALID, STEP) for op in self.ops]
                     + self.backward_segments() + self.update_segments(STEP))
         name = f"train_step{'' if source is None else '+source'}:{self.tag}"
-        return self._issue_program(name, make, int(step), valid, None if source is None else source[1])
+        return self._issue_program(name, make, int(step), valid, None if source is None else source[1],
+                                   release=True)
 
     def infer_step(self, valid: int | None = None, with_loss: bool = False):
         """Inference forward of the graph (with or without the loss op) as one program; the loss
@@ -1060,11 +1060,37 @@ class Lowering:
                     if with_loss or op.name != self.loss]
         return self._issue_program(f"infer{'+loss' if with_loss else ''}:{self.tag}", make, 0, valid)
 
+    def transient(self) -> set[int]:
+        """The uids of what a training step makes and needs no more once it is over: every
+        activation and activation gradient, not the graph's inputs and labels (attached or made
+        by a batch source before the step), weights, their gradients and optimizer state, or
+        statistics."""
+        made = {r.uid for name, r in self.values.items() if name not in self.input_names}
+        return made | {r.uid for r in self.grads.values()}
+
+    def release_points(self, segments: Sequence[Segment]) -> dict[int, tuple[Region, ...]]:
+        """segment index -> the transient regions that it is the last of `segments` to touch
+        (in the order the step first touches them): what a training step releases after it,
+        so that each activation lives from its forward to its op's backward (strategies/memory.py
+        counts the same)."""
+        transient = self.transient()
+        last: dict[Region, int] = {}
+        for s, segment in enumerate(segments):
+            for launch in segment.launches:
+                for r in launch.reqs:
+                    if r.region.uid in transient:
+                        last[r.region] = s
+        out: dict[int, list[Region]] = {}
+        for region, s in last.items():
+            out.setdefault(s, []).append(region)
+        return {s: tuple(regions) for s, regions in out.items()}
+
     def _issue_program(self, name: str, make: Callable[[], list[Segment]], step: int, valid: int | None,
-                       source=None):
+                       source=None, release: bool = False):
         """Issue the program `make()` gives (made once per name) with STEP, VALID and SOURCE_ARG
-        replaced by `step`, `valid` and `source`; the FutureMap of the loss op's forward kernel, or None."""
-        launches, templates, marked = self._program(name, make)
+        replaced by `step`, `valid` and `source`; the FutureMap of the loss op's forward kernel, or
+        None. `release`: each transient region is released after its last segment."""
+        launches, templates, marked = self._program(name, make, release)
         values = {STEP: step, VALID: valid, SOURCE_ARG: source}
         made: dict[tuple, tuple] = {}   # markers replaced once per distinct args tuple
         args = []
@@ -1078,19 +1104,23 @@ class Lowering:
         futures = self.rt.issue_program(name, launches, args)
         return next((fm for fm in futures if fm is not None), None)
 
-    def _program(self, name: str, make: Callable[[], list[Segment]]) -> tuple:
+    def _program(self, name: str, make: Callable[[], list[Segment]], release: bool = False) -> tuple:
         """(launches, their args with markers, whether each args tuple holds a marker) of program
         `name`, made from its segments once: the same launch list every time is what lets the
-        runtime reissue it whole."""
+        runtime reissue it whole. With `release`, each segment's last launch releases the
+        transient regions that no later segment touches (Runtime.release)."""
         program = self._programs.get(name)
         if program is None:
+            segments = make()
+            releases = self.release_points(segments) if release else {}
             launches, templates = [], []
-            for segment in make():
+            for s, segment in enumerate(segments):
                 last = len(segment.launches) - 1
                 for i, launch in enumerate(segment.launches):
                     returns = segment.op == self.loss and segment.phase == FORWARD_PHASE and i == last
                     launches.append(Launch(launch.fn, tuple(launch.colors), tuple(launch.reqs), launch.name,
-                                           launch.placement, segment.op or "", returns))
+                                           launch.placement, segment.op or "", returns,
+                                           releases.get(s, ()) if i == last else ()))
                     templates.append(tuple(launch.args))
             marked = [any(type(a) is ProgramArg for a in t) for t in templates]
             program = self._programs[name] = (tuple(launches), templates, marked)

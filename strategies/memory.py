@@ -8,10 +8,18 @@ per region, the smallest box holding every rect that the device's tasks ask its 
 - activations: every op's input and output rects on its tiles' devices, and the gradients
   its backward reads (its outputs') and writes whole (its inputs');
 - partial sums and an ordered op's carries, on its tiles' devices.
-These equal what the run's instances hold, region by region, on every device but the one that
-attaches the data (tests/test_memory.py). Besides, the reduction buffers: each tile's private
-buffer of what it sums into (a replicated weight's gradient, a shared input's gradient, a
-partial output), all counted as live at once (they live until folded, and in alexnet's data
+Weights, their gradients and state, statistics, sums, carries and the graph's inputs and labels
+are kept all the time. Activations and their gradients live for part of the step only: a
+training step releases each one after the last segment that touches it (Lowering.release_points,
+Runtime.release), so a device holds an activation from the first segment that touches it there
+(its producer's forward, a consumer's forward that copies it in; a gradient's fill at the start
+of backward, or the first backward that writes it) until its op's backward. The peak is the
+most the device holds at once, segment by segment in the step's order: forward op by op, the
+gradient fills, backward op by op in reverse. It equals the run's instances region by region
+and, when the step runs one launch at a time, segment by segment (tests/test_memory.py); a run
+whose devices run ahead of each other frees later and can hold more. Besides, the reduction
+buffers: each tile's private buffer of what it sums into (a replicated weight's gradient, a
+shared input's gradient, a partial output), all counted as live at once (in alexnet's data
 parallelism nine tenths of them were live at one time). Not counted: what a kernel keeps for
 backward besides its inputs and outputs, and host memory (attached inputs, initial weights).
 
@@ -20,11 +28,13 @@ it as invalid.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from ops.base import Op
-from ops.lower import Lowering, TileConfig, default_config, resolve_config
+from ops.lower import (FORWARD_PHASE, GRAD_FILL_PHASE, Lowering, TileConfig, default_config,
+                       resolve_config)
 from strategies.machine_model import MachineModel
 from taskrt import Runtime
 from taskrt.geometry import Rect
@@ -42,25 +52,46 @@ def _sources(ops: Sequence[Op]) -> list:
     return list(seen.values())
 
 
-def _op_holdings(plan, updates, machine: Machine) -> tuple[dict[tuple[Memory, str], tuple[list[Rect], int]],
-                                                          dict[Memory, int]]:
-    """((memory, region name) -> (the rects of it that an op's tiles (its `plan`) and its weights'
-    update shards (`updates`) ask that memory for, its itemsize), memory -> the bytes of its tiles'
-    reduction buffers there)."""
-    held: dict[tuple[Memory, str], tuple[list[Rect], int]] = {}
+def _step_places(n: int) -> tuple[int, int]:
+    """(the number of places in a step of n ops: forward, gradient fills, backward, each op's
+    place in its phase; the last place)."""
+    return 3 * n, 3 * n - 1
+
+
+def _place(phase: str, index: int, n: int) -> int:
+    """Where op `index` of n's launches of `phase` stand in a step (see the module doc)."""
+    if phase == FORWARD_PHASE:
+        return index
+    if phase == GRAD_FILL_PHASE:
+        return n + index
+    return 3 * n - 1 - index   # backward, in reverse op order
+
+
+def _op_holdings(plan, updates, fills, machine: Machine, index: int, n: int):
+    """What op `index` of n keeps under its plan: ((memory, region name) -> [the rects of it that
+    its tiles (its `plan`'s launches and gradient `fills`) and its weights' update shards
+    (`updates`) ask that memory for, itemsize, the first place it does]; region name -> the
+    last place it touches it; memory -> the bytes of its tiles' reduction buffers there)."""
+    held: dict[tuple[Memory, str], list] = {}
+    last: dict[str, int] = {}
     buffers: dict[Memory, int] = {}
 
-    def add(region, memory: Memory, rect: Rect) -> None:
+    def add(region, memory: Memory, rect: Rect, at: int) -> None:
         if rect.empty:
             return
         known = held.get((memory, region.name))
         if known is None:
-            held[(memory, region.name)] = ([rect], region.dtype.itemsize)
+            held[(memory, region.name)] = [[rect], region.dtype.itemsize, at]
         else:
             known[0].append(rect)
+            known[2] = min(known[2], at)
 
     procs = machine.processors
-    for colors, placement, reqs in plan.training_launches():
+    launches = plan.training_launches() + [(GRAD_FILL_PHASE, f.colors, f.placement, f.reqs) for f in fills]
+    for phase, colors, placement, reqs in launches:
+        at = _place(phase, index, n)
+        for r in reqs:
+            last[r.region.name] = max(last.get(r.region.name, at), at)
         for color in colors:
             memory = procs[placement[color]].memory
             for r in reqs:
@@ -68,12 +99,13 @@ def _op_holdings(plan, updates, machine: Machine) -> tuple[dict[tuple[Memory, st
                 if r.privilege.is_reduce:   # into a private buffer of the tile's
                     buffers[memory] = buffers.get(memory, 0) + rect.volume * r.region.dtype.itemsize
                 else:
-                    add(r.region, memory, rect)
+                    add(r.region, memory, rect, at)
+    at = _place(FORWARD_PHASE, index, n)
     for update in updates:
         for r in update.reqs:
             for color, rect in r.partition.rects.items():
-                add(r.region, procs[update.placement[color]].memory, rect)
-    return held, buffers
+                add(r.region, procs[update.placement[color]].memory, rect, at)
+    return held, last, buffers
 
 
 def box_volume(rects) -> int:
@@ -87,126 +119,174 @@ def box_volume(rects) -> int:
     return volume
 
 
-def _updates_by_op(low) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for u in low.updates:
-        out.setdefault(u.op_name, []).append(u)
-    return out
-
-
-def _holdings(low: Lowering, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[list[Rect], int]]],
-                                                       dict[Memory, int]]:
-    """(memory -> region name -> (the rects of it the memory holds, its itemsize), memory -> the
-    bytes of reduction buffers there)."""
-    held: dict[Memory, dict[str, tuple[list[Rect], int]]] = defaultdict(dict)
-    buffers: dict[Memory, int] = defaultdict(int)
-    updates = _updates_by_op(low)
-    for op in low.ops:
-        regions, op_buffers = _op_holdings(low.plans[op.name], updates.get(op.name, ()), machine)
-        for (memory, name), (rects, itemsize) in regions.items():
-            held[memory].setdefault(name, ([], itemsize))[0].extend(rects)
-        for memory, nbytes in op_buffers.items():
-            buffers[memory] += nbytes
-    return held, buffers
+def transient_names(low) -> set[str]:
+    """The names of the regions a training step releases (Lowering.transient): activations and
+    their gradients, not the graph's inputs and labels."""
+    sources = {t.name for t in _sources(low.ops)}
+    return ({r.name for name, r in low.values.items() if name not in sources}
+            | {r.name for r in low.grads.values()})
 
 
 class PeakCache:
-    """plan_peak for a sequence of strategies of one graph, kept up to date rather than redone:
-    each op's holdings are kept by its config, each region's bytes per memory by the configs of
-    the ops that hold it (its producer and readers), and the totals from the strategy before,
-    so a proposal that changes one op recomputes only that op's regions. Equals plan_peak
-    exactly (integer bytes)."""
+    """Peak bytes per device for a sequence of strategies of one graph, kept up to date rather
+    than redone: each op's holdings are kept by its config (and the gradients its only consumer
+    writes whole: those it fills for no one), each region's bytes and places per memory by the
+    configs of the ops that hold it (its producer and readers), and per memory the bytes that
+    come and go at each place of the step, so a proposal that changes one op recomputes only
+    that op's regions and the memories they are on. plan_peak is a new one's first answer."""
 
     def __init__(self, ops: Sequence[Op], machine: Machine):
         self.machine = machine
+        self.ops = list(ops)
         self._order = {op.name: i for i, op in enumerate(ops)}
         self._by_name = {op.name: op for op in ops}
         self._seen = None   # the name of the last view's program (a view's delta)
-        #: (op name, config) -> region name -> memory -> (the rects of it the op keeps there, itemsize)
-        self._op_held: dict[tuple, dict[str, dict[Memory, tuple[list[Rect], int]]]] = {}
-        #: (op name, config) -> memory -> the bytes of the op's reduction buffers there
-        self._op_buffers: dict[tuple, dict[Memory, int]] = {}
-        self._region_bytes: dict[tuple, dict[Memory, int]] = {}
-        self._first = {}
+        #: op name -> the ops that made its inputs that it alone reads (whose fills its config decides)
+        self._fill_producers: dict[str, list[str]] = {op.name: [] for op in ops}
+        uses: dict[str, list[str]] = {}
+        made = {t.name: op.name for op in ops for t in op.outputs}
+        for op in ops:
+            for t in op.inputs:
+                uses.setdefault(t.name, []).append(op.name)
+        for t, users in uses.items():
+            if len(users) == 1 and t in made:
+                self._fill_producers[users[0]].append(made[t])
+        self._places, self._end = _step_places(len(ops))
+        #: memory -> its row in _diff; the processor index it reports under
+        self._row: dict[Memory, int] = {}
+        self._first: list[int] = []
         for i, p in enumerate(machine.processors):
-            self._first.setdefault(p.memory, i)
+            if p.memory not in self._row:
+                self._row[p.memory] = len(self._first)
+                self._first.append(i)
+        #: per memory row, the bytes that come (+) and go (-) at each place of the step
+        self._diff = np.zeros((len(self._first), self._places + 1), np.int64)
+        self._buffers = np.zeros(len(self._first), np.int64)
+        self._peaks = np.zeros(len(self._first), np.int64)
+        self._dirty: set[int] = set()
+        self._transient: set[str] | None = None
+        #: (op name, config, written) -> (region name -> memory -> [rects, itemsize, first place],
+        #: region name -> last place, memory -> the bytes of its reduction buffers there)
+        self._op_held: dict[tuple, tuple] = {}
+        self._region_parts: dict[tuple, list[tuple[int, int, int, int]]] = {}
         # the state after the last strategy
         self._plans: dict[str, object] = {}   # op name -> its plan (a plan seen again has its config)
         self._keys: dict[str, tuple] = {}
         self._holders: dict[str, list[str]] = {}
-        self._bytes: dict[str, dict[Memory, int]] = {}
-        self._total: dict[Memory, int] = {}
+        self._parts: dict[str, list[tuple[int, int, int, int]]] = {}   # region -> its (row, bytes, first, last)
 
-    def _held(self, op, low, key) -> dict[str, dict[Memory, tuple[list[Rect], int]]]:
+    def _held(self, op, low, key) -> tuple:
         got = self._op_held.get(key)
         if got is None:
-            regions, self._op_buffers[key] = _op_holdings(low.plans[op.name], low.updates_of(op.name), self.machine)
-            got = self._op_held[key] = {}
-            for (memory, name), held in regions.items():
-                got.setdefault(name, {})[memory] = held
+            plan = low.plans[op.name]
+            fills = [f for fs in plan.grad_fill_launches(low.loss_output, key[2]).values() for f in fs]
+            held, last, buffers = _op_holdings(plan, low.updates_of(op.name), fills, self.machine,
+                                               self._order[op.name], len(self.ops))
+            regions: dict[str, dict[Memory, list]] = {}
+            for (memory, name), h in held.items():
+                regions.setdefault(name, {})[memory] = h
+            got = self._op_held[key] = (regions, last, buffers)
         return got
+
+    def _key(self, op, low) -> tuple:
+        return (op.name, low.plans[op.name].config, Lowering.written_grads(low, low.plans, op))
 
     def peak(self, low) -> dict[int, int]:
         """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
+        if self._transient is None:
+            self._transient = transient_names(low)
         plans = low.plans
         delta = getattr(low, "delta", None)   # (strategies.segments' views: the ops changed since a program)
-        ops = low.ops
+        ops = self.ops
         if delta is not None and delta[0] == self._seen:
             ops = [self._by_name[name] for name in delta[2]]
         self._seen = None if delta is None else delta[1]
-        changed = []   # the ops whose config changed, of those whose plan is another object
+        moved = []   # the ops whose plan is another object
         for op in ops:
             plan = plans[op.name]
             if plan is not self._plans.get(op.name):
                 self._plans[op.name] = plan
-                if self._keys.get(op.name) != (op.name, plan.config):
-                    changed.append(op)
+                moved.append(op.name)
+        candidates = set(moved)
+        for name in moved:
+            candidates.update(self._fill_producers[name])
+        changed = []
+        for name in sorted(candidates, key=self._order.__getitem__):
+            op = self._by_name[name]
+            key = self._key(op, low)
+            if self._keys.get(name) != key:
+                changed.append((op, key))
         if changed:
-            touched: set[str] = set()
-            for op in changed:
-                old = self._keys.get(op.name)
-                key = self._keys[op.name] = (op.name, plans[op.name].config)
-                before = self._op_held[old].keys() if old is not None else set()
-                after = self._held(op, low, key).keys()
-                for region in before - after:
-                    self._holders[region].remove(op.name)
-                for region in after - before:
-                    names = self._holders.setdefault(region, [])
-                    names.append(op.name)
-                    names.sort(key=self._order.__getitem__)
-                touched |= before | after
-                for memory, nbytes in (self._op_buffers[old].items() if old is not None else ()):
-                    self._total[memory] -= nbytes
-                for memory, nbytes in self._op_buffers[key].items():
-                    self._total[memory] = self._total.get(memory, 0) + nbytes
-            for region in touched:
-                for memory, nbytes in self._bytes.pop(region, {}).items():
-                    self._total[memory] -= nbytes
-                names = self._holders.get(region)
-                if not names:
-                    continue
-                per_memory = self._region_of(region, names)
-                self._bytes[region] = per_memory
-                for memory, nbytes in per_memory.items():
-                    self._total[memory] = self._total.get(memory, 0) + nbytes
+            self._update(changed, low)
+        if self._dirty:
+            rows = np.fromiter(sorted(self._dirty), np.int64, len(self._dirty))
+            self._peaks[rows] = np.cumsum(self._diff[rows], axis=1).max(axis=1)
+            self._dirty.clear()
+        totals = self._peaks + self._buffers
         peak: dict[int, int] = {}
-        for memory, nbytes in self._total.items():
-            if nbytes:
-                peak[self._first[memory]] = peak.get(self._first[memory], 0) + int(nbytes)
+        for row in np.flatnonzero(totals):
+            proc = self._first[row]
+            peak[proc] = peak.get(proc, 0) + int(totals[row])
         return dict(sorted(peak.items()))
 
-    def _region_of(self, region: str, names: list[str]) -> dict[Memory, int]:
-        """Bytes per memory of one region, held by the ops `names` under their current configs."""
+    def _update(self, changed: list, low) -> None:
+        touched: set[str] = set()
+        for op, key in changed:
+            old = self._keys.get(op.name)
+            self._keys[op.name] = key
+            before = self._op_held[old][0].keys() if old is not None else set()
+            after = self._held(op, low, key)[0].keys()
+            for region in before - after:
+                self._holders[region].remove(op.name)
+            for region in after - before:
+                names = self._holders.setdefault(region, [])
+                names.append(op.name)
+                names.sort(key=self._order.__getitem__)
+            touched |= before | after
+            for sign, k in ((-1, old), (1, key)):
+                if k is None:
+                    continue
+                for memory, nbytes in self._op_held[k][2].items():
+                    row = self._row[memory]
+                    self._buffers[row] += sign * nbytes
+        diff, dirty = self._diff, self._dirty
+        for region in touched:
+            for row, nbytes, first, last in self._parts.pop(region, ()):
+                diff[row, first] -= nbytes
+                diff[row, last + 1] += nbytes
+                dirty.add(row)
+            names = self._holders.get(region)
+            if not names:
+                continue
+            parts = self._parts[region] = self._region_of(region, names)
+            for row, nbytes, first, last in parts:
+                diff[row, first] += nbytes
+                diff[row, last + 1] -= nbytes
+                dirty.add(row)
+
+    def _region_of(self, region: str, names: list[str]) -> list[tuple[int, int, int, int]]:
+        """(memory row, bytes, first place, last place) of one region on each memory that holds
+        it, held by the ops `names` under their current configs."""
         key = (region, tuple(self._keys[n] for n in names))
-        per_memory = self._region_bytes.get(key)
-        if per_memory is None:
-            rects: dict[Memory, tuple[list, int]] = {}
+        parts = self._region_parts.get(key)
+        if parts is None:
+            rects: dict[Memory, list] = {}
+            last = 0
             for n in names:
-                for memory, (rs, itemsize) in self._op_held[self._keys[n]].get(region, {}).items():
-                    rects.setdefault(memory, ([], itemsize))[0].extend(rs)
-            per_memory = self._region_bytes[key] = {m: box_volume(rs) * itemsize
-                                                    for m, (rs, itemsize) in rects.items()}
-        return per_memory
+                regions, lasts, _ = self._op_held[self._keys[n]]
+                last = max(last, lasts.get(region, 0))
+                for memory, (rs, itemsize, first) in regions.get(region, {}).items():
+                    known = rects.get(memory)
+                    if known is None:
+                        rects[memory] = [list(rs), itemsize, first]
+                    else:
+                        known[0].extend(rs)
+                        known[2] = min(known[2], first)
+            transient = region in self._transient
+            parts = self._region_parts[key] = [
+                (self._row[m], box_volume(rs) * itemsize, first if transient else 0, last if transient else self._end)
+                for m, (rs, itemsize, first) in rects.items()]
+        return parts
 
 
 def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]], machine_model: MachineModel,
@@ -231,18 +311,29 @@ def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]],
         return plan_peak(low, machine)
 
 
+def step_holdings(low, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[int, int, int]]],
+                                                    dict[Memory, np.ndarray], dict[Memory, int]]:
+    """What the model counts, for tests and tools: (memory -> region name -> (bytes, first place,
+    last place); memory -> the bytes of instances held at each place of the step; memory -> the
+    bytes of its reduction buffers). Places: op i's forward is i, its gradient fills n + i, its
+    backward 3n - 1 - i."""
+    cache = PeakCache(low.ops, machine)
+    cache.peak(low)
+    memories = {row: memory for memory, row in cache._row.items()}
+    regions: dict[Memory, dict[str, tuple[int, int, int]]] = {m: {} for m in cache._row}
+    for name, parts in cache._parts.items():
+        for row, nbytes, first, last in parts:
+            regions[memories[row]][name] = (nbytes, first, last)
+    held = np.cumsum(cache._diff, axis=1)[:, :-1]
+    return (regions, {m: held[row] for m, row in cache._row.items()},
+            {m: int(cache._buffers[row]) for m, row in cache._row.items()})
+
+
 def plan_peak(low, machine: Machine) -> dict[int, int]:
     """Peak bytes per device (processor index) of a lowering's plans on `machine`; `low` is a
-    Lowering or anything with its ops, plans, values, params, stats and updates."""
-    first = {}
-    for i, p in enumerate(machine.processors):
-        first.setdefault(p.memory, i)
-    peak: dict[int, int] = {}
-    held, buffers = _holdings(low, machine)
-    for memory in set(held) | set(buffers):
-        total = sum(box_volume(rects) * itemsize for rects, itemsize in held.get(memory, {}).values())
-        peak[first[memory]] = peak.get(first[memory], 0) + int(total + buffers.get(memory, 0))
-    return dict(sorted(peak.items()))
+    Lowering or anything with its ops, plans, values, grads, params, stats, updates, loss
+    output and sole consumers (strategies.segments' views)."""
+    return PeakCache(low.ops, machine).peak(low)
 
 
 def over_capacity(peak: Mapping[int, int], machine_model: MachineModel,

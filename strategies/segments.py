@@ -332,15 +332,19 @@ class AssembledIteration:
 
 @dataclass
 class _PlanView:
-    """The parts of a Lowering that strategies.memory reads, with this strategy's plans; and
+    """The parts of a Lowering that strategies.memory reads, with this strategy's plans (and
+    what Lowering.written_grads reads, so that it takes a view too); and
     which ops' plans changed since the builder's program before (`delta`: its serial, this
     one's, the op names; None where all may have), for PeakCache."""
 
     ops: list
     plans: dict
     values: dict
+    grads: dict
     params: dict
     stats: dict
+    loss_output: str | None
+    sole_consumers: dict
     update_plans: list   # each op's update plans, in op order
     op_index: dict
     delta: tuple | None
@@ -834,16 +838,16 @@ class SegmentBuilder:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
         low = self.low
         parts, _, plans, _, delta, _ = self._last_ops
-        return _PlanView(self.ops, plans, low.values, low.params, low.stats, list(map(_update_plans_of, parts)),
-                         self._op_index, delta)
+        return _PlanView(self.ops, plans, low.values, low.grads, low.params, low.stats, low.loss_output,
+                         low.sole_consumers, list(map(_update_plans_of, parts)), self._op_index, delta)
 
     def plan_view(self, configs: dict[str, TileConfig]) -> _PlanView:
         """What strategies.memory reads of the ops under `configs` (op name -> resolved TileConfig,
         every op), from the plans alone: no graph is built."""
         low = self.low
         return _PlanView(self.ops, {op.name: self.plan(op, configs[op.name]) for op in self.ops}, low.values,
-                         low.params, low.stats, [self.updates(op, configs[op.name]) for op in self.ops],
-                         self._op_index, None)
+                         low.grads, low.params, low.stats, low.loss_output, low.sole_consumers,
+                         [self.updates(op, configs[op.name]) for op in self.ops], self._op_index, None)
 
     # ---- one region's analysis -------------------------------------------------------------------
     def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:

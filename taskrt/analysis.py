@@ -159,6 +159,9 @@ class Analyzer:
         #: uid -> (a state with its node ids encoded, the decoding): the end states a replay
         #: installs, made real only when something looks at them (the next replay mostly does not)
         self.deferred: dict[int, tuple[RegionState, Callable]] = {}
+        #: region uid -> the node id of its last release (Runtime.release): data made before it
+        #: is gone, and reading it is refused
+        self.released: dict[int, int] = {}
 
     def state(self, region: Region) -> RegionState:
         st = self.states.get(region.uid)
@@ -293,7 +296,12 @@ class Analyzer:
 
     def _physical_preds(self, st, region, rect, priv, mem, preds, launch, op) -> None:
         """Depend on whoever made the data valid in `mem`; copy it in first if it is valid elsewhere."""
+        released = self.released.get(region.uid) if priv.reads else None
         for prect, valid in self._overlapping_pieces(st, rect):
+            if released is not None and max((n for n in valid.values() if n is not None), default=-1) < released:
+                by = f"launch #{launch}" + (f" of op {op!r}" if op else "")
+                raise RuntimeError(f"{region!r} {prect!r} is read by {by} after its Runtime.release at node "
+                                   f"#{released} with nothing written into it since: that data is gone")
             if mem in valid:
                 producer = valid[mem]
                 if producer is not None:

@@ -22,6 +22,7 @@ The executor does not know what a task computes, nor whether a copy crosses rank
 """
 from __future__ import annotations
 
+import heapq
 import queue
 import threading
 import time
@@ -89,6 +90,13 @@ class Executor:
             t.start()
             self.threads.append(t)
         self._thread_set = frozenset(self.threads)
+        #: (threshold, order, fn): call fn once every node submitted here with an id below the
+        #: threshold has finished (Runtime.release's collection), a heap
+        self._below: list[tuple[int, int, Callable]] = []
+        self._below_count = 0
+        #: every id below it that was submitted here has finished; one past the largest id submitted
+        self._low = 0
+        self._submitted_to = 0
 
     def worker_running_here(self) -> str | None:
         """The name of this executor's worker that the calling thread is, or None."""
@@ -104,9 +112,12 @@ class Executor:
         """submit() for (node, preds) pairs in order, under one hold of the lock (a replayed
         launch's nodes: the lock is what the workers' finishes contend for)."""
         ready = []
+        last = -1
         with self.lock:
             unfinished, dependents, waiting = self.unfinished, self.dependents, self.waiting
             for node, preds in items:
+                if type(node.id) is int:   # (a transport's future messages have names)
+                    last = node.id
                 count = 0
                 for p in preds:
                     if p in unfinished:
@@ -117,8 +128,38 @@ class Executor:
                     waiting[node.id] = count
                 else:
                     ready.append(node)
+            if last >= self._submitted_to:
+                self._submitted_to = last + 1
+            due = self._due() if self._below else ()
+        for fn in due:
+            fn()
         for node in ready:
             self._ready(node)
+
+    def when_done_below(self, threshold: int, fn: Callable[[], None]) -> None:
+        """Call fn (in whichever thread finds it due) once every node with an id below
+        `threshold` that is, or will be, submitted here has finished. Nodes come in id order,
+        so those below the largest id submitted that are not unfinished have finished (nodes
+        with other ids, a transport's future messages, are not counted)."""
+        with self.lock:
+            heapq.heappush(self._below, (threshold, self._below_count, fn))
+            self._below_count += 1
+            due = self._due()
+        for f in due:
+            f()
+
+    def _due(self) -> list[Callable]:
+        """Pop the callbacks whose threshold every submitted node below has passed (under the lock)."""
+        below, unfinished, low, due = self._below, self.unfinished, self._low, []
+        while below:
+            top = min(below[0][0], self._submitted_to)
+            while low < top and low not in unfinished:
+                low += 1
+            if low < below[0][0]:
+                break
+            due.append(heapq.heappop(below)[2])
+        self._low = low
+        return due
 
     def _ready(self, node) -> None:
         """Queue a node whose preds have all finished (or post an inline one, or finish a
@@ -168,6 +209,9 @@ class Executor:
             watched = self.watched
             if watched and (node.id in watched or (ALL in watched and not self.unfinished)):
                 self.cond.notify_all()
+            due = self._due() if self._below else ()
+        for fn in due:
+            fn()
         for n in ready:
             self._ready(n)
 

@@ -8,11 +8,19 @@ instance that exists already makes it grow (`grow`, once the nodes that use it h
 the runtime waits for them); a pair never reserved gets the whole region. A task sees a view
 of its rect (`part`). Which parts of an instance hold valid data is the analysis's business
 (taskrt/analysis.py); this module only allocates, hands out views, copies and folds.
+
+Released regions (Runtime.release: what a training step needs no more, as an activation after
+its backward): a release at node id T starts a new generation of the region's instances. A
+node asks for the generation of its id (nodes before T use the old instances, nodes from T on
+new ones, made on first use), and the old ones are freed once every node before T on this rank
+has finished (`collect`, called by the executor): so a step that runs ahead of the one before
+it never writes into what that one still reads, and no node waits for a free.
 Reduction buffers are private to one task's requirement and live until every part of
 them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect).
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 
@@ -40,16 +48,24 @@ class _Buffer:
 
 class InstanceStore:
     def __init__(self, gpu_devices: dict[Memory, int] | None = None):
-        #: (region uid, memory) -> (the instance, the box of the region it holds)
-        self.instances: dict[tuple[int, Memory], tuple[object, Rect]] = {}
-        #: (region uid, memory) -> the box its instance is to hold (what reserve was told)
+        #: (region uid, memory, generation) -> (the instance, the box of the region it holds)
+        self.instances: dict[tuple[int, Memory, int], tuple[object, Rect]] = {}
+        #: (region uid, memory) -> the box its instances are to hold (what reserve was told)
         self.boxes: dict[tuple[int, Memory], Rect] = {}
         self.buffers: dict[tuple[int, int], object] = {}
         self.gpu_devices = gpu_devices or {}
         self._lock = threading.Lock()
-        #: (region uid, memory, rect, writable) -> the view tasks get: made once, since a step
-        #: asks for the same views every time (dropped when an instance grows)
-        self._views: dict[tuple, object] = {}
+        #: region uid -> (its oldest generation still in use, the node ids of its releases not yet
+        #: collected, in order); regions never released have none (generation 0)
+        self.generations: dict[int, tuple[int, tuple[int, ...]]] = {}
+        #: region uid -> the keys of its instances in `instances`
+        self._of_region: dict[int, set[tuple[int, Memory, int]]] = {}
+        #: bytes each memory's instances hold now, and the most they have held
+        self.held: dict[Memory, int] = {}
+        self.high_water: dict[Memory, int] = {}
+        #: (region uid, memory, generation) -> (rect, writable) -> the view tasks get: made once,
+        #: since a step asks for the same views every time (dropped with the instance)
+        self._views: dict[tuple, dict] = {}
 
     def xp(self, memory: Memory):
         return np if memory.kind == "sys" else gpu.module()
@@ -67,56 +83,109 @@ class InstanceStore:
         with self._lock:
             box = self.boxes.get(key)
             self.boxes[key] = rect if box is None else box.union_bbox(rect)
-            return key in self.instances
+            return any(k[1] == memory for k in self._of_region.get(region.uid, ()))
 
     def grow(self, region: Region, memory: Memory) -> None:
-        """Remake (region, memory)'s instance over its widened box, keeping what it held; only
-        once no node that uses it is running or queued."""
-        key = (region.uid, memory)
-        with self._lock:
-            old, old_box = self.instances[key]
-            box = self.boxes[key]
-            self.instances[key] = (self._allocate(box.shape, region.dtype, memory), box)
-            self._views.clear()
-        self.put(region, old_box, memory, old)
+        """Remake (region, memory)'s instances over its widened box, keeping what they held; only
+        once no node that uses them is running or queued."""
+        uid = region.uid
+        box = self.boxes[(uid, memory)]
+        for key in [k for k in self._of_region.get(uid, ()) if k[1] == memory]:
+            with self._lock:
+                old, old_box = self.instances[key]
+                new = self._allocate(box.shape, region.dtype, memory)
+                self.instances[key] = (new, box)
+                self._views.pop(key, None)
+                self._count(memory, new.nbytes - old.nbytes)
+            self.put(region, old_box, memory, old, at=self._first_id(uid, key[2]))
 
     def _allocate(self, shape, dtype, memory: Memory):
         if memory.kind == "sys":
             return cpu.allocate(shape, dtype)
         return gpu.allocate(shape, dtype, self.gpu_devices[memory])
 
-    def instance(self, region: Region, memory: Memory) -> tuple[object, Rect]:
-        """(the instance of region in memory, the box of the region it holds), made on first use."""
-        key = (region.uid, memory)
+    def _count(self, memory: Memory, nbytes: int) -> None:
+        """Add nbytes to what memory's instances hold (under the lock)."""
+        held = self.held[memory] = self.held.get(memory, 0) + nbytes
+        if held > self.high_water.get(memory, 0):
+            self.high_water[memory] = held
+
+    # ---- generations: what a release starts ------------------------------------------------
+    def generation_of(self, uid: int, at: int) -> int:
+        """The generation of region uid's instances that node id `at` uses."""
+        gens = self.generations.get(uid)
+        if gens is None:
+            return 0
+        oldest, releases = gens
+        return oldest + bisect.bisect_right(releases, at)
+
+    def _first_id(self, uid: int, gen: int) -> int:
+        """A node id that uses generation gen of region uid (what grow copies with)."""
+        oldest, releases = self.generations.get(uid, (0, ()))
+        return releases[gen - oldest - 1] if gen > oldest else -1
+
+    def release(self, region: Region, at: int) -> None:
+        """Nodes from id `at` on use a new generation of region's instances; collect(region)
+        frees the old ones (called once every node before `at` has finished)."""
+        with self._lock:
+            oldest, releases = self.generations.get(region.uid, (0, ()))
+            if releases and at < releases[-1]:
+                raise RuntimeError(f"{region!r} released at node #{at}, before its release at #{releases[-1]}")
+            self.generations[region.uid] = (oldest, releases + (at,))
+
+    def collect(self, region: Region) -> None:
+        """Free the oldest generation of region's instances: every node before its first
+        release has finished (the executor calls this, releases in order)."""
+        uid = region.uid
+        with self._lock:
+            oldest, releases = self.generations[uid]
+            self.generations[uid] = (oldest + 1, releases[1:])   # one assignment: readers see old or new
+            keys = self._of_region.get(uid, set())
+            for key in [k for k in keys if k[2] == oldest]:
+                keys.discard(key)
+                inst, _ = self.instances.pop(key)
+                self._views.pop(key, None)
+                self._count(key[1], -inst.nbytes)
+
+    def instance(self, region: Region, memory: Memory, at: int = -1) -> tuple[object, Rect]:
+        """(the instance of region in memory that node id `at` uses, the box of the region it
+        holds), made on first use."""
+        key = (region.uid, memory, self.generation_of(region.uid, at))
         held = self.instances.get(key)
         if held is None:
             with self._lock:
                 held = self.instances.get(key)
                 if held is None:
-                    box = self.boxes.get(key, region.rect)
+                    box = self.boxes.get(key[:2], region.rect)
                     held = self.instances[key] = (self._allocate(box.shape, region.dtype, memory), box)
+                    self._of_region.setdefault(region.uid, set()).add(key)
+                    self._count(memory, held[0].nbytes)
         return held
 
-    def part(self, region: Region, rect: Rect, memory: Memory):
-        """The view of `rect` in region's instance in memory."""
+    def part(self, region: Region, rect: Rect, memory: Memory, at: int = -1):
+        """The view of `rect` in region's instance in memory (the one node id `at` uses)."""
         if rect.empty:
             return self.xp(memory).empty(rect.shape, region.dtype)
-        inst, box = self.instance(region, memory)
+        inst, box = self.instance(region, memory, at)
         if not box.contains(rect):
             raise RuntimeError(f"{region!r} {rect!r} in memory {memory}: its instance there holds {box!r} only; "
                                f"the rect was not reserved before its node was submitted")
         return inst[rect.slices(box.lo)]
 
-    def view(self, region: Region, rect: Rect, memory: Memory, writable: bool):
-        key = (region.uid, memory, rect, writable)
-        v = self._views.get(key)
+    def view(self, region: Region, rect: Rect, memory: Memory, writable: bool, at: int = -1):
+        """part(), made once per instance (read-only unless writable)."""
+        key = (region.uid, memory, self.generation_of(region.uid, at))
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = {}
+        v = views.get((rect, writable))
         if v is None:
-            v = self.part(region, rect, memory)
+            v = self.part(region, rect, memory, at)
             if not writable:
                 v = cpu.read_only(v) if memory.kind == "sys" else gpu.read_only(v)
-            if len(self._views) >= VIEWS_KEPT:
-                self._views.clear()
-            self._views[key] = v
+            if len(views) >= VIEWS_KEPT:
+                views.clear()
+            views[(rect, writable)] = v
         return v
 
     def new_buffer(self, key: tuple[int, int], region: Region, rect: Rect, memory: Memory, redop: str):
@@ -144,22 +213,23 @@ class InstanceStore:
             return b.array
         return b.array[rect.slices(b.rect.lo)]
 
-    def copy(self, region: Region, rect: Rect, src: Memory, dst: Memory) -> None:
-        src_view = self.part(region, rect, src)
-        dst_view = self.part(region, rect, dst)
+    def copy(self, region: Region, rect: Rect, src: Memory, dst: Memory, at: int = -1) -> None:
+        src_view = self.part(region, rect, src, at)
+        dst_view = self.part(region, rect, dst, at)
         if src.kind == "sys" and dst.kind == "sys":
             np.copyto(dst_view, src_view)
         else:
             gpu.copy(dst_view, src_view, self.gpu_devices.get(dst))
 
-    def fold(self, region: Region, rect: Rect, dst: Memory, buffer_key: tuple[int, int], redop: str) -> None:
+    def fold(self, region: Region, rect: Rect, dst: Memory, buffer_key: tuple[int, int], redop: str,
+             at: int = -1) -> None:
         """dst[rect] op= that part of the task's reduction buffer."""
-        self.fold_array(region, rect, dst, self.take_buffer(buffer_key, rect), redop)
+        self.fold_array(region, rect, dst, self.take_buffer(buffer_key, rect), redop, at)
 
-    def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str) -> None:
+    def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str, at: int = -1) -> None:
         """dst[rect] op= buf (a reduction buffer, or one that came from another rank), first
         moving buf into dst's memory when it lives elsewhere."""
-        dst_view = self.part(region, rect, dst)
+        dst_view = self.part(region, rect, dst, at)
         if dst.kind == "sys":
             if not isinstance(buf, np.ndarray):
                 buf = gpu.to_numpy(buf)
@@ -167,10 +237,10 @@ class InstanceStore:
             buf = gpu.to_device(buf, self.gpu_devices[dst])
         fold(self.xp(dst), redop, dst_view, buf)
 
-    def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray) -> None:
+    def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray, at: int = -1) -> None:
         """dst[rect] = an array: a host array (data that came from another rank), or one in dst's
         memory (an instance that grew)."""
-        dst_view = self.part(region, rect, dst)
+        dst_view = self.part(region, rect, dst, at)
         if dst.kind == "sys":
             np.copyto(dst_view, array)
         else:

@@ -124,7 +124,7 @@ class Copies:
         start = time.perf_counter()
         node = half.copy
         if node.redop is None:
-            data = self.store.part(node.region, node.rect, node.src)
+            data = self.store.part(node.region, node.rect, node.src, node.id)
         else:
             data = self.store.take_buffer(node.buffer, node.rect)
         data = _host_contiguous(data)
@@ -144,7 +144,7 @@ class Copies:
         node = half.copy
         target = None
         if node.redop is None and node.dst.kind == "sys":
-            view = self.store.part(node.region, node.rect, node.dst)
+            view = self.store.part(node.region, node.rect, node.dst, node.id)
             if view.flags.c_contiguous:
                 target = view
         in_place = target is not None
@@ -202,9 +202,9 @@ class Copies:
 
     def _unpack(self, node, target) -> None:
         if node.redop is not None:
-            self.store.fold_array(node.region, node.rect, node.dst, target, node.redop)
+            self.store.fold_array(node.region, node.rect, node.dst, target, node.redop, node.id)
         else:
-            self.store.put(node.region, node.rect, node.dst, target)
+            self.store.put(node.region, node.rect, node.dst, target, node.id)
         if node.dst.kind == "gpu":
             gpu.synchronize()  # done means the data is there, for tasks on other streams too
 

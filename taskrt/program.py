@@ -24,7 +24,8 @@ from .launch import Future, Requirement, check_launch
 class Launch:
     """One index launch as a value. `placement` maps points to processors (None: the mapper
     chooses); `returns`: its FutureMap is wanted (Runtime.issue_program returns None for the
-    others)."""
+    others); `releases`: regions the program needs no more once this launch is issued
+    (Runtime.release)."""
 
     fn: Callable | None
     points: tuple
@@ -33,6 +34,7 @@ class Launch:
     placement: dict | None = None
     op: str = ""
     returns: bool = False
+    releases: tuple = ()
 
     def __post_init__(self):
         check_launch(self.name, self.fn, self.points, self.reqs)

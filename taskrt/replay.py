@@ -57,6 +57,8 @@ class Recording:
     #: replication signatures, and the flattened rows that reissue makes nodes from
     program: object = None
     signatures: list = field(default_factory=list)
+    #: (nodes emitted before it, regions) of each Runtime.release inside the block
+    releases: list[tuple[int, tuple]] = field(default_factory=list)
     _rows: "Rows | None" = None
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
@@ -200,6 +202,10 @@ class ReplayBlock:
         if self.mode == "recording":
             self.recording.emitted.append((node, preds))
 
+    def on_release(self, regions) -> None:
+        if self.mode == "recording":
+            self.recording.releases.append((len(self.recording.emitted), tuple(regions)))
+
     def issue(self, spec) -> None:
         """Called by the runtime for each launch inside the block."""
         rt = self.rt
@@ -271,6 +277,8 @@ class ReplayBlock:
         self.new_ids = range(base, base + len(rows.rows))
         first_launch = rt._launch_count
         rt._launch_count += len(rec.launch_keys)
+        for count, regions in rec.releases:   # before the nodes: each node finds its generation
+            rt._release_at(regions, base + count)
         transport = rt.transport
         if transport is not None:
             transport.on_signatures(rec.signatures)

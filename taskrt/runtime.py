@@ -13,6 +13,7 @@ run once, on rank 0's host processor, so that every rank builds the same graph.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import os
@@ -376,7 +377,36 @@ class Runtime:
                 fm = self.index_launch(launch.fn, list(launch.points), *launch.reqs, args=a, name=launch.name,
                                        placement=launch.placement, op=launch.op)
                 out.append(fm if launch.returns else None)
+                if launch.releases:
+                    self.release(*launch.releases)
             return out
+
+    def release(self, *regions: Region) -> None:
+        """What the program issued so far wrote into `regions` is needed no more (a training
+        step's activations after their backward): once it has run, their instances are freed,
+        and the nodes issued from now on get new ones (taskrt/instances.py, generations), which
+        they must write before they read: a read of data written before the release is refused
+        when it is issued. Regions keep their dependences; a release is not a node."""
+        self._check_caller("Runtime.release")
+        for region in regions:
+            _check_region("release", region)
+        at = self._next_id
+        replay = self._replay
+        if replay is not None:
+            replay.on_release(regions)
+        self._release_at(regions, at)
+
+    def _release_at(self, regions, at: int) -> None:
+        """Release `regions` for the nodes from id `at` on (release, or a replay of one)."""
+        released = self.analyzer.released
+        for region in regions:
+            released[region.uid] = at
+        if self.executor is None:
+            return
+        store, when = self.store, self.executor.when_done_below
+        for region in regions:
+            store.release(region, at)
+            when(at, functools.partial(store.collect, region))
 
     # ---- graph building (called by the analyzer and replay) ------------------------------
     def _new_id(self) -> int:
@@ -475,7 +505,7 @@ class Runtime:
             if r.privilege.is_reduce:
                 views.append(store.new_buffer((node.id, i), r.region, r.rect, r.memory, r.privilege.redop))
             else:
-                views.append(store.view(r.region, r.rect, r.memory, r.privilege.writes))
+                views.append(store.view(r.region, r.rect, r.memory, r.privilege.writes, node.id))
         args = node.args
         if args and node.future is not None and any(isinstance(a, Future) for a in args):
             args = tuple(self._argument_value(a) if isinstance(a, Future) else a for a in args)
@@ -496,9 +526,9 @@ class Runtime:
         if type(node) is not CopyNode:
             return node.run()  # a transport's node (taskrt/mpi.py): posts messages, may finish later
         if node.redop is None:
-            self.store.copy(node.region, node.rect, node.src, node.dst)
+            self.store.copy(node.region, node.rect, node.src, node.dst, node.id)
         else:
-            self.store.fold(node.region, node.rect, node.dst, node.buffer, node.redop)
+            self.store.fold(node.region, node.rect, node.dst, node.buffer, node.redop, node.id)
         if node.src.kind == "gpu" or node.dst.kind == "gpu":
             gpu.synchronize()
 

@@ -1,6 +1,10 @@
 """Instances: each memory holds the box of the rects it is asked for, grows when asked for more,
-and hands out views of the right elements."""
+and hands out views of the right elements; a released region's instances are freed once the
+nodes before the release have run, and the nodes after it get new ones."""
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -98,10 +102,95 @@ def test_a_data_parallel_step_keeps_each_device_s_share_of_the_activations_not_t
         model.fit(rng.standard_normal((16, 8), np.float32), rng.standard_normal((16, 6), np.float32),
                   iterations=2, verbose=False)
         boxes = {}
-        for (uid, memory), (_, box) in rt.store.instances.items():
+        for (uid, memory), box in rt.store.boxes.items():
             boxes.setdefault(memory.index, {})[uid] = box
         out = model._low.values[y.name]
         weight = model._low.params["fc.weight"].value
         for device in (1, 2, 3):
             assert boxes[device][out.uid] == Rect((4 * device, 0), (4 * device + 4, 6)), device
             assert boxes[device][weight.uid] == weight.rect
+
+
+# ---- releases: generations of instances ---------------------------------------------------------
+def _write(view, value):
+    view[...] = value
+
+
+def _double_into(src, dst):
+    dst[...] = 2 * src
+
+
+def _wait_on(view, event):
+    event.wait(10)
+
+
+def test_a_released_region_is_freed_once_its_nodes_have_run_and_written_again_into_a_new_instance():
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        a, b = rt.region((64,), "float64", "a"), rt.region((64,), "float64", "b")
+        mem1 = rt.machine.processors[1].memory
+        rt.launch(_write, req(a, WRITE), args=(3.0,), proc=1)
+        rt.launch(_double_into, req(a, "R"), req(b, WRITE), proc=1)
+        rt.release(a)
+        rt.wait()
+        assert not [k for k in rt.store.instances if k[0] == a.uid and k[1] == mem1]
+        assert rt.store.held[mem1] == 64 * 8 and rt.store.high_water[mem1] == 2 * 64 * 8   # b is left
+        rt.launch(_write, req(a, WRITE), args=(5.0,), proc=1)
+        rt.launch(_double_into, req(a, "R"), req(b, WRITE), proc=1)
+        assert rt.read(b).tolist() == [10.0] * 64
+        assert [k[2] for k in rt.store.instances if k[0] == a.uid and k[1] == mem1] == [1]
+
+
+def test_reading_a_released_region_before_writing_it_is_refused_when_issued():
+    with Runtime(cpus=2) as rt:
+        a, b = rt.region((8,), "float32", "a"), rt.region((8,), "float32", "b")
+        rt.launch(_write, req(a, WRITE), args=(1.0,), proc=0)
+        rt.release(a)
+        rt.launch(_write, req(a, WRITE, Rect((0,), (4,))), args=(2.0,), proc=0)   # half written again
+        with pytest.raises(RuntimeError, match=r"Region\('a'.* Rect\(4:8\) is read by launch #\d+ after its "
+                                               r"Runtime.release at node #\d+ with nothing written into it since"):
+            rt.launch(_double_into, req(a, "R"), req(b, WRITE), proc=1)
+        assert rt.read(a, Rect((0,), (4,))).tolist() == [2.0] * 4
+
+
+def test_the_old_instances_go_only_once_every_node_before_the_release_has_run():
+    """Processor 0 is held up by a task issued before the release; meanwhile processor 1 writes
+    the region again and reads it: it works in a new instance, the old one is kept until the
+    held-up task finishes, and freeing it then leaves the new data alone."""
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        a, b, gate = (rt.region((16,), "float64", n) for n in ("a", "b", "gate"))
+        mem1 = rt.machine.processors[1].memory
+        event = threading.Event()
+        rt.launch(_wait_on, req(gate, WRITE), args=(event,), proc=0)
+        rt.launch(_write, req(a, WRITE), args=(1.0,), proc=1)
+        rt.release(a)
+        rt.launch(_write, req(a, WRITE), args=(7.0,), proc=1)
+        rt.launch(_double_into, req(a, "R"), req(b, WRITE), proc=1)
+        deadline = time.monotonic() + 10
+        while rt.store.held.get(mem1, 0) < 3 * 16 * 8 and time.monotonic() < deadline:   # a's two and b
+            time.sleep(0.001)
+        assert sorted(k[2] for k in rt.store.instances if k[0] == a.uid) == [0, 1]
+        event.set()
+        assert rt.read(b).tolist() == [14.0] * 16
+        rt.wait()
+        assert [k[2] for k in rt.store.instances if k[0] == a.uid and k[1] == mem1] == [1]
+        assert rt.read(a).tolist() == [7.0] * 16
+
+
+def test_a_program_s_releases_are_replayed_with_its_nodes():
+    """A program that writes, reads and releases a region, issued again and again (recorded,
+    then reissued whole): each issue's instance is freed, and the results are right."""
+    from taskrt.program import Launch
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        a, b = rt.region((32,), "float64", "a"), rt.region((32,), "float64", "b")
+        mem1 = rt.machine.processors[1].memory
+        place = {(): rt.machine.processors[1]}
+        program = (Launch(_write, ((),), (req(a, WRITE),), "write", placement=place),
+                   Launch(_double_into, ((),), (req(a, "R"), req(b, WRITE)), "double", placement=place,
+                          releases=(a,)))
+        for step in range(5):
+            rt.issue_program("step", program, [(float(step),), ()])
+            assert rt.read(b).tolist() == [2.0 * step] * 32
+            rt.wait()
+            assert not [k for k in rt.store.instances if k[0] == a.uid and k[1] == mem1], step
+        assert rt.replay_stats["reissued"] >= 2
+        assert rt.store.high_water[mem1] == 2 * 32 * 8

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from apps.cli import batch_source, build_model
 from strategies.baselines import BASELINES
-from strategies.memory import _holdings, box_volume
+from strategies.memory import box_volume, step_holdings, transient_names
 from strategies.random import random_strategy
 from taskrt import Rect, Runtime
 
@@ -79,32 +79,85 @@ class _LiveBuffers:
         store.new_buffer, store.take_buffer = new_buffer, take_buffer
 
 
-@pytest.mark.parametrize("app,strategy", [("alexnet", "data"), ("alexnet", "model"), ("alexnet", 1),
-                                          ("transformer", "tensor"), ("rnnlm", 3), ("inception_v3", "expert")])
-def test_the_predicted_memory_is_what_a_run_s_instances_hold(app, strategy):
-    """Two steps of a tiny app on four CPU workers with memories of their own: on every device but
-    the one that attaches the data, each region's predicted bytes are its instance's there, and
-    the predicted reduction buffers at least the most that were live at once."""
+def _tiny(app: str, strategy, rt):
+    """A tiny app compiled under a baseline (by name) or a random strategy (by seed)."""
     import importlib
     module = importlib.import_module(f"apps.{app}")
+    model, output = build_model(module.build, dict(module.TINY), 16, runtime=rt)
+    s = (BASELINES[strategy](model, rt.machine) if strategy in BASELINES else
+         random_strategy(model.ops, rt.machine, np.random.default_rng(strategy), shaped=False))
+    model.compile(strategy=s, output=output)
+    return model, batch_source(module.make_batch, model, dict(module.TINY), 0)
+
+
+def _regions(low) -> dict:
+    """uid -> Region of every region a lowering made."""
+    out = {r.uid: r for r in list(low.values.values()) + list(low.grads.values())
+           + [r for p in low.params.values() for r in (p.value, p.grad, *p.state.values()) if r]
+           + list(low.stats.values())}
+    for plan in low.plans.values():
+        out.update({p.region.uid: p.region for p in list(plan._sums.values()) + list(plan._carries)
+                    + list(getattr(plan, "_carry_grads", []))})
+    return out
+
+
+APPS = [("alexnet", "data"), ("alexnet", "model"), ("alexnet", 1), ("transformer", "tensor"), ("rnnlm", 3),
+        ("inception_v3", "expert")]
+
+
+@pytest.mark.parametrize("app,strategy", APPS)
+def test_the_predicted_memory_is_what_a_run_s_instances_hold(app, strategy):
+    """Two steps of a tiny app on four CPU workers with memories of their own: on every device but
+    the one that attaches the data, each region's predicted bytes are its instances' there, the
+    predicted reduction buffers at least the most that were live at once, and once the steps are
+    over the devices hold what the model keeps all the time (the activations are freed)."""
     with Runtime(cpus=4, separate_memories=True) as rt:
-        model, output = build_model(module.build, dict(module.TINY), 16, runtime=rt)
-        s = (BASELINES[strategy](model, rt.machine) if strategy in BASELINES else
-             random_strategy(model.ops, rt.machine, np.random.default_rng(strategy), shaped=False))
-        model.compile(strategy=s, output=output)
+        model, source = _tiny(app, strategy, rt)
         buffers = _LiveBuffers(rt.store)
-        list(model.train_on(batch_source(module.make_batch, model, dict(module.TINY), 0), 2))
+        list(model.train_on(source, 2))
         rt.wait()
-        predicted, predicted_buffers = _holdings(model._low, rt.machine)
-        names = {r.uid: r.name for r in list(model._low.values.values()) + list(model._low.grads.values())
-                 + [r for p in model._low.params.values() for r in (p.value, p.grad, *p.state.values()) if r]
-                 + list(model._low.stats.values())}
-        for plan in model._low.plans.values():
-            names.update({p.region.uid: p.region.name for p in list(plan._sums.values()) + list(plan._carries)
-                          + list(getattr(plan, "_carry_grads", []))})
+        regions, held, predicted_buffers = step_holdings(model._low, rt.machine)
+        made = _regions(model._low)
+        transient = transient_names(model._low)
         for memory in rt.machine.memories[1:]:
-            held = {names[uid]: inst.nbytes for (uid, m), (inst, _) in rt.store.instances.items() if m == memory}
-            want = {name: box_volume(rects) * itemsize for name, (rects, itemsize) in predicted[memory].items()}
-            assert held == want, (memory, {k: (held.get(k), want.get(k)) for k in set(held) | set(want)
-                                           if held.get(k) != want.get(k)})
+            boxes = {made[uid].name: box.volume * made[uid].dtype.itemsize
+                     for (uid, m), box in rt.store.boxes.items() if m == memory}
+            want = {name: nbytes for name, (nbytes, _, _) in regions[memory].items()}
+            assert boxes == want, (memory, {k: (boxes.get(k), want.get(k)) for k in set(boxes) | set(want)
+                                            if boxes.get(k) != want.get(k)})
             assert 0 < buffers.peak[memory] <= predicted_buffers[memory] or buffers.peak[memory] == 0
+            kept = sum(nbytes for name, (nbytes, _, _) in regions[memory].items() if name not in transient)
+            assert rt.store.held.get(memory, 0) == kept < held[memory].max()
+
+
+@pytest.mark.parametrize("app,strategy", APPS)
+def test_a_step_run_segment_by_segment_holds_what_the_model_counts_at_each_place(app, strategy):
+    """A training step issued one segment at a time, waited for, then released as the step
+    releases: after each forward, fill and backward segment every device but the attaching one
+    holds the bytes the model counts at that place; the peaks are equal."""
+    from ops.lower import BACKWARD_PHASE, FORWARD_PHASE, GRAD_FILL_PHASE
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        model, source = _tiny(app, strategy, rt)
+        list(model.train_on(source, 1))
+        rt.wait()
+        low = model._low
+        _, want, _ = step_holdings(low, rt.machine)
+        n = len(low.ops)
+        order = {op.name: i for i, op in enumerate(low.ops)}
+        segments = ([low.forward_segment(low.plans[op.name], True, model.batch_size, 2) for op in low.ops]
+                    + low.backward_segments() + low.update_segments(2))
+        releases = low.release_points(segments)
+        peaks: dict = defaultdict(int)
+        for s, segment in enumerate(segments):
+            low.issue(segment)
+            rt.wait()
+            place = {FORWARD_PHASE: lambda i: i, GRAD_FILL_PHASE: lambda i: n + i,
+                     BACKWARD_PHASE: lambda i: 3 * n - 1 - i}.get(segment.phase) if segment.op else None
+            for memory in rt.machine.memories[1:]:
+                held = rt.store.held.get(memory, 0)
+                peaks[memory] = max(peaks[memory], held)
+                if place is not None:
+                    assert held == want[memory][place(order[segment.op])], (segment, memory)
+            rt.release(*releases.get(s, ()))
+        for memory in rt.machine.memories[1:]:
+            assert peaks[memory] == want[memory].max()

@@ -27,11 +27,16 @@ def build_and_train(rt, configs, images, labels, iterations):
     history = m.fit(images, labels, iterations=iterations, verbose=False, shuffle=False)
     params = m.parameters()
     if rt.rank > 0:
-        # a rank's instance of conv1's output holds the box of its tiles and its readers' rows, not
-        # the batch: at most half of it on 2 ranks and on 4
+        # a rank's instances of conv1's output hold the box of its tiles and its readers' rows, not
+        # the batch: at most half of it on 2 ranks and on 4; and none is left once the steps are
+        # over (each step releases its activations)
         region = m._low.values["conv1.out"]
-        _, box = rt.store.instances[(region.uid, rt.machine.host_memory(rt.rank))]
+        memory = rt.machine.host_memory(rt.rank)
+        box = rt.store.boxes[(region.uid, memory)]
         assert 2 * box.volume <= region.rect.volume, f"rank {rt.rank} holds {box!r} of {region!r}"
+        rt.wait()
+        left = [key for key in rt.store.instances if key[:2] == (region.uid, memory)]
+        assert not left, f"rank {rt.rank} still holds {left} of {region!r} after the steps"
     m.close()
     return history.loss, params
 
