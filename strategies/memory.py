@@ -249,20 +249,25 @@ class PeakCache:
                 for memory, nbytes in self._op_held[k][2].items():
                     row = self._row[memory]
                     self._buffers[row] += sign * nbytes
-        diff, dirty = self._diff, self._dirty
+        rows: list[int] = []   # the changes to _diff, made in one go
+        places: list[int] = []
+        amounts: list[int] = []
         for region in touched:
             for row, nbytes, first, last in self._parts.pop(region, ()):
-                diff[row, first] -= nbytes
-                diff[row, last + 1] += nbytes
-                dirty.add(row)
+                rows += (row, row)
+                places += (first, last + 1)
+                amounts += (-nbytes, nbytes)
             names = self._holders.get(region)
             if not names:
                 continue
             parts = self._parts[region] = self._region_of(region, names)
             for row, nbytes, first, last in parts:
-                diff[row, first] += nbytes
-                diff[row, last + 1] -= nbytes
-                dirty.add(row)
+                rows += (row, row)
+                places += (first, last + 1)
+                amounts += (nbytes, -nbytes)
+        if rows:
+            np.add.at(self._diff, (rows, places), amounts)
+            self._dirty.update(rows)
 
     def _region_of(self, region: str, names: list[str]) -> list[tuple[int, int, int, int]]:
         """(memory row, bytes, first place, last place) of one region on each memory that holds
