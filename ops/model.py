@@ -333,7 +333,7 @@ class Model:
         return self.ops + [loss_op], self.inputs + [labels], loss_op
 
     def compile(self, optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=(), configs=None,
-                output=None, strategy=None) -> None:
+                output=None, strategy=None, release: bool | None = None) -> None:
         """Choose optimizer, loss and metrics, and lower the graph onto the runtime.
 
         optimizer: SGD(...), Adam(...), "sgd" or "adam". loss: "sparse_categorical_crossentropy"
@@ -343,6 +343,8 @@ class Model:
         strategy: a Strategy or the path of a strategy file, checked whole before any work; `configs`
         override the ops it names, and the model's ops it leaves out get the default with a warning
         (`default_ops` lists them, and the loss op).
+        release: whether each training step frees every activation and activation gradient after
+        its last use (Runtime.release; None: on GPUs only, ops.lower.releases_by_default).
         """
         if self._low is not None:
             raise RuntimeError("compile: the model is already compiled")
@@ -351,6 +353,8 @@ class Model:
         if not self.ops:
             raise ValueError("compile: the model has no operators")
         opt = make_optimizer(optimizer, "compile")
+        if release is not None and not isinstance(release, bool):
+            raise TypeError(f"compile: release must be True, False or None, got {type(release).__name__} {release!r}")
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
         metrics = [metrics] if isinstance(metrics, str) else list(metrics or ())
@@ -394,7 +398,7 @@ class Model:
                           f"default", stacklevel=2)
         classify = loss == "sparse_categorical_crossentropy"
         low = Lowering(self.rt, graph, inputs, resolved, opt, loss=loss_op.name,
-                       summarize=functools.partial(_loss_summary, classify), tag=self._tag)
+                       summarize=functools.partial(_loss_summary, classify), tag=self._tag, release=release)
         low.init_values(self._values)   # (on a runtime that has shut down, this raises: nothing is set yet)
         self._compiled = {"optimizer": opt.to_dict(), "loss": loss, "metrics": metrics, "output": out.name,
                           "configs": {k: v.to_dict() for k, v in resolved.items()}}

@@ -9,15 +9,16 @@ per region, the smallest box holding every rect that the device's tasks ask its 
   its backward reads (its outputs') and writes whole (its inputs');
 - partial sums and an ordered op's carries, on its tiles' devices.
 Weights, their gradients and state, statistics, sums, carries and the graph's inputs and labels
-are kept all the time. Activations and their gradients live for part of the step only: a
-training step releases each one after the last segment that touches it (Lowering.release_points,
-Runtime.release), so a device holds an activation from the first segment that touches it there
-(its producer's forward, a consumer's forward that copies it in; a gradient's fill at the start
-of backward, or the first backward that writes it) until its op's backward. The peak is the
-most the device holds at once, segment by segment in the step's order: forward op by op, the
-gradient fills, backward op by op in reverse. It equals the run's instances region by region
-and, when the step runs one launch at a time, segment by segment (tests/test_memory.py); a run
-whose devices run ahead of each other frees later and can hold more. Besides, the reduction
+are kept all the time. So are activations and their gradients on CPUs; on GPUs (where a step
+releases them: ops.lower.releases_by_default, Lowering.release_points, Runtime.release) they
+live for part of the step only: a device holds an activation from the first segment that
+touches it there (its producer's forward, a consumer's forward that copies it in; a gradient's
+fill at the start of backward, or the first backward that writes it) until its op's backward.
+The peak is the most the device holds at once, segment by segment in the step's order: forward
+op by op, the gradient fills, backward op by op in reverse. It equals the run's instances
+region by region and, when the step runs one launch at a time, segment by segment
+(tests/test_memory.py); a run whose devices run ahead of each other frees later and can hold
+more. Besides, the reduction
 buffers: each tile's private buffer of what it sums into (a replicated weight's gradient, a
 shared input's gradient, a partial output), all counted as live at once (in alexnet's data
 parallelism nine tenths of them were live at one time). Not counted: what a kernel keeps for
@@ -33,7 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ops.base import Op
-from ops.lower import (FORWARD_PHASE, GRAD_FILL_PHASE, Lowering, TileConfig, default_config,
+from ops.lower import (FORWARD_PHASE, GRAD_FILL_PHASE, Lowering, TileConfig, default_config, releases_by_default,
                        resolve_config)
 from strategies.machine_model import MachineModel
 from taskrt import Runtime
@@ -135,8 +136,10 @@ class PeakCache:
     come and go at each place of the step, so a proposal that changes one op recomputes only
     that op's regions and the memories they are on. plan_peak is a new one's first answer."""
 
-    def __init__(self, ops: Sequence[Op], machine: Machine):
+    def __init__(self, ops: Sequence[Op], machine: Machine, release: bool | None = None):
         self.machine = machine
+        #: whether the step releases its activations (Lowering.release; None: by the machine's kind)
+        self.release = releases_by_default(machine) if release is None else release
         self.ops = list(ops)
         self._order = {op.name: i for i, op in enumerate(ops)}
         self._by_name = {op.name: op for op in ops}
@@ -287,7 +290,7 @@ class PeakCache:
                     else:
                         known[0].extend(rs)
                         known[2] = min(known[2], first)
-            transient = region in self._transient
+            transient = self.release and region in self._transient
             parts = self._region_parts[key] = [
                 (self._row[m], box_volume(rs) * itemsize, first if transient else 0, last if transient else self._end)
                 for m, (rs, itemsize, first) in rects.items()]
@@ -322,7 +325,7 @@ def step_holdings(low, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[i
     last place); memory -> the bytes of instances held at each place of the step; memory -> the
     bytes of its reduction buffers). Places: op i's forward is i, its gradient fills n + i, its
     backward 3n - 1 - i."""
-    cache = PeakCache(low.ops, machine)
+    cache = PeakCache(low.ops, machine, getattr(low, "release", None))
     cache.peak(low)
     memories = {row: memory for memory, row in cache._row.items()}
     regions: dict[Memory, dict[str, tuple[int, int, int]]] = {m: {} for m in cache._row}
@@ -337,8 +340,9 @@ def step_holdings(low, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[i
 def plan_peak(low, machine: Machine) -> dict[int, int]:
     """Peak bytes per device (processor index) of a lowering's plans on `machine`; `low` is a
     Lowering or anything with its ops, plans, values, grads, params, stats, updates, loss
-    output and sole consumers (strategies.segments' views)."""
-    return PeakCache(low.ops, machine).peak(low)
+    output and sole consumers (strategies.segments' views, which release as the machine's
+    kind says)."""
+    return PeakCache(low.ops, machine, getattr(low, "release", None)).peak(low)
 
 
 def over_capacity(peak: Mapping[int, int], machine_model: MachineModel,

@@ -86,7 +86,7 @@ def _tiny(app: str, strategy, rt):
     model, output = build_model(module.build, dict(module.TINY), 16, runtime=rt)
     s = (BASELINES[strategy](model, rt.machine) if strategy in BASELINES else
          random_strategy(model.ops, rt.machine, np.random.default_rng(strategy), shaped=False))
-    model.compile(strategy=s, output=output)
+    model.compile(strategy=s, output=output, release=True)
     return model, batch_source(module.make_batch, model, dict(module.TINY), 0)
 
 
@@ -161,3 +161,18 @@ def test_a_step_run_segment_by_segment_holds_what_the_model_counts_at_each_place
             rt.release(*releases.get(s, ()))
         for memory in rt.machine.memories[1:]:
             assert peaks[memory] == want[memory].max()
+
+
+def test_a_step_releases_its_activations_on_gpus_unless_told_and_the_flag_is_checked():
+    from ops import Model
+    from ops.lower import releases_by_default
+    from taskrt import Machine
+    assert releases_by_default(Machine.build(1, 1, gpus_per_rank=2))
+    assert not releases_by_default(Machine.build(1, 2))
+    with Runtime(cpus=2) as rt:
+        model = Model(rt, seed=0)
+        model.dense(model.input((4, 3), name="x"), 2, name="fc")
+        with pytest.raises(TypeError, match="compile: release must be True, False or None, got str 'yes'"):
+            model.compile(release="yes")
+        model.compile(loss="mean_squared_error")
+        assert model._low.release is False

@@ -23,7 +23,8 @@ def build_and_train(rt, configs, images, labels, iterations):
     h = m.relu(m.batch_norm(m.conv2d(x, 4, 3, padding=1, name="conv1"), name="bn1"))
     h = m.relu(m.conv2d(h, 4, 3, padding=1, name="conv2"))
     m.softmax(m.dense(m.flat(m.pool2d(h, 2)), 3, name="fc"))
-    m.compile(optimizer=SGD(lr=0.05, momentum=0.9), loss="sparse_categorical_crossentropy", configs=configs)
+    m.compile(optimizer=SGD(lr=0.05, momentum=0.9), loss="sparse_categorical_crossentropy", configs=configs,
+              release=True)
     history = m.fit(images, labels, iterations=iterations, verbose=False, shuffle=False)
     params = m.parameters()
     if rt.rank > 0:
