@@ -184,6 +184,10 @@ class ElementUnary(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         return [activation_forward(xp, self.fn, inputs[0])], None
 
+    def backward_reads(self):
+        gelu = self.fn == "gelu"   # gelu's gradient reads x, the others' y
+        return (gelu,), (not gelu,)
+
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         return [activation_backward(xp, self.fn, inputs[0], outputs[0], grad_outputs[0])], {}
 

@@ -293,6 +293,11 @@ class Op(ABC):
         same object), or None where there is none to use.
         """
 
+    def backward_reads(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """(per input, per output) whether backward and its sums read it; the others come to them
+        as None, and a training step need not keep them for backward (ops/lower.py, Runtime.release)."""
+        return (True,) * len(self.inputs), (True,) * len(self.outputs)
+
     @abstractmethod
     def backward(self, xp, tile: Rect, inputs: list, in_rects: list[Rect], weights: dict,
                  outputs: list, grad_outputs: list, saved: Any) -> tuple[list, dict]:

@@ -958,6 +958,9 @@ class Conv2d(Op):
             cuda_kernels.col2im(dcols, self.kernel, self.stride, corner, (oh, ow), dx)
         return gw.reshape(ng * ocpg, -1)[off:off + oct_].reshape(w.shape)
 
+    def backward_reads(self):
+        return (True,), (False,)   # x for the weight's gradient; y is not needed
+
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, out=None):
         (x,), w, dy = inputs, weights["weight"], grad_outputs[0]
         pads = self._pads(tile, in_rects[0])

@@ -89,6 +89,10 @@ class ElementBinary(Op):
         # its dtype follows the arrays (NumPy promotion), as output_dtypes does for the specs
         return [y], None
 
+    def backward_reads(self):
+        product = self.fn == "multiply"   # a sum's gradient needs neither input
+        return (product, product), (False,)
+
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         a, b = inputs
         (g,) = grad_outputs
@@ -99,9 +103,10 @@ class ElementBinary(Op):
         else:
             ga, gb = g * b, g * a
         grads = []
-        for x, r, gx in ((a, in_rects[0], ga), (b, in_rects[1], gb)):
+        for spec, r, gx in ((self.inputs[0], in_rects[0], ga), (self.inputs[1], in_rects[1], gb)):
             # integer inputs (indices, masks) get no gradient, as the contract asks
-            grads.append(unbroadcast(gx, r.shape).astype(x.dtype, copy=False) if x.dtype.kind == "f" else None)
+            dtype = np.dtype(spec.dtype)
+            grads.append(unbroadcast(gx, r.shape).astype(dtype, copy=False) if dtype.kind == "f" else None)
         return grads, {}
 
     def flops(self, tile: Rect) -> int:

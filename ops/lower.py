@@ -13,7 +13,7 @@ A lowered graph (class Lowering) holds:
 - params: "op.weight" -> ParamRegions  value, gradient and optimizer-state regions;
 - stats:  "op.running_mean" -> Region  state an op updates in training (batch_norm's running stats);
 - plans:  op name -> OpPlan            the op's config, tiles, partitions and requirement lists;
-- saved:  (op name, tile color) -> x   the side store: what a tile's forward keeps for its backward.
+- saved:  (op name, tile color) -> [x]  the side store: what a tile's forwards keep for their backwards.
 
 Splits beyond independent tiles (ops/base.py declares them, OpPlan lowers them the same way
 for every op): the tiles of a split partial dim REDUCE (sum) into zero-filled outputs, and
@@ -23,11 +23,14 @@ before the kernels read them; tiles along a split ordered dim (an LSTM's time ch
 one launch per position, chained through a small carry region (a carry-grad region in
 backward), so that the dependence analysis alone orders them.
 
-Saved tensors: a forward task puts the op's `saved` object in `saved` under its op name
-and tile color; the backward task of the same tile pops it (a backward sum's task reads
-it before). All of a tile's launches place it on the same processor (the config's
-device), so on many ranks the entry is always on the rank that needs it; backward READs
-the outputs forward WROTE, so it runs after it.
+Saved tensors: a forward task appends the op's `saved` object to `saved` under its op name
+and tile color; the backward task of the same tile pops the oldest (a backward sum's task
+reads it before). All of a tile's launches place it on the same processor (the config's
+device), so on many ranks the entry is always on the rank that needs it. Backward reads what
+forward wrote or what came of it (its outputs, their gradients), so it runs after it; but it
+may read neither the outputs nor the inputs (Op.backward_reads: an add), so the next step's
+forward of the op can run before it, hence a queue: forwards append in order (they write the
+same outputs) and so do backwards pop (they write the same gradients).
 
 Gradients: at the start of a backward pass every grad region is filled with zeros where its
 producer's tiles will read it, on their devices (the loss's output grad with ones: the loss
@@ -55,10 +58,12 @@ before the block, the source would be among what the replay's fence stands for. 
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -294,7 +299,7 @@ class OpPlan:
                  summarize: Callable | None, like: "OpPlan | None" = None, twin: "OpPlan | None" = None):
         self.op = op
         self.config = config
-        self.saved = low.saved
+        self.saved, self._saved_lock = low.saved, low.saved_lock
         self.summarize = summarize
         if like is None:
             if twin is not None and not _twins(twin, op, config):
@@ -401,6 +406,8 @@ class OpPlan:
         op, name = self.op, self.op.name
         self.fwd_reqs = {training: self._forward_reqs(training, 0) for training in (True, False)}
         self.bwd_reqs = None
+        #: (per input, per output) whether backward reads it (Op.backward_reads)
+        self.bwd_reads = op.backward_reads()
         self.writes_grads = [False] * len(op.inputs)   # off the gradient path nothing is written
         self.writes_weight_grads = {k: False for k in self.weight_names}
         if not backward:
@@ -463,9 +470,15 @@ class OpPlan:
                 + [req(p, WRITE if position == 0 else READ_WRITE) for p in self._carries]
                 + [req(p, SUM if self.partial else WRITE) for p in self._outs])
 
+    def _backward_read(self) -> tuple[list, list]:
+        """(the input partitions, the output partitions) that backward reads."""
+        ins, outs = self.bwd_reads
+        return ([p for p, r in zip(self._ins, ins) if r], [p for p, r in zip(self._outs, outs) if r])
+
     def _backward_reqs(self, position: int) -> list:
         last = self._positions()[-1][0]
-        return ([req(p, READ) for p in self._ins + self._weights + self._outs + self._gouts]
+        ins, outs = self._backward_read()
+        return ([req(p, READ) for p in ins + self._weights + outs + self._gouts]
                 + [req(self._sums[k], READ) for k in self._backward_sum_names()]
                 + [req(p, WRITE if position == last else READ_WRITE) for p in self._carry_grads]
                 + [req(p, WRITE if whole else SUM)
@@ -475,7 +488,11 @@ class OpPlan:
     def _sum_launches(self, names: list[str], backward: bool) -> list[PlanLaunch]:
         """Per sum in `names`: its zero fill, then every tile REDUCEs its part of it."""
         launches = []
-        reads = self._ins + (self._outs + self._gouts if backward else [])
+        if backward:
+            ins, outs = self._backward_read()
+            reads = ins + outs + self._gouts
+        else:
+            reads = self._ins
         for i, k in enumerate(names):
             reqs = ([req(p, READ) for p in reads] + [req(self._sums[j], READ) for j in names[:i]]
                     + [req(self._sums[k], SUM)])
@@ -555,11 +572,19 @@ class OpPlan:
         return {k: v for k, v in views.items() if not rects[k].empty}
 
     def _saved_of(self, color, pop: bool):
-        try:
-            return self.saved.pop((self.op.name, color)) if pop else self.saved[(self.op.name, color)]
-        except KeyError:
-            raise self._fail(color, "backward ran without a training forward before it "
-                                    "(call forward with training=True first)") from None
+        """What the oldest training forward of tile `color` not yet taken saved (taken if `pop`)."""
+        key = (self.op.name, color)
+        with self._saved_lock:
+            queue = self.saved.get(key)
+            if queue:
+                if not pop:
+                    return queue[0]
+                saved = queue.popleft()
+                if not queue:
+                    del self.saved[key]
+                return saved
+        raise self._fail(color, "backward ran without a training forward before it "
+                                "(call forward with training=True first)")
 
     def _forward_task(self, ctx, *views):
         op, color = self.op, ctx.point
@@ -590,7 +615,8 @@ class OpPlan:
                                         f"rect {rect!r} has shape {view.shape}")
             view[...] = arr
         if training:
-            self.saved[(op.name, color)] = saved
+            with self._saved_lock:
+                self.saved.setdefault((op.name, color), collections.deque()).append(saved)
         if self.summarize is not None:
             return self.summarize(ctx.xp, tile, inputs, outputs, valid)
         return None
@@ -608,12 +634,15 @@ class OpPlan:
         op, color = self.op, ctx.point
         *views, name, before, backward = views
         it = iter(views)
-        inputs = [next(it) for _ in op.inputs]
         outputs = grad_outputs = saved = None
         if backward:
-            outputs = [next(it) for _ in op.outputs]
+            reads_in, reads_out = self.bwd_reads
+            inputs = [next(it) if r else None for r in reads_in]
+            outputs = [next(it) if r else None for r in reads_out]
             grad_outputs = [next(it) if has else None for has in self.grad_outputs]
             saved = self._saved_of(color, pop=False)
+        else:
+            inputs = [next(it) for _ in op.inputs]
         sums = {k: next(it) for k in before}
         buf = next(it)
         part = op.partial_sum(ctx.xp, name, self.tiles[color], inputs, sums, outputs, grad_outputs, saved)
@@ -625,9 +654,10 @@ class OpPlan:
     def _backward_task(self, ctx, *views):
         op, color = self.op, ctx.point
         it = iter(views)
-        inputs = [next(it) for _ in op.inputs]
+        reads_in, reads_out = self.bwd_reads
+        inputs = [next(it) if r else None for r in reads_in]
         weights = self._given({k: next(it) for k in self.weight_names}, self.weight_rects[color])
-        outputs = [next(it) for _ in op.outputs]
+        outputs = [next(it) if r else None for r in reads_out]
         grad_outputs = [next(it) if has else None for has in self.grad_outputs]
         sums = {k: next(it) for k in self._backward_sum_names()} or None
         carry = {k: next(it) for k in self.carry_names} or None
@@ -833,7 +863,8 @@ class Lowering:
         self.optimizer = optimizer
         self.loss = loss
         self.tag = tag
-        self.saved: dict[tuple[str, tuple], Any] = {}
+        self.saved: dict[tuple[str, tuple], collections.deque] = {}
+        self.saved_lock = threading.Lock()
         self.values: dict[str, Region] = {}
         self.grads: dict[str, Region] = {}
         self.params: dict[str, ParamRegions] = {}

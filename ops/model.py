@@ -659,6 +659,9 @@ class Model:
                 raise ValueError(f"forward: unknown tensor {name!r}")
         self._attach(arrays)
         low = self._low
+        if training:   # a forward not followed by backward leaves what it saved: this one replaces it
+            self.rt.wait()
+            low.saved.clear()
         low.forward(training=training, ops=[op.name for op in self.ops])
         self._forward_done = bool(training)
         futures = {name: low.read(low.values[name], wait=False) for name in names}

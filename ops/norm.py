@@ -233,12 +233,16 @@ class BatchNorm(Op):
     def backward_sums(self):
         return ("grad",)
 
+    def backward_reads(self):
+        return (True,), (self.relu,)   # y only for the fused relu's mask
+
     def partial_sum(self, xp, name, tile, inputs, sums, outputs=None, grad_outputs=None, saved=None):
         (x,) = inputs
         if name == "moments":
             return xp.stack(self._moments(xp, x, None)) / self._count
-        if name == "grad":
-            return xp.stack(self._grad_moments(xp, x, grad_outputs[0], outputs[0], saved[1]))
+        if name == "grad":   # (y is not kept without the relu: x stands in, unread)
+            y = outputs[0] if self.relu else x
+            return xp.stack(self._grad_moments(xp, x, grad_outputs[0], y, saved[1]))
         raise ValueError(f"{self.kind} {self.name!r}: no sum {name!r}; its sums are {list(self.sum_shapes())}")
 
     def flops(self, tile):
@@ -357,6 +361,8 @@ class BatchNorm(Op):
 
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved, sums=None, out=None):
         (x,), (dy,), (y,) = inputs, grad_outputs, outputs
+        if not self.relu:
+            y = x   # y is not kept without the relu (backward_reads): x stands in, unread
         if self._use_cuda(xp, x, weights):
             return self._backward_cuda(xp, tile, x, dy, y, weights, saved, sums, out)
         training, mean, invstd = saved

@@ -175,6 +175,9 @@ class _BatchRowReshape(Op):
     def forward(self, xp, tile, inputs, in_rects, weights, training=True, state=None):
         return [inputs[0].reshape(tile.shape)], None
 
+    def backward_reads(self):
+        return (False,), (False,)
+
     def backward(self, xp, tile, inputs, in_rects, weights, outputs, grad_outputs, saved):
         return [grad_outputs[0].reshape(in_rects[0].shape)], {}
 

@@ -102,7 +102,7 @@ def _regions(low) -> dict:
 
 
 APPS = [("alexnet", "data"), ("alexnet", "model"), ("alexnet", 1), ("transformer", "tensor"), ("rnnlm", 3),
-        ("inception_v3", "expert")]
+        ("inception_v3", "expert"), ("resnet101", "data")]
 
 
 @pytest.mark.parametrize("app,strategy", APPS)
