@@ -79,14 +79,15 @@ class _LiveBuffers:
         store.new_buffer, store.take_buffer = new_buffer, take_buffer
 
 
-def _tiny(app: str, strategy, rt):
-    """A tiny app compiled under a baseline (by name) or a random strategy (by seed)."""
+def _tiny(app: str, strategy, rt, release: bool = True):
+    """A tiny app compiled under a baseline (by name) or a random strategy (by seed), releasing
+    its activations unless told not to."""
     import importlib
     module = importlib.import_module(f"apps.{app}")
     model, output = build_model(module.build, dict(module.TINY), 16, runtime=rt)
     s = (BASELINES[strategy](model, rt.machine) if strategy in BASELINES else
          random_strategy(model.ops, rt.machine, np.random.default_rng(strategy), shaped=False))
-    model.compile(strategy=s, output=output, release=True)
+    model.compile(strategy=s, output=output, release=release)
     return model, batch_source(module.make_batch, model, dict(module.TINY), 0)
 
 
@@ -176,3 +177,19 @@ def test_a_step_releases_its_activations_on_gpus_unless_told_and_the_flag_is_che
             model.compile(release="yes")
         model.compile(loss="mean_squared_error")
         assert model._low.release is False
+
+
+@pytest.mark.parametrize("app,strategy", [("alexnet", 1), ("resnet101", "data")])
+def test_a_step_that_releases_trains_as_one_that_keeps_everything(app, strategy):
+    """Three steps with releases and three without, from the same weights and batches: the same
+    losses and weights (releases move data into new instances, never change it)."""
+    results = []
+    for release in (True, False):
+        with Runtime(cpus=4, separate_memories=True) as rt:
+            model, source = _tiny(app, strategy, rt, release)
+            losses = list(model.train_on(source, 3))
+            results.append((losses, model.parameters()))
+    (released, params_r), (kept, params_k) = results
+    np.testing.assert_allclose(released, kept, rtol=1e-6)
+    for name in params_k:
+        np.testing.assert_allclose(params_r[name], params_k[name], rtol=1e-5, atol=1e-6, err_msg=name)
