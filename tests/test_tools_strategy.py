@@ -1,4 +1,5 @@
-"""tools/strategy: show, draw and diff on strategies made here, PNG sizes, and every error case."""
+"""tools/strategy: show, draw, diff and memory on strategies made here, PNG sizes, and every error case."""
+import json
 import shutil
 import struct
 
@@ -126,10 +127,31 @@ def test_diff(tmp_path, capsys):
     assert status == 1 and out == "model: rnntc -> mlp\n"
 
 
+def test_memory_gives_each_device_s_peak_where_it_falls_and_its_largest_regions(tmp_path, capsys):
+    """On a local model of two devices, then on one whose devices hold 20 kB (over: exit 1)."""
+    from strategies.machine_model import machine_path
+    local = json.loads(machine_path("local").read_text())
+    for mem_bytes, want in ((None, 0), (20_000, 1)):
+        local.update(devices_per_node=2, device={**local["device"], "mem_bytes": mem_bytes})
+        (tmp_path / "m.json").write_text(json.dumps(local))
+        status, out, _ = run(capsys, "memory", mlp_strategy(tmp_path / "s.json"), "--app", "mlp", "--tiny",
+                             "--machine", tmp_path / "m.json", "--top", "2")
+        lines = out.splitlines()
+        heads = [line for line in lines if line.startswith("device ")]
+        assert status == want and [h.split(":")[0] for h in heads] == ["device 0", "device 1"], out
+        assert all(", everything kept for the whole step" in h for h in heads)   # on CPUs nothing is released
+        assert ("OVER" in out) == bool(want) and len(lines) == 2 + 2 * 2
+        assert all(line.startswith("    ") and line.endswith(".weight") for line in lines if line not in heads)
+    model, _ = app_graph("mlp", 16, tiny=True)
+    assert tool.place_name(0, model.ops) == f"forward of {model.ops[0].name}"
+    assert tool.place_name(len(model.ops), model.ops) == f"gradient fills of {model.ops[0].name}"
+    assert tool.place_name(3 * len(model.ops) - 1, model.ops) == f"backward of {model.ops[0].name}"
+
+
 @pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",
                                   "arity", "fingerprint", "diff missing", "no output", "no app", "bad engine",
                                   "no command", "bad batch", "unsplittable dim", "over the extent", "unwritable",
-                                  "sizes without an app"])
+                                  "sizes without an app", "memory without an app", "memory bad machine"])
 def test_errors_one_line_exit_2(tmp_path, capsys, case):
     good = mlp_strategy(tmp_path / "s.json")
     bad = tmp_path / "bad.json"
@@ -150,7 +172,9 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "unsplittable dim": ["show", bad, "--app", "mlp", "--tiny"],
             "over the extent": ["draw", bad, "--app", "mlp", "--tiny", "-o", tmp_path / "g.png"],
             "unwritable": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "nope" / "g.png"],
-            "sizes without an app": ["show", good, "--batch-size", "4"]}[case]
+            "sizes without an app": ["show", good, "--batch-size", "4"],
+            "memory without an app": ["memory", good],
+            "memory bad machine": ["memory", good, "--app", "mlp", "--tiny", "--machine", tmp_path / "nope.json"]}[case]
     text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
             "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
             "other model": Strategy("mlp", {}).to_json(),
@@ -175,5 +199,6 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
               "unsplittable dim": "splits dim 2 2 ways, but dim 2 may not be split",
               "over the extent": "splits dim 0 (sample) 32 ways, more than its extent 16",
               "unwritable": "the folder",
-              "sizes without an app": "--batch-size 4: sizes the app given with --app, and none is"}[case]
+              "sizes without an app": "--batch-size 4: sizes the app given with --app, and none is",
+              "memory without an app": "--app", "memory bad machine": "nope.json"}[case]
     assert expect in err

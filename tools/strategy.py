@@ -1,15 +1,21 @@
-"""Look at strategy files: a table of their configs, a drawing of the graph by device, a diff.
+"""Look at strategy files: a table of their configs, a drawing of the graph by device, a diff,
+what each device holds at its peak.
 
     python -m tools.strategy show FILE [--app NAME [--tiny] [--batch-size N]]
     python -m tools.strategy draw FILE --app NAME [--tiny] [--batch-size N] -o out.png [--engine auto|dot|matplotlib]
     python -m tools.strategy diff A B
+    python -m tools.strategy memory FILE --app NAME [--tiny] [--batch-size N] [--machine M] [--nodes N] [--top K]
 
 `show` lists each op's degrees, named by SOAP kind when the app gives the op (S sample,
 A attribute, P parameter, R reduce: "S2 P2"), its devices and, given the app, its kind and
 output shape. `draw` lays the app's ops out in layers of their topological order, an edge
 from each producer to its consumers, each op coloured by the set of devices its tiles run
 on (graphviz's `dot` when it is on PATH, else matplotlib). `diff` prints the ops whose
-configs differ and exits 1 if any do, like diff(1). A missing or malformed file, an
+configs differ and exits 1 if any do, like diff(1). `memory` prints, per device of the
+machine model (default `local`), the peak bytes a training step holds there under the
+strategy against the device's memory, where in the step the peak falls and the `--top`
+largest regions held then (strategies/memory.py; exit 1 where a device is over). A missing
+or malformed file, an
 unknown app or a strategy that does not fit the app gives one line on stderr and exit 2.
 """
 from __future__ import annotations
@@ -270,6 +276,60 @@ def differences(a: Strategy, b: Strategy) -> list[str]:
     return out
 
 
+# ---- memory -------------------------------------------------------------------------------------
+def place_name(place: int, ops: Sequence[Op]) -> str:
+    """A place of the step (strategies.memory.step_holdings) in words."""
+    n = len(ops)
+    if place < n:
+        return f"forward of {ops[place].name}"
+    if place < 2 * n:
+        return f"gradient fills of {ops[place - n].name}"
+    return f"backward of {ops[3 * n - 1 - place].name}"
+
+
+def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, machine: str, nodes: int | None,
+                  top: int) -> tuple[list[str], bool]:
+    """(the lines `memory` prints, whether every device fits)."""
+    from strategies.cost import CostModel
+    from strategies.machine_model import _si as si, load_machine
+    from strategies.memory import step_holdings
+    from strategies.search import app_graph
+    from strategies.simulator import Simulator
+    try:
+        model_machine = load_machine(machine, nodes=nodes)
+    except ValueError as e:   # (MachineError among them)
+        raise ToolError(f"--machine {machine}: {e}") from None
+    model, output = app_graph(app, batch, tiny)
+    sim = Simulator.for_model(model, model_machine, CostModel(model_machine, measured=False), output=output)
+    try:
+        view = sim.builder.plan_view(sim.configs(strategy))
+    except (StrategyError, ConfigError, ValueError) as e:
+        raise ToolError(f"{strategy.source or 'strategy'}: {e}") from None
+    regions, held, buffers = step_holdings(view, sim.machine)
+    first = {}
+    for i, p in enumerate(sim.machine.processors):
+        first.setdefault(p.memory, i)
+    lines, fits = [], True
+    for memory, proc in sorted(first.items(), key=lambda kv: kv[1]):
+        timeline = held.get(memory)
+        if timeline is None or not timeline.any():   # (a host that holds nothing of the step)
+            continue
+        place = int(timeline.argmax())
+        peak = int(timeline[place]) + buffers[memory]
+        capacity = model_machine.device_of(sim.machine.processors[proc]).mem_bytes
+        over = peak > capacity
+        fits = fits and not over
+        when = ("everything kept for the whole step" if timeline.min() == timeline.max()
+                else f"at the {place_name(place, view.ops)}")
+        lines.append(f"device {proc}: {si(peak, 'B')} of {si(capacity, 'B')}{'  OVER' if over else ''}, {when} "
+                     f"(reduction buffers {si(buffers[memory], 'B')})")
+        live = sorted(((nbytes, name) for name, (nbytes, lo, hi) in regions[memory].items() if lo <= place <= hi),
+                      reverse=True)
+        for nbytes, name in live[:top]:
+            lines.append(f"    {si(nbytes, 'B'):>9}  {name}")
+    return lines, fits
+
+
 # ---- command line -------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -296,6 +356,12 @@ def parser() -> argparse.ArgumentParser:
     diff = sub.add_parser("diff", help="the ops whose configs differ")
     diff.add_argument("a")
     diff.add_argument("b")
+    mem = sub.add_parser("memory", help="what each device holds at its peak in a training step")
+    mem.add_argument("file")
+    app_flags(mem, True)
+    mem.add_argument("--machine", default="local", help="a machine model: p100, k80, h100, local or a file")
+    mem.add_argument("--nodes", type=int, default=None, help="the machine model's nodes (default: its own)")
+    mem.add_argument("--top", type=int, default=3, help="the largest regions to list per device (default 3)")
     return p
 
 
@@ -321,6 +387,13 @@ def main(argv=None) -> int:
             print(f"{args.file}: model {strategy.model}, {len(strategy.ops)} ops")
             print(format_table(rows(strategy, ops)))
             return 0
+        if args.command == "memory":
+            if args.top < 0 or (args.nodes is not None and args.nodes < 1):
+                raise ToolError(f"--top {args.top} and --nodes {args.nodes}: --top at least 0, --nodes at least 1")
+            lines, fits = memory_report(strategy, args.app, args.tiny, args.batch_size, args.machine, args.nodes,
+                                        args.top)
+            print("\n".join(lines))
+            return 0 if fits else 1
         engine = draw(strategy, ops, args.output, f"{args.file} ({args.app})", args.engine)
         print(f"wrote {args.output} ({engine})")
         return 0
