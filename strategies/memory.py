@@ -72,10 +72,11 @@ def _op_holdings(plan, updates, fills, machine: Machine, index: int, n: int):
     """What op `index` of n keeps under its plan: ((memory, region name) -> [the rects of it that
     its tiles (its `plan`'s launches and gradient `fills`) and its weights' update shards
     (`updates`) ask that memory for, itemsize, the first place it does]; region name -> the
-    last place it touches it; memory -> the bytes of its tiles' reduction buffers there)."""
+    last place it touches it; (memory, region name) -> [the bytes of its tiles' reduction buffers
+    into that region there, the first place one is made])."""
     held: dict[tuple[Memory, str], list] = {}
     last: dict[str, int] = {}
-    buffers: dict[Memory, int] = {}
+    buffers: dict[tuple[Memory, str], list] = {}
 
     def add(region, memory: Memory, rect: Rect, at: int) -> None:
         if rect.empty:
@@ -98,7 +99,9 @@ def _op_holdings(plan, updates, fills, machine: Machine, index: int, n: int):
             for r in reqs:
                 rect = r.partition.rects[color]
                 if r.privilege.is_reduce:   # into a private buffer of the tile's
-                    buffers[memory] = buffers.get(memory, 0) + rect.volume * r.region.dtype.itemsize
+                    known = buffers.setdefault((memory, r.region.name), [0, at])
+                    known[0] += rect.volume * r.region.dtype.itemsize
+                    known[1] = min(known[1], at)
                 else:
                     add(r.region, memory, rect, at)
     at = _place(FORWARD_PHASE, index, n)
@@ -162,9 +165,9 @@ class PeakCache:
             if p.memory not in self._row:
                 self._row[p.memory] = len(self._first)
                 self._first.append(i)
-        #: per memory row, the bytes that come (+) and go (-) at each place of the step
-        self._diff = np.zeros((len(self._first), self._places + 1), np.int64)
-        self._buffers = np.zeros(len(self._first), np.int64)
+        #: per memory row, the bytes that come (+) and go (-) at each place of the step: [0] of
+        #: instances, [1] of reduction buffers
+        self._diff = np.zeros((2, len(self._first), self._places + 1), np.int64)
         self._peaks = np.zeros(len(self._first), np.int64)
         self._dirty: set[int] = set()
         self._transient: set[str] | None = None
@@ -188,7 +191,11 @@ class PeakCache:
             regions: dict[str, dict[Memory, list]] = {}
             for (memory, name), h in held.items():
                 regions.setdefault(name, {})[memory] = h
-            got = self._op_held[key] = (regions, last, buffers)
+            by_region: dict[str, dict[Memory, list]] = {}
+            for (memory, name), b in buffers.items():
+                regions.setdefault(name, {})
+                by_region.setdefault(name, {})[memory] = b
+            got = self._op_held[key] = (regions, last, by_region)
         return got
 
     def _key(self, op, low) -> tuple:
@@ -223,13 +230,12 @@ class PeakCache:
             self._update(changed, low)
         if self._dirty:
             rows = np.fromiter(sorted(self._dirty), np.int64, len(self._dirty))
-            self._peaks[rows] = np.cumsum(self._diff[rows], axis=1).max(axis=1)
+            self._peaks[rows] = np.cumsum(self._diff[0, rows] + self._diff[1, rows], axis=1).max(axis=1)
             self._dirty.clear()
-        totals = self._peaks + self._buffers
         peak: dict[int, int] = {}
-        for row in np.flatnonzero(totals):
+        for row in np.flatnonzero(self._peaks):
             proc = self._first[row]
-            peak[proc] = peak.get(proc, 0) + int(totals[row])
+            peak[proc] = peak.get(proc, 0) + int(self._peaks[row])
         return dict(sorted(peak.items()))
 
     def _update(self, changed: list, low) -> None:
@@ -246,42 +252,45 @@ class PeakCache:
                 names.append(op.name)
                 names.sort(key=self._order.__getitem__)
             touched |= before | after
-            for sign, k in ((-1, old), (1, key)):
-                if k is None:
-                    continue
-                for memory, nbytes in self._op_held[k][2].items():
-                    row = self._row[memory]
-                    self._buffers[row] += sign * nbytes
-        rows: list[int] = []   # the changes to _diff, made in one go
+        rows: list[int] = []   # the changes to the diff arrays, made in one go: (0 instances, 1 buffers)
+        kinds: list[int] = []
         places: list[int] = []
         amounts: list[int] = []
         for region in touched:
-            for row, nbytes, first, last in self._parts.pop(region, ()):
-                rows += (row, row)
-                places += (first, last + 1)
-                amounts += (-nbytes, nbytes)
+            for kind, parts in enumerate(self._parts.pop(region, ((), ()))):
+                for row, nbytes, first, last in parts:
+                    rows += (row, row)
+                    kinds += (kind, kind)
+                    places += (first, last + 1)
+                    amounts += (-nbytes, nbytes)
             names = self._holders.get(region)
             if not names:
                 continue
-            parts = self._parts[region] = self._region_of(region, names)
-            for row, nbytes, first, last in parts:
-                rows += (row, row)
-                places += (first, last + 1)
-                amounts += (nbytes, -nbytes)
+            both = self._parts[region] = self._region_of(region, names)
+            for kind, parts in enumerate(both):
+                for row, nbytes, first, last in parts:
+                    rows += (row, row)
+                    kinds += (kind, kind)
+                    places += (first, last + 1)
+                    amounts += (nbytes, -nbytes)
         if rows:
-            np.add.at(self._diff, (rows, places), amounts)
+            np.add.at(self._diff, (kinds, rows, places), amounts)
             self._dirty.update(rows)
 
-    def _region_of(self, region: str, names: list[str]) -> list[tuple[int, int, int, int]]:
-        """(memory row, bytes, first place, last place) of one region on each memory that holds
-        it, held by the ops `names` under their current configs."""
+    def _region_of(self, region: str, names: list[str]) -> tuple[list, list]:
+        """(instance parts, buffer parts) of one region, held by the ops `names` under their
+        current configs: per memory that holds it, (memory row, bytes, first place, last place).
+        Where the step releases, a buffer lives from the first place that reduces into the
+        region there to the last place that touches the region (its fold comes by then: at the
+        next access that reads it); elsewhere, all the step."""
         key = (region, tuple(self._keys[n] for n in names))
         parts = self._region_parts.get(key)
         if parts is None:
             rects: dict[Memory, list] = {}
+            buffers: dict[Memory, list] = {}
             last = 0
             for n in names:
-                regions, lasts, _ = self._op_held[self._keys[n]]
+                regions, lasts, bufs = self._op_held[self._keys[n]]
                 last = max(last, lasts.get(region, 0))
                 for memory, (rs, itemsize, first) in regions.get(region, {}).items():
                     known = rects.get(memory)
@@ -290,10 +299,17 @@ class PeakCache:
                     else:
                         known[0].extend(rs)
                         known[2] = min(known[2], first)
+                for memory, (nbytes, first) in bufs.get(region, {}).items():
+                    known = buffers.setdefault(memory, [0, first])
+                    known[0] += nbytes
+                    known[1] = min(known[1], first)
             transient = self.release and region in self._transient
-            parts = self._region_parts[key] = [
-                (self._row[m], box_volume(rs) * itemsize, first if transient else 0, last if transient else self._end)
-                for m, (rs, itemsize, first) in rects.items()]
+            instances = [(self._row[m], box_volume(rs) * itemsize, first if transient else 0,
+                          last if transient else self._end) for m, (rs, itemsize, first) in rects.items()]
+            until = last if transient else self._end
+            held = [(self._row[m], nbytes, first if self.release else 0, until if self.release else self._end)
+                    for m, (nbytes, first) in buffers.items()]
+            parts = self._region_parts[key] = (instances, held)
         return parts
 
 
@@ -320,21 +336,26 @@ def peak_memory(graph: Lowering | tuple[Sequence[Op], Mapping[str, TileConfig]],
 
 
 def step_holdings(low, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[int, int, int]]],
-                                                    dict[Memory, np.ndarray], dict[Memory, int]]:
-    """What the model counts, for tests and tools: (memory -> region name -> (bytes, first place,
-    last place); memory -> the bytes of instances held at each place of the step; memory -> the
-    bytes of its reduction buffers). Places: op i's forward is i, its gradient fills n + i, its
-    backward 3n - 1 - i."""
+                                                    dict[Memory, np.ndarray], dict[Memory, np.ndarray],
+                                                    dict[Memory, int]]:
+    """What the model counts, for tests and tools: (memory -> region name -> (bytes of its
+    instance, first place, last place); memory -> the bytes of instances held at each place of
+    the step; memory -> the bytes of reduction buffers live at each place; memory -> the bytes of
+    all its reduction buffers, live or not). Places: op i's forward is i, its gradient fills
+    n + i, its backward 3n - 1 - i."""
     cache = PeakCache(low.ops, machine, getattr(low, "release", None))
     cache.peak(low)
     memories = {row: memory for memory, row in cache._row.items()}
     regions: dict[Memory, dict[str, tuple[int, int, int]]] = {m: {} for m in cache._row}
-    for name, parts in cache._parts.items():
-        for row, nbytes, first, last in parts:
+    total = {m: 0 for m in cache._row}
+    for name, (instances, buffers) in cache._parts.items():
+        for row, nbytes, first, last in instances:
             regions[memories[row]][name] = (nbytes, first, last)
-    held = np.cumsum(cache._diff, axis=1)[:, :-1]
-    return (regions, {m: held[row] for m, row in cache._row.items()},
-            {m: int(cache._buffers[row]) for m, row in cache._row.items()})
+        for row, nbytes, _, _ in buffers:
+            total[memories[row]] += nbytes
+    held = np.cumsum(cache._diff, axis=2)[:, :, :-1]
+    return (regions, {m: held[0, row] for m, row in cache._row.items()},
+            {m: held[1, row] for m, row in cache._row.items()}, total)
 
 
 def plan_peak(low, machine: Machine) -> dict[int, int]:

@@ -117,7 +117,7 @@ def test_the_predicted_memory_is_what_a_run_s_instances_hold(app, strategy):
         buffers = _LiveBuffers(rt.store)
         list(model.train_on(source, 2))
         rt.wait()
-        regions, held, predicted_buffers = step_holdings(model._low, rt.machine)
+        regions, held, _, predicted_buffers = step_holdings(model._low, rt.machine)
         made = _regions(model._low)
         transient = transient_names(model._low)
         for memory in rt.machine.memories[1:]:
@@ -142,7 +142,7 @@ def test_a_step_run_segment_by_segment_holds_what_the_model_counts_at_each_place
         list(model.train_on(source, 1))
         rt.wait()
         low = model._low
-        _, want, _ = step_holdings(low, rt.machine)
+        _, want, _, _ = step_holdings(low, rt.machine)
         n = len(low.ops)
         order = {op.name: i for i, op in enumerate(low.ops)}
         segments = ([low.forward_segment(low.plans[op.name], True, model.batch_size, 2) for op in low.ops]

@@ -305,24 +305,25 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
         view = sim.builder.plan_view(sim.configs(strategy))
     except (StrategyError, ConfigError, ValueError) as e:
         raise ToolError(f"{strategy.source or 'strategy'}: {e}") from None
-    regions, held, buffers = step_holdings(view, sim.machine)
+    regions, held, buffers, _ = step_holdings(view, sim.machine)
     first = {}
     for i, p in enumerate(sim.machine.processors):
         first.setdefault(p.memory, i)
     lines, fits = [], True
     for memory, proc in sorted(first.items(), key=lambda kv: kv[1]):
         timeline = held.get(memory)
-        if timeline is None or not timeline.any():   # (a host that holds nothing of the step)
+        if timeline is None or not (timeline.any() or buffers[memory].any()):   # (a host that holds nothing)
             continue
+        timeline = timeline + buffers[memory]
         place = int(timeline.argmax())
-        peak = int(timeline[place]) + buffers[memory]
+        peak = int(timeline[place])
         capacity = model_machine.device_of(sim.machine.processors[proc]).mem_bytes
         over = peak > capacity
         fits = fits and not over
         when = ("everything kept for the whole step" if timeline.min() == timeline.max()
                 else f"at the {place_name(place, view.ops)}")
         lines.append(f"device {proc}: {si(peak, 'B')} of {si(capacity, 'B')}{'  OVER' if over else ''}, {when} "
-                     f"(reduction buffers {si(buffers[memory], 'B')})")
+                     f"(reduction buffers {si(int(buffers[memory][place]), 'B')})")
         live = sorted(((nbytes, name) for name, (nbytes, lo, hi) in regions[memory].items() if lo <= place <= hi),
                       reverse=True)
         for nbytes, name in live[:top]:
