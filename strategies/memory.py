@@ -18,9 +18,11 @@ The peak is the most the device holds at once, segment by segment in the step's 
 op by op, the gradient fills, backward op by op in reverse. It equals the run's instances
 region by region and, when the step runs one launch at a time, segment by segment
 (tests/test_memory.py); a run whose devices run ahead of each other frees later and can hold
-more. Besides, the reduction
-buffers: each tile's private buffer of what it sums into (a replicated weight's gradient, a
-shared input's gradient, a partial output), all counted as live at once (in alexnet's data
+more. Besides, the reduction buffers: each tile's private buffer of what it sums into (a
+replicated weight's gradient, a shared input's gradient, a partial output). Where the step releases, a buffer counts from the
+first place that makes it to the last place that touches its region (the buffer is folded and
+freed by then, at the next access that reads the region: a weight's gradient at its update, an
+activation's at its op's backward); elsewhere all count as live at once (in alexnet's data
 parallelism nine tenths of them were live at one time). Not counted: what a kernel keeps for
 backward besides its inputs and outputs, and host memory (attached inputs, initial weights).
 
