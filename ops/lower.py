@@ -1104,13 +1104,12 @@ class Lowering:
                     if with_loss or op.name != self.loss]
         return self._issue_program(f"infer{'+loss' if with_loss else ''}:{self.tag}", make, 0, valid)
 
-    def transient(self) -> set[int]:
-        """The uids of what a training step makes and needs no more once it is over: every
-        activation and activation gradient, not the graph's inputs and labels (attached or made
-        by a batch source before the step), weights, their gradients and optimizer state, or
-        statistics."""
-        made = {r.uid for name, r in self.values.items() if name not in self.input_names}
-        return made | {r.uid for r in self.grads.values()}
+    def transient(self) -> set[Region]:
+        """What a training step makes and needs no more once it is over: every activation and
+        activation gradient, not the graph's inputs and labels (attached or made by a batch
+        source before the step), weights, their gradients and optimizer state, or statistics."""
+        made = {r for name, r in self.values.items() if name not in self.input_names}
+        return made | set(self.grads.values())
 
     def release_points(self, segments: Sequence[Segment]) -> dict[int, tuple[Region, ...]]:
         """segment index -> the transient regions that it is the last of `segments` to touch
@@ -1122,7 +1121,7 @@ class Lowering:
         for s, segment in enumerate(segments):
             for launch in segment.launches:
                 for r in launch.reqs:
-                    if r.region.uid in transient:
+                    if r.region in transient:
                         last[r.region] = s
         out: dict[int, list[Region]] = {}
         for region, s in last.items():

@@ -55,12 +55,6 @@ def _sources(ops: Sequence[Op]) -> list:
     return list(seen.values())
 
 
-def _step_places(n: int) -> tuple[int, int]:
-    """(the number of places in a step of n ops: forward, gradient fills, backward, each op's
-    place in its phase; the last place)."""
-    return 3 * n, 3 * n - 1
-
-
 def _place(phase: str, index: int, n: int) -> int:
     """Where op `index` of n's launches of `phase` stand in a step (see the module doc)."""
     if phase == FORWARD_PHASE:
@@ -68,6 +62,16 @@ def _place(phase: str, index: int, n: int) -> int:
     if phase == GRAD_FILL_PHASE:
         return n + index
     return 3 * n - 1 - index   # backward, in reverse op order
+
+
+def place_name(place: int, ops: Sequence[Op]) -> str:
+    """A place of the step (_place) in words."""
+    n = len(ops)
+    if place < n:
+        return f"forward of {ops[place].name}"
+    if place < 2 * n:
+        return f"gradient fills of {ops[place - n].name}"
+    return f"backward of {ops[3 * n - 1 - place].name}"
 
 
 def _op_holdings(plan, updates, fills, machine: Machine, index: int, n: int):
@@ -125,14 +129,6 @@ def box_volume(rects) -> int:
     return volume
 
 
-def transient_names(low) -> set[str]:
-    """The names of the regions a training step releases (Lowering.transient): activations and
-    their gradients, not the graph's inputs and labels."""
-    sources = {t.name for t in _sources(low.ops)}
-    return ({r.name for name, r in low.values.items() if name not in sources}
-            | {r.name for r in low.grads.values()})
-
-
 class PeakCache:
     """Peak bytes per device for a sequence of strategies of one graph, kept up to date rather
     than redone: each op's holdings are kept by its config (and the gradients its only consumer
@@ -149,17 +145,13 @@ class PeakCache:
         self._order = {op.name: i for i, op in enumerate(ops)}
         self._by_name = {op.name: op for op in ops}
         self._seen = None   # the name of the last view's program (a view's delta)
-        #: op name -> the ops that made its inputs that it alone reads (whose fills its config decides)
-        self._fill_producers: dict[str, list[str]] = {op.name: [] for op in ops}
-        uses: dict[str, list[str]] = {}
-        made = {t.name: op.name for op in ops for t in op.outputs}
-        for op in ops:
-            for t in op.inputs:
-                uses.setdefault(t.name, []).append(op.name)
-        for t, users in uses.items():
-            if len(users) == 1 and t in made:
-                self._fill_producers[users[0]].append(made[t])
-        self._places, self._end = _step_places(len(ops))
+        #: op name -> the ops that made its inputs that it alone reads (whose fills its config
+        #: decides); the names of the regions a step releases (both from the first lowering seen)
+        self._fill_producers: dict[str, list[str]] | None = None
+        self._transient: set[str] | None = None
+        #: places in a step: forward, gradient fills and backward, one per op each; the last one
+        self._places = 3 * len(ops)
+        self._end = self._places - 1
         #: memory -> its row in _diff; the processor index it reports under
         self._row: dict[Memory, int] = {}
         self._first: list[int] = []
@@ -172,16 +164,17 @@ class PeakCache:
         self._diff = np.zeros((2, len(self._first), self._places + 1), np.int64)
         self._peaks = np.zeros(len(self._first), np.int64)
         self._dirty: set[int] = set()
-        self._transient: set[str] | None = None
         #: (op name, config, written) -> (region name -> memory -> [rects, itemsize, first place],
-        #: region name -> last place, memory -> the bytes of its reduction buffers there)
+        #: region name -> last place, region name -> memory -> [bytes of its reduction buffers
+        #: there, first place])
         self._op_held: dict[tuple, tuple] = {}
-        self._region_parts: dict[tuple, list[tuple[int, int, int, int]]] = {}
+        self._region_parts: dict[tuple, tuple[list, list]] = {}
         # the state after the last strategy
         self._plans: dict[str, object] = {}   # op name -> its plan (a plan seen again has its config)
         self._keys: dict[str, tuple] = {}
         self._holders: dict[str, list[str]] = {}
-        self._parts: dict[str, list[tuple[int, int, int, int]]] = {}   # region -> its (row, bytes, first, last)
+        #: region -> (its instance parts, its buffer parts), each (row, bytes, first place, last place)
+        self._parts: dict[str, tuple[list, list]] = {}
 
     def _held(self, op, low, key) -> tuple:
         got = self._op_held.get(key)
@@ -206,7 +199,12 @@ class PeakCache:
     def peak(self, low) -> dict[int, int]:
         """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
         if self._transient is None:
-            self._transient = transient_names(low)
+            self._transient = {r.name for r in Lowering.transient(low)}
+            producer = {t.name: op.name for op in self.ops for t in op.outputs}
+            self._fill_producers = {op.name: [] for op in self.ops}
+            for t, (consumer, _) in low.sole_consumers.items():
+                if t in producer:
+                    self._fill_producers[consumer].append(producer[t])
         plans = low.plans
         delta = getattr(low, "delta", None)   # (strategies.segments' views: the ops changed since a program)
         ops = self.ops

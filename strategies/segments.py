@@ -333,13 +333,14 @@ class AssembledIteration:
 @dataclass
 class _PlanView:
     """The parts of a Lowering that strategies.memory reads, with this strategy's plans (and
-    what Lowering.written_grads reads, so that it takes a view too); and
+    what Lowering.written_grads and Lowering.transient read, so that they take a view too); and
     which ops' plans changed since the builder's program before (`delta`: its serial, this
     one's, the op names; None where all may have), for PeakCache."""
 
     ops: list
     plans: dict
     values: dict
+    input_names: list
     grads: dict
     params: dict
     stats: dict
@@ -838,15 +839,16 @@ class SegmentBuilder:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
         low = self.low
         parts, _, plans, _, delta, _ = self._last_ops
-        return _PlanView(self.ops, plans, low.values, low.grads, low.params, low.stats, low.loss_output,
-                         low.sole_consumers, list(map(_update_plans_of, parts)), self._op_index, delta)
+        return _PlanView(self.ops, plans, low.values, low.input_names, low.grads, low.params, low.stats,
+                         low.loss_output, low.sole_consumers, list(map(_update_plans_of, parts)), self._op_index,
+                         delta)
 
     def plan_view(self, configs: dict[str, TileConfig]) -> _PlanView:
         """What strategies.memory reads of the ops under `configs` (op name -> resolved TileConfig,
         every op), from the plans alone: no graph is built."""
         low = self.low
         return _PlanView(self.ops, {op.name: self.plan(op, configs[op.name]) for op in self.ops}, low.values,
-                         low.grads, low.params, low.stats, low.loss_output, low.sole_consumers,
+                         low.input_names, low.grads, low.params, low.stats, low.loss_output, low.sole_consumers,
                          [self.updates(op, configs[op.name]) for op in self.ops], self._op_index, None)
 
     # ---- one region's analysis -------------------------------------------------------------------

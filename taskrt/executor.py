@@ -94,9 +94,8 @@ class Executor:
         #: threshold has finished (Runtime.release's collection), a heap
         self._below: list[tuple[int, int, Callable]] = []
         self._below_count = 0
-        #: every id below it that was submitted here has finished; one past the largest id submitted
+        #: every id below it that was submitted here has finished
         self._low = 0
-        self._submitted_to = 0
 
     def worker_running_here(self) -> str | None:
         """The name of this executor's worker that the calling thread is, or None."""
@@ -112,12 +111,9 @@ class Executor:
         """submit() for (node, preds) pairs in order, under one hold of the lock (a replayed
         launch's nodes: the lock is what the workers' finishes contend for)."""
         ready = []
-        last = -1
         with self.lock:
             unfinished, dependents, waiting = self.unfinished, self.dependents, self.waiting
             for node, preds in items:
-                if type(node.id) is int:   # (a transport's future messages have names)
-                    last = node.id
                 count = 0
                 for p in preds:
                     if p in unfinished:
@@ -128,19 +124,14 @@ class Executor:
                     waiting[node.id] = count
                 else:
                     ready.append(node)
-            if last >= self._submitted_to:
-                self._submitted_to = last + 1
-            due = self._due() if self._below else ()
-        for fn in due:
-            fn()
         for node in ready:
             self._ready(node)
 
     def when_done_below(self, threshold: int, fn: Callable[[], None]) -> None:
         """Call fn (in whichever thread finds it due) once every node with an id below
-        `threshold` that is, or will be, submitted here has finished. Nodes come in id order,
-        so those below the largest id submitted that are not unfinished have finished (nodes
-        with other ids, a transport's future messages, are not counted)."""
+        `threshold` has finished; called once all of those this rank runs have been submitted,
+        so one that is not unfinished has finished (or is another rank's). Nodes with other ids,
+        a transport's future messages, are not counted."""
         with self.lock:
             heapq.heappush(self._below, (threshold, self._below_count, fn))
             self._below_count += 1
@@ -152,10 +143,10 @@ class Executor:
         """Pop the callbacks whose threshold every submitted node below has passed (under the lock)."""
         below, unfinished, low, due = self._below, self.unfinished, self._low, []
         while below:
-            top = min(below[0][0], self._submitted_to)
+            top = below[0][0]
             while low < top and low not in unfinished:
                 low += 1
-            if low < below[0][0]:
+            if low < top:
                 break
             due.append(heapq.heappop(below)[2])
         self._low = low

@@ -394,19 +394,23 @@ class Runtime:
         replay = self._replay
         if replay is not None:
             replay.on_release(regions)
-        self._release_at(regions, at)
+        self._start_generation(regions, at)
+        self._collect_when_done(regions, at)
 
-    def _release_at(self, regions, at: int) -> None:
-        """Release `regions` for the nodes from id `at` on (release, or a replay of one)."""
+    def _start_generation(self, regions, at: int) -> None:
+        """Nodes from id `at` on use new instances of `regions` (before any of them is submitted)."""
         released = self.analyzer.released
         for region in regions:
             released[region.uid] = at
-        if self.executor is None:
-            return
-        store, when = self.store, self.executor.when_done_below
-        for region in regions:
-            store.release(region, at)
-            when(at, functools.partial(store.collect, region))
+            if self.executor is not None:
+                self.store.release(region, at)
+
+    def _collect_when_done(self, regions, at: int) -> None:
+        """Free the instances of `regions` that nodes before id `at` used once those have run
+        (after every one of them this rank runs has been submitted)."""
+        if self.executor is not None:
+            for region in regions:
+                self.executor.when_done_below(at, functools.partial(self.store.collect, region))
 
     # ---- graph building (called by the analyzer and replay) ------------------------------
     def _new_id(self) -> int:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from apps.cli import batch_source, build_model
 from strategies.baselines import BASELINES
-from strategies.memory import box_volume, step_holdings, transient_names
+from strategies.memory import box_volume, step_holdings
 from strategies.random import random_strategy
 from taskrt import Rect, Runtime
 
@@ -119,7 +119,7 @@ def test_the_predicted_memory_is_what_a_run_s_instances_hold(app, strategy):
         rt.wait()
         regions, held, _, predicted_buffers = step_holdings(model._low, rt.machine)
         made = _regions(model._low)
-        transient = transient_names(model._low)
+        transient = {r.name for r in model._low.transient()}
         for memory in rt.machine.memories[1:]:
             boxes = {made[uid].name: box.volume * made[uid].dtype.itemsize
                      for (uid, m), box in rt.store.boxes.items() if m == memory}

@@ -31,6 +31,7 @@ from typing import NoReturn, Sequence
 from ops.base import Op
 from ops.lower import ConfigError, TileConfig, check_degrees
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
+from strategies.memory import place_name, step_holdings
 from taskrt.outputs import output_problem
 from tools import exit_with
 
@@ -277,22 +278,11 @@ def differences(a: Strategy, b: Strategy) -> list[str]:
 
 
 # ---- memory -------------------------------------------------------------------------------------
-def place_name(place: int, ops: Sequence[Op]) -> str:
-    """A place of the step (strategies.memory.step_holdings) in words."""
-    n = len(ops)
-    if place < n:
-        return f"forward of {ops[place].name}"
-    if place < 2 * n:
-        return f"gradient fills of {ops[place - n].name}"
-    return f"backward of {ops[3 * n - 1 - place].name}"
-
-
 def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, machine: str, nodes: int | None,
                   top: int) -> tuple[list[str], bool]:
     """(the lines `memory` prints, whether every device fits)."""
     from strategies.cost import CostModel
     from strategies.machine_model import _si as si, load_machine
-    from strategies.memory import step_holdings
     from strategies.search import app_graph
     from strategies.simulator import Simulator
     try:
