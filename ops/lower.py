@@ -859,6 +859,8 @@ class Lowering:
         #: whether a training step releases its activations and their gradients after their last
         #: segment (release_points; None: releases_by_default)
         self.release = releases_by_default(rt.machine) if release is None else bool(release)
+        if self.release:
+            rt.expect_releases()
         self.ops = list(ops)
         self.optimizer = optimizer
         self.loss = loss

@@ -5,7 +5,11 @@ Run state, all guarded by one lock:
 - waiting:    node id -> number of unfinished preds, for nodes not yet ready;
 - dependents: node id -> ids waiting on it;
 - watched:    what threads in `wait_node` / `wait_all` wait for (a node id, or ALL) -> how
-              many of them, so that a finish wakes a waiter only when it is what it waits for.
+              many of them, so that a finish wakes a waiter only when it is what it waits for;
+- below:      callbacks due once every node below an id has finished, all of them or those
+              that touch one thing (an instance: Runtime.release's collections), and
+              `touching`: per such thing, the ids submitted since `track_touches` that touch
+              it, in order.
 A ready node goes to the queue of its worker: one thread per local processor (tasks)
 and one per local memory (copies and folds into it). Workers call `run_task` /
 `run_copy`, then `_finish`, which releases the dependents. Hooks get (node, start, end).
@@ -22,6 +26,7 @@ The executor does not know what a task computes, nor whether a copy crosses rank
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import queue
 import threading
@@ -90,12 +95,22 @@ class Executor:
             t.start()
             self.threads.append(t)
         self._thread_set = frozenset(self.threads)
-        #: (threshold, order, fn): call fn once every node submitted here with an id below the
-        #: threshold has finished (Runtime.release's collection), a heap
-        self._below: list[tuple[int, int, Callable]] = []
+        #: thing touched (None: anything) -> a heap of (threshold, order, fn): call fn once every
+        #: node submitted here with an id below the threshold (that touches it) has finished
+        self._below: dict[object, list[tuple[int, int, Callable]]] = {}
         self._below_count = 0
+        self._below_left = 0
         #: every id below it that was submitted here has finished
         self._low = 0
+        #: thing touched -> the unfinished ids (and some finished ones) submitted from id
+        #: `_tracked_from` on that touch it, ascending; None until track_touches
+        self._touching: dict[object, deque] | None = None
+        self._tracked_from = 0
+        self._touches: Callable | None = None
+        #: node id -> what it touches (tracked nodes not yet finished); whether every id below
+        #: `_tracked_from` submitted here has finished
+        self._touched_by: dict[int, tuple] = {}
+        self._untracked_done = False
 
     def worker_running_here(self) -> str | None:
         """The name of this executor's worker that the calling thread is, or None."""
@@ -120,6 +135,8 @@ class Executor:
                         dependents.setdefault(p, []).append(node.id)
                         count += 1
                 unfinished[node.id] = node
+                if self._touching is not None:
+                    self._track(node, unfinished)
                 if count:
                     waiting[node.id] = count
                 else:
@@ -127,30 +144,83 @@ class Executor:
         for node in ready:
             self._ready(node)
 
-    def when_done_below(self, threshold: int, fn: Callable[[], None]) -> None:
-        """Call fn (in whichever thread finds it due) once every node with an id below
-        `threshold` has finished; called once all of those this rank runs have been submitted,
-        so one that is not unfinished has finished (or is another rank's). Nodes with other ids,
-        a transport's future messages, are not counted."""
+    def track_touches(self, from_id: int, touches: Callable) -> None:
+        """Keep, from node id `from_id` on, what each submitted node touches (touches(node) ->
+        hashable things: the runtime's are instances), for when_done_below(..., touched); called
+        before any node with that id or a later one is submitted. Later calls change nothing."""
         with self.lock:
-            heapq.heappush(self._below, (threshold, self._below_count, fn))
+            if self._touching is None:
+                self._touching, self._tracked_from, self._touches = {}, from_id, touches
+
+    def _track(self, node, unfinished) -> None:
+        """Add a node's id to the lists of the things it touches (under the lock), dropping
+        finished ids from their fronts as it goes, so that the lists stay short."""
+        touching = self._touching
+        things = self._touched_by[node.id] = tuple(self._touches(node))
+        for thing in things:
+            ids = touching.get(thing)
+            if ids is None:
+                ids = touching[thing] = deque()
+            while ids and ids[0] not in unfinished:
+                ids.popleft()
+            if ids and ids[-1] > node.id:   # (ids come in order; a transport may submit one late)
+                bisect.insort(ids, node.id)
+            else:
+                ids.append(node.id)
+
+    def when_done_below(self, threshold: int, fn: Callable[[], None], touched=None) -> None:
+        """Call fn (in whichever thread finds it due) once every node with an id below
+        `threshold` has finished, or with `touched`, every such node that touches it (as
+        track_touches says, which must have been called); called once all of those this rank
+        runs have been submitted, so one that is not unfinished has finished (or is another
+        rank's). Nodes with other ids, a transport's future messages, are not counted."""
+        if touched is not None and self._touching is None:
+            raise RuntimeError(f"when_done_below(..., touched={touched}) before track_touches")
+        with self.lock:
+            heapq.heappush(self._below.setdefault(touched, []), (threshold, self._below_count, fn))
             self._below_count += 1
-            due = self._due()
+            self._below_left += 1
+            due = self._due((touched,))
         for f in due:
             f()
 
-    def _due(self) -> list[Callable]:
-        """Pop the callbacks whose threshold every submitted node below has passed (under the lock)."""
-        below, unfinished, low, due = self._below, self.unfinished, self._low, []
-        while below:
-            top = below[0][0]
-            while low < top and low not in unfinished:
-                low += 1
-            if low < top:
-                break
-            due.append(heapq.heappop(below)[2])
-        self._low = low
+    def _due(self, touched=()) -> list[Callable]:
+        """Pop the callbacks now due (under the lock): those for any node, and those for what a
+        node that just finished (or a new callback) touched; all, the moment the last node from
+        before tracking began finishes."""
+        below = self._below
+        if self._touching is not None and not self._untracked_done:
+            self._untracked_done = self._passed(self._tracked_from, None)
+            if self._untracked_done:
+                touched = list(below)
+        due = []
+        for key in (None, *touched):
+            heap = below.get(key)
+            if heap is None:
+                continue
+            while heap and self._passed(heap[0][0], key):
+                due.append(heapq.heappop(heap)[2])
+            if not heap:
+                del below[key]
+        self._below_left -= len(due)
         return due
+
+    def _passed(self, threshold: int, touched) -> bool:
+        """Whether every node submitted here below `threshold` (that touches `touched`, when not
+        None) has finished; moves the marks on (under the lock)."""
+        unfinished, low = self.unfinished, self._low
+        top = threshold if touched is None else min(threshold, self._tracked_from)
+        while low < top and low not in unfinished:
+            low += 1
+        self._low = low
+        if low < top:
+            return False
+        if touched is None:
+            return True
+        ids = self._touching.get(touched)
+        while ids and ids[0] not in unfinished:
+            ids.popleft()
+        return not ids or ids[0] >= threshold
 
     def _ready(self, node) -> None:
         """Queue a node whose preds have all finished (or post an inline one, or finish a
@@ -200,7 +270,8 @@ class Executor:
             watched = self.watched
             if watched and (node.id in watched or (ALL in watched and not self.unfinished)):
                 self.cond.notify_all()
-            due = self._due() if self._below else ()
+            touched = self._touched_by.pop(node.id, ()) if self._touched_by else ()
+            due = self._due(touched) if self._below_left else ()
         for fn in due:
             fn()
         for n in ready:

@@ -12,17 +12,21 @@ of its rect (`part`). Which parts of an instance hold valid data is the analysis
 Released regions (Runtime.release: what a training step needs no more, as an activation after
 its backward): a release at node id T starts a new generation of the region's instances. A
 node asks for the generation of its id (nodes before T use the old instances, nodes from T on
-new ones, made on first use), and the old ones are freed once every node before T on this rank
-has finished (`collect`, called by the executor): so a step that runs ahead of the one before
-it never writes into what that one still reads, and no node waits for a free.
+new ones, made on first use), and the old instance in each memory is freed once every node
+before T on this rank that touches that instance has finished (`collections`: what the
+executor calls): so a step that runs ahead of the one before it never writes into what that one still
+reads, no node waits for a free, and a device that runs ahead of the others frees its own
+instances as it goes, as strategies/memory.py counts.
 Reduction buffers are private to one task's requirement and live until every part of
 them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect).
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -58,6 +62,12 @@ class InstanceStore:
         #: region uid -> (its oldest generation still in use, the node ids of its releases not yet
         #: collected, in order); regions never released have none (generation 0)
         self.generations: dict[int, tuple[int, tuple[int, ...]]] = {}
+        #: (region uid, generation) -> how many memories have yet to free their instance of it;
+        #: region uid -> its generations freed in every memory, not yet the oldest
+        self._uncollected: dict[tuple[int, int], int] = {}
+        self._collected: dict[int, set[int]] = {}
+        #: region uid -> the memories of this rank it was reserved in (its instances can be there)
+        self._reserved: dict[int, set[Memory]] = {}
         #: region uid -> the keys of its instances in `instances`
         self._of_region: dict[int, set[tuple[int, Memory, int]]] = {}
         #: bytes each memory's instances hold now, and the most they have held
@@ -83,6 +93,8 @@ class InstanceStore:
         with self._lock:
             box = self.boxes.get(key)
             self.boxes[key] = rect if box is None else box.union_bbox(rect)
+            if box is None:
+                self._reserved.setdefault(region.uid, set()).add(memory)
             return any(k[1] == memory for k in self._of_region.get(region.uid, ()))
 
     def grow(self, region: Region, memory: Memory) -> None:
@@ -124,28 +136,57 @@ class InstanceStore:
         oldest, releases = self.generations.get(uid, (0, ()))
         return releases[gen - oldest - 1] if gen > oldest else -1
 
-    def release(self, region: Region, at: int) -> None:
-        """Nodes from id `at` on use a new generation of region's instances; collect(region)
-        frees the old ones (called once every node before `at` has finished)."""
+    def release(self, region: Region, at: int) -> int:
+        """Nodes from id `at` on use a new generation of region's instances; returns the
+        generation that ends there, which collections(region, gen) frees."""
         with self._lock:
             oldest, releases = self.generations.get(region.uid, (0, ()))
             if releases and at < releases[-1]:
                 raise RuntimeError(f"{region!r} released at node #{at}, before its release at #{releases[-1]}")
             self.generations[region.uid] = (oldest, releases + (at,))
+            return oldest + len(releases)
 
-    def collect(self, region: Region) -> None:
-        """Free the oldest generation of region's instances: every node before its first
-        release has finished (the executor calls this, releases in order)."""
+    def collections(self, region: Region, gen: int) -> list[tuple[Memory, Callable[[], None]]]:
+        """(memory, free) for each memory that can hold generation `gen` of region's instances:
+        free() frees that one (to be called once the nodes of the generation that touch the
+        memory have finished; all of them have been submitted, so reserved, by now). The
+        generation is over once every memory has freed it."""
         uid = region.uid
         with self._lock:
-            oldest, releases = self.generations[uid]
-            self.generations[uid] = (oldest + 1, releases[1:])   # one assignment: readers see old or new
-            keys = self._of_region.get(uid, set())
-            for key in [k for k in keys if k[2] == oldest]:
-                keys.discard(key)
-                inst, _ = self.instances.pop(key)
+            memories = sorted(self._reserved.get(uid, ()), key=str)
+            if memories:
+                self._uncollected[(uid, gen)] = len(memories)
+            else:
+                self._generation_over(uid, gen)
+        return [(memory, functools.partial(self._collect, uid, memory, gen)) for memory in memories]
+
+    def _collect(self, uid: int, memory: Memory, gen: int) -> None:
+        """Free generation gen of region uid's instance in memory (if one was made)."""
+        key = (uid, memory, gen)
+        with self._lock:
+            held = self.instances.pop(key, None)
+            if held is not None:
+                self._of_region[uid].discard(key)
                 self._views.pop(key, None)
-                self._count(key[1], -inst.nbytes)
+                self._count(memory, -held[0].nbytes)
+            left = self._uncollected.pop((uid, gen)) - 1
+            if left:
+                self._uncollected[(uid, gen)] = left
+            else:
+                self._generation_over(uid, gen)
+
+    def _generation_over(self, uid: int, gen: int) -> None:
+        """Generation gen of region uid is freed everywhere: the oldest in use moves on past the
+        generations that are (under the lock; one assignment: readers see old or new)."""
+        over = self._collected.setdefault(uid, set())
+        over.add(gen)
+        oldest, releases = self.generations[uid]
+        first = oldest
+        while oldest in over:
+            over.discard(oldest)
+            oldest += 1
+        if oldest != first:
+            self.generations[uid] = (oldest, releases[oldest - first:])
 
     def instance(self, region: Region, memory: Memory, at: int = -1) -> tuple[object, Rect]:
         """(the instance of region in memory that node id `at` uses, the box of the region it

@@ -277,8 +277,8 @@ class ReplayBlock:
         self.new_ids = range(base, base + len(rows.rows))
         first_launch = rt._launch_count
         rt._launch_count += len(rec.launch_keys)
-        for count, regions in rec.releases:   # before the nodes: each node finds its generation
-            rt._start_generation(regions, base + count)
+        # before the nodes: each node finds its generation
+        gens = [rt._start_generation(regions, base + count) for count, regions in rec.releases]
         transport = rt.transport
         if transport is not None:
             transport.on_signatures(rec.signatures)
@@ -313,8 +313,9 @@ class ReplayBlock:
                     items = []
             rt._emit_many(items, sinks=False)
         rt._add_sinks(map(offset, rows.sinks), fence if rows.any_external else None)
-        for count, regions in rec.releases:   # after the nodes: collection counts on them being submitted
-            rt._collect_when_done(regions, base + count)
+        # after the nodes: collection counts on them being submitted
+        for (count, regions), ended in zip(rec.releases, gens):
+            rt._collect_when_done(regions, base + count, ended)
         self.reissued = True
         rt.replay_stats["reissued"] += 1
         return out

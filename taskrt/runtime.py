@@ -13,7 +13,6 @@ run once, on rank 0's host processor, so that every rank builds the same graph.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import os
@@ -394,23 +393,36 @@ class Runtime:
         replay = self._replay
         if replay is not None:
             replay.on_release(regions)
-        self._start_generation(regions, at)
-        self._collect_when_done(regions, at)
+        self._collect_when_done(regions, at, self._start_generation(regions, at))
 
-    def _start_generation(self, regions, at: int) -> None:
-        """Nodes from id `at` on use new instances of `regions` (before any of them is submitted)."""
+    def expect_releases(self) -> None:
+        """Releases will come (a training step that frees its activations): from the next node
+        on, note which instances each touches, so that a release frees each instance as soon as
+        the nodes that used it have run. A release counts every node issued before the first of
+        these calls (or before itself) as a user of everything."""
+        if self.executor is not None:
+            self.executor.track_touches(self._next_id, _instances_touched)
+
+    def _start_generation(self, regions, at: int) -> list[int]:
+        """Nodes from id `at` on use new instances of `regions` (before any of them is submitted);
+        returns the generation of each that ends there (for _collect_when_done)."""
         released = self.analyzer.released
+        gens = []
         for region in regions:
             released[region.uid] = at
             if self.executor is not None:
-                self.store.release(region, at)
+                self.executor.track_touches(at, _instances_touched)   # (from here, unless expect_releases came first)
+                gens.append(self.store.release(region, at))
+        return gens
 
-    def _collect_when_done(self, regions, at: int) -> None:
-        """Free the instances of `regions` that nodes before id `at` used once those have run
-        (after every one of them this rank runs has been submitted)."""
+    def _collect_when_done(self, regions, at: int, gens: list[int]) -> None:
+        """Free each instance of `regions` that nodes before id `at` used once those of them
+        that touch it have run (after every node before `at` this rank runs has been
+        submitted); `gens`: what _start_generation returned."""
         if self.executor is not None:
-            for region in regions:
-                self.executor.when_done_below(at, functools.partial(self.store.collect, region))
+            for region, gen in zip(regions, gens):
+                for memory, free in self.store.collections(region, gen):
+                    self.executor.when_done_below(at, free, (region.uid, memory))
 
     # ---- graph building (called by the analyzer and replay) ------------------------------
     def _new_id(self) -> int:
@@ -686,6 +698,21 @@ def _touched(node) -> list[tuple]:
         if node.redop is None:
             return [(node.region, node.rect, node.src), (node.region, node.rect, node.dst)]
         return [(node.region, node.rect, node.dst)]
+    return []
+
+
+def _instances_touched(node) -> list[tuple]:
+    """(region uid, memory) of each instance a node reads or writes: those of _touched, and for
+    the half of a copy between ranks that this rank runs, a send's source or a receive's
+    destination."""
+    if type(node) is TaskNode or type(node) is CopyNode:
+        return [(region.uid, memory) for region, _, memory in _touched(node)]
+    half = getattr(node, "kind", None)
+    copy = getattr(node, "copy", None)
+    if half == "send" and copy.redop is None:
+        return [(copy.region.uid, copy.src)]
+    if half == "recv":
+        return [(copy.region.uid, copy.dst)]
     return []
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from hypothesis import given, settings, strategies as st
 
 from taskrt.executor import Executor, Join
@@ -95,4 +97,63 @@ def test_inline_nodes_a_join_readies_run_in_the_order_they_were_submitted():
     gate.set()
     ex.wait_all(timeout=5)
     assert log == [0, *range(2, 12)]
+    ex.shutdown()
+
+
+class Touch(Step):
+    """A node on worker `where` that touches `memories` (what the runtime tracks: its instances)."""
+
+    def __init__(self, node_id: int, log: list, where: str, memories: tuple, gate: threading.Event | None = None):
+        super().__init__(node_id, log, gate)
+        self.where = where
+        self.memories = memories
+
+
+def _fired(log: list, name: str):
+    return lambda: log.append(name)
+
+
+def test_a_callback_for_one_thing_waits_only_for_the_nodes_below_it_that_touch_it():
+    """Node 0 (memory m0) is held up; node 1 (m1) runs, node 2 (m1 to m0, a copy) waits for node 0.
+    Below 2, m1's nodes are done at once; below 3 they wait for the copy, as m0's do for node 0,
+    and a callback for every node for node 0 too."""
+    log, fired = [], []
+    ex = Executor(["w0", "w1"], run_task=run, run_copy=run)
+    ex.track_touches(0, lambda node: node.memories)
+    gate = threading.Event()
+    ex.submit(Touch(0, log, "w0", ("m0",), gate), [])
+    ex.submit(Touch(1, log, "w1", ("m1",)), [])
+    ex.submit(Touch(2, log, "w1", ("m1", "m0")), [0])
+    ex.wait_node(1, timeout=5)
+    for threshold, memory in ((2, "m1"), (3, "m1"), (1, "m0"), (1, None)):
+        ex.when_done_below(threshold, _fired(fired, f"{memory}<{threshold}"), memory)
+    assert fired == ["m1<2"]
+    gate.set()
+    ex.wait_all(timeout=5)
+    assert sorted(fired) == sorted(["m1<2", "m1<3", "m0<1", "None<1"])
+    ex.shutdown()
+
+
+def test_nodes_submitted_before_touches_are_tracked_hold_up_every_callback():
+    """What ids below track_touches' start touch is not known: a callback for anything waits for
+    all of them (node 0 touches m0 only, yet m1's callback waits for it)."""
+    log, fired = [], []
+    ex = Executor(["w0", "w1"], run_task=run, run_copy=run)
+    gate = threading.Event()
+    ex.submit(Touch(0, log, "w0", ("m0",), gate), [])
+    ex.track_touches(1, lambda node: node.memories)
+    ex.submit(Touch(1, log, "w1", ("m1",)), [])
+    ex.wait_node(1, timeout=5)
+    ex.when_done_below(2, _fired(fired, "m1"), "m1")
+    assert fired == []
+    gate.set()
+    ex.wait_all(timeout=5)
+    assert fired == ["m1"]
+    ex.shutdown()
+
+
+def test_a_callback_for_one_thing_before_touches_are_tracked_is_refused():
+    ex = make_executor()
+    with pytest.raises(RuntimeError, match=r"when_done_below\(\.\.\., touched=m0\) before track_touches"):
+        ex.when_done_below(1, lambda: None, "m0")
     ex.shutdown()

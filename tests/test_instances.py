@@ -155,7 +155,8 @@ def test_reading_a_released_region_before_writing_it_is_refused_when_issued():
 def test_the_old_instances_go_only_once_every_node_before_the_release_has_run():
     """Processor 0 is held up by a task issued before the release; meanwhile processor 1 writes
     the region again and reads it: it works in a new instance, the old one is kept until the
-    held-up task finishes, and freeing it then leaves the new data alone."""
+    held-up task finishes (no Runtime.expect_releases came first, so every node before the
+    release counts as a user), and freeing it then leaves the new data alone."""
     with Runtime(cpus=2, separate_memories=True) as rt:
         a, b, gate = (rt.region((16,), "float64", n) for n in ("a", "b", "gate"))
         mem1 = rt.machine.processors[1].memory
@@ -174,6 +175,36 @@ def test_the_old_instances_go_only_once_every_node_before_the_release_has_run():
         rt.wait()
         assert [k[2] for k in rt.store.instances if k[0] == a.uid and k[1] == mem1] == [1]
         assert rt.read(a).tolist() == [7.0] * 16
+
+
+def test_each_memory_frees_its_old_instance_once_the_nodes_there_before_the_release_have_run():
+    """A region split over two processors with memories of their own, processor 0 held up by a
+    task reading its half: the old instance in processor 1's memory is freed as soon as processor
+    1's write has run (a device that runs ahead frees as it goes), the one in processor 0's once
+    the held-up task has; then the generation is over. (A first release, of a region nothing
+    touched, starts the count by memory: before it every node counts.)"""
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        a, unused = rt.region((16,), "float64", "a"), rt.region((4,), "float64", "unused")
+        mem0, mem1 = (p.memory for p in rt.machine.processors)
+        rt.release(unused)
+        halves = Rect((0,), (8,)), Rect((8,), (16,))
+        event = threading.Event()
+        rt.launch(_write, req(a, WRITE, halves[0]), args=(1.0,), proc=0)
+        rt.launch(_wait_on, req(a, "R", halves[0]), args=(event,), proc=0)
+        rt.launch(_write, req(a, WRITE, halves[1]), args=(2.0,), proc=1)
+        rt.release(a)
+        deadline = time.monotonic() + 10
+        store = rt.store
+        while not (store.high_water.get(mem1) == 8 * 8 and store.held[mem1] == 0 and store.held.get(mem0) == 8 * 8):
+            assert time.monotonic() < deadline, (store.held, store.high_water)   # memory 1 made and freed its half
+            time.sleep(0.001)
+        assert [k[1:] for k in rt.store.instances if k[0] == a.uid] == [(mem0, 0)]
+        assert rt.store.generations[a.uid][0] == 0   # not over: memory 0 holds it still
+        event.set()
+        rt.wait()
+        assert not [k for k in rt.store.instances if k[0] == a.uid]
+        assert rt.store.generations[a.uid] == (1, ())
+        assert rt.store.generations[unused.uid] == (1, ())
 
 
 def test_a_program_s_releases_are_replayed_with_its_nodes():

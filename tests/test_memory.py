@@ -164,6 +164,22 @@ def test_a_step_run_segment_by_segment_holds_what_the_model_counts_at_each_place
             assert peaks[memory] == want[memory].max()
 
 
+@pytest.mark.parametrize("app", ["alexnet", "resnet101"])
+def test_steps_run_as_they_come_hold_no_more_than_the_predicted_peak_on_any_device(app):
+    """Four data-parallel steps run as the runtime runs them, each device at its own pace: no
+    device holds more instance bytes at once than the model's peak (a hair more may come in: the
+    next step's labels before the last step's go). Each memory frees its old instances once its
+    own nodes are done with them; when they waited for every device's, alexnet held 17% more."""
+    with Runtime(cpus=4, separate_memories=True) as rt:
+        model, source = _tiny(app, "data", rt)
+        list(model.train_on(source, 4))
+        rt.wait()
+        _, held, _, _ = step_holdings(model._low, rt.machine)
+        for memory in rt.machine.memories[1:]:
+            assert 0 < rt.store.high_water[memory] <= 1.001 * held[memory].max(), (
+                memory, rt.store.high_water[memory], held[memory].max())
+
+
 def test_a_step_releases_its_activations_on_gpus_unless_told_and_the_flag_is_checked():
     from ops import Model
     from ops.lower import releases_by_default
