@@ -29,6 +29,7 @@ from pathlib import Path
 
 from apps.cli import APPS, at_least
 from ops.strategy import Strategy
+from strategies.baselines import data_parallel
 from strategies.machine_model import MachineModel, load_machine
 from strategies.search import SearchResult, app_graph, app_source, search
 from strategies.simulator import Simulator
@@ -76,6 +77,14 @@ def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int =
     sim = Simulator.for_model(model, setup.machine_model, output=output, source=app_source(app, model, tiny=True))
     result = search(sim, budget, seed, model=model, progress=progress)
     return Strategy(app, {op.name: result.best.ops[op.name] for op in model.ops}), result, sim
+
+
+def is_data_parallel(app: str, batch: int, setup: Setup, strategy: Strategy) -> bool:
+    """Whether `strategy` (of the tiny app's ops) is its data parallelism on the setup's machine,
+    where a search often ends."""
+    model, _ = app_graph(app, batch, tiny=True)
+    data = data_parallel(model, setup.machine_model.to_machine())
+    return all(data.ops[name] == config for name, config in strategy.ops.items())
 
 
 def train_mpi(app: str, setup: Setup, batch: int, iterations: int, which: list[str], trace: str,
@@ -139,6 +148,9 @@ def run_demo(budget: int, iterations: int, out_dir: str, app: str = "mlp", ranks
     strategy.save(path)
     say(f"search: {result.proposals} proposals in {result.seconds:.1f} s, predicted {result.best_time * 1e3:.2f} ms "
         f"an iteration ({result.speedup_over_baselines():.2f}x the best baseline); saved {path}")
+    if is_data_parallel(app, batch, setup, strategy):
+        say("the searched strategy is data parallelism: both runs below train it, so how far apart they "
+            "measure is this machine's own noise")
     rows, files = [], {"strategy": path}
     for name, which in (("searched", ["--strategy", path]), ("data", ["--baseline", "data"])):
         trace = str(out / f"demo.{name}.jsonl")

@@ -38,6 +38,17 @@ def test_a_failed_run_says_why(tmp_path):
                   str(tmp_path / "t.jsonl"), timeout=120)
 
 
+def test_a_strategy_is_told_apart_from_data_parallelism():
+    from apps.demo import is_data_parallel
+    from strategies.baselines import data_parallel, model_parallel
+    from strategies.search import app_graph
+    setup = machine_setup(2, gpus=0)
+    model, _ = app_graph("mlp", 16, tiny=True)
+    machine = setup.machine_model.to_machine()
+    assert is_data_parallel("mlp", 16, setup, data_parallel(model, machine))
+    assert not is_data_parallel("mlp", 16, setup, model_parallel(model, machine))
+
+
 def test_run_demo_writes_every_file(tmp_path):
     lines = []
     out = run_demo(budget=12, iterations=4, out_dir=str(tmp_path), gpus=0, say=lines.append)
