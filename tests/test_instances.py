@@ -182,7 +182,7 @@ def test_each_memory_frees_its_old_instance_once_the_nodes_there_before_the_rele
     task reading its half: the old instance in processor 1's memory is freed as soon as processor
     1's write has run (a device that runs ahead frees as it goes), the one in processor 0's once
     the held-up task has; then the generation is over. (A first release, of a region nothing
-    touched, starts the count by memory: before it every node counts.)"""
+    touched, starts counting who touches each instance: before it every node counts.)"""
     with Runtime(cpus=2, separate_memories=True) as rt:
         a, unused = rt.region((16,), "float64", "a"), rt.region((4,), "float64", "unused")
         mem0, mem1 = (p.memory for p in rt.machine.processors)

@@ -168,8 +168,9 @@ def test_a_step_run_segment_by_segment_holds_what_the_model_counts_at_each_place
 def test_steps_run_as_they_come_hold_no_more_than_the_predicted_peak_on_any_device(app):
     """Four data-parallel steps run as the runtime runs them, each device at its own pace: no
     device holds more instance bytes at once than the model's peak (a hair more may come in: the
-    next step's labels before the last step's go). Each memory frees its old instances once its
-    own nodes are done with them; when they waited for every device's, alexnet held 17% more."""
+    next step's fill of the loss output's gradient, 16 bytes, before the last step's goes). Each
+    released instance is freed once the nodes that touch it are done; when it waited for every
+    node before the release, alexnet held 17% more."""
     with Runtime(cpus=4, separate_memories=True) as rt:
         model, source = _tiny(app, "data", rt)
         list(model.train_on(source, 4))
