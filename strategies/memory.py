@@ -256,23 +256,22 @@ class PeakCache:
         kinds: list[int] = []
         places: list[int] = []
         amounts: list[int] = []
-        for region in touched:
-            for kind, parts in enumerate(self._parts.pop(region, ((), ()))):
-                for row, nbytes, first, last in parts:
-                    rows += (row, row)
-                    kinds += (kind, kind)
-                    places += (first, last + 1)
-                    amounts += (-nbytes, nbytes)
-            names = self._holders.get(region)
-            if not names:
-                continue
-            both = self._parts[region] = self._region_of(region, names)
+
+        def count(both: tuple, sign: int) -> None:
+            """Add (sign 1) or take away (-1) a region's parts: bytes from their first place to their last."""
             for kind, parts in enumerate(both):
                 for row, nbytes, first, last in parts:
-                    rows += (row, row)
-                    kinds += (kind, kind)
-                    places += (first, last + 1)
-                    amounts += (nbytes, -nbytes)
+                    rows.extend((row, row))
+                    kinds.extend((kind, kind))
+                    places.extend((first, last + 1))
+                    amounts.extend((sign * nbytes, -sign * nbytes))
+
+        for region in touched:
+            count(self._parts.pop(region, ((), ())), -1)
+            names = self._holders.get(region)
+            if names:
+                parts = self._parts[region] = self._region_of(region, names)
+                count(parts, 1)
         if rows:
             np.add.at(self._diff, (kinds, rows, places), amounts)
             self._dirty.update(rows)

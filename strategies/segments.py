@@ -837,19 +837,19 @@ class SegmentBuilder:
 
     def _view(self) -> _PlanView:
         """What strategies.memory reads of the last program's ops (_program): their plans and update plans."""
-        low = self.low
         parts, _, plans, _, delta, _ = self._last_ops
-        return _PlanView(self.ops, plans, low.values, low.input_names, low.grads, low.params, low.stats,
-                         low.loss_output, low.sole_consumers, list(map(_update_plans_of, parts)), self._op_index,
-                         delta)
+        return self._plan_view(plans, list(map(_update_plans_of, parts)), delta)
 
     def plan_view(self, configs: dict[str, TileConfig]) -> _PlanView:
         """What strategies.memory reads of the ops under `configs` (op name -> resolved TileConfig,
         every op), from the plans alone: no graph is built."""
+        return self._plan_view({op.name: self.plan(op, configs[op.name]) for op in self.ops},
+                               [self.updates(op, configs[op.name]) for op in self.ops], None)
+
+    def _plan_view(self, plans: dict, update_plans: list, delta: tuple | None) -> _PlanView:
         low = self.low
-        return _PlanView(self.ops, {op.name: self.plan(op, configs[op.name]) for op in self.ops}, low.values,
-                         low.input_names, low.grads, low.params, low.stats, low.loss_output, low.sole_consumers,
-                         [self.updates(op, configs[op.name]) for op in self.ops], self._op_index, None)
+        return _PlanView(self.ops, plans, low.values, low.input_names, low.grads, low.params, low.stats,
+                         low.loss_output, low.sole_consumers, update_plans, self._op_index, delta)
 
     # ---- one region's analysis -------------------------------------------------------------------
     def _region(self, uid: int, program: list[RecordedSegment], positions: list[int], second: int) -> RegionResult:

@@ -97,9 +97,9 @@ class Executor:
         self._thread_set = frozenset(self.threads)
         #: thing touched (None: anything) -> a heap of (threshold, order, fn): call fn once every
         #: node submitted here with an id below the threshold (that touches it) has finished
+        #: (a heap is dropped once empty: no entry, no callback waits)
         self._below: dict[object, list[tuple[int, int, Callable]]] = {}
         self._below_count = 0
-        self._below_left = 0
         #: every id below it that was submitted here has finished
         self._low = 0
         #: thing touched -> the unfinished ids (and some finished ones) submitted from id
@@ -108,7 +108,7 @@ class Executor:
         self._tracked_from = 0
         self._touches: Callable | None = None
         #: node id -> what it touches (tracked nodes not yet finished); whether every id below
-        #: `_tracked_from` submitted here has finished
+        #: `_tracked_from` submitted here has finished (and _due then looked at every callback)
         self._touched_by: dict[int, tuple] = {}
         self._untracked_done = False
 
@@ -179,7 +179,6 @@ class Executor:
         with self.lock:
             heapq.heappush(self._below.setdefault(touched, []), (threshold, self._below_count, fn))
             self._below_count += 1
-            self._below_left += 1
             due = self._due((touched,))
         for f in due:
             f()
@@ -187,14 +186,18 @@ class Executor:
     def _due(self, touched=()) -> list[Callable]:
         """Pop the callbacks now due (under the lock): those for any node, and those for what a
         node that just finished (or a new callback) touched; all, the moment the last node from
-        before tracking began finishes."""
+        before tracking began has finished (some may have waited for those alone)."""
+        due: list[Callable] = []
+        self._pop_due((None, *touched), due)
+        if self._touching is not None and not self._untracked_done and self._passed(self._tracked_from, None):
+            self._untracked_done = True
+            self._pop_due(list(self._below), due)
+        return due
+
+    def _pop_due(self, keys, due: list) -> None:
+        """Move the due callbacks of the heaps of `keys` to `due`, dropping the heaps emptied."""
         below = self._below
-        if self._touching is not None and not self._untracked_done:
-            self._untracked_done = self._passed(self._tracked_from, None)
-            if self._untracked_done:
-                touched = list(below)
-        due = []
-        for key in (None, *touched):
+        for key in keys:
             heap = below.get(key)
             if heap is None:
                 continue
@@ -202,8 +205,6 @@ class Executor:
                 due.append(heapq.heappop(heap)[2])
             if not heap:
                 del below[key]
-        self._below_left -= len(due)
-        return due
 
     def _passed(self, threshold: int, touched) -> bool:
         """Whether every node submitted here below `threshold` (that touches `touched`, when not
@@ -271,7 +272,7 @@ class Executor:
             if watched and (node.id in watched or (ALL in watched and not self.unfinished)):
                 self.cond.notify_all()
             touched = self._touched_by.pop(node.id, ()) if self._touched_by else ()
-            due = self._due(touched) if self._below_left else ()
+            due = self._due(touched) if self._below else ()
         for fn in due:
             fn()
         for n in ready:

@@ -406,14 +406,12 @@ class Runtime:
     def _start_generation(self, regions, at: int) -> list[int]:
         """Nodes from id `at` on use new instances of `regions` (before any of them is submitted);
         returns the generation of each that ends there (for _collect_when_done)."""
-        released = self.analyzer.released
-        gens = []
         for region in regions:
-            released[region.uid] = at
-            if self.executor is not None:
-                self.executor.track_touches(at, _instances_touched)   # (from here, unless expect_releases came first)
-                gens.append(self.store.release(region, at))
-        return gens
+            self.analyzer.released[region.uid] = at
+        if self.executor is None:
+            return []
+        self.executor.track_touches(at, _instances_touched)   # (from here, unless expect_releases came first)
+        return [self.store.release(region, at) for region in regions]
 
     def _collect_when_done(self, regions, at: int, gens: list[int]) -> None:
         """Free each instance of `regions` that nodes before id `at` used once those of them
