@@ -18,7 +18,7 @@ Data: class c is a coarse random pattern of its own stretched over the image, pl
 from __future__ import annotations
 
 from apps import synthetic
-from apps.cli import run_app
+from apps.cli import App, run
 
 FULL = {"image": 224, "channels": (64, 192, 384, 256, 256), "hidden": 4096, "classes": 1000, "dropout": 0.5}
 TINY = {"image": 64, "channels": (16, 48, 96, 64, 64), "hidden": 256, "classes": 4, "dropout": 0.5}
@@ -47,9 +47,13 @@ def make_batch(rng, model, batch_size, sizes):
     return synthetic.images(rng, model.seed, batch_size, sizes["classes"], (3, sizes["image"], sizes["image"]))
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("alexnet", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, lr=0.01,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("alexnet", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16, lr=0.01,
-                   description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from strategies.cost import CostModel, read_cache, write_cache
 from strategies.machine_model import MachineError, load_machine, write_fields
 from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held_kernel, score
 from strategies.random import random_strategy
-from strategies.search import app_graph, app_source
+from strategies.search import app_graph, app_optimizer, app_source
 from strategies.simulator import Simulator
 from taskrt.cores import cores_problem
 from taskrt.outputs import output_problem
@@ -70,7 +70,7 @@ def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model
     model, output = app_graph(app, batch, tiny=True)
     cost = CostModel(machine_model, cache_path=costs)
     cost.source_per_sample = per_sample
-    sim = Simulator.for_model(model, machine_model, cost, output=output)
+    sim = Simulator.for_model(model, machine_model, cost, optimizer=app_optimizer(app, tiny=True), output=output)
     return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
 
 
@@ -140,7 +140,8 @@ def calibrate(app: str, setup: Setup, rounds: int, iterations: int, seeds, out_d
     runs = measure_strategies(app, BATCH, iterations, strategies, setup, rounds, out_dir)
     measured = {name: measured_time(r) for name, r in runs["runs"].items()}
     model, output = app_graph(app, BATCH, tiny=True)
-    linear = LinearTimes(model, output, strategies, setup.machine_model, runs["costs"], runs["per_sample"])
+    linear = LinearTimes(model, output, strategies, setup.machine_model, runs["costs"], runs["per_sample"],
+                         optimizer=app_optimizer(app, tiny=True))
     grid = FIT_GRID if fit_slowdown else held_kernel(setup.machine_model)
     figures, _ = fit_figures({app: (linear, measured)}, grid)
     own = figures_of(setup.machine_model)

@@ -1,9 +1,9 @@
 """The command line every benchmark app shares: flags, checks before any work, training, report.
 
-An app module gives a builder, its full and tiny sizes and a synthetic batch maker, and its
-`main` calls `run_app`:
+An app module gives a builder, its full and tiny sizes and a synthetic batch maker, together
+with its training defaults as its `APP`, and its `main` calls `run(APP, argv)`:
 
-    from apps.cli import run_app
+    from apps.cli import App, run
 
     FULL = {"features": 784, "hidden": 1024, "classes": 10}       # the paper's configuration
     TINY = {"features": 64, "hidden": 64, "classes": 10}          # same network, seconds on a CPU
@@ -16,8 +16,13 @@ An app module gives a builder, its full and tiny sizes and a synthetic batch mak
         x = rng.standard_normal((batch_size, sizes["features"])).astype(np.float32)
         return x, (x[:, :sizes["classes"]].argmax(1))
 
+    APP = App("mlp", build, FULL, TINY, make_batch, batch_size=64, lr=0.05)
+
     def main(argv=None):
-        return run_app("mlp", build, FULL, TINY, make_batch, argv, batch_size=64, lr=0.05)
+        return run(APP, argv)
+
+Whatever simulates an app's training (its search, its prediction, strategies.search, the demo,
+the calibration) takes the batch and the optimizer from `APP` (`app_named`).
 
 Contracts:
 - `build(model, batch_size, dtype=..., **sizes)` adds the network to a Model (its inputs of
@@ -66,7 +71,7 @@ from taskrt.machine import (Machine, count_from_env, count_gpus, cpus_from_env, 
 from taskrt.mpi_watchdog import timeout_from_env
 from taskrt.outputs import output_problem
 
-#: the benchmark apps, each a module apps.NAME whose main() calls run_app
+#: the benchmark apps, each a module apps.NAME with its APP (an App) and a main() that calls run(APP)
 APPS = ("mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm", "nmt")
 BASELINE_NAMES = ("data", "model", "expert", "tensor")
 DTYPES = ("float32", "float64")
@@ -107,17 +112,26 @@ class App:
     def lr_for(self, tiny: bool) -> float:
         return self.tiny_lr if tiny and self.tiny_lr is not None else self.lr
 
+    def batch_for(self, tiny: bool) -> int:
+        return self.tiny_batch_size if tiny else self.batch_size
 
-def run_app(name: str, build: Callable, sizes_full: dict, sizes_tiny: dict, make_batch: Callable,
-            argv=None, **options) -> dict:
-    """Parse `argv` (default sys.argv[1:]), check it, train, print the report; returns the report
-    (on every rank). `options` are App's defaults: batch_size, tiny_batch_size, optimizer, lr,
-    tiny_lr, loss, description."""
-    return run(App(name, build, dict(sizes_full), dict(sizes_tiny), make_batch, **options), argv)
+    def optimizer_for(self, tiny: bool, kind: str | None = None, lr: float | None = None):
+        """The optimizer a run trains with: `kind` ('sgd', 'adam'; default the app's) at `lr`
+        (default the app's rate)."""
+        return OPTIMIZERS[kind or self.optimizer](self.lr_for(tiny) if lr is None else lr)
+
+
+def app_named(name: str) -> App:
+    """The App of the app module apps.`name`."""
+    import importlib
+    if name not in APPS:
+        raise ValueError(f"no app named {name!r}; the apps are {', '.join(APPS)}")
+    return importlib.import_module(f"apps.{name}").APP
 
 
 def run(app: App, argv=None) -> dict:
-    """`run_app` for an App value."""
+    """Parse `argv` (default sys.argv[1:]), check it, train, print the report; returns the report
+    (on every rank)."""
     args = parser(app).parse_args(argv)
     if args.lr is None:
         args.lr = app.lr_for(args.tiny)
@@ -254,7 +268,7 @@ def check(app: App, args) -> Plan:
         problem = str(e)
     _agree(problem, ranks)
     machine = _discover(args, ranks)
-    batch = args.batch_size or (app.tiny_batch_size if args.tiny else app.batch_size)
+    batch = args.batch_size or app.batch_for(args.tiny)
     sizes = app.sizes_for(args.tiny)
     problem, plan = None, None
     try:
@@ -306,13 +320,15 @@ def _predict(app: App, args, plan: Plan, ranks: int) -> Plan:
 
 
 def _simulator(app: App, args, plan: Plan):
-    """(the app's graph without weights, a Simulator of it on --machine's model, timing its batch source)."""
+    """(the app's graph without weights, a Simulator of it on --machine's model, timing its batch source
+    and the updates of --optimizer)."""
     from strategies.simulator import Simulator
     mm = _machine_model(args, plan.machine)
     graph, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, weights=False,
                                 runtime=Runtime(machine=plan.machine, execute=False))
-    return graph, Simulator.for_model(graph, mm, loss=app.loss, output=output,
-                                      source=batch_source(app.make_batch, graph, plan.sizes, args.seed))
+    return graph, Simulator.for_model(graph, mm, loss=app.loss,
+                                      optimizer=app.optimizer_for(args.tiny, args.optimizer, args.lr),
+                                      output=output, source=batch_source(app.make_batch, graph, plan.sizes, args.seed))
 
 
 def _on_rank_zero(work, ranks: int):
@@ -540,7 +556,7 @@ def train(app: App, args, plan: Plan) -> dict:
     with rt:
         model, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, seed=args.seed,
                                     runtime=rt)
-        model.compile(OPTIMIZERS[args.optimizer](args.lr), loss=app.loss, output=output, strategy=plan.strategy)
+        model.compile(app.optimizer_for(args.tiny, args.optimizer, args.lr), loss=app.loss, output=output, strategy=plan.strategy)
         source = batch_source(app.make_batch, model, plan.sizes, args.seed)
         progress = Progress(app.name, args.iterations, sys.stdout if rt.rank == 0 else None)
         losses, times = [], []

@@ -21,7 +21,7 @@ Data: class c is a coarse random pattern of its own stretched over the image, pl
 from __future__ import annotations
 
 from apps import synthetic
-from apps.cli import run_app
+from apps.cli import App, run
 
 FULL = {"image": 299, "width": 1.0, "classes": 1000, "aux": False, "dropout": 0.5}
 TINY = {"image": 75, "width": 0.125, "classes": 10, "aux": False, "dropout": 0.5}
@@ -145,9 +145,13 @@ def make_batch(rng, model, batch_size, sizes):
     return synthetic.images(rng, model.seed, batch_size, sizes["classes"], (3, sizes["image"], sizes["image"]))
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("inception_v3", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=8, lr=0.045,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("inception_v3", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=8, lr=0.045,
-                   description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Data: class c's samples are a fixed random template of class c (from the seed) p
 from __future__ import annotations
 
 from apps import synthetic
-from apps.cli import run_app
+from apps.cli import App, run
 
 FULL = {"features": 784, "hidden": 1024, "layers": 3, "classes": 10, "input_dropout": 0.2, "dropout": 0.5}
 TINY = {"features": 64, "hidden": 64, "layers": 3, "classes": 10, "input_dropout": 0.2, "dropout": 0.5}
@@ -32,9 +32,13 @@ def make_batch(rng, model, batch_size, sizes):
     return synthetic.vectors(rng, model.seed, batch_size, sizes["classes"], sizes["features"])
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("mlp", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, lr=0.05,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("mlp", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16, lr=0.05,
-                   description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

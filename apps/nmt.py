@@ -32,7 +32,7 @@ import functools
 
 import numpy as np
 
-from apps.cli import run_app
+from apps.cli import App, run
 
 SEQ_LENGTH = 40
 #: the decoder's first input word (beginning of sentence); data words are 1..vocab-1
@@ -87,9 +87,14 @@ def make_batch(rng, model, batch_size, sizes):
     return {"source": source, "target_in": target_in}, target
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("nmt", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, optimizer="adam",
+          lr=0.001, tiny_lr=0.01,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("nmt", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16,
-                   optimizer="adam", lr=0.001, tiny_lr=0.01, description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

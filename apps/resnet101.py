@@ -17,7 +17,7 @@ image, plus noise.
 from __future__ import annotations
 
 from apps import synthetic
-from apps.cli import run_app
+from apps.cli import App, run
 
 FULL = {"image": 224, "widths": (64, 128, 256, 512), "blocks": (3, 4, 23, 3), "classes": 1000}
 TINY = {"image": 32, "widths": (8, 16, 32, 64), "blocks": (1, 1, 1, 1), "classes": 10}
@@ -59,9 +59,13 @@ def make_batch(rng, model, batch_size, sizes):
     return synthetic.images(rng, model.seed, batch_size, sizes["classes"], (3, sizes["image"], sizes["image"]))
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("resnet101", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, lr=0.1,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("resnet101", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16, lr=0.1,
-                   description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import functools
 
 import numpy as np
 
-from apps.cli import run_app
+from apps.cli import App, run
 
 SEQ_LENGTH = 40
 FULL = {"vocab_size": 10000, "embed_size": 1500, "hidden_size": 1500, "num_layers": 2, "seq_length": SEQ_LENGTH}
@@ -60,9 +60,14 @@ def make_batch(rng, model, batch_size, sizes):
     return text[:, :-1], text[:, 1:]
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("rnnlm", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, optimizer="adam",
+          lr=0.001, tiny_lr=0.01,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("rnnlm", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16,
-                   optimizer="adam", lr=0.001, tiny_lr=0.01, description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

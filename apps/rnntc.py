@@ -20,7 +20,7 @@ class c has a quarter of its positions (at least one) in class c's words, at ran
 """
 from __future__ import annotations
 
-from apps.cli import run_app
+from apps.cli import App, run
 
 SEQ_LENGTH = 40
 FULL = {"vocab_size": 18765, "embed_size": 1024, "hidden_size": 1024, "num_layers": 4, "num_classes": 2,
@@ -55,9 +55,14 @@ def make_batch(rng, model, batch_size, sizes):
     return tokens, labels
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("rnntc", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, optimizer="adam",
+          lr=0.001, tiny_lr=0.01,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("rnntc", build, FULL, TINY, make_batch, argv, batch_size=64, tiny_batch_size=16,
-                   optimizer="adam", lr=0.001, tiny_lr=0.01, description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from apps import synthetic
-from apps.cli import run_app
+from apps.cli import App, run
 
 FULL = {"vocab": 30522, "positions": 512, "types": 2, "hidden": 768, "layers": 12, "heads": 12, "ff": 3072,
         "seq_len": 128, "classes": 2, "dropout": 0.1, "eps": 1e-12}
@@ -73,9 +73,13 @@ def make_batch(rng, model, batch_size, sizes):
     return {"tokens": tokens, "segments": segments, "positions": positions}, labels
 
 
+#: the app: its name, graph, sizes, batches and training defaults
+APP = App("transformer", build, FULL, TINY, make_batch, batch_size=32, tiny_batch_size=8, optimizer="adam", lr=1e-4,
+          description=__doc__.splitlines()[0])
+
+
 def main(argv=None) -> dict:
-    return run_app("transformer", build, FULL, TINY, make_batch, argv, batch_size=32, tiny_batch_size=8,
-                   optimizer="adam", lr=1e-4, description=__doc__.splitlines()[0])
+    return run(APP, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from apps.cli import at_least  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
-from strategies.search import app_graph, finite_or_none, search  # noqa: E402
+from strategies.search import app_graph, app_optimizer, finite_or_none, search  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 
 APPS = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt")
@@ -49,7 +49,8 @@ def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) 
     per_gpu = 256 if app == "alexnet" else 64
     batch = (16 if tiny else per_gpu) * mm.num_devices
     model, output = app_graph(app, batch, tiny=tiny)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer=app_optimizer(app, tiny),
+                              output=output)
     t0 = time.perf_counter()
     result = search(sim, budget, seed=seed, model=model)
     row = {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,

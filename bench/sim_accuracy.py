@@ -72,7 +72,7 @@ from ops.strategy import Strategy, load as load_strategy  # noqa: E402
 from strategies.overheads import (KERNEL_FIGURES, LinearTimes, best_point, extended_fit, grid_times,  # noqa: E402
                                   held_kernel, ordering_ceiling, score, split_half_ceiling)
 from strategies.probe import measure_overheads  # noqa: E402
-from strategies.search import app_graph  # noqa: E402
+from strategies.search import app_graph, app_optimizer  # noqa: E402
 from tools import trace as trace_tools  # noqa: E402
 
 #: what --save writes beside the strategies' files and traces: the runs, and the kernels' median
@@ -145,7 +145,8 @@ def _linear(apps: dict, base) -> dict:
     linear = {}
     for label, a in apps.items():
         model, output = app_graph(a["app"], a["batch"], tiny=True)
-        linear[label] = LinearTimes(model, output, a["strategies"], base, a["costs"], a["per_sample"])
+        linear[label] = LinearTimes(model, output, a["strategies"], base, a["costs"], a["per_sample"],
+                                    optimizer=app_optimizer(a["app"], tiny=True))
     return linear
 
 

@@ -21,7 +21,7 @@ Measured here, on one core:
   of region cache misses that the canonical cache answered by renaming memories. --large adds
   the tiny transformer app at 64, 256 and 1,024 H100-class devices (per-proposal time against
   devices; target for 10,000 proposals at 1,024: under 10 minutes).
-Analytic costs throughout. Last line: one JSON object.
+Analytic costs throughout; the tiny apps at batch 16 (BATCH). Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -44,9 +44,13 @@ from strategies.graph import build_iteration  # noqa: E402
 from strategies.random import random_config  # noqa: E402
 from strategies.segments import SegmentBuilder  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
-from strategies.search import STARTS, app_graph, search  # noqa: E402
+from strategies.search import STARTS, app_graph, app_optimizer, search  # noqa: E402
 from strategies.simulator import Simulator  # noqa: E402
 from taskrt import Machine, Runtime  # noqa: E402
+
+#: the tiny apps' batch here (every session's figures since session 13 are at 16; the apps' own
+#: tiny batches differ: Inception-v3 and the transformer train 8)
+BATCH = 16
 
 
 def conv_net(blocks: int = 33, batch: int = 64) -> Model:
@@ -130,9 +134,10 @@ def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
     """Full and delta simulations per second of a tiny app: from data parallel, `changes` strategies
     each with one op's config redrawn, each simulated both ways (delta through the caches the
     earlier ones filled, full from scratch); the medians."""
-    model, output = app_graph(app, None, tiny=True)
+    model, output = app_graph(app, BATCH, tiny=True)
     mm = load_machine(machine, nodes=nodes)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer=app_optimizer(app, tiny=True),
+                              output=output)
     from strategies import data_parallel
     configs = sim.configs(data_parallel(model, sim.machine))
     first = sim.simulate(configs)  # fills the caches
@@ -155,9 +160,10 @@ def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
 
 
 def search_rate(app: str, machine: str, nodes: int, proposals: int) -> dict:
-    model, output = app_graph(app, None, tiny=True)
+    model, output = app_graph(app, BATCH, tiny=True)
     mm = load_machine(machine, nodes=nodes)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), output=output)
+    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer=app_optimizer(app, tiny=True),
+                              output=output)
     t0 = time.perf_counter()
     search(sim, len(STARTS), seed=0, model=model)   # the baselines, every chain's start, and the caches they fill
     setup = time.perf_counter() - t0

@@ -184,14 +184,16 @@ class LinearTimes:
     the cost model's own)."""
 
     def __init__(self, model, output, strategies: Mapping[str, object], base: MachineModel,
-                 cache_path: str | None = None, source_per_sample: float | None = None, loss: str | None = None):
+                 cache_path: str | None = None, source_per_sample: float | None = None, loss: str | None = None,
+                 optimizer=None):
         if base.device.kind != "cpu":
             raise ValueError(f"LinearTimes: the runtime figures are fitted on cpu machines, {base.name!r} has "
                              f"{base.device.kind} devices")
         # every kernel measured into the cache first: the three costings below then read the same
         # seconds (each measuring what its own copy of the cache lacked, they timed a kernel thrice)
         self.base = base
-        first = Simulator.for_model(model, base, CostModel(base, cache_path=cache_path), loss=loss, output=output)
+        first = Simulator.for_model(model, base, CostModel(base, cache_path=cache_path), loss=loss,
+                                    optimizer=optimizer, output=output)
         first.cost.measure_all([task for strategy in strategies.values() for task in first.tasks_to_measure(strategy)])
         unit = dataclasses.replace(base, send_overhead=1.0, receive_overhead=1.0, message_delay=0.0,
                                    kernel_surcharge=0.0, kernel_surcharge_cap=0.0)
@@ -201,7 +203,7 @@ class LinearTimes:
             cost = CostModel(mm, cache_path=cache_path)
             if source_per_sample is not None:
                 cost.source_per_sample = source_per_sample
-            sims.append(Simulator.for_model(model, mm, cost, loss=loss, output=output))
+            sims.append(Simulator.for_model(model, mm, cost, loss=loss, optimizer=optimizer, output=output))
         self.naps = sims[0].naps   # the base's, held: the receivers' naps are the runtime's constants
         self.parts = {}
         for name, strategy in strategies.items():

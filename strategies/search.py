@@ -393,28 +393,27 @@ def _complete(sim: Simulator, strategy: Strategy) -> Strategy:
 # ---- command line --------------------------------------------------------------------------------
 def app_graph(name: str, batch_size: int | None = None, tiny: bool = False):
     """(the graph of app `name` built without weights, the tensor its loss applies to), at its full
-    or tiny sizes; batch 64 (16 tiny) unless given."""
-    import importlib
-
-    from apps.cli import APPS, build_model
-    if name not in APPS:
-        raise ValueError(f"app_graph: no app named {name!r}; the apps are {', '.join(APPS)}")
+    or tiny sizes; the app's batch (App.batch_for) unless given."""
+    from apps.cli import app_named, build_model
+    app = app_named(name)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"app_graph: batch_size must be at least 1, got {batch_size}")
-    module = importlib.import_module(f"apps.{name}")
-    sizes = module.TINY if tiny else module.FULL
-    batch = batch_size or (16 if tiny else 64)
-    return build_model(module.build, dict(sizes), batch, weights=False)
+    return build_model(app.build, app.sizes_for(tiny), batch_size or app.batch_for(tiny), weights=False)
 
 
 def app_source(name: str, model, tiny: bool = False, seed: int = 0):
     """The batch source app `name` trains `model` (app_graph's) on: Model.train_on's source(step, lo,
     hi), for the simulator to time its source tasks (Simulator's `source`)."""
-    import importlib
+    from apps.cli import app_named, batch_source
+    app = app_named(name)
+    return batch_source(app.make_batch, model, app.sizes_for(tiny), seed)
 
-    from apps.cli import batch_source
-    module = importlib.import_module(f"apps.{name}")
-    return batch_source(module.make_batch, model, dict(module.TINY if tiny else module.FULL), seed)
+
+def app_optimizer(name: str, tiny: bool = False, kind: str | None = None):
+    """The optimizer app `name` trains with (`kind`, 'sgd' or 'adam', default the app's), at the
+    app's rate: its updates and state are part of the step the simulator times."""
+    from apps.cli import app_named
+    return app_named(name).optimizer_for(tiny, kind)
 
 
 def _bad_flag(args) -> str | None:
@@ -450,7 +449,7 @@ def _too_big(model) -> str | None:
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
-    from apps.cli import APPS
+    from apps.cli import APPS, OPTIMIZERS
     from strategies.machine_model import MachineError, load_machine
 
     p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
@@ -463,6 +462,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=1000, help="proposals")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
+                   help="the optimizer the app will train with (its --optimizer; default: the app's): its "
+                        "updates and state are part of the step")
     p.add_argument("-o", "--output", default=None, help="write the best strategy here")
     args = p.parse_args(argv)
     bad = _bad_flag(args)
@@ -479,7 +481,8 @@ def main(argv=None) -> int:
     if too_big is not None:
         print(f"error: --batch-size {args.batch_size}: {too_big}", file=sys.stderr)
         return 2
-    sim = Simulator.for_model(model, mm, output=output, source=app_source(args.app, model, args.tiny))
+    sim = Simulator.for_model(model, mm, optimizer=app_optimizer(args.app, args.tiny, args.optimizer), output=output,
+                              source=app_source(args.app, model, args.tiny))
     result = search(sim, args.budget, args.seed, args.seconds, model=model, progress=sys.stderr)
     problem = nothing_fits(result, sim)
     if problem is not None:
@@ -492,7 +495,9 @@ def main(argv=None) -> int:
         print(f"  {name:8s} {t * 1e3:10.3f} ms")
     print(f"  {'searched':8s} {result.best_time * 1e3:10.3f} ms  ({result.speedup_over_baselines():.2f}x the best "
           f"baseline, {result.proposals} proposals in {result.seconds:.1f} s)")
-    print(json.dumps({"app": args.app, "machine": mm.name, "devices": mm.num_devices, "proposals": result.proposals,
+    print(json.dumps({"app": args.app, "machine": mm.name, "devices": mm.num_devices,
+                      "batch_size": model.inputs[0].shape[0], "optimizer": sim.optimizer.kind,
+                      "proposals": result.proposals,
                       "seconds": round(result.seconds, 3), "best_ms": result.best_time * 1e3,
                       "baselines_ms": {k: finite_or_none(v * 1e3) for k, v in result.baselines.items()},
                       "speedup_over_best_baseline": finite_or_none(result.speedup_over_baselines()),

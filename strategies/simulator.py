@@ -142,7 +142,9 @@ class Simulator:
             batch, ranks = self.inputs[0].shape[0], self.machine.num_ranks
             # the largest rank share, at most SOURCE_SAMPLES of it: a figure a sample
             self.cost.measure_source(source, min(-(-batch // ranks), SOURCE_SAMPLES))
-        self.optimizer = None if optimizer is None else make_optimizer(optimizer, "Simulator")
+        #: whose updates the graph makes, the memory counts and the costs time: the cost model's
+        #: (SGD with momentum 0.9 unless it says) where none is given
+        self.optimizer = self.cost.optimizer if optimizer is None else make_optimizer(optimizer, "Simulator")
         self.fingerprint = fingerprint or model_fingerprint([op for op in self.ops if op.name != loss])
         self._proc_index = {p: i for i, p in enumerate(self.machine.processors)}
         #: each processor's memory size (None: unbounded), by index

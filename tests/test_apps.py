@@ -502,6 +502,23 @@ def test_machine_without_a_search_predicts_the_strategy_trained_with(capsys):
     assert err.startswith("error: --machine /no/such.json:")
 
 
+def test_the_prediction_simulates_the_optimizer_the_run_trains_with(capsys, monkeypatch):
+    """Adam's two states and longer updates are part of the step: the prediction (and a search)
+    simulates the run's --optimizer at its rate, not the simulator's default."""
+    from ops.optimizers import SGD, Adam
+    from strategies.simulator import Simulator
+    made = []
+    real = Simulator.for_model.__func__
+
+    def spy(cls, *args, **kwargs):
+        made.append(real(cls, *args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(Simulator, "for_model", classmethod(spy))
+    for flags, want in (((), SGD(lr=0.05, momentum=0.9)), (("--optimizer", "adam", "--lr", 0.5), Adam(lr=0.5))):
+        run_here(mlp, "--tiny", "--iterations", 2, "--machine", "local", *flags, capsys=capsys)
+        assert made[-1].optimizer == want
+
+
 def test_a_machine_model_that_does_not_match_the_run_is_a_bad_flag(capsys):
     err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "p100")
     assert err.startswith("error: --machine p100: its model has 16 gpu devices, this run has")

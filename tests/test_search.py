@@ -125,6 +125,26 @@ def test_the_command_line_says_when_no_strategy_fits_and_writes_none(tmp_path, c
     assert capsys.readouterr().err.startswith(f"error: --batch-size {10 ** 23}: ")
 
 
+def test_an_app_is_simulated_at_its_own_batch_with_its_own_optimizer(capsys):
+    """What the apps train with by default (App: Inception-v3 tiny at batch 8, the recurrent apps
+    and the transformer with Adam): a strategy searched for an app is timed as the app runs."""
+    from apps import inception_v3
+    from ops.optimizers import SGD, Adam
+    from strategies.search import app_graph, app_optimizer
+    model, _ = app_graph("inception_v3", tiny=True)
+    assert model.inputs[0].shape[0] == inception_v3.APP.tiny_batch_size == 8
+    assert app_graph("inception_v3", 4, tiny=True)[0].inputs[0].shape[0] == 4
+    assert app_optimizer("mlp") == SGD(lr=0.05, momentum=0.9)
+    assert app_optimizer("nmt") == Adam(lr=0.001) and app_optimizer("nmt", tiny=True) == Adam(lr=0.01)
+    assert app_optimizer("nmt", kind="sgd") == SGD(lr=0.001, momentum=0.9)
+    import strategies.search as search_module
+    for flags, kind in (((), "adam"), (("--optimizer", "sgd"), "sgd")):
+        assert search_module.main(["--app", "rnntc", "--tiny", "--machine", "p100", "--nodes", "1", "--budget", "2",
+                                   *flags]) == 0
+        report = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert report["optimizer"] == kind and report["batch_size"] == 16
+
+
 def test_the_command_line_writes_a_strategy_the_app_trains_with(tmp_path):
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--tiny", "--machine", "local",

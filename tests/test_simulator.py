@@ -50,6 +50,23 @@ def test_one_device_runs_every_task_in_turn():
     assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
 
 
+def test_the_optimizer_s_state_and_updates_are_part_of_the_step():
+    """Adam keeps two states a weight where SGD with momentum keeps one, each in the weight's
+    update shards alone: given Adam, the simulator's devices hold one more copy of every weight
+    between them, and its updates take longer. Given none, the graph, the memory and the costs
+    all take the cost model's optimizer (a run with the apps' default, SGD with momentum 0.9)."""
+    model = mlp()
+    mm = load_machine("p100", nodes=1)
+    sgd = Simulator.for_model(model, mm, CostModel(mm, measured=False))
+    adam = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer="adam")
+    assert sgd.optimizer is sgd.cost.optimizer and sgd.optimizer.state_names() == ("momentum",)
+    strategy = data_parallel(model, sgd.machine)
+    a, s = adam.simulate(strategy), sgd.simulate(strategy)
+    weights = sum(4 * int(np.prod(shape)) for op in model.ops for shape in op.weight_shapes().values())
+    assert sum(a.peak_memory.values()) - sum(s.peak_memory.values()) == weights
+    assert sum(a.busy.values()) > sum(s.busy.values()) and a.time > s.time
+
+
 def test_a_strategy_that_names_no_op_of_the_model_is_refused():
     """A dict naming an op the model does not have used to be simulated as data parallelism."""
     model = mlp()

@@ -279,18 +279,20 @@ def differences(a: Strategy, b: Strategy) -> list[str]:
 
 # ---- memory -------------------------------------------------------------------------------------
 def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, machine: str, nodes: int | None,
-                  top: int) -> tuple[list[str], bool]:
-    """(the lines `memory` prints, whether every device fits)."""
+                  top: int, optimizer: str | None = None) -> tuple[list[str], bool]:
+    """(the lines `memory` prints, whether every device fits), the app trained with `optimizer`
+    ('sgd', 'adam'; default the app's), whose state the weights' shards keep."""
     from strategies.cost import CostModel
     from strategies.machine_model import _si as si, load_machine
-    from strategies.search import app_graph
+    from strategies.search import app_graph, app_optimizer
     from strategies.simulator import Simulator
     try:
         model_machine = load_machine(machine, nodes=nodes)
     except ValueError as e:   # (MachineError among them)
         raise ToolError(f"--machine {machine}: {e}") from None
     model, output = app_graph(app, batch, tiny)
-    sim = Simulator.for_model(model, model_machine, CostModel(model_machine, measured=False), output=output)
+    sim = Simulator.for_model(model, model_machine, CostModel(model_machine, measured=False),
+                              optimizer=app_optimizer(app, tiny, optimizer), output=output)
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
     except (StrategyError, ConfigError, ValueError) as e:
@@ -328,6 +330,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    from apps.cli import OPTIMIZERS
     p = _Parser(prog="python -m tools.strategy", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -353,6 +356,8 @@ def parser() -> argparse.ArgumentParser:
     mem.add_argument("--machine", default="local", help="a machine model: p100, k80, h100, local or a file")
     mem.add_argument("--nodes", type=int, default=None, help="the machine model's nodes (default: its own)")
     mem.add_argument("--top", type=int, default=3, help="the largest regions to list per device (default 3)")
+    mem.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
+                     help="the optimizer the app trains with (default: the app's): its state is held too")
     return p
 
 
@@ -382,7 +387,7 @@ def main(argv=None) -> int:
             if args.top < 0 or (args.nodes is not None and args.nodes < 1):
                 raise ToolError(f"--top {args.top} and --nodes {args.nodes}: --top at least 0, --nodes at least 1")
             lines, fits = memory_report(strategy, args.app, args.tiny, args.batch_size, args.machine, args.nodes,
-                                        args.top)
+                                        args.top, args.optimizer)
             print("\n".join(lines))
             return 0 if fits else 1
         engine = draw(strategy, ops, args.output, f"{args.file} ({args.app})", args.engine)
