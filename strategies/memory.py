@@ -163,18 +163,19 @@ class PeakCache:
         #: instances, [1] of reduction buffers
         self._diff = np.zeros((2, len(self._first), self._places + 1), np.int64)
         self._peaks = np.zeros(len(self._first), np.int64)
-        self._dirty: set[int] = set()
+        self._stale = np.zeros(len(self._first), bool)   # the memory rows whose peak is to be found again
         #: (op name, config, written) -> (region name -> memory -> [rects, itemsize, first place],
         #: region name -> last place, region name -> memory -> [bytes of its reduction buffers
         #: there, first place])
         self._op_held: dict[tuple, tuple] = {}
-        self._region_parts: dict[tuple, tuple[list, list]] = {}
+        self._region_parts: dict[tuple, tuple[list, list, np.ndarray]] = {}
         # the state after the last strategy
         self._plans: dict[str, object] = {}   # op name -> its plan (a plan seen again has its config)
         self._keys: dict[str, tuple] = {}
         self._holders: dict[str, list[str]] = {}
-        #: region -> (its instance parts, its buffer parts), each (row, bytes, first place, last place)
-        self._parts: dict[str, tuple[list, list]] = {}
+        #: region -> (its instance parts, its buffer parts, each (row, bytes, first place, last
+        #: place); their changes to _diff), as _region_of makes them
+        self._parts: dict[str, tuple[list, list, np.ndarray]] = {}
 
     def _held(self, op, low, key) -> tuple:
         got = self._op_held.get(key)
@@ -228,10 +229,10 @@ class PeakCache:
                 changed.append((op, key))
         if changed:
             self._update(changed, low)
-        if self._dirty:
-            rows = np.fromiter(sorted(self._dirty), np.int64, len(self._dirty))
+        if self._stale.any():
+            rows = np.flatnonzero(self._stale)
             self._peaks[rows] = np.cumsum(self._diff[0, rows] + self._diff[1, rows], axis=1).max(axis=1)
-            self._dirty.clear()
+            self._stale[:] = False
         peak: dict[int, int] = {}
         for row in np.flatnonzero(self._peaks):
             proc = self._first[row]
@@ -252,33 +253,27 @@ class PeakCache:
                 names.append(op.name)
                 names.sort(key=self._order.__getitem__)
             touched |= before | after
-        rows: list[int] = []   # the changes to the diff arrays, made in one go: (0 instances, 1 buffers)
-        kinds: list[int] = []
-        places: list[int] = []
-        amounts: list[int] = []
-
-        def count(both: tuple, sign: int) -> None:
-            """Add (sign 1) or take away (-1) a region's parts: bytes from their first place to their last."""
-            for kind, parts in enumerate(both):
-                for row, nbytes, first, last in parts:
-                    rows.extend((row, row))
-                    kinds.extend((kind, kind))
-                    places.extend((first, last + 1))
-                    amounts.extend((sign * nbytes, -sign * nbytes))
-
+        added, taken = [], []   # the regions' changes to the diff arrays (_region_of), made in one go
         for region in touched:
-            count(self._parts.pop(region, ((), ())), -1)
+            old = self._parts.pop(region, None)
+            if old is not None:
+                taken.append(old[2])
             names = self._holders.get(region)
             if names:
                 parts = self._parts[region] = self._region_of(region, names)
-                count(parts, 1)
-        if rows:
+                added.append(parts[2])
+        if added or taken:
+            kinds, rows, places, amounts = np.concatenate(added + taken, axis=1)
+            if taken:
+                amounts[-sum(t.shape[1] for t in taken):] *= -1
             np.add.at(self._diff, (kinds, rows, places), amounts)
-            self._dirty.update(rows)
+            self._stale[rows] = True
 
-    def _region_of(self, region: str, names: list[str]) -> tuple[list, list]:
-        """(instance parts, buffer parts) of one region, held by the ops `names` under their
-        current configs: per memory that holds it, (memory row, bytes, first place, last place).
+    def _region_of(self, region: str, names: list[str]) -> tuple[list, list, np.ndarray]:
+        """(instance parts, buffer parts, their changes to the diff arrays) of one region, held by
+        the ops `names` under their current configs: per memory that holds it, (memory row, bytes,
+        first place, last place); the changes as rows (kind: 0 instances, 1 buffers; memory row;
+        place; bytes), each part's bytes coming at its first place and going after its last.
         Where the step releases, a buffer lives from the first place that reduces into the
         region there to the last place that touches the region (its fold comes by then: at the
         next access that reads it); elsewhere, all the step."""
@@ -308,7 +303,9 @@ class PeakCache:
             until = last if transient else self._end
             held = [(self._row[m], nbytes, first if self.release else 0, until if self.release else self._end)
                     for m, (nbytes, first) in buffers.items()]
-            parts = self._region_parts[key] = (instances, held)
+            changes = [(kind, row, at, sign * nbytes) for kind, both in enumerate((instances, held))
+                       for row, nbytes, first, last in both for at, sign in ((first, 1), (last + 1, -1))]
+            parts = self._region_parts[key] = (instances, held, np.array(changes, np.int64).reshape(-1, 4).T.copy())
         return parts
 
 
@@ -347,7 +344,7 @@ def step_holdings(low, machine: Machine) -> tuple[dict[Memory, dict[str, tuple[i
     memories = {row: memory for memory, row in cache._row.items()}
     regions: dict[Memory, dict[str, tuple[int, int, int]]] = {m: {} for m in cache._row}
     total = {m: 0 for m in cache._row}
-    for name, (instances, buffers) in cache._parts.items():
+    for name, (instances, buffers, _) in cache._parts.items():
         for row, nbytes, first, last in instances:
             regions[memories[row]][name] = (nbytes, first, last)
         for row, nbytes, _, _ in buffers:
