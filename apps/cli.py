@@ -556,7 +556,8 @@ def train(app: App, args, plan: Plan) -> dict:
     with rt:
         model, output = build_model(app.build, plan.sizes, plan.batch_size, dtype=args.dtype, seed=args.seed,
                                     runtime=rt)
-        model.compile(app.optimizer_for(args.tiny, args.optimizer, args.lr), loss=app.loss, output=output, strategy=plan.strategy)
+        model.compile(app.optimizer_for(args.tiny, args.optimizer, args.lr), loss=app.loss, output=output,
+                      strategy=plan.strategy)
         source = batch_source(app.make_batch, model, plan.sizes, args.seed)
         progress = Progress(app.name, args.iterations, sys.stdout if rt.rank == 0 else None)
         losses, times = [], []
