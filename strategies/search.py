@@ -16,7 +16,8 @@ proposals. The whole search is reproducible for a seed.
     result.best, result.best_time, result.baselines
 
 `python -m strategies.search --app NAME --machine M --budget N -o strategy.json` does the
-same from the command line (see main).
+same from the command line (see main), for the app as it trains: at its batch, with its
+optimizer (`app_graph`, `app_optimizer`), unless --batch-size or --optimizer say otherwise.
 """
 from __future__ import annotations
 
