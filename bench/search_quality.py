@@ -9,8 +9,9 @@ model) and 16, 32 and 64 K80s (4, 8 and 16 nodes of the k80 model), batch 64 per
 weight synchronization, model, expert and tensor parallel), of the strategy the MCMC search
 finds with `--budget` proposals, and the speedup of the searched over the best baseline,
 beside the paper's range (1.3 to 3.3 times over data parallel and expert on five of six
-networks; ResNet-101 about equal to data parallel). Analytic costs (these devices are not
-here). `--quick` runs the tiny configurations on the smallest machine of each cluster.
+networks; ResNet-101 about equal to data parallel). Each network trained with its app's
+optimizer (SGD with momentum; Adam for the recurrent apps: `app_optimizer`), analytic costs
+(these devices are not here). `--quick` runs the tiny configurations on the smallest machine of each cluster.
 Last line: one JSON object.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) 
     t0 = time.perf_counter()
     result = search(sim, budget, seed=seed, model=model)
     row = {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,
+           "optimizer": sim.optimizer.kind,
            "baselines_ms": {k: _rounded(v * 1e3, 4) for k, v in result.baselines.items()},
            "searched_ms": _rounded(result.best_time * 1e3, 4),
            "speedup_over_best_baseline": _rounded(result.speedup_over_baselines(), 3),

@@ -325,6 +325,19 @@ def test_unknown_app(capsys):
                                                "inception_v3, transformer, rnntc, rnnlm, nmt")
 
 
+@pytest.mark.parametrize("name", ["mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm",
+                                  "nmt"])
+def test_each_app_s_defaults_are_its_app_value(name):
+    """What a run trains with and what the simulators of the app take (app_named) is one App."""
+    import importlib
+    from apps.cli import APPS, App, app_named
+    module = importlib.import_module(f"apps.{name}")
+    assert name in APPS and isinstance(module.APP, App) and app_named(name) is module.APP
+    assert module.APP.name == name and module.APP.full is module.FULL and module.APP.tiny is module.TINY
+    with pytest.raises(ValueError, match="no app named 'lenet'; the apps are mlp, alexnet"):
+        app_named("lenet")
+
+
 def test_unknown_baseline(capsys):
     assert "argument --baseline: invalid choice: 'pipeline'" in bad(capsys, mlp, "--baseline", "pipeline")
 
