@@ -41,8 +41,7 @@ from strategies.cost import CostModel, read_cache, write_cache
 from strategies.machine_model import MachineError, load_machine, write_fields
 from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held_kernel, score
 from strategies.random import random_strategy
-from strategies.search import app_graph, app_optimizer, app_source
-from strategies.simulator import Simulator
+from strategies.search import app_graph, app_optimizer, app_simulator, app_source
 from taskrt.cores import cores_problem
 from taskrt.outputs import output_problem
 
@@ -67,10 +66,9 @@ def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model
     """The simulated iteration time of each strategy of the tiny app on `machine_model`, its source
     tasks taking `per_sample` seconds a sample, its kernels' times from the cost cache file `costs`
     (default: the shared one), measured into it where missing."""
-    model, output = app_graph(app, batch, tiny=True)
     cost = CostModel(machine_model, cache_path=costs)
     cost.source_per_sample = per_sample
-    sim = Simulator.for_model(model, machine_model, cost, optimizer=app_optimizer(app, tiny=True), output=output)
+    _, sim = app_simulator(app, machine_model, batch, tiny=True, cost=cost)
     return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
 
 

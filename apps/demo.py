@@ -31,7 +31,7 @@ from apps.cli import APPS, at_least
 from ops.strategy import Strategy
 from strategies.baselines import data_parallel
 from strategies.machine_model import MachineModel, load_machine
-from strategies.search import SearchResult, app_graph, app_optimizer, app_source, search
+from strategies.search import SearchResult, app_graph, app_simulator, search
 from strategies.simulator import Simulator
 from taskrt.cores import cores_problem
 from taskrt.machine import count_gpus
@@ -73,9 +73,7 @@ def search_strategy(app: str, batch: int, setup: Setup, budget: int, seed: int =
                     progress=None) -> tuple[Strategy, SearchResult, Simulator]:
     """(the best strategy for the tiny `app` at `batch` on the setup's machine, named after the app;
     the search's result, whose baselines hold the data-parallel prediction; the simulator it used)."""
-    model, output = app_graph(app, batch, tiny=True)
-    sim = Simulator.for_model(model, setup.machine_model, optimizer=app_optimizer(app, tiny=True), output=output,
-                              source=app_source(app, model, tiny=True))
+    model, sim = app_simulator(app, setup.machine_model, batch, tiny=True, source=True)
     result = search(sim, budget, seed, model=model, progress=progress)
     return Strategy(app, {op.name: result.best.ops[op.name] for op in model.ops}), result, sim
 

@@ -10,7 +10,7 @@ weight synchronization, model, expert and tensor parallel), of the strategy the 
 finds with `--budget` proposals, and the speedup of the searched over the best baseline,
 beside the paper's range (1.3 to 3.3 times over data parallel and expert on five of six
 networks; ResNet-101 about equal to data parallel). Each network trained with its app's
-optimizer (SGD with momentum; Adam for the recurrent apps: `app_optimizer`), analytic costs
+optimizer (SGD with momentum; Adam for the recurrent apps: `app_simulator`), analytic costs
 (these devices are not here). `--quick` runs the tiny configurations on the smallest machine of each cluster.
 Last line: one JSON object.
 """
@@ -30,8 +30,7 @@ from apps.cli import at_least  # noqa: E402
 from strategies.baselines import BASELINES  # noqa: E402
 from strategies.cost import CostModel  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
-from strategies.search import app_graph, app_optimizer, finite_or_none, search  # noqa: E402
-from strategies.simulator import Simulator  # noqa: E402
+from strategies.search import app_simulator, finite_or_none, search  # noqa: E402
 
 APPS = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt")
 #: (machine model, nodes): the paper's clusters at three sizes each
@@ -49,9 +48,7 @@ def one(app: str, machine: str, nodes: int, budget: int, tiny: bool, seed: int) 
     mm = load_machine(machine, nodes=nodes)
     per_gpu = 256 if app == "alexnet" else 64
     batch = (16 if tiny else per_gpu) * mm.num_devices
-    model, output = app_graph(app, batch, tiny=tiny)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer=app_optimizer(app, tiny),
-                              output=output)
+    model, sim = app_simulator(app, mm, batch, tiny, CostModel(mm, measured=False))
     t0 = time.perf_counter()
     result = search(sim, budget, seed=seed, model=model)
     row = {"app": app, "machine": f"{machine}x{nodes}", "devices": mm.num_devices, "batch": batch,

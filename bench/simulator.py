@@ -44,8 +44,7 @@ from strategies.graph import build_iteration  # noqa: E402
 from strategies.random import random_config  # noqa: E402
 from strategies.segments import SegmentBuilder  # noqa: E402
 from strategies.machine_model import load_machine  # noqa: E402
-from strategies.search import STARTS, app_graph, app_optimizer, search  # noqa: E402
-from strategies.simulator import Simulator  # noqa: E402
+from strategies.search import STARTS, app_simulator, search  # noqa: E402
 from taskrt import Machine, Runtime  # noqa: E402
 
 #: the tiny apps' batch here (every session's figures since session 13 are at 16; the apps' own
@@ -134,10 +133,8 @@ def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
     """Full and delta simulations per second of a tiny app: from data parallel, `changes` strategies
     each with one op's config redrawn, each simulated both ways (delta through the caches the
     earlier ones filled, full from scratch); the medians."""
-    model, output = app_graph(app, BATCH, tiny=True)
     mm = load_machine(machine, nodes=nodes)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer=app_optimizer(app, tiny=True),
-                              output=output)
+    model, sim = app_simulator(app, mm, BATCH, tiny=True, cost=CostModel(mm, measured=False))
     from strategies import data_parallel
     configs = sim.configs(data_parallel(model, sim.machine))
     first = sim.simulate(configs)  # fills the caches
@@ -160,10 +157,8 @@ def simulation_rate(app: str, machine: str, nodes: int, changes: int) -> dict:
 
 
 def search_rate(app: str, machine: str, nodes: int, proposals: int) -> dict:
-    model, output = app_graph(app, BATCH, tiny=True)
     mm = load_machine(machine, nodes=nodes)
-    sim = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer=app_optimizer(app, tiny=True),
-                              output=output)
+    model, sim = app_simulator(app, mm, BATCH, tiny=True, cost=CostModel(mm, measured=False))
     t0 = time.perf_counter()
     search(sim, len(STARTS), seed=0, model=model)   # the baselines, every chain's start, and the caches they fill
     setup = time.perf_counter() - t0

@@ -417,6 +417,16 @@ def app_optimizer(name: str, tiny: bool = False, kind: str | None = None):
     return app_named(name).optimizer_for(tiny, kind)
 
 
+def app_simulator(name: str, machine_model, batch_size: int | None = None, tiny: bool = False, cost=None,
+                  optimizer: str | None = None, source: bool = False) -> tuple:
+    """(the graph of app `name` without weights, a Simulator of it on `machine_model` as the app
+    trains it): at its batch unless `batch_size`, with its optimizer unless `optimizer` ('sgd',
+    'adam'), timing its batch source where `source`; `cost` as Simulator's."""
+    model, output = app_graph(name, batch_size, tiny)
+    return model, Simulator.for_model(model, machine_model, cost, optimizer=app_optimizer(name, tiny, optimizer),
+                                      output=output, source=app_source(name, model, tiny) if source else None)
+
+
 def _bad_flag(args) -> str | None:
     """What is wrong with the first out-of-range number flag or an output file that could not be
     written ('--flag value: why'), or None: checked before the graph is built."""

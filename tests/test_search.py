@@ -130,13 +130,16 @@ def test_an_app_is_simulated_at_its_own_batch_with_its_own_optimizer(capsys):
     and the transformer with Adam): a strategy searched for an app is timed as the app runs."""
     from apps import inception_v3
     from ops.optimizers import SGD, Adam
-    from strategies.search import app_graph, app_optimizer
+    from strategies.search import app_graph, app_optimizer, app_simulator
     model, _ = app_graph("inception_v3", tiny=True)
     assert model.inputs[0].shape[0] == inception_v3.APP.tiny_batch_size == 8
     assert app_graph("inception_v3", 4, tiny=True)[0].inputs[0].shape[0] == 4
     assert app_optimizer("mlp") == SGD(lr=0.05, momentum=0.9)
     assert app_optimizer("nmt") == Adam(lr=0.001) and app_optimizer("nmt", tiny=True) == Adam(lr=0.01)
     assert app_optimizer("nmt", kind="sgd") == SGD(lr=0.001, momentum=0.9)
+    model, sim = app_simulator("transformer", load_machine("p100", nodes=1), tiny=True)
+    assert sim.optimizer == Adam(lr=1e-4) and model.inputs[0].shape[0] == 8 and sim.ops[0].name == model.ops[0].name
+    assert app_simulator("transformer", load_machine("p100", nodes=1), 4, True, optimizer="sgd")[1].optimizer.kind == "sgd"
     import strategies.search as search_module
     for flags, kind in (((), "adam"), (("--optimizer", "sgd"), "sgd")):
         assert search_module.main(["--app", "rnntc", "--tiny", "--machine", "p100", "--nodes", "1", "--budget", "2",

@@ -284,15 +284,12 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
     ('sgd', 'adam'; default the app's), whose state the weights' shards keep."""
     from strategies.cost import CostModel
     from strategies.machine_model import _si as si, load_machine
-    from strategies.search import app_graph, app_optimizer
-    from strategies.simulator import Simulator
+    from strategies.search import app_simulator
     try:
         model_machine = load_machine(machine, nodes=nodes)
     except ValueError as e:   # (MachineError among them)
         raise ToolError(f"--machine {machine}: {e}") from None
-    model, output = app_graph(app, batch, tiny)
-    sim = Simulator.for_model(model, model_machine, CostModel(model_machine, measured=False),
-                              optimizer=app_optimizer(app, tiny, optimizer), output=output)
+    _, sim = app_simulator(app, model_machine, batch, tiny, CostModel(model_machine, measured=False), optimizer)
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
     except (StrategyError, ConfigError, ValueError) as e:
