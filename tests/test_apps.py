@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from apps import alexnet, inception_v3, mlp, nmt, resnet101, transformer
 from apps.__main__ import main as apps_main
-from apps.cli import RESULT_FIELDS, SAMPLES_PER_DRAW, batch_source, build_model, count_parameters
+from apps.cli import APPS as APP_NAMES, RESULT_FIELDS, SAMPLES_PER_DRAW, batch_source, build_model, count_parameters
 from taskrt.machine import count_gpus
 from taskrt.tracing import read_trace
 from tests.test_mpi import ROOT, _mpiexec, output, python_path
@@ -325,14 +325,13 @@ def test_unknown_app(capsys):
                                                "inception_v3, transformer, rnntc, rnnlm, nmt")
 
 
-@pytest.mark.parametrize("name", ["mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm",
-                                  "nmt"])
+@pytest.mark.parametrize("name", APP_NAMES)
 def test_each_app_s_defaults_are_its_app_value(name):
     """What a run trains with and what the simulators of the app take (app_named) is one App."""
     import importlib
-    from apps.cli import APPS, App, app_named
+    from apps.cli import App, app_named
     module = importlib.import_module(f"apps.{name}")
-    assert name in APPS and isinstance(module.APP, App) and app_named(name) is module.APP
+    assert isinstance(module.APP, App) and app_named(name) is module.APP
     assert module.APP.name == name and module.APP.full is module.FULL and module.APP.tiny is module.TINY
     with pytest.raises(ValueError, match="no app named 'lenet'; the apps are mlp, alexnet"):
         app_named("lenet")

@@ -139,7 +139,8 @@ def test_an_app_is_simulated_at_its_own_batch_with_its_own_optimizer(capsys):
     assert app_optimizer("nmt", kind="sgd") == SGD(lr=0.001, momentum=0.9)
     model, sim = app_simulator("transformer", load_machine("p100", nodes=1), tiny=True)
     assert sim.optimizer == Adam(lr=1e-4) and model.inputs[0].shape[0] == 8 and sim.ops[0].name == model.ops[0].name
-    assert app_simulator("transformer", load_machine("p100", nodes=1), 4, True, optimizer="sgd")[1].optimizer.kind == "sgd"
+    _, sgd = app_simulator("transformer", load_machine("p100", nodes=1), 4, True, optimizer="sgd")
+    assert sgd.optimizer.kind == "sgd"
     import strategies.search as search_module
     for flags, kind in (((), "adam"), (("--optimizer", "sgd"), "sgd")):
         assert search_module.main(["--app", "rnntc", "--tiny", "--machine", "p100", "--nodes", "1", "--budget", "2",
