@@ -203,7 +203,8 @@ class Simulator:
         return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops), source)
 
     def __repr__(self) -> str:
-        return f"Simulator({len(self.ops)} ops on {self.machine_model.name}, {len(self.machine.processors)} processors)"
+        return (f"Simulator({len(self.ops)} ops on {self.machine_model.name}, {len(self.machine.processors)} "
+                f"processors, {self.optimizer.kind} updates)")
 
     # ---- configs -------------------------------------------------------------------------------
     def configs(self, strategy: Strategy | dict | None) -> dict[str, TileConfig]:

@@ -60,6 +60,8 @@ def test_the_optimizer_s_state_and_updates_are_part_of_the_step():
     sgd = Simulator.for_model(model, mm, CostModel(mm, measured=False))
     adam = Simulator.for_model(model, mm, CostModel(mm, measured=False), optimizer="adam")
     assert sgd.optimizer is sgd.cost.optimizer and sgd.optimizer.state_names() == ("momentum",)
+    procs = len(adam.machine.processors)
+    assert repr(adam) == f"Simulator({len(adam.ops)} ops on p100, {procs} processors, adam updates)"
     strategy = data_parallel(model, sgd.machine)
     a, s = adam.simulate(strategy), sgd.simulate(strategy)
     weights = sum(4 * int(np.prod(shape)) for op in model.ops for shape in op.weight_shapes().values())
