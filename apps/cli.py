@@ -445,6 +445,15 @@ def _discover(args, ranks: int) -> Machine:
     return Machine.discover(None, args.cpus_per_rank, args.gpus_per_rank)
 
 
+def dtype_problem(graph, dtype: str, name: str) -> str | None:
+    """Why app `name`'s graph, built in `dtype`, does not compute in it (the recurrent apps and the
+    transformer take token ids and compute in float32), or None."""
+    floats = {t.dtype for op in graph.ops for t in op.outputs if np.dtype(t.dtype).kind == "f"}
+    if floats - {dtype}:
+        return f"{name} computes in {', '.join(sorted(floats))} (its inputs are not floats)"
+    return None
+
+
 def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, strategy: Strategy | None) -> Plan:
     """Build the graph alone (no weights) and check the dtype, the strategy and the batch against it."""
     graph, _ = build_model(app.build, sizes, batch, dtype=args.dtype, weights=False,
@@ -455,10 +464,9 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
     too_big = _inputs_memory_problem(graph, machine)
     if too_big is not None:
         raise FlagError(f"--batch-size {batch}: {too_big}")
-    floats = {t.dtype for op in graph.ops for t in op.outputs if np.dtype(t.dtype).kind == "f"}
-    if floats - {args.dtype}:
-        raise FlagError(f"--dtype {args.dtype}: {app.name} computes in {', '.join(sorted(floats))} "
-                        f"(its inputs are not floats)")
+    problem = dtype_problem(graph, args.dtype, app.name)
+    if problem is not None:
+        raise FlagError(f"--dtype {args.dtype}: {problem}")
     if args.baseline is not None or strategy is None:
         from strategies.baselines import BASELINES
         name = args.baseline or "data"

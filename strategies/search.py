@@ -17,7 +17,7 @@ proposals. The whole search is reproducible for a seed.
 
 `python -m strategies.search --app NAME --machine M --budget N -o strategy.json` does the
 same from the command line (see main), for the app as it trains: at its batch, with its
-optimizer (`app_graph`, `app_optimizer`), unless --batch-size or --optimizer say otherwise.
+optimizer, in float32 (`app_simulator`), unless --batch-size, --optimizer or --dtype say otherwise.
 """
 from __future__ import annotations
 
@@ -392,14 +392,16 @@ def _complete(sim: Simulator, strategy: Strategy) -> Strategy:
 
 
 # ---- command line --------------------------------------------------------------------------------
-def app_graph(name: str, batch_size: int | None = None, tiny: bool = False):
+def app_graph(name: str, batch_size: int | None = None, tiny: bool = False, dtype: str = "float32"):
     """(the graph of app `name` built without weights, the tensor its loss applies to), at its full
-    or tiny sizes; the app's batch (App.batch_for) unless given."""
+    or tiny sizes; the app's batch (App.batch_for) unless given; its floats in `dtype`, the apps'
+    --dtype (apps.cli.dtype_problem says where an app computes in float32 whatever it is given)."""
     from apps.cli import app_named, build_model
     app = app_named(name)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"app_graph: batch_size must be at least 1, got {batch_size}")
-    return build_model(app.build, app.sizes_for(tiny), batch_size or app.batch_for(tiny), weights=False)
+    return build_model(app.build, app.sizes_for(tiny), batch_size or app.batch_for(tiny), dtype=dtype,
+                       weights=False)
 
 
 def app_source(name: str, model, tiny: bool = False, seed: int = 0):
@@ -418,11 +420,11 @@ def app_optimizer(name: str, tiny: bool = False, kind: str | None = None):
 
 
 def app_simulator(name: str, machine_model, batch_size: int | None = None, tiny: bool = False, cost=None,
-                  optimizer: str | None = None, source: bool = False) -> tuple:
+                  optimizer: str | None = None, source: bool = False, dtype: str = "float32") -> tuple:
     """(the graph of app `name` without weights, a Simulator of it on `machine_model` as the app
     trains it): at its batch unless `batch_size`, with its optimizer unless `optimizer` ('sgd',
-    'adam'), timing its batch source where `source`; `cost` as Simulator's."""
-    model, output = app_graph(name, batch_size, tiny)
+    'adam'), in `dtype`, timing its batch source where `source`; `cost` as Simulator's."""
+    model, output = app_graph(name, batch_size, tiny, dtype)
     return model, Simulator.for_model(model, machine_model, cost, optimizer=app_optimizer(name, tiny, optimizer),
                                       output=output, source=app_source(name, model, tiny) if source else None)
 
@@ -460,7 +462,7 @@ def _too_big(model) -> str | None:
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
-    from apps.cli import APPS, OPTIMIZERS
+    from apps.cli import APPS, DTYPES, OPTIMIZERS, dtype_problem
     from strategies.machine_model import MachineError, load_machine
 
     p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
@@ -476,6 +478,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
                    help="the optimizer the app will train with (its --optimizer; default: the app's): its "
                         "updates and state are part of the step")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the app's floats (its --dtype)")
     p.add_argument("-o", "--output", default=None, help="write the best strategy here")
     args = p.parse_args(argv)
     bad = _bad_flag(args)
@@ -487,11 +490,13 @@ def main(argv=None) -> int:
     except MachineError as e:
         print(f"error: --machine {args.machine}: {e}", file=sys.stderr)
         return 2
-    model, output = app_graph(args.app, args.batch_size, args.tiny)
-    too_big = _too_big(model)
-    if too_big is not None:
-        print(f"error: --batch-size {args.batch_size}: {too_big}", file=sys.stderr)
-        return 2
+    model, output = app_graph(args.app, args.batch_size, args.tiny, args.dtype)
+    problems = (("--batch-size", args.batch_size, _too_big(model)),
+                ("--dtype", args.dtype, dtype_problem(model, args.dtype, args.app)))
+    for flag, value, problem in problems:
+        if problem is not None:
+            print(f"error: {flag} {value}: {problem}", file=sys.stderr)
+            return 2
     sim = Simulator.for_model(model, mm, optimizer=app_optimizer(args.app, args.tiny, args.optimizer), output=output,
                               source=app_source(args.app, model, args.tiny))
     result = search(sim, args.budget, args.seed, args.seconds, model=model, progress=sys.stderr)
@@ -507,7 +512,7 @@ def main(argv=None) -> int:
     print(f"  {'searched':8s} {result.best_time * 1e3:10.3f} ms  ({result.speedup_over_baselines():.2f}x the best "
           f"baseline, {result.proposals} proposals in {result.seconds:.1f} s)")
     print(json.dumps({"app": args.app, "machine": mm.name, "devices": mm.num_devices,
-                      "batch_size": model.inputs[0].shape[0], "optimizer": sim.optimizer.kind,
+                      "batch_size": model.inputs[0].shape[0], "optimizer": sim.optimizer.kind, "dtype": args.dtype,
                       "proposals": result.proposals,
                       "seconds": round(result.seconds, 3), "best_ms": result.best_time * 1e3,
                       "baselines_ms": {k: finite_or_none(v * 1e3) for k, v in result.baselines.items()},

@@ -149,6 +149,20 @@ def test_an_app_is_simulated_at_its_own_batch_with_its_own_optimizer(capsys):
         assert report["optimizer"] == kind and report["batch_size"] == 16
 
 
+def test_the_command_line_searches_in_the_app_s_dtype(capsys):
+    """--dtype as the apps take it: the mlp's graph in float64 (twice the bytes of float32), and a
+    clear refusal where an app computes in float32 whatever it is given (token ids in)."""
+    import strategies.search as search_module
+    for dtype in ("float32", "float64"):
+        assert search_module.main(["--app", "mlp", "--tiny", "--machine", "p100", "--nodes", "1", "--budget", "2",
+                                   "--dtype", dtype]) == 0
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["dtype"] == dtype
+    assert search_module.main(["--app", "rnntc", "--tiny", "--machine", "p100", "--budget", "2", "--dtype",
+                               "float64"]) == 2
+    assert capsys.readouterr().err == ("error: --dtype float64: rnntc computes in float32 (its inputs are not "
+                                       "floats)\n")
+
+
 def test_the_command_line_writes_a_strategy_the_app_trains_with(tmp_path):
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "strategies.search", "--app", "mlp", "--tiny", "--machine", "local",

@@ -142,12 +142,12 @@ def test_memory_gives_each_device_s_peak_where_it_falls_and_its_largest_regions(
         assert all(", everything kept for the whole step" in h for h in heads)   # on CPUs nothing is released
         assert ("OVER" in out) == bool(want) and len(lines) == 2 + 2 * 2
         assert all(line.startswith("    ") and line.endswith(".weight") for line in lines if line not in heads)
-    held = {}   # device 0's bytes at its peak, by optimizer: Adam keeps two states a weight, SGD one
-    for optimizer in ("sgd", "adam"):
+    held = {}   # device 0's bytes at its peak: Adam keeps two states a weight, SGD one; float64 twice the bytes
+    for flags in (("--optimizer", "sgd"), ("--optimizer", "adam"), ("--dtype", "float64")):
         _, out, _ = run(capsys, "memory", mlp_strategy(tmp_path / "s.json"), "--app", "mlp", "--tiny", "--machine",
-                        tmp_path / "m.json", "--optimizer", optimizer)
-        held[optimizer] = float(out.split(":")[1].split()[0])
-    assert held["adam"] > held["sgd"]
+                        tmp_path / "m.json", *flags)
+        held[flags[1]] = float(out.split(":")[1].split()[0])
+    assert held["adam"] > held["sgd"] and held["float64"] > 1.9 * held["sgd"]
     model, _ = app_graph("mlp", 16, tiny=True)
     assert tool.place_name(0, model.ops) == f"forward of {model.ops[0].name}"
     assert tool.place_name(len(model.ops), model.ops) == f"gradient fills of {model.ops[0].name}"

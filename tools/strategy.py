@@ -279,9 +279,10 @@ def differences(a: Strategy, b: Strategy) -> list[str]:
 
 # ---- memory -------------------------------------------------------------------------------------
 def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, machine: str, nodes: int | None,
-                  top: int, optimizer: str | None = None) -> tuple[list[str], bool]:
+                  top: int, optimizer: str | None = None, dtype: str = "float32") -> tuple[list[str], bool]:
     """(the lines `memory` prints, whether every device fits), the app trained with `optimizer`
-    ('sgd', 'adam'; default the app's), whose state the weights' shards keep."""
+    ('sgd', 'adam'; default the app's), whose state the weights' shards keep, in `dtype`."""
+    from apps.cli import dtype_problem
     from strategies.cost import CostModel
     from strategies.machine_model import _si as si, load_machine
     from strategies.search import app_simulator
@@ -289,7 +290,11 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
         model_machine = load_machine(machine, nodes=nodes)
     except ValueError as e:   # (MachineError among them)
         raise ToolError(f"--machine {machine}: {e}") from None
-    _, sim = app_simulator(app, model_machine, batch, tiny, CostModel(model_machine, measured=False), optimizer)
+    model, sim = app_simulator(app, model_machine, batch, tiny, CostModel(model_machine, measured=False), optimizer,
+                               dtype=dtype)
+    problem = dtype_problem(model, dtype, app)
+    if problem is not None:
+        raise ToolError(f"--dtype {dtype}: {problem}")
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
     except (StrategyError, ConfigError, ValueError) as e:
@@ -327,14 +332,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from apps.cli import OPTIMIZERS
+    from apps.cli import DTYPES, OPTIMIZERS
     p = _Parser(prog="python -m tools.strategy", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def app_flags(q, required):
         q.add_argument("--app", required=required, help="the benchmark app the strategy is for")
         q.add_argument("--tiny", action="store_true", help="the app's tiny sizes")
-        q.add_argument("--batch-size", type=int, default=None, help="the app's batch (default: 64, 16 tiny)")
+        q.add_argument("--batch-size", type=int, default=None, help="the app's batch (default: the app's own)")
 
     show = sub.add_parser("show", help="a table of the strategy's configs")
     show.add_argument("file")
@@ -355,6 +360,7 @@ def parser() -> argparse.ArgumentParser:
     mem.add_argument("--top", type=int, default=3, help="the largest regions to list per device (default 3)")
     mem.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
                      help="the optimizer the app trains with (default: the app's): its state is held too")
+    mem.add_argument("--dtype", choices=DTYPES, default="float32", help="the app's floats (its --dtype)")
     return p
 
 
@@ -384,7 +390,7 @@ def main(argv=None) -> int:
             if args.top < 0 or (args.nodes is not None and args.nodes < 1):
                 raise ToolError(f"--top {args.top} and --nodes {args.nodes}: --top at least 0, --nodes at least 1")
             lines, fits = memory_report(strategy, args.app, args.tiny, args.batch_size, args.machine, args.nodes,
-                                        args.top, args.optimizer)
+                                        args.top, args.optimizer, args.dtype)
             print("\n".join(lines))
             return 0 if fits else 1
         engine = draw(strategy, ops, args.output, f"{args.file} ({args.app})", args.engine)
