@@ -298,9 +298,9 @@ class PeakCache:
                     known[0] += nbytes
                     known[1] = min(known[1], first)
             transient = self.release and region in self._transient
-            instances = [(self._row[m], box_volume(rs) * itemsize, first if transient else 0,
-                          last if transient else self._end) for m, (rs, itemsize, first) in rects.items()]
             until = last if transient else self._end
+            instances = [(self._row[m], box_volume(rs) * itemsize, first if transient else 0, until)
+                         for m, (rs, itemsize, first) in rects.items()]
             held = [(self._row[m], nbytes, first if self.release else 0, until if self.release else self._end)
                     for m, (nbytes, first) in buffers.items()]
             changes = [(kind, row, at, sign * nbytes) for kind, both in enumerate((instances, held))

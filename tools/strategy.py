@@ -5,6 +5,7 @@ what each device holds at its peak.
     python -m tools.strategy draw FILE --app NAME [--tiny] [--batch-size N] -o out.png [--engine auto|dot|matplotlib]
     python -m tools.strategy diff A B
     python -m tools.strategy memory FILE --app NAME [--tiny] [--batch-size N] [--machine M] [--nodes N] [--top K]
+                                   [--optimizer sgd|adam] [--dtype float32|float64]
 
 `show` lists each op's degrees, named by SOAP kind when the app gives the op (S sample,
 A attribute, P parameter, R reduce: "S2 P2"), its devices and, given the app, its kind and
@@ -14,9 +15,10 @@ on (graphviz's `dot` when it is on PATH, else matplotlib). `diff` prints the ops
 configs differ and exits 1 if any do, like diff(1). `memory` prints, per device of the
 machine model (default `local`), the peak bytes a training step holds there under the
 strategy against the device's memory, where in the step the peak falls and the `--top`
-largest regions held then (strategies/memory.py; exit 1 where a device is over). A missing
-or malformed file, an
-unknown app or a strategy that does not fit the app gives one line on stderr and exit 2.
+largest regions held then (strategies/memory.py; exit 1 where a device is over), the app
+trained as it trains by default (its batch and optimizer, float32) unless the flags say. A
+missing or malformed file, an unknown app or a strategy that does not fit the app gives one
+line on stderr and exit 2.
 """
 from __future__ import annotations
 
