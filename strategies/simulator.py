@@ -71,6 +71,10 @@ class SimResult:
     proc_index: dict
     peak_of: Callable = field(repr=False)
     capacity: list = field(repr=False)
+    #: seconds of each task and fold spent in the runtime's hand-off before its kernel (the machine
+    #: model's launch_overhead, part of the node's time): a trace shows it as a wait before the
+    #: node's event, as a run's trace does, so their events' spans compare
+    launch: float = 0.0
 
     @functools.cached_property
     def peak_memory(self) -> dict[int, int]:
@@ -94,17 +98,24 @@ class SimResult:
     def records(self):
         """Trace events in the runtime's format (README.md), microseconds from the iteration's start,
         each with `preds`: the ids of the nodes it waits on within the iteration (a node's id is its
-        position in the iteration)."""
+        position in the iteration), and `launch`: the microseconds of the runtime's hand-off before
+        `start` (tasks and folds), which the node held its processor for but a run's trace does not
+        show as the node's own, so that an event's span is what a run's would be."""
         ids = range(len(self.graph.nodes))
         for i, node in enumerate(self.graph.nodes):
             if isinstance(node, CopyNode):
                 where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
                 point = None
+                handoff = self.launch if node.redop is not None or node.src == node.dst else 0.0
             else:
                 where, rank, kind, point = str(node.proc), node.proc.rank, node.kind, list(node.point)
+                handoff = self.launch
+            start, end = float(self.timing.start[i]), float(self.timing.end[i])
+            handoff = min(handoff, end - start)
             yield {"id": i, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
-                   "start": round(float(self.timing.start[i]) * 1e6, 3), "end": round(float(self.timing.end[i]) * 1e6, 3),
-                   "bytes": node.nbytes, "point": point, "preds": [ids[p] for p in self.graph.preds[i]]}
+                   "start": round((start + handoff) * 1e6, 3), "end": round(end * 1e6, 3),
+                   "bytes": node.nbytes, "point": point, "preds": [ids[p] for p in self.graph.preds[i]],
+                   "launch": round(handoff * 1e6, 3)}
 
     def write_trace(self, path: str) -> str:
         """One JSON line per task and copy after a meta line (kind 'meta', simulated: true)."""
@@ -294,7 +305,8 @@ class Simulator:
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
         timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling, self.naps)
         peak_of = self._peaks.peak if delta else functools.partial(plan_peak, machine=self.machine)
-        return SimResult(timing.time, graph, timing, list(resources), res, self._proc_index, peak_of, self._capacity)
+        return SimResult(timing.time, graph, timing, list(resources), res, self._proc_index, peak_of, self._capacity,
+                         self.machine_model.launch_overhead)
 
     def memory(self, strategy) -> tuple[dict[int, int], bool]:
         """(the peak bytes of each processor's memory, whether they fit) under `strategy`: what

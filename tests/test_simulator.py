@@ -144,6 +144,16 @@ def test_the_trace_is_in_the_runtimes_format(tmp_path):
     ids = {e["id"] for e in events}
     assert all(set(e["preds"]) <= ids for e in events) and sum(len(e["preds"]) for e in events) == sum(
         map(len, result.graph.preds))
+    # a task's or a fold's event starts after its launch, the hand-off a run's trace shows as a wait
+    launch = mm.launch_overhead * 1e6
+    folds = [e for e in events if e["kind"] == "reduce"]
+    assert folds and {e["launch"] for e in events if e["kind"] in ("task", "reduce")} == {launch}
+    assert {e["launch"] for e in events if e["kind"] == "copy" and "->" in e["proc"]
+            and e["proc"].split("->")[0] != e["proc"].split("->")[1]} == {0}
+    for e in events:
+        i = e["id"]
+        assert e["start"] - e["launch"] == pytest.approx(result.timing.start[i] * 1e6, abs=1e-3)
+        assert e["end"] == pytest.approx(result.timing.end[i] * 1e6, abs=1e-3)
 
 
 def test_every_rank_makes_its_share_of_the_batch_on_its_host_as_train_on_does():

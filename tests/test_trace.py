@@ -267,9 +267,14 @@ def test_critical_path_of_the_simulation_sets_its_time(simulated, measured, caps
     assert path[-1]["end_us"] == pytest.approx(s.end_us)
     assert all(a["end_us"] <= b["start_us"] + tt.EPS_US for a, b in zip(path, path[1:]))
     # the simulator starts each node when its last pred or its track frees: no waits on the chain
-    assert sum(p["duration_us"] for p in path) == pytest.approx(s.span_us, rel=1e-3)
-    assert sum(p["share"] for p in path) == pytest.approx(1.0, rel=1e-3)
+    # but each node's launch, the runtime's hand-off that its event starts after
     by_id = {e["id"]: e for e in s.events}
+    assert [p["wait_us"] for p in path] == pytest.approx([by_id[p["id"]]["launch"] for p in path], abs=0.01)
+    launch = load_machine("local", nodes=1).launch_overhead * 1e6
+    assert [by_id[p["id"]]["launch"] for p in path if p["kind"] == "task"] == pytest.approx(
+        [launch] * sum(p["kind"] == "task" for p in path))
+    assert sum(p["duration_us"] + p["wait_us"] for p in path) == pytest.approx(s.span_us, rel=1e-3)
+    assert sum(p["share"] for p in path) < 1
     for a, b in zip(path, path[1:]):
         e = by_id[b["id"]]
         assert a["id"] in e["preds"] or a["proc"] == b["proc"]
@@ -357,8 +362,9 @@ def _with_preds(event: dict, *preds: int) -> dict:
 def test_waits_count_tasks_that_found_their_processor_idle(measured, simulated, two_ranks, capsys):
     """b waits 40 us on an idle cpu0 after a; c, ready as early, queues behind b (left out); d's
     pred is not in the trace (left out); e waits 5 us on cpu1; f's pred is another rank's node
-    (left out). In a run no task starts before its pred ends; a simulation's waits are 0 but
-    where a processor handled a message."""
+    (left out). In a run no task starts before its pred ends; in a simulation a task's wait is
+    its launch (the model's launch_overhead, before its event), but where a processor handled a
+    message."""
     events = [_task(0, "a.fwd", 0, 0.0, 10.0), _with_preds(_task(1, "b.fwd", 0, 50.0, 20.0), 0),
               _with_preds(_task(2, "c.fwd", 0, 70.0, 5.0), 0), _with_preds(_task(3, "d.fwd", 0, 90.0, 5.0), 99),
               _with_preds({**_task(4, "e.fwd", 0, 15.0, 1.0), "proc": "r0.cpu1"}, 0),
@@ -375,7 +381,8 @@ def test_waits_count_tasks_that_found_their_processor_idle(measured, simulated, 
     run = tt.waits(tt.load(measured), top=10 ** 6)   # every counted task among the longest
     assert len(run["longest"]) == run["counted"] > 0 and min(r["wait_us"] for r in run["longest"]) >= 0
     sim = tt.waits(tt.load(simulated))
-    assert sim["counted"] > 0 and abs(sim["wait_us"]["median"]) < 0.01
+    launch = load_machine("local", nodes=1).launch_overhead * 1e6
+    assert sim["counted"] > 0 and sim["wait_us"]["median"] == pytest.approx(launch)
     rc, out, _ = run_cli(capsys, "waits", two_ranks, "--top", "3", "--skip", "1")
     assert rc == 0 and "idle processor" in out and "r1.cpu0" in out
     assert len(out.split("the longest:")[1].strip().splitlines()) == 3

@@ -74,6 +74,10 @@ class Trace:
 
     @property
     def start_us(self) -> float:
+        """The first event's start; 0 in a simulation, whose iteration starts there (its first
+        events start after their launch)."""
+        if self.simulated:
+            return 0.0
         return min((e["start"] for e in self.events), default=0.0)
 
     @property
@@ -559,9 +563,10 @@ def waits(trace: Trace, top: int = 10, skip: int = 0) -> dict:
     had ended its previous task by then (a task queued behind another is left out: that wait
     is the other's time). In a run this is the runtime's hand-off: a worker woken and given the
     GIL, which the rank's other threads (the main thread issuing a later step, the progress
-    thread, the copy workers) may hold (docs/accuracy.md). In a simulation it is 0 (a task's
-    launch overhead is inside its time) but where the processor handled a message meanwhile
-    (the parts of a copy between ranks that the simulator charges beside its tasks). Preds the
+    thread, the copy workers) may hold (docs/accuracy.md). In a simulation it is the task's
+    `launch` (the model's launch overhead, which the simulator puts before the task's event),
+    longer where the processor handled a message meanwhile (the parts of a copy between ranks
+    that the simulator charges beside its tasks). Preds the
     trace does not hold on the task's rank (a fence, a remote node's stand-in, another rank's
     half of a copy) are left out, so a wait may include waiting for them. Each task's first
     `skip` runs (by name, rank and point) are left out too: a run's first iteration waits for
