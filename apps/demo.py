@@ -109,9 +109,10 @@ def table(rows: list[dict]) -> str:
 
 def where_off(compare: dict, most: int = 3) -> str:
     """One line from tools.trace's comparison of the searched run with its simulation: the
-    iteration's time, and the operators whose task time is furthest off (at least 10 us)."""
+    iteration's time, and the operators' phases (`fc1 backward`) whose task time is furthest off
+    (at least 10 us)."""
     it = compare["iteration"]
-    ops = sorted((r for r in compare["operators"] if r["error"] is not None and r["measured_us"] >= 10),
+    ops = sorted((r for r in compare["phases"] if r["error"] is not None and r["measured_us"] >= 10),
                  key=lambda r: -abs(r["simulated_us"] - r["measured_us"]))[:most]
     what = "median iteration" if compare["per_iteration"] else "mean iteration"
     return (f"searched, simulated against traced ({what}): {it['simulated_us'] / 1e3:.2f} ms against "

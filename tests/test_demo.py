@@ -75,16 +75,18 @@ def test_run_demo_writes_every_file(tmp_path):
     assert len(said) == 1 and "furthest off: " in said[0], lines
 
 
-def test_where_off_names_the_operators_furthest_off():
+def test_where_off_names_the_phases_furthest_off():
     from apps.demo import where_off
     def row(name, sim, meas):
         return {"name": name, "simulated_us": sim, "measured_us": meas, "error": (sim - meas) / meas if meas else None}
 
     compare = {"per_iteration": True, "iteration": row(None, 3000.0, 6000.0),
-               "operators": [row("fc1", 300.0, 200.0), row("source", 900.0, 2000.0), row("loss", 300.0, 600.0),
-                             row("attach", 0.0, 5.0), row("drop", 100.0, 110.0)]}
+               "operators": [row("fc1", 1300.0, 200.0)],
+               "phases": [row("fc1 forward", 300.0, 200.0), row("source", 900.0, 2000.0),
+                          row("loss backward", 300.0, 600.0), row("attach", 0.0, 5.0), row("drop forward", 100.0, 110.0)]}
     assert where_off(compare, most=2) == ("searched, simulated against traced (median iteration): 3.00 ms against "
-                                          "6.00 ms; furthest off: source 0.90 against 2.00 ms, loss 0.30 against 0.60 ms")
+                                          "6.00 ms; furthest off: source 0.90 against 2.00 ms, loss backward 0.30 "
+                                          "against 0.60 ms")
 
 
 def test_run_demo_calibrates_the_runtime_figures_first(tmp_path):

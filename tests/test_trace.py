@@ -161,6 +161,10 @@ def test_compare(simulated, measured, tmp_path, capsys):
     d1 = ops["d1"]
     assert d1["error"] == pytest.approx((d1["simulated_us"] - d1["measured_us"]) / d1["measured_us"])
     assert {r["name"] for r in result["processors"]} == {"r0.cpu0", "r0.cpu1"}
+    phases = {r["name"]: r for r in result["phases"]}
+    assert {"d1 forward", "d1 backward", "d1 update"} <= set(phases)
+    assert sum(r["simulated_us"] for name, r in phases.items() if name.startswith("d1 ")) == pytest.approx(
+        d1["simulated_us"])
     assert result["iteration"]["simulated_us"] == pytest.approx(s.span_us)
     rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c2.png")
     assert rc == 0 and "iteration time" in out and "r0.cpu1" in out and "the first 1 left out" in out
@@ -225,6 +229,8 @@ def test_compare_a_run_it_cannot_cut_is_averaged():
     c = tt.compare(sim, run)
     assert not c["per_iteration"] and "rank 0 ran 3 'source' tasks, not a multiple of the 2" in c["why"]
     assert "not cut into iterations (rank 0 ran 3" in tt.format_compare(c)
+    assert {r["name"]: r["measured_us"] for r in c["phases"]} == {   # over 2 iterations
+        "attach": 10.0, "source": 7.5, "a forward": 1.0, "b forward": 1.0}
 
 
 def test_compare_refuses_traces_of_different_models():

@@ -836,9 +836,20 @@ def cut_iterations(simulated: Trace, measured: Trace) -> Iterations | str:
     return Iterations(marker, starts)
 
 
+def operator_phase(event: dict) -> str:
+    """'fc1 backward', 'fc1 fill': a task's operator and phase (its operator alone for a task of no
+    phase: the batch source, an attach)."""
+    ph = phase(event)
+    return operator(event) if ph == "task" else f"{operator(event)} {ph}"
+
+
+#: compare's tables of task time: each name's key of a task event
+TABLES = {"operators": operator, "phases": operator_phase, "processors": lambda e: e["proc"]}
+
+
 def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
     """Predicted against measured times per iteration, with relative errors: the iteration's time,
-    and task time per operator and per processor. The measured run is cut into its iterations
+    and task time per operator, per operator and phase, and per processor. The measured run is cut into its iterations
     (`cut_iterations`); the first `skip` are left out (the first compiles kernels and starts from
     the weights' attach), and each figure is the median over the rest, so a slow outlier does
     not move it. A run that cannot be cut is averaged over all its iterations (its task count
@@ -866,21 +877,21 @@ def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Itera
     if not 0 <= skip < cut.count:
         raise TraceError(f"compare: cannot leave out {skip} iteration(s): the measured run has {cut.count}")
     kept = range(skip, cut.count)
-    sums: dict[str, list[dict]] = {"op": [defaultdict(float) for _ in kept], "proc": [defaultdict(float) for _ in kept]}
+    sums: dict[str, list[dict]] = {which: [defaultdict(float) for _ in kept] for which in TABLES}
     totals = [0.0 for _ in kept]
     for e in filter(is_task, measured.events):
         k = cut.index(e) - skip
         if k >= 0:
             dur = e["end"] - e["start"]
-            sums["op"][k][operator(e)] += dur
-            sums["proc"][k][e["proc"]] += dur
+            for which, key in TABLES.items():
+                sums[which][k][key(e)] += dur
             totals[k] += dur
     times = cut.times_us(measured)[skip:]
 
-    def table(key, which) -> list[dict]:
+    def table(which) -> list[dict]:
         sim: dict[str, float] = defaultdict(float)
         for e in sim_tasks:
-            sim[key(e)] += e["end"] - e["start"]
+            sim[TABLES[which](e)] += e["end"] - e["start"]
         names = set(sim).union(*sums[which])
         rows = [_row(k, sim.get(k, 0.0), _median([s.get(k, 0.0) for s in sums[which]])) for k in names]
         return sorted(rows, key=lambda r: -max(r["simulated_us"], r["measured_us"]))
@@ -891,8 +902,7 @@ def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Itera
     return {"iterations": cut.count, "skipped": skip, "per_iteration": True, "median_iteration": median_k,
             "iteration": {**_row(None, simulated.span_us, median), "measured_min_us": min(times),
                           "measured_max_us": max(times), "measured_each_us": times},
-            "task_time": _row(None, sim_total, _median(totals)),
-            "operators": table(operator, "op"), "processors": table(lambda e: e["proc"], "proc")}, cut
+            "task_time": _row(None, sim_total, _median(totals)), **{which: table(which) for which in TABLES}}, cut
 
 
 def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], why: str) -> dict:
@@ -901,7 +911,8 @@ def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], 
     iterations = max(1, round(len(meas_tasks) / max(1, len(sim_tasks))))
 
     def table(key) -> list[dict]:
-        sim, meas = defaultdict(float), defaultdict(float)
+        sim: dict[str, float] = defaultdict(float)
+        meas: dict[str, float] = defaultdict(float)
         for e in sim_tasks:
             sim[key(e)] += e["end"] - e["start"]
         for e in meas_tasks:
@@ -913,8 +924,7 @@ def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], 
     meas_total = sum(e["end"] - e["start"] for e in meas_tasks) / iterations
     return {"iterations": iterations, "skipped": 0, "per_iteration": False, "why": why,
             "iteration": _row(None, simulated.span_us, measured.span_us / iterations),
-            "task_time": _row(None, sim_total, meas_total),
-            "operators": table(operator), "processors": table(lambda e: e["proc"])}
+            "task_time": _row(None, sim_total, meas_total), **{which: table(key) for which, key in TABLES.items()}}
 
 
 def _row(name: str | None, simulated_us: float, measured_us: float) -> dict:
@@ -945,7 +955,8 @@ def format_compare(c: dict) -> str:
     lines = [head,
              f"iteration time {it['simulated_us'] / 1e3:.3f} ms vs {it['measured_us'] / 1e3:.3f} ms ({err(it['error'])}); "
              f"task time {tt['simulated_us'] / 1e3:.3f} ms vs {tt['measured_us'] / 1e3:.3f} ms ({err(tt['error'])})"]
-    for title, rows in (("operator", c["operators"]), ("processor", c["processors"])):
+    for title, rows in (("operator", c["operators"]), ("operator and phase", c["phases"]),
+                        ("processor", c["processors"])):
         lines += ["", f"{title:<30}{'simulated ms':>14}{'measured ms':>13}{'error':>8}"]
         for r in rows:
             lines.append(f"{r['name']:<30}{r['simulated_us'] / 1e3:>14.3f}{r['measured_us'] / 1e3:>13.3f}"
