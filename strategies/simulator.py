@@ -106,7 +106,7 @@ class SimResult:
             if isinstance(node, CopyNode):
                 where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
                 point = None
-                handoff = self.launch if node.redop is not None or node.src == node.dst else 0.0
+                handoff = self.launch if _folds(node.src, node.dst, node.redop) else 0.0
             else:
                 where, rank, kind, point = str(node.proc), node.proc.rank, node.kind, list(node.point)
                 handoff = self.launch
@@ -127,6 +127,13 @@ class SimResult:
                 f.write(json.dumps(e) + "\n")
         return path
 
+
+
+def _folds(src, dst, redop: str | None) -> bool:
+    """Whether a copy from memory `src` to `dst` is timed as a fold (its launch, and the fold's
+    reads and write on the destination): a reduction's, or one within a memory (_copy_codes says
+    the same of arrays)."""
+    return redop is not None or src == dst
 
 
 def _fits(peak: dict[int, int], capacity: list) -> bool:
@@ -497,7 +504,7 @@ class Simulator:
         what = (src, dst, nbytes, redop)
         known = self._copy_costs.get(what)
         if known is None:
-            fold = redop is not None or src == dst
+            fold = _folds(src, dst, redop)
             res, bandwidth, latency, dst_bandwidth = self._copy_pair(
                 self._pair_code(self._memory_number[src], self._memory_number[dst], fold))
             seconds = self.cost.copy_times(np.array([nbytes]), np.array([bandwidth]), np.array([dst_bandwidth]),

@@ -849,11 +849,12 @@ TABLES = {"operators": operator, "phases": operator_phase, "processors": lambda 
 
 def compare(simulated: Trace, measured: Trace, skip: int = 1) -> dict:
     """Predicted against measured times per iteration, with relative errors: the iteration's time,
-    and task time per operator, per operator and phase, and per processor. The measured run is cut into its iterations
-    (`cut_iterations`); the first `skip` are left out (the first compiles kernels and starts from
-    the weights' attach), and each figure is the median over the rest, so a slow outlier does
-    not move it. A run that cannot be cut is averaged over all its iterations (its task count
-    over the simulated one's), which the result says ("per_iteration": false, "why")."""
+    and task time per operator, per operator and phase, and per processor. The measured run is
+    cut into its iterations (`cut_iterations`); the first `skip` are left out (the first compiles
+    kernels and starts from the weights' attach), and each figure is the median over the rest,
+    so a slow outlier does not move it. A run that cannot be cut is averaged over all its
+    iterations (its task count over the simulated one's), which the result says
+    ("per_iteration": false, "why")."""
     return _compared(simulated, measured, skip)[0]
 
 
