@@ -109,14 +109,17 @@ def table(rows: list[dict]) -> str:
 
 def where_off(compare: dict, most: int = 3) -> str:
     """One line from tools.trace's comparison of the searched run with its simulation: the
-    iteration's time, and the operators' phases (`fc1 backward`) whose task time is furthest off
+    iteration's time, a task's mean wait for its idle worker (the runtime's hand-off) where the
+    traces tell it, and the operators' phases (`fc1 backward`) whose task time is furthest off
     (at least 10 us)."""
     it = compare["iteration"]
     ops = sorted((r for r in compare["phases"] if r["error"] is not None and r["measured_us"] >= 10),
                  key=lambda r: -abs(r["simulated_us"] - r["measured_us"]))[:most]
     what = "median iteration" if compare["per_iteration"] else "mean iteration"
+    w = compare.get("task_wait")
+    wait = "" if w is None else f"a task's wait for its worker {w['simulated_us']:.0f} against {w['measured_us']:.0f} us; "
     return (f"searched, simulated against traced ({what}): {it['simulated_us'] / 1e3:.2f} ms against "
-            f"{it['measured_us'] / 1e3:.2f} ms; furthest off: "
+            f"{it['measured_us'] / 1e3:.2f} ms; {wait}furthest off: "
             + ", ".join(f"{r['name']} {r['simulated_us'] / 1e3:.2f} against {r['measured_us'] / 1e3:.2f} ms"
                         for r in ops))
 

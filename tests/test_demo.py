@@ -87,6 +87,8 @@ def test_where_off_names_the_phases_furthest_off():
     assert where_off(compare, most=2) == ("searched, simulated against traced (median iteration): 3.00 ms against "
                                           "6.00 ms; furthest off: source 0.90 against 2.00 ms, loss backward 0.30 "
                                           "against 0.60 ms")
+    compare["task_wait"] = row(None, 20.0, 61.4)
+    assert "6.00 ms; a task's wait for its worker 20 against 61 us; furthest off: source" in where_off(compare)
 
 
 def test_run_demo_calibrates_the_runtime_figures_first(tmp_path):

@@ -166,8 +166,13 @@ def test_compare(simulated, measured, tmp_path, capsys):
     assert sum(r["simulated_us"] for name, r in phases.items() if name.startswith("d1 ")) == pytest.approx(
         d1["simulated_us"])
     assert result["iteration"]["simulated_us"] == pytest.approx(s.span_us)
+    # the hand-off: the model's launch (one rank: no message handling) against the run's waits
+    wait = result["task_wait"]
+    assert wait["simulated_us"] == pytest.approx(load_machine("local", nodes=1).launch_overhead * 1e6)
+    assert wait["measured_us"] == pytest.approx(tt.waits(m, skip=1)["wait_us"]["mean"]) and wait["measured_us"] > 0
     rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c2.png")
     assert rc == 0 and "iteration time" in out and "r0.cpu1" in out and "the first 1 left out" in out
+    assert "a task's wait for its idle processor (mean) 20.0 us vs" in out
     rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c3.png", "--json", "--skip", "0")
     assert json.loads(out)["iterations"] == 3 and json.loads(out)["skipped"] == 0
     rc, out, err = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c4.png", "--skip", "3")
@@ -231,6 +236,7 @@ def test_compare_a_run_it_cannot_cut_is_averaged():
     assert "not cut into iterations (rank 0 ran 3" in tt.format_compare(c)
     assert {r["name"]: r["measured_us"] for r in c["phases"]} == {   # over 2 iterations
         "attach": 10.0, "source": 7.5, "a forward": 1.0, "b forward": 1.0}
+    assert c["task_wait"] is None   # no preds in these traces: when a task could start is unknown
 
 
 def test_compare_refuses_traces_of_different_models():

@@ -903,7 +903,8 @@ def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Itera
     return {"iterations": cut.count, "skipped": skip, "per_iteration": True, "median_iteration": median_k,
             "iteration": {**_row(None, simulated.span_us, median), "measured_min_us": min(times),
                           "measured_max_us": max(times), "measured_each_us": times},
-            "task_time": _row(None, sim_total, _median(totals)), **{which: table(which) for which in TABLES}}, cut
+            "task_time": _row(None, sim_total, _median(totals)), "task_wait": _wait_row(simulated, measured, skip),
+            **{which: table(which) for which in TABLES}}, cut
 
 
 def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], why: str) -> dict:
@@ -925,7 +926,18 @@ def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], 
     meas_total = sum(e["end"] - e["start"] for e in meas_tasks) / iterations
     return {"iterations": iterations, "skipped": 0, "per_iteration": False, "why": why,
             "iteration": _row(None, simulated.span_us, measured.span_us / iterations),
-            "task_time": _row(None, sim_total, meas_total), **{which: table(key) for which, key in TABLES.items()}}
+            "task_time": _row(None, sim_total, meas_total), "task_wait": _wait_row(simulated, measured, 0),
+            **{which: table(key) for which, key in TABLES.items()}}
+
+
+def _wait_row(simulated: Trace, measured: Trace, skip: int) -> dict | None:
+    """The mean wait of a task that found its processor idle (`waits`; the run's first `skip`
+    runs of each task left out), simulated (the model's launch, and message handling) against
+    measured (the runtime's hand-off); None where a trace cannot tell (no preds, no such task)."""
+    try:
+        return _row(None, waits(simulated)["wait_us"]["mean"], waits(measured, skip=skip)["wait_us"]["mean"])
+    except TraceError:
+        return None
 
 
 def _row(name: str | None, simulated_us: float, measured_us: float) -> dict:
@@ -956,6 +968,10 @@ def format_compare(c: dict) -> str:
     lines = [head,
              f"iteration time {it['simulated_us'] / 1e3:.3f} ms vs {it['measured_us'] / 1e3:.3f} ms ({err(it['error'])}); "
              f"task time {tt['simulated_us'] / 1e3:.3f} ms vs {tt['measured_us'] / 1e3:.3f} ms ({err(tt['error'])})"]
+    w = c["task_wait"]
+    if w is not None:
+        lines.append(f"a task's wait for its idle processor (mean) {w['simulated_us']:.1f} us vs "
+                     f"{w['measured_us']:.1f} us ({err(w['error'])})")
     for title, rows in (("operator", c["operators"]), ("operator and phase", c["phases"]),
                         ("processor", c["processors"])):
         lines += ["", f"{title:<30}{'simulated ms':>14}{'measured ms':>13}{'error':>8}"]
