@@ -42,6 +42,7 @@ from strategies.machine_model import MachineError, load_machine, write_fields
 from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held_kernel, score
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_optimizer, app_simulator, app_source
+from strategies.simulator import SimResult
 from taskrt.cores import cores_problem
 from taskrt.outputs import output_problem
 
@@ -66,10 +67,16 @@ def predict(app: str, batch: int, strategies: dict[str, Strategy], machine_model
     """The simulated iteration time of each strategy of the tiny app on `machine_model`, its source
     tasks taking `per_sample` seconds a sample, its kernels' times from the cost cache file `costs`
     (default: the shared one), measured into it where missing."""
+    return {name: r.time for name, r in simulate(app, batch, strategies, machine_model, per_sample, costs).items()}
+
+
+def simulate(app: str, batch: int, strategies: dict[str, Strategy], machine_model, per_sample: float,
+             costs: str | None = None) -> dict[str, SimResult]:
+    """predict's simulations themselves (their traces compare with the runs')."""
     cost = CostModel(machine_model, cache_path=costs)
     cost.source_per_sample = per_sample
     _, sim = app_simulator(app, machine_model, batch, tiny=True, cost=cost)
-    return {name: sim.simulate(strategy).time for name, strategy in strategies.items()}
+    return {name: sim.simulate(strategy) for name, strategy in strategies.items()}
 
 
 def source_per_sample(app: str, batch: int, machine_model, ranks: int = 2) -> float:

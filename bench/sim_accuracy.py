@@ -21,7 +21,9 @@ node) and prints it beside the errors, with the
 median message flight between the ranks in the runs' traces (tools.trace messages; what the
 model's message_delay stands for) and a task's mean wait for its idle worker there (tools.trace
 waits; a part of what launch_overhead stands for). Printed per strategy: measured (and each run) and
-predicted iteration time and the relative error; per app the mean error and Kendall's tau of
+predicted iteration time and the relative error, and where its simulation is furthest from the
+run's trace (tools.trace compare: the operator's phase furthest off, and a task's mean wait for
+its idle worker in both); per app the mean error and Kendall's tau of
 the two orderings, and how well the run's measured ordering agrees with itself (the fastest of
 half the rounds against the other half's, over the ways to split them: split_half_ceiling, about
 the most a simulator's tau can reach against the run). Targets: mean error at most 10%, tau at
@@ -65,7 +67,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
 from apps.calibrate import (COSTS_FILE, calibration_strategies, figures_text, measure_strategies,  # noqa: E402
-                            measured_time, predict)
+                            measured_time, simulate)
 from apps.cli import APPS, at_least  # noqa: E402
 from apps.demo import machine_setup, search_strategy  # noqa: E402
 from ops.strategy import Strategy, load as load_strategy  # noqa: E402
@@ -187,6 +189,26 @@ def task_wait(trace) -> float:
     return trace_tools.waits(trace, skip=1)["wait_us"]["mean"]
 
 
+def furthest_off(result, run_trace: str, tmp: str) -> dict | None:
+    """Where a strategy's simulation (with the machine file's figures) is furthest from its run's
+    trace (tools.trace compare, median iteration): the operator's phase whose task time is
+    furthest off, and a task's mean wait for its idle worker in both (the model's launch and
+    message handling against the runtime's hand-off); None where the run left no trace that
+    compares (not kept, or not cut into iterations)."""
+    try:
+        measured = trace_tools.load(run_trace)
+        c = trace_tools.compare(trace_tools.load(result.write_trace(os.path.join(tmp, "simulated.jsonl"))), measured)
+    except trace_tools.TraceError:
+        return None
+    if not c["per_iteration"] or c["task_wait"] is None or not c["phases"]:
+        return None
+    row = max(c["phases"], key=lambda r: abs(r["simulated_us"] - r["measured_us"]))
+    wait = c["task_wait"]
+    return {"phase": row["name"], "simulated_ms": round(row["simulated_us"] / 1e3, 3),
+            "measured_ms": round(row["measured_us"] / 1e3, 3),
+            "task_wait_us": [round(wait["simulated_us"], 1), round(wait["measured_us"], 1)]}
+
+
 def calibrate(apps: dict, on: list[str], grid: tuple, linear: dict, machine_model) -> tuple[dict, dict]:
     """(the FIT_GRID point best_point picks over the calibration labels `on`, the grid extended
     past a figure's largest value where that point takes it (extended_fit), and each label's
@@ -305,7 +327,8 @@ def main(argv=None) -> dict:
         for label, a in saved.items():
             app, strategies, runs, per_sample, measured = (a["app"], a["strategies"], a["runs"], a["per_sample"],
                                                            a["measured"])
-            predicted = predict(app, a["batch"], strategies, setup.machine_model, per_sample, a["costs"])
+            simulated = simulate(app, a["batch"], strategies, setup.machine_model, per_sample, a["costs"])
+            predicted = {name: r.time for name, r in simulated.items()}
             held_out = calibrated.get(label) if label not in on else None
             rows = {}
             for name in strategies:
@@ -319,6 +342,11 @@ def main(argv=None) -> dict:
                     c = held_out[name]
                     rows[name].update(calibrated_ms=round(c * 1e3, 3), calibrated_error=round(abs(c - m) / m, 4))
                     line += f"  calibrated {c * 1e3:8.2f} ms  error {rows[name]['calibrated_error']:6.1%}"
+                off = furthest_off(simulated[name], os.path.join(a["run"], f"{app}.{name}.jsonl"), tmp)
+                if off is not None:
+                    rows[name]["furthest_off"] = off
+                    line += (f"  (a task's wait {off['task_wait_us'][0]:.0f} against {off['task_wait_us'][1]:.0f} us; "
+                             f"furthest off: {off['phase']} {off['simulated_ms']:.2f} against {off['measured_ms']:.2f} ms)")
                 print(line, flush=True)
             for name, twin in a["same_as"].items():
                 print(f"{label:8s} {name:9s} the same strategy as {twin} (trained and scored once)", flush=True)
