@@ -2,10 +2,8 @@
 so data parallelism computes what one process computes on the whole batch (as ours does)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,14 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_apps", ROOT / "bench" / "apps.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_module import load_bench
 
 
 def _data():
@@ -39,7 +30,7 @@ def _rank(rank: int, port: int, out):
     half = slice(3 * rank, 3 * rank + 3)
     x = x[half].clone().requires_grad_()
     w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
-    y, mean, var, count = _bench().synced_batch_norm()(x, w, b, 1e-5)
+    y, mean, var, count = load_bench("apps").synced_batch_norm()(x, w, b, 1e-5)
     (y * up[half]).sum().backward()
     out.put((rank, y.detach().numpy(), x.grad.numpy(), w.grad.numpy(), b.grad.numpy(), mean.numpy(), var.numpy(),
              float(count)))

@@ -13,7 +13,7 @@ from ops import SGD, Model
 from strategies import data_parallel
 from strategies.cost import CostModel
 from strategies.machine_model import load_machine
-from strategies.simulator import Simulator
+from strategies.simulator import SimResult, Simulator
 from taskrt import Runtime
 from taskrt.tracing import rank_trace_path, read_trace
 from tests.test_mpi import assert_every_rank_ok, run_mpi
@@ -26,9 +26,9 @@ def tiny(model: Model) -> Model:
     return model
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("measured") / "run.jsonl")
+def tiny_run(path: str) -> str:
+    """Three traced training iterations of `tiny` on two CPU workers with memories of their own,
+    written to `path`."""
     rt = Runtime(cpus=2, separate_memories=True, trace=path)
     m = tiny(Model(runtime=rt, seed=0))
     m.compile(optimizer=SGD(lr=0.1), loss="sparse_categorical_crossentropy")
@@ -39,12 +39,22 @@ def measured(tmp_path_factory) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def simulated(tmp_path_factory) -> str:
+def tiny_simulation() -> SimResult:
+    """`tiny`'s data parallelism simulated on the local machine model (one node), as tiny_run runs it."""
     mm = load_machine("local", nodes=1)
     m = tiny(Model(Runtime(execute=False), weights=False))
     sim = Simulator.for_model(m, mm, CostModel(mm, measured=False))
-    return sim.simulate(data_parallel(m, sim.machine)).write_trace(str(tmp_path_factory.mktemp("sim") / "sim.jsonl"))
+    return sim.simulate(data_parallel(m, sim.machine))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> str:
+    return tiny_run(str(tmp_path_factory.mktemp("measured") / "run.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory) -> str:
+    return tiny_simulation().write_trace(str(tmp_path_factory.mktemp("sim") / "sim.jsonl"))
 
 
 @pytest.fixture(scope="module")
