@@ -130,6 +130,14 @@ def test_chrome_export_follows_the_format(two_ranks, simulated, tmp_path):
     doc = json.load(open(tt.write_chrome(s, str(tmp_path / "s.json"), flows_for=node["id"])))
     labels = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
     assert {"d1 forward", "d2 backward", "d1 update"} <= labels
+    # the model's hand-off before each task, on its track, ending where the task starts
+    launches = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "launch"]
+    by_id = {e["id"]: e for e in s.events}
+    assert len(launches) == sum(e["launch"] > 0 for e in s.events) > 0
+    for e in launches:
+        of = by_id[e["args"]["of"]]
+        assert e["ts"] + e["dur"] == pytest.approx(of["start"]) and e["dur"] == of["launch"]
+    assert not any(e["name"] == "launch" for e in events)   # a run's trace has none
     assert any(n.startswith("copy:") and n.endswith("B") for n in labels)
     starts = [e for e in doc["traceEvents"] if e["ph"] == "s"]
     ends = [e for e in doc["traceEvents"] if e["ph"] == "f"]

@@ -639,7 +639,9 @@ def chrome_label(event: dict) -> str:
 
 def chrome_events(trace: Trace, flows_for=None) -> list[dict]:
     """Chrome Trace Event records: a process per rank, a thread (track) per processor and link, a
-    complete ('X') event per task and copy, and flow arrows in and out of the nodes `flows_for`."""
+    complete ('X') event per task and copy, one named 'launch' before each simulated node with a
+    launch (the model's hand-off, on the node's track), and flow arrows in and out of the nodes
+    `flows_for`."""
     rows = trace.rows()
     tid = {row: i + 1 for i, row in enumerate(rows)}
     out = []
@@ -654,9 +656,12 @@ def chrome_events(trace: Trace, flows_for=None) -> list[dict]:
         args = {"id": e["id"], "name": e["name"], "op": e.get("op") or "", "bytes": e["bytes"]}
         if e.get("point") is not None:
             args["point"] = e["point"]
-        out.append({"ph": "X", "name": chrome_label(e), "cat": phase(e), "pid": e["rank"],
-                    "tid": tid[(e["rank"], e["proc"])], "ts": e["start"], "dur": round(e["end"] - e["start"], 3),
-                    "args": args})
+        track = tid[(e["rank"], e["proc"])]
+        out.append({"ph": "X", "name": chrome_label(e), "cat": phase(e), "pid": e["rank"], "tid": track,
+                    "ts": e["start"], "dur": round(e["end"] - e["start"], 3), "args": args})
+        if e.get("launch"):
+            out.append({"ph": "X", "name": "launch", "cat": "launch", "pid": e["rank"], "tid": track,
+                        "ts": round(e["start"] - e["launch"], 3), "dur": e["launch"], "args": {"of": e["id"]}})
     if flows_for is not None:
         out.extend(_flows(trace, tid, flows_for))
     return out
