@@ -149,13 +149,15 @@ def test_chrome_export_follows_the_format(two_ranks, simulated, tmp_path):
 
 
 # ---- images --------------------------------------------------------------------------------------
-def test_timeline_png_size(measured, two_ranks, tmp_path, capsys):
-    for source in (measured, two_ranks):
+def test_timeline_png_size(measured, two_ranks, simulated, tmp_path, capsys):
+    for source in (measured, two_ranks, simulated):
         t = tt.load(source)
         out = tmp_path / "t.png"
         rc, _, _ = run_cli(capsys, "timeline", source, "-o", out, "--title", "tiny")
         assert rc == 0
         assert png_size(out) == (1400, 160 + 18 * len(t.rows()))
+        # a simulation's launches are drawn (and in the legend); a run has none
+        assert ("launch" in tt._used_keys([t], tt._colors([t]))) == (source == simulated)
 
 
 def test_timeline_of_64_processors(tmp_path):

@@ -717,6 +717,7 @@ def _colors(traces: list[Trace], most: int = 20) -> dict[str, object]:
     ranked = sorted(time_of, key=lambda o: -time_of[o])[:most]
     colors = {o: cmap(i % 20) for i, o in enumerate(ranked)}
     colors["other"], colors["copy"] = (0.6, 0.6, 0.6, 1.0), (0.2, 0.2, 0.2, 1.0)
+    colors["launch"] = (0.85, 0.85, 0.85, 1.0)   # a simulation's hand-off before a task or fold
     return colors
 
 
@@ -729,6 +730,9 @@ def _draw(ax, trace: Trace, colors: dict, xmax_ms: float, title: str | None) -> 
         key = "copy" if not is_task(e) else (operator(e) if operator(e) in colors else "other")
         bars[(y[(e["rank"], e["proc"])], key)].append(((e["start"] - t0) / 1e3, max((e["end"] - e["start"]) / 1e3,
                                                                                     xmax_ms * 1e-4)))
+        if e.get("launch"):
+            bars[(y[(e["rank"], e["proc"])], "launch")].append(((e["start"] - e["launch"] - t0) / 1e3,
+                                                                e["launch"] / 1e3))
     for (row, key), spans in bars.items():
         ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors[key], linewidth=0)
     ax.set_yticks(range(len(rows)), [row_label(r) for r in rows], fontsize=7 if len(rows) > 24 else 9)
@@ -748,13 +752,17 @@ def _legend(fig, colors: dict, used: set) -> None:
 
 
 def _used_keys(traces: list[Trace], colors: dict) -> set:
-    return {("copy" if not is_task(e) else (operator(e) if operator(e) in colors else "other"))
+    used = {("copy" if not is_task(e) else (operator(e) if operator(e) in colors else "other"))
             for t in traces for e in t.events}
+    if any(e.get("launch") for t in traces for e in t.events):
+        used.add("launch")
+    return used
 
 
 def write_timeline(trace: Trace, path: str, title: str | None = None) -> str:
     """A PNG of WIDTH_PX by figure_height_px(tracks) pixels: a row per processor and link, tasks
-    coloured by operator (legend at the right), copies dark grey, time in ms from the first event."""
+    coloured by operator (legend at the right), copies dark grey, a simulation's launches light
+    grey before their nodes, time in ms from the first event."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
