@@ -116,7 +116,7 @@ def where_off(compare: dict, most: int = 3) -> str:
     ops = sorted((r for r in compare["phases"] if r["error"] is not None and r["measured_us"] >= 10),
                  key=lambda r: -abs(r["simulated_us"] - r["measured_us"]))[:most]
     what = "median iteration" if compare["per_iteration"] else "mean iteration"
-    w = compare.get("task_wait")
+    w = compare["task_wait"]
     wait = "" if w is None else f"a task's wait for its worker {w['simulated_us']:.0f} against {w['measured_us']:.0f} us; "
     return (f"searched, simulated against traced ({what}): {it['simulated_us'] / 1e3:.2f} ms against "
             f"{it['measured_us'] / 1e3:.2f} ms; {wait}furthest off: "

@@ -425,8 +425,15 @@ def app_simulator(name: str, machine_model, batch_size: int | None = None, tiny:
     trains it): at its batch unless `batch_size`, with its optimizer unless `optimizer` ('sgd',
     'adam'), in `dtype`, timing its batch source where `source`; `cost` as Simulator's."""
     model, output = app_graph(name, batch_size, tiny, dtype)
-    return model, Simulator.for_model(model, machine_model, cost, optimizer=app_optimizer(name, tiny, optimizer),
-                                      output=output, source=app_source(name, model, tiny) if source else None)
+    return model, simulator_for(name, model, output, machine_model, tiny, cost, optimizer, source)
+
+
+def simulator_for(name: str, model, output, machine_model, tiny: bool = False, cost=None,
+                  optimizer: str | None = None, source: bool = False) -> Simulator:
+    """app_simulator's Simulator of a graph `model` of app `name` that app_graph built (the tensor
+    `output` its loss applies to), for a caller that checks the graph first."""
+    return Simulator.for_model(model, machine_model, cost, optimizer=app_optimizer(name, tiny, optimizer),
+                               output=output, source=app_source(name, model, tiny) if source else None)
 
 
 def _bad_flag(args) -> str | None:
@@ -497,8 +504,7 @@ def main(argv=None) -> int:
         if problem is not None:
             print(f"error: {flag} {value}: {problem}", file=sys.stderr)
             return 2
-    sim = Simulator.for_model(model, mm, optimizer=app_optimizer(args.app, args.tiny, args.optimizer), output=output,
-                              source=app_source(args.app, model, args.tiny))
+    sim = simulator_for(args.app, model, output, mm, args.tiny, optimizer=args.optimizer, source=True)
     result = search(sim, args.budget, args.seed, args.seconds, model=model, progress=sys.stderr)
     problem = nothing_fits(result, sim)
     if problem is not None:

@@ -80,7 +80,7 @@ def test_where_off_names_the_phases_furthest_off():
     def row(name, sim, meas):
         return {"name": name, "simulated_us": sim, "measured_us": meas, "error": (sim - meas) / meas if meas else None}
 
-    compare = {"per_iteration": True, "iteration": row(None, 3000.0, 6000.0),
+    compare = {"per_iteration": True, "iteration": row(None, 3000.0, 6000.0), "task_wait": None,
                "operators": [row("fc1", 1300.0, 200.0)],
                "phases": [row("fc1 forward", 300.0, 200.0), row("source", 900.0, 2000.0),
                           row("loss backward", 300.0, 600.0), row("attach", 0.0, 5.0), row("drop forward", 100.0, 110.0)]}

@@ -287,16 +287,16 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
     from apps.cli import dtype_problem
     from strategies.cost import CostModel
     from strategies.machine_model import _si as si, load_machine
-    from strategies.search import app_simulator
+    from strategies.search import app_graph, simulator_for
     try:
         model_machine = load_machine(machine, nodes=nodes)
     except ValueError as e:   # (MachineError among them)
         raise ToolError(f"--machine {machine}: {e}") from None
-    model, sim = app_simulator(app, model_machine, batch, tiny, CostModel(model_machine, measured=False), optimizer,
-                               dtype=dtype)
+    model, output = app_graph(app, batch, tiny, dtype)
     problem = dtype_problem(model, dtype, app)
     if problem is not None:
         raise ToolError(f"--dtype {dtype}: {problem}")
+    sim = simulator_for(app, model, output, model_machine, tiny, CostModel(model_machine, measured=False), optimizer)
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
     except (StrategyError, ConfigError, ValueError) as e:
