@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apps.cli import APPS, at_least
+from apps.cli import APPS, DefaultsHelp, at_least
 from apps.demo import Setup, train_mpi
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
@@ -166,7 +166,7 @@ def figures_text(figures: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m apps.calibrate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--app", default="transformer", choices=APPS, help="the tiny app whose strategies are run")
     p.add_argument("--ranks", type=at_least(2), default=2, help="MPI ranks, one CPU worker each")
     p.add_argument("--rounds", type=at_least(1), default=2, help="runs of each strategy, taking turns")

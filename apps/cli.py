@@ -378,22 +378,28 @@ def _machine_model(args, machine: Machine):
 
 
 def _check_devices(args, ranks: int) -> None:
-    """GPUs and CPU workers that this node has, for its ranks (all ranks of a one-node run)."""
+    """GPUs and CPU workers that this node has, for its ranks (all ranks of a one-node run), and the
+    TASKRT_ settings of the environment."""
+    from strategies.cost import cache_problem, default_cache_path
     local = _ranks_on_this_host(ranks)
     cores = os.cpu_count() or 1
-    if args.cpus_per_rank is not None and args.cpus_per_rank * local > cores:
-        on = f"{local} ranks on {socket.gethostname()} need" if local > 1 else f"{socket.gethostname()} would need"
-        raise FlagError(f"--cpus-per-rank {args.cpus_per_rank}: {on} {args.cpus_per_rank * local} cores, "
-                        f"it has {cores}")
+    problem = cache_problem(default_cache_path())
+    if problem is not None:
+        raise FlagError(problem)
     try:
         env_gpus = gpus_from_env()
-        cpus_from_env()
+        env_cpus = cpus_from_env()
         count_from_env("TASKRT_BLAS_THREADS", "BLAS threads", 1)
         timeout_from_env()
         for switch in ("TASKRT_KEEP_HEAP", "TASKRT_MPI", "TASKRT_MPI_NATIVE", "TASKRT_BIND_CORES"):
             switched_off(switch)
     except ValueError as e:
         raise FlagError(str(e)) from None
+    cpus, said = ((args.cpus_per_rank, f"--cpus-per-rank {args.cpus_per_rank}") if args.cpus_per_rank is not None
+                  else (env_cpus, f"TASKRT_CPUS={env_cpus}"))
+    if cpus is not None and cpus * local > cores:
+        on = f"{local} ranks on {socket.gethostname()} need" if local > 1 else f"{socket.gethostname()} would need"
+        raise FlagError(f"{said}: {on} {cpus * local} cores, it has {cores}")
     gpus, said = ((args.gpus_per_rank, f"--gpus-per-rank {args.gpus_per_rank}") if args.gpus_per_rank is not None
                   else (env_gpus, f"TASKRT_GPUS={env_gpus}"))
     if gpus:
@@ -414,19 +420,7 @@ def _load_strategy(path: str) -> Strategy:
     try:
         return load_strategy(path)
     except StrategyError as e:
-        raise FlagError(f"--strategy {path}: {_problems(e, path)}") from None
-
-
-#: a strategy's problems named on its error line; the rest are counted (a file made for another
-#: machine has one for every op)
-SHOWN_PROBLEMS = 3
-
-
-def _problems(e: StrategyError, path: str) -> str:
-    """A StrategyError's first problems on one line, without the file name each starts with."""
-    problems = [p[len(path) + 2:] if p.startswith(f"{path}: ") else p for p in e.problems]
-    more = len(problems) - SHOWN_PROBLEMS
-    return "; ".join(problems[:SHOWN_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
+        raise FlagError(f"--strategy {path}: {e.one_line(path)}") from None
 
 
 def _agree(problem: str | None, ranks: int) -> None:
@@ -477,7 +471,7 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
         try:
             strategy.resolve(graph.ops, machine, name=app.name)
         except StrategyError as e:
-            raise FlagError(f"--strategy {args.strategy}: {_problems(e, args.strategy)}") from None
+            raise FlagError(f"--strategy {args.strategy}: {e.one_line(args.strategy)}") from None
     return Plan(batch, sizes, machine, strategy, name, count_parameters(graph))
 
 
@@ -505,8 +499,16 @@ def _check_batch(graph: Model, strategy: Strategy, batch: int, path: str) -> Non
             continue
         for s in op.split_dims():
             if s.kind == SAMPLE and config.degrees[s.dim] > batch:
-                raise FlagError(f"--batch-size {batch}: strategy {path} splits {op.kind} {name!r} "
-                                f"{config.degrees[s.dim]} ways along the batch")
+                raise FlagError(f"--strategy {path}: splits {op.kind} {name!r} {config.degrees[s.dim]} ways "
+                                f"along the batch, which has {batch} samples (--batch-size)")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, but for flags whose default is None: their help says what
+    happens then ("(default: None)" beside "the app's" said nothing)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 # ---- building and data --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from apps.cli import APPS, at_least
+from apps.cli import APPS, DefaultsHelp, at_least
 from ops.strategy import Strategy
 from strategies.baselines import data_parallel
 from strategies.machine_model import MachineModel, load_machine
@@ -215,7 +215,7 @@ def out_problem(out: str) -> str | None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
     p.add_argument("--ranks", type=at_least(1), default=2, help="MPI ranks")
     p.add_argument("--budget", type=at_least(1), default=300, help="search proposals")

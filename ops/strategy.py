@@ -38,9 +38,20 @@ _CONFIG_FIELDS = ("degrees", "devices")
 class StrategyError(ValueError):
     """A strategy (or its file) that does not fit its model or machine; one line per problem."""
 
+    #: the problems one_line names; the rest are counted (a file made for another machine has one
+    #: for every op)
+    SHOWN = 3
+
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+    def one_line(self, path: str | None = None) -> str:
+        """The first problems on one line, without the file name `path` that each starts with."""
+        prefix = f"{path}: " if path else None
+        problems = [p[len(prefix):] if prefix and p.startswith(prefix) else p for p in self.problems]
+        more = len(problems) - self.SHOWN
+        return "; ".join(problems[:self.SHOWN]) + (f"; and {more} more" if more > 0 else "")
 
 
 def model_fingerprint(ops: Sequence[Op]) -> str:

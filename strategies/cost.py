@@ -73,6 +73,14 @@ def default_cache_path() -> Path:
     return Path(base) / "taskrt" / "costs.json"
 
 
+def cache_problem(path) -> str | None:
+    """Why `path` cannot be a cost cache (a folder stands there), or None: asked before any kernel
+    is measured, so that no measurement is lost when the cache is written."""
+    if Path(path).is_dir():
+        return f"the cost cache {path} is a folder, not a file (TASKRT_COST_CACHE or --cache names the file)"
+    return None
+
+
 def copy_time(nbytes: int, link: LinkSpec) -> float:
     """Seconds one copy of `nbytes` takes on `link`: its latency plus bytes over its bandwidth."""
     return 0.0 if math.isinf(link.bandwidth) else link.latency + transfer_time(nbytes, link)
@@ -249,6 +257,9 @@ class CostModel:
         self.machine_model = machine_model
         self.measured = measured
         self.cache_path = Path(cache_path) if cache_path is not None else default_cache_path()
+        problem = cache_problem(self.cache_path)
+        if problem is not None:
+            raise ValueError(f"CostModel: {problem}")
         self.repeats, self.warmup = repeats, warmup
         self.optimizer = optimizer if optimizer is not None else SGD(lr=0.01, momentum=0.9)
         self.progress = sys.stderr if progress is None else (None if progress is False else progress)
@@ -601,6 +612,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
+    problem = cache_problem(args.cache if args.cache is not None else default_cache_path())
+    if problem is not None:
+        parser.error(problem)
     try:
         mm = load_machine(args.machine)
     except MachineError as e:

@@ -59,9 +59,11 @@ FLOP/s, bytes/s, bytes, seconds):
   they were fitted on (null: estimates, not fitted).
 - `runtime_fitted` (optional): what the five runtime figures above were fitted on, where
   `python -m apps.calibrate --write` fitted them (strategies/overheads.py).
-- null (cpu devices only) means "found on this machine when loaded": `devices_per_node`
-  the CPU workers of Machine.local (TASKRT_CPUS, else the core count), `device.name` the
-  CPU model, `device.mem_bytes` the physical memory shared evenly among the devices.
+- null (cpu devices only) means "found on this machine when loaded", its nodes the ranks of a
+  run here (`mpiexec -n NODES` on this host): `devices_per_node` the CPU workers the runtime
+  gives each (TASKRT_CPUS, else the host's cores shared evenly among the nodes, at least one;
+  `nodes_per_host` is then the node count), `device.name` the CPU model, `device.mem_bytes`
+  the physical memory shared evenly among all the devices.
 
 A file that does not fit gets a MachineError of one line naming the file and the field.
 """
@@ -78,7 +80,7 @@ from typing import Mapping
 import numpy as np
 
 from ops.strategy import noting_duplicates
-from taskrt.machine import Machine, Memory, Processor, physical_memory
+from taskrt.machine import Machine, Memory, Processor, cpus_here, physical_memory
 
 VERSION = 1
 MACHINES_DIR = Path(__file__).with_name("machines")
@@ -223,8 +225,7 @@ class MachineModel:
 
     def with_nodes(self, nodes: int) -> "MachineModel":
         """This model with `nodes` nodes."""
-        if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 1:
-            raise MachineError(f"{self.source or self.name}: nodes must be a whole number >= 1, got {nodes!r}")
+        _check_nodes(nodes, self.source or self.name)
         return replace(self, nodes=int(nodes), nodes_per_host=min(self.nodes_per_host, int(nodes)))
 
     def with_efficiency(self, efficiency: Mapping[str, float], fitted: str | None = None) -> "MachineModel":
@@ -302,7 +303,8 @@ def machine_path(name_or_path) -> Path:
 
 def load_machine(name_or_path, nodes: int | None = None) -> MachineModel:
     """The machine model of a shipped name (p100, k80, h100, local) or a file; `nodes` overrides
-    the file's node count."""
+    the file's node count (before the fields found here are found: `local` with 2 nodes is a
+    2-rank run on this host)."""
     path = machine_path(name_or_path)
     where = str(path)
     try:
@@ -320,6 +322,9 @@ def load_machine(name_or_path, nodes: int | None = None) -> MachineModel:
         raise MachineError(f"{where}: JSON nested too deeply to be a machine file") from None
     if duplicates:
         raise MachineError(f"{where}: field {duplicates[0]!r} appears twice in one object")
+    if nodes is not None and isinstance(data, dict) and data.get("devices_per_node", 0) is None:
+        _check_nodes(nodes, where)
+        data = {**data, "nodes": int(nodes)}
     model = from_dict(data, where)
     return model if nodes is None else model.with_nodes(nodes)
 
@@ -374,6 +379,11 @@ def kernel_seconds(alone, slowdown: float, surcharge: float, cap: float):
     return alone * slowdown + (np.minimum(extra, cap) if isinstance(extra, np.ndarray) else min(extra, cap))
 
 
+def _check_nodes(nodes, where: str) -> None:
+    if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 1:
+        raise MachineError(f"{where}: nodes must be a whole number >= 1, got {nodes!r}")
+
+
 def from_dict(data, where: str = "machine") -> MachineModel:
     """Check a version-1 object field by field and build the model (`where` names it in errors)."""
     if not isinstance(data, dict):
@@ -399,16 +409,18 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     for k in _CPU_ONLY:
         if not cpu and k in data:
             raise MachineError(f"{where}: field {k!r} is only for cpu machines, whose workers handle the messages")
+    nodes = _count("nodes", data.get("nodes", _MISSING), where)
     devices = data.get("devices_per_node", _MISSING)
     if devices is _MISSING:
         raise MachineError(f"{where}: missing field 'devices_per_node'")
-    if devices is None:
+    here = devices is None   # (the nodes are the ranks of a run on this host)
+    if here:
         if not cpu:
             raise MachineError(f"{where}: field 'devices_per_node' may be null (found here) only for cpu devices")
-        devices = sum(p.kind == "cpu" for p in Machine.local(gpus=0).processors)
+        devices = cpus_here(nodes)
     devices = _count("devices_per_node", devices, where)
     if device.mem_bytes is None:
-        device = replace(device, mem_bytes=_physical_memory(where) // devices)
+        device = replace(device, mem_bytes=_physical_memory(where) // (devices * (nodes if here else 1)))
     efficiency = _object(data, "efficiency", "", where)
     if "default" not in efficiency:
         raise MachineError(f"{where}: field 'efficiency' needs a 'default' entry (for op kinds not listed)")
@@ -433,7 +445,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
         raise MachineError(f"{where}: field 'nap_longest' must be at least nap_first ({naps['nap_first']}), got "
                            f"{naps['nap_longest']}")
     return MachineModel(
-        name=name, nodes=_count("nodes", data.get("nodes", _MISSING), where), devices_per_node=devices,
+        name=name, nodes=nodes, devices_per_node=devices, nodes_per_host=nodes if here else 1,
         device=device, intra_node=_link(data, "intra_node", where), inter_node=_link(data, "inter_node", where),
         efficiency={k: float(v) for k, v in efficiency.items()},
         host=host,

@@ -469,11 +469,11 @@ def _too_big(model) -> str | None:
 def main(argv=None) -> int:
     """python -m strategies.search --app NAME --machine M --budget N -o FILE: search, print the best
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
-    from apps.cli import APPS, DTYPES, OPTIMIZERS, dtype_problem
+    from apps.cli import APPS, DTYPES, OPTIMIZERS, DefaultsHelp, dtype_problem
     from strategies.machine_model import MachineError, load_machine
 
     p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--app", required=True, choices=sorted(APPS), help="the network to search for")
     p.add_argument("--tiny", action="store_true", help="its scaled-down configuration")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the app's)")
@@ -481,7 +481,7 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=None, help="nodes of the machine model (default: its own)")
     p.add_argument("--budget", type=int, default=1000, help="proposals")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the random seed of the chains")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
                    help="the optimizer the app will train with (its --optimizer; default: the app's): its "
                         "updates and state are part of the step")

@@ -137,7 +137,7 @@ class Machine:
         """This process alone: `cpus` workers (flag, else TASKRT_CPUS, else the core count)
         and `gpus` GPUs (flag, else TASKRT_GPUS, else every GPU that cupy sees)."""
         if cpus is None:
-            cpus = cpus_from_env() or os.cpu_count() or 1
+            cpus = cpus_here(1)
         cpus = as_int("cpus", cpus, least=1)
         if gpus is None:
             gpus = gpus_from_env()
@@ -163,7 +163,7 @@ class Machine:
         local_rank = hosts[:comm.rank].count(host)
         local_size = hosts.count(host)
         if cpus_per_rank is None:
-            cpus_per_rank = cpus_from_env() or max(1, (os.cpu_count() or 1) // local_size)
+            cpus_per_rank = cpus_here(local_size)
         cpus_per_rank = as_int("cpus per rank", cpus_per_rank, least=1)
         if gpus is None:
             gpus = gpus_from_env()
@@ -261,6 +261,12 @@ def switched_off(name: str) -> bool:
 def gpus_from_env() -> int | None:
     """TASKRT_GPUS as a count of GPUs (per rank); None when unset or empty."""
     return count_from_env("TASKRT_GPUS", "GPUs", 0)
+
+
+def cpus_here(ranks_here: int) -> int:
+    """A rank's CPU workers where `ranks_here` ranks share this host: TASKRT_CPUS, else the host's
+    cores shared evenly among them (at least one)."""
+    return cpus_from_env() or max(1, (os.cpu_count() or 1) // ranks_here)
 
 
 def cpus_from_env() -> int | None:

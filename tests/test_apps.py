@@ -410,7 +410,8 @@ def test_strategy_unknown_operator(capsys, tmp_path):
 def test_batch_size_the_strategy_cannot_split(capsys, tmp_path):
     path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [4, 1, 1]}}}')
     err = bad(capsys, mlp, "--tiny", "--batch-size", 2, "--strategy", path)
-    assert err == f"error: --batch-size 2: strategy {path} splits dense 'fc1' 4 ways along the batch"
+    assert err == f"error: --strategy {path}: splits dense 'fc1' 4 ways along the batch, which has 2 samples " \
+                  f"(--batch-size)"
 
 
 def test_strategy_devices_the_machine_lacks(capsys, tmp_path):
@@ -430,10 +431,22 @@ def test_a_strategy_for_a_bigger_machine_names_its_first_problems_and_counts_the
     assert err.count("places tile 1 on processor 6") == 3 and err.endswith("; and 2 more")
 
 
-def test_more_cpus_than_cores(capsys):
+def test_more_cpus_than_cores(capsys, monkeypatch):
     cores = os.cpu_count()
     err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", cores + 1)
     assert err.startswith(f"error: --cpus-per-rank {cores + 1}: ") and f"it has {cores}" in err
+    monkeypatch.setenv("TASKRT_CPUS", str(cores + 1))   # the flag's default: refused as the flag is
+    err = bad(capsys, mlp, "--tiny")
+    assert err.startswith(f"error: TASKRT_CPUS={cores + 1}: ") and f"it has {cores}" in err
+
+
+def test_a_cost_cache_that_is_a_folder(capsys, monkeypatch, tmp_path):
+    """It used to be read as no cache, then the run failed with a traceback when it wrote the
+    kernels it had measured."""
+    monkeypatch.setenv("TASKRT_COST_CACHE", str(tmp_path))
+    err = bad(capsys, mlp, "--tiny", "--machine", "local")
+    assert err == f"error: the cost cache {tmp_path} is a folder, not a file (TASKRT_COST_CACHE or --cache names the file)"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_more_gpus_than_the_node_has(capsys):

@@ -225,6 +225,18 @@ def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
     assert again.stats == {"measured": 0, "cached": 2, "analytic": 0}
 
 
+def test_a_cache_that_is_a_folder_is_refused_before_any_measuring(tmp_path, capsys):
+    """It used to be read as no cache, then calibrate's measuring ended in a traceback from the write."""
+    from strategies.cost import main
+    with pytest.raises(ValueError, match=f"CostModel: the cost cache {tmp_path} is a folder, not a file"):
+        CostModel(load_machine("local"), cache_path=tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--cache", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: the cost cache {tmp_path} is a folder" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def _record_out(monkeypatch, cls, method: str) -> list:
     """The `out=` that each call of cls.method is given, in a list, the method spied on for the test."""
     seen = []

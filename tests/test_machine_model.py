@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from ops.lower import compute_processors
 from strategies.machine_model import (MAX_DEVICES, SAME_MEMORY, DeviceSpec, MachineError, format_machine, load_machine,
                                       machine_path, shipped_machines, write_efficiency)
-from taskrt.machine import Memory
+from taskrt.machine import Memory, physical_memory
 
 
 def test_every_shipped_machine_loads():
@@ -89,6 +90,20 @@ def test_local_is_this_machines_cpu_workers_with_memories_of_their_own(monkeypat
     assert len({p.memory for p in machine.processors}) == 3
     assert len(compute_processors(machine)) == 3
     assert load_machine("local", nodes=2).to_machine().num_ranks == 2
+
+
+def test_local_on_several_nodes_is_a_run_of_as_many_ranks_here(monkeypatch):
+    """`--machine local --nodes 2` searched for 2 ranks of every core each, which `mpiexec -n 2` here
+    does not run: its ranks share the host's cores (Machine.discover), and so do the model's nodes."""
+    monkeypatch.delenv("TASKRT_CPUS", raising=False)
+    cores = os.cpu_count()
+    one, two = load_machine("local"), load_machine("local", nodes=2)
+    assert (one.nodes, one.devices_per_node, one.nodes_per_host) == (1, cores, 1)
+    assert (two.nodes, two.devices_per_node, two.nodes_per_host) == (2, max(1, cores // 2), 2)
+    assert two.device.mem_bytes == physical_memory() // (2 * two.devices_per_node)
+    monkeypatch.setenv("TASKRT_CPUS", "3")   # as the runtime gives each rank
+    assert load_machine("local", nodes=4).devices_per_node == 3
+    assert load_machine("p100", nodes=2).nodes_per_host == 1
 
 
 def test_links_same_memory_host_intra_and_inter_node():

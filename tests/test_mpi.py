@@ -99,10 +99,13 @@ def test_each_rank_writes_its_trace_with_clock_offsets(tmp_path):
     proc, _ = run_mpi(n, "traces.py", tmp_path / "run.jsonl")
     assert_every_rank_ok(proc, n)
     from taskrt.tracing import read_trace
-    sends, recvs = {}, {}
+    sends, recvs, runs = {}, {}, set()
     for r in range(n):
         meta, events = read_trace(str(tmp_path / f"run.rank{r}.jsonl"))
         assert meta["rank"] == r and meta["num_ranks"] == n and meta["unit"] == "us"
+        runs.add(meta["run"])
+        if r == 0:
+            assert meta["run"] == meta["wall_origin"], "a run is named by when rank 0's trace began"
         sync = meta["clock_sync"]
         assert sync["reference_rank"] == 0 and sync["min_rtt_us"] >= 0
         if r == 0:
@@ -111,6 +114,7 @@ def test_each_rank_writes_its_trace_with_clock_offsets(tmp_path):
         assert all(e["end"] >= e["start"] for e in events)
         sends.update({e["id"]: e for e in events if e["kind"] == "send"})
         recvs.update({e["id"]: e for e in events if e["kind"] == "recv"})
+    assert len(runs) == 1, f"the ranks name different runs: {runs}"
     assert sends and set(sends) == set(recvs), "every cross-rank copy shows as a send and a receive"
     for cid, send in sends.items():
         assert send["proc"] == recvs[cid]["proc"] and send["bytes"] == recvs[cid]["bytes"]

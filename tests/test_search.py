@@ -108,6 +108,15 @@ def test_the_command_line_names_an_out_of_range_number(flags, said, capsys):
     assert capsys.readouterr().err == f"error: {said}\n"
 
 
+def test_the_command_line_help_gives_the_defaults_it_has(capsys):
+    """--help used to print "(default: the app's) (default: None)" beside flags with no fixed default."""
+    import strategies.search as search_module
+    with pytest.raises(SystemExit):
+        search_module.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: 1000)" in text and "(default: the app's)" in text
+
+
 def test_the_command_line_says_when_no_strategy_fits_and_writes_none(tmp_path, capsys):
     import strategies.search as search_module
     from strategies.machine_model import machine_path

@@ -214,6 +214,11 @@ def test_every_problem_of_a_file_is_named_on_its_own_line(tmp_path):
     lines = str(info.value).splitlines()
     assert lines == info.value.problems and len(lines) == 3 and all(line.startswith(path) for line in lines)
     assert "'dense_2'" in lines[0] and "'dense_1'" in lines[1] and "9 ways, more than its extent 8" in lines[2]
+    one = info.value.one_line(path)   # what a command's error line says: the file named by the command
+    assert one == "; ".join(line[len(path) + 2:] for line in lines)
+    many = StrategyError([f"{path}: problem {i}" for i in range(5)])
+    assert many.one_line(path) == "problem 0; problem 1; problem 2; and 2 more"
+    assert many.one_line() == f"{path}: problem 0; {path}: problem 1; {path}: problem 2; and 2 more"
 
 
 # ---- compile(strategy=...) -----------------------------------------------------------------------

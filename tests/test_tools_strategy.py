@@ -157,7 +157,8 @@ def test_memory_gives_each_device_s_peak_where_it_falls_and_its_largest_regions(
 @pytest.mark.parametrize("case", ["missing", "malformed", "bad field", "unknown app", "other model", "unknown op",
                                   "arity", "fingerprint", "diff missing", "no output", "no app", "bad engine",
                                   "no command", "bad batch", "unsplittable dim", "over the extent", "unwritable",
-                                  "sizes without an app", "memory without an app", "memory bad machine"])
+                                  "sizes without an app", "memory without an app", "memory bad machine",
+                                  "memory for another machine", "memory top", "memory nodes", "draw svg"])
 def test_errors_one_line_exit_2(tmp_path, capsys, case):
     good = mlp_strategy(tmp_path / "s.json")
     bad = tmp_path / "bad.json"
@@ -180,7 +181,12 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "unwritable": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "nope" / "g.png"],
             "sizes without an app": ["show", good, "--batch-size", "4"],
             "memory without an app": ["memory", good],
-            "memory bad machine": ["memory", good, "--app", "mlp", "--tiny", "--machine", tmp_path / "nope.json"]}[case]
+            "memory bad machine": ["memory", good, "--app", "mlp", "--tiny", "--machine", tmp_path / "nope.json"],
+            "memory for another machine": ["memory", bad, "--app", "mlp", "--tiny"],
+            "memory top": ["memory", good, "--app", "mlp", "--tiny", "--top", "-1"],
+            "memory nodes": ["memory", good, "--app", "mlp", "--tiny", "--nodes", "0"],
+            "draw svg": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "g.svg"]}[case]
+    ops = app_graph("mlp", 16, tiny=True)[0].ops
     text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
             "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
             "other model": Strategy("mlp", {}).to_json(),
@@ -189,13 +195,16 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "fingerprint": Strategy("graph:0123456789abcdef", {}).to_json(),
             # the apps refuse these two; show and draw used to print them
             "unsplittable dim": Strategy("mlp", {"fc1": TileConfig((1, 1, 2))}).to_json(),
-            "over the extent": Strategy("mlp", {"fc1": TileConfig((32, 1, 1))}).to_json()}.get(case)
+            "over the extent": Strategy("mlp", {"fc1": TileConfig((32, 1, 1))}).to_json(),
+            # one problem an op: the line names three and counts the rest
+            "memory for another machine": Strategy("mlp", {op.name: TileConfig((2,) + (1,) * (len(op.tile_shape) - 1),
+                                                                               (6, 7)) for op in ops}).to_json()}.get(case)
     if text is not None:
         bad.write_text(text)
     status, out, err = run(capsys, *argv)
     assert status == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
-    assert not (tmp_path / "g.png").exists()
+    assert not (tmp_path / "g.png").exists() and not (tmp_path / "g.svg").exists()
     expect = {"missing": "nope.json: can't read", "malformed": "malformed JSON", "bad field": "'fc1'",
               "unknown app": "--app lenet: unknown app", "other model": "not --app alexnet",
               "unknown op": "'fc9' is not in --app mlp", "arity": "3 tile dims, the strategy gives 2",
@@ -206,5 +215,9 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
               "over the extent": "splits dim 0 (sample) 32 ways, more than its extent 16",
               "unwritable": "the folder",
               "sizes without an app": "--batch-size 4: sizes the app given with --app, and none is",
-              "memory without an app": "--app", "memory bad machine": "nope.json"}[case]
+              "memory without an app": "--app", "memory bad machine": "nope.json",
+              "memory for another machine": "more (is it for another machine than --machine local?)",
+              "memory top": "--top -1: must be at least 0", "memory nodes": "--nodes 0: must be at least 1",
+              "draw svg": "-o " + str(tmp_path / "g.svg") + ": the tools write PNG images only"}[case]
     assert expect in err
+    assert err.count("bad.json") <= 1, "the file named once"

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 
 import numpy as np
@@ -106,6 +108,40 @@ def test_merge_two_ranks_on_one_clock(two_ranks, tmp_path, capsys):
         tt.load([two_ranks.replace(".jsonl", ".rank0.jsonl"), str(tmp_path / "merged.jsonl")])
 
 
+def test_the_ranks_of_two_runs_are_not_merged(two_ranks, tmp_path):
+    """Every rank's meta names its run (when rank 0's trace began): rank files of two runs are refused."""
+    files = [two_ranks.replace(".jsonl", f".rank{r}.jsonl") for r in range(2)]
+    assert tt.load(files).meta["run"] == read_trace(files[0])[0]["run"]
+    lines = open(files[1]).read().splitlines(keepends=True)
+    meta = json.loads(lines[0])
+    other = write(tmp_path, "other.rank1.jsonl", json.dumps({**meta, "run": meta["run"] + 12.5}) + "\n" + "".join(lines[1:]))
+    with pytest.raises(tt.TraceError, match=f"{other}:1: of another run than {files[0]} \\(their runs began 12.500 s "
+                                            f"apart\\)"):
+        tt.load([files[0], other])
+    bad = write(tmp_path, "bad.rank1.jsonl", json.dumps({**meta, "run": "yesterday"}) + "\n" + "".join(lines[1:]))
+    with pytest.raises(tt.TraceError, match=f"{bad}:1: bad meta 'run': 'yesterday'"):
+        tt.load(bad)
+
+
+def test_a_base_path_stands_for_its_rank_files_or_their_merge(two_ranks, measured, tmp_path, capsys):
+    """run.jsonl stands for run.rank0.jsonl, run.rank1.jsonl, ... where no file has its name, and is
+    read itself where it is their merge, written after them; a run.jsonl left from another run
+    beside them is refused rather than read in their place."""
+    base = tmp_path / "run.jsonl"
+    for r in range(2):
+        shutil.copy(two_ranks.replace(".jsonl", f".rank{r}.jsonl"), tmp_path / f"run.rank{r}.jsonl")
+    assert tt.load(base).meta["sources"] == [str(tmp_path / f"run.rank{r}.jsonl") for r in range(2)]
+    rc, _, _ = run_cli(capsys, "merge", base, "-o", base)
+    assert rc == 0 and tt.load(base).meta["sources"] == [str(base)]
+    later = os.path.getmtime(base) + 10
+    os.utime(tmp_path / "run.rank1.jsonl", (later, later))   # a new run's rank files
+    with pytest.raises(tt.TraceError, match="both it and rank files .* exist, and it is not their merge"):
+        tt.load(base)
+    shutil.copy(measured, base)   # a one-rank run's trace of the same name
+    rc, _, err = run_cli(capsys, "summary", base)
+    assert rc == 2 and "name the files to read" in err
+
+
 # ---- chrome --------------------------------------------------------------------------------------
 def test_chrome_export_follows_the_format(two_ranks, simulated, tmp_path):
     t = tt.load(two_ranks)
@@ -158,6 +194,14 @@ def test_timeline_png_size(measured, two_ranks, simulated, tmp_path, capsys):
         assert png_size(out) == (1400, 160 + 18 * len(t.rows()))
         # a simulation's launches are drawn (and in the legend); a run has none
         assert ("launch" in tt._used_keys([t], tt._colors([t]))) == (source == simulated)
+
+
+def test_images_are_written_as_png_files_only(measured, simulated, tmp_path, capsys):
+    """A timeline asked for as x.pdf used to be a PNG named x.pdf."""
+    for argv in (["timeline", measured, "-o", tmp_path / "x.pdf"], ["compare", simulated, measured, "-o", tmp_path / "c.svg"]):
+        rc, _, err = run_cli(capsys, *argv)
+        assert rc == 2 and "the tools write PNG images only: name the file .png" in err
+    assert not list(tmp_path.iterdir())
 
 
 def test_timeline_of_64_processors(tmp_path):
@@ -270,6 +314,17 @@ def test_compare_refuses_traces_of_different_models():
                                             r"the measured run \(a, b\)"):
         tt.compare(sim, run)
     run.events[-1]["op"] = "b"   # one of three missing: the same model under another strategy, say
+    assert tt.compare(sim, run)["per_iteration"]
+
+
+def test_compare_refuses_a_run_of_fewer_ranks_than_the_simulation():
+    """Rank 0's file alone (run.rank0.jsonl for run.jsonl) used to be compared with a 2-rank
+    simulation: rank 1's processors at 0 ms measured, the task time 22% off instead of 65%."""
+    sim, run = _synthetic_run([[[5.0, 1.0, 1.0], [5.0, 1.0, 1.0]]] * 2, 0.0)
+    one = tt.Trace([e for e in run.events if e["rank"] == 0])
+    with pytest.raises(tt.TraceError, match=r"the simulation has ranks \[0, 1\], the measured run \[0\]: give every "
+                                            r"rank's file"):
+        tt.compare(sim, one)
     assert tt.compare(sim, run)["per_iteration"]
 
 

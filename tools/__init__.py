@@ -15,3 +15,10 @@ def exit_with(main) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 1
     sys.exit(code)
+
+
+def png_problem(path: str) -> str | None:
+    """Why `path` will not do for an image the tools draw (they write PNG alone), or None."""
+    if str(path).lower().endswith(".png"):
+        return None
+    return "the tools write PNG images only: name the file .png"

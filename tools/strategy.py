@@ -35,7 +35,7 @@ from ops.lower import ConfigError, TileConfig, check_degrees
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
 from strategies.memory import place_name, step_holdings
 from taskrt.outputs import output_problem
-from tools import exit_with
+from tools import exit_with, png_problem
 
 #: one letter per SOAP kind, as in SplitDim's str
 LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
@@ -59,7 +59,13 @@ def read(path: str) -> Strategy:
     try:
         return load(path)
     except StrategyError as e:
-        raise ToolError("; ".join(e.problems)) from None
+        raise ToolError(_named_once(e, path)) from None
+
+
+def _named_once(e: StrategyError, path: str | None) -> str:
+    """A StrategyError's line with the file named once, first."""
+    line = e.one_line(path)
+    return line if not path or line.startswith(path) else f"{path}: {line}"
 
 
 def app_ops(app: str, tiny: bool = False, batch: int | None = None) -> list[Op]:
@@ -228,7 +234,7 @@ def draw_matplotlib(strategy: Strategy, ops: Sequence[Op], path: str, title: str
     ax.legend(handles=[Patch(facecolor=c, label=f"devices {lab}") for lab, c in colour.items()],
               loc="upper right", fontsize=7, frameon=False)
     fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.01)
-    fig.savefig(path, dpi=DPI, format="png")   # (the path as given, whatever its ending)
+    fig.savefig(path, dpi=DPI, format="png")
     plt.close(fig)
 
 
@@ -299,7 +305,11 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
     sim = simulator_for(app, model, output, model_machine, tiny, CostModel(model_machine, measured=False), optimizer)
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
-    except (StrategyError, ConfigError, ValueError) as e:
+    except StrategyError as e:
+        lacking = any("has processors" in p for p in e.problems)
+        hint = f" (is it for another machine than --machine {machine}?)" if lacking else ""
+        raise ToolError(_named_once(e, strategy.source) + hint) from None
+    except (ConfigError, ValueError) as e:
         raise ToolError(f"{strategy.source or 'strategy'}: {e}") from None
     regions, held, buffers, _ = step_holdings(view, sim.machine)
     first = {}
@@ -373,11 +383,15 @@ def main(argv=None) -> int:
             lines = differences(read(args.a), read(args.b))
             print("\n".join(lines) if lines else "no differences")
             return 1 if lines else 0
+        if args.command == "memory" and args.top < 0:
+            raise ToolError(f"--top {args.top}: must be at least 0")
+        if args.command == "memory" and args.nodes is not None and args.nodes < 1:
+            raise ToolError(f"--nodes {args.nodes}: must be at least 1")
         if args.app is None and (args.tiny or args.batch_size is not None):
             flag = "--tiny" if args.tiny else f"--batch-size {args.batch_size}"
             raise ToolError(f"{flag}: sizes the app given with --app, and none is")
         strategy = read(args.file)
-        unwritable = output_problem(args.output) if args.command == "draw" else None
+        unwritable = (output_problem(args.output) or png_problem(args.output)) if args.command == "draw" else None
         if unwritable is not None:
             raise ToolError(f"-o {args.output}: {unwritable}")
         ops = None
@@ -389,8 +403,6 @@ def main(argv=None) -> int:
             print(format_table(rows(strategy, ops)))
             return 0
         if args.command == "memory":
-            if args.top < 0 or (args.nodes is not None and args.nodes < 1):
-                raise ToolError(f"--top {args.top} and --nodes {args.nodes}: --top at least 0, --nodes at least 1")
             lines, fits = memory_report(strategy, args.app, args.tiny, args.batch_size, args.machine, args.nodes,
                                         args.top, args.optimizer, args.dtype)
             print("\n".join(lines))

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from taskrt.tracing import rank_trace_path
-from tools import exit_with
+from tools import exit_with, png_problem
 
 REQUIRED = ("id", "name", "kind", "rank", "proc", "start", "end", "bytes")
 PHASE_SUFFIXES = ((".fwd", "forward"), (".bwd", "backward"), (".update", "update"), (".infer", "inference"))
@@ -150,7 +150,7 @@ def _read_file(path: str) -> tuple[dict, list[dict]]:
         except json.JSONDecodeError as e:
             last = lineno == len(lines) or not any(x.strip() for x in lines[lineno:])
             what = "truncated" if last and not text.endswith("\n") else "not JSON"
-            raise TraceError(f"{path}:{lineno}: {what}: {e.msg} at column {e.colno}") from None
+            raise TraceError(f"{path}:{lineno}: {what}: {e.msg} (column {e.colno})") from None
         except RecursionError:
             raise TraceError(f"{path}:{lineno}: not a taskrt trace: JSON nested too deeply") from None
         if meta is None:
@@ -164,6 +164,10 @@ def _read_file(path: str) -> tuple[dict, list[dict]]:
                                                                              for r in meta["ranks"])):
                 raise TraceError(f"{path}:{lineno}: bad meta 'ranks': {meta['ranks']!r} (it must be a list of "
                                  f"integers >= 0)")
+            if "run" in meta and not (isinstance(meta["run"], (int, float)) and not isinstance(meta["run"], bool)
+                                      and math.isfinite(meta["run"])):
+                raise TraceError(f"{path}:{lineno}: bad meta 'run': {meta['run']!r} (it must be a number: when the "
+                                 f"run's rank 0 began, in seconds)")
             continue
         events.append(_check_event(rec, path, lineno))
     if not events:
@@ -220,16 +224,36 @@ def _expand(paths) -> list[str]:
     out = []
     for p in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
         p = str(p)
-        if not os.path.exists(p) and os.path.exists(rank_trace_path(p, 0)):
-            r = 0
-            while os.path.exists(rank_trace_path(p, r)):
-                out.append(rank_trace_path(p, r))
-                r += 1
-        else:
-            out.append(p)
+        ranks = _rank_files(p)
+        if ranks and os.path.exists(p) and not _merged_from(p, ranks):
+            raise TraceError(f"{p}: both it and rank files {', '.join(ranks)} exist, and it is not their merge (one "
+                             f"is left from another run): name the files to read")
+        out.extend([p] if os.path.exists(p) else ranks or [p])
     if not out:
         raise TraceError("no trace files given")
     return out
+
+
+def _rank_files(path: str) -> list[str]:
+    """The rank files that `path` stands for (rank 0, 1, ... while they exist)."""
+    out = []
+    while os.path.exists(rank_trace_path(path, len(out))):
+        out.append(rank_trace_path(path, len(out)))
+    return out
+
+
+def _merged_from(path: str, ranks: list[str]) -> bool:
+    """Whether the file `path` is `merge`'s of the files `ranks`, written after them."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.loads(f.readline())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    sources = meta.get("sources") if isinstance(meta, dict) else None
+    if not isinstance(sources, list) or sorted(map(os.path.basename, map(str, sources))) != \
+            sorted(map(os.path.basename, ranks)):
+        return False
+    return all(os.path.getmtime(r) <= os.path.getmtime(path) for r in ranks)
 
 
 def load(paths) -> Trace:
@@ -242,6 +266,7 @@ def load(paths) -> Trace:
     files = _expand(paths)
     events, per_file, seen = [], {}, {}
     simulated = set()
+    runs = {}   # the run a file's meta names (rank 0's start, mpi_clock) -> the first file naming it
     for path in files:
         meta, evs = _read_file(path)
         ranks = meta.get("ranks") or sorted({e["rank"] for e in evs})
@@ -249,6 +274,12 @@ def load(paths) -> Trace:
             if r in seen:
                 raise TraceError(f"{path}:1: rank {r} is also in {seen[r]}")
             seen[r] = path
+        if "run" in meta:
+            runs.setdefault(meta["run"], path)
+            if len(runs) > 1:
+                first, other = runs.items()
+                raise TraceError(f"{path}:1: of another run than {first[1]} (their runs began "
+                                 f"{abs(other[0] - first[0]):.3f} s apart): give the rank files of one run")
         simulated.add(bool(meta.get("simulated")))
         if len(simulated) > 1:
             raise TraceError(f"{path}:1: cannot merge a simulated trace with a measured one")
@@ -256,7 +287,7 @@ def load(paths) -> Trace:
         events.extend(evs)
     events.sort(key=lambda e: (e["start"], e["end"], e["rank"]))
     meta = {"kind": "meta", "ranks": sorted(seen), "sources": files, "unit": "us", "simulated": simulated.pop(),
-            "per_file": per_file}
+            "per_file": per_file, **({"run": next(iter(runs))} if runs else {})}
     return Trace(events, meta)
 
 
@@ -878,6 +909,10 @@ def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Itera
         where = "first" if not simulated.simulated else "second"
         raise TraceError(f"compare: the {where} trace is {which}: give the simulated trace first (meta "
                          f"'simulated': true, as SimResult.write_trace writes it), then the measured run")
+    if measured.ranks != simulated.ranks:
+        raise TraceError(f"compare: the simulation has ranks {simulated.ranks}, the measured run {measured.ranks}: "
+                         f"give every rank's file of the run (run.jsonl stands for run.rank0.jsonl, run.rank1.jsonl, "
+                         f"...), of a run on as many ranks as the simulation")
     sim_tasks = [e for e in simulated.events if is_task(e)]
     sim_ops = {operator(e) for e in sim_tasks}
     absent = sorted(sim_ops - {operator(e) for e in measured.events if is_task(e)})
@@ -1101,6 +1136,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    if args.command in ("timeline", "compare") and png_problem(args.output):
+        raise TraceError(f"-o {args.output}: {png_problem(args.output)}")
     if args.command == "compare":
         result = write_compare(load(args.simulated), load(args.measured), args.output, args.skip)
         print(json.dumps(result, indent=1) if args.json else format_compare(result) + f"\nwrote {args.output}")
