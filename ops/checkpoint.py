@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 
 from ops.base import OP_REGISTRY
-from ops.lower import TileConfig
+from ops.lower import ConfigError, TileConfig
 from ops.optimizers import optimizer_from_dict
 
 FORMAT = 1
@@ -59,10 +59,17 @@ def load_new(cls, path, runtime=None, configs: dict | None = None):
     m._counters = dict(graph["counters"])
     c = meta["compiled"]
     if c is not None:
-        if configs is None:
+        saved = configs is None
+        if saved:
             configs = {k: TileConfig.from_dict(v) for k, v in c["configs"].items()}
-        m.compile(optimizer_from_dict(c["optimizer"]), c["loss"], c["metrics"], configs,
-                  output=m.tensors[c["output"]])
+        try:
+            m.compile(optimizer_from_dict(c["optimizer"]), c["loss"], c["metrics"], configs,
+                      output=m.tensors[c["output"]])
+        except ConfigError as e:
+            if not saved:
+                raise
+            raise ConfigError(f"load {path}: the configs saved with the model do not fit this runtime's "
+                              f"{m.rt.machine!r}: {e} (Model.load(path, configs=...) gives others)") from None
     restore(m, meta, arrays)
     return m
 

@@ -81,10 +81,15 @@ def _recovers(method):
         try:
             return method(self, *args, **kwargs)
         except TaskError:
-            if self.rt.transport is None:
-                self.rt.recover()
+            _recover(self.rt)
             raise
     return run
+
+
+def _recover(rt: Runtime) -> None:
+    """Make `rt` usable again after a failed task, in one process (on many ranks a failure ends every rank)."""
+    if rt.transport is None:
+        rt.recover()
 
 
 class Model:
@@ -157,6 +162,9 @@ class Model:
             self._counters[prefix] = max(self._counters.get(prefix, 0), int(tail) + 1)
 
     def _tensor(self, t, what: str) -> TensorSpec:
+        if isinstance(t, (tuple, list)) and t and all(isinstance(x, TensorSpec) for x in t):
+            raise TypeError(f"{what}: got a {type(t).__name__} of {len(t)} tensors ({', '.join(x.name for x in t)}), "
+                            f"where one tensor goes: pass one of them (lstm returns (y, h_n, c_n))")
         if not isinstance(t, TensorSpec) or self.tensors.get(t.name) is not t:
             raise TypeError(f"{what}: {t!r} is not a tensor of this model")
         return t
@@ -314,12 +322,21 @@ class Model:
     def training_graph(self, loss: str = "sparse_categorical_crossentropy", output=None):
         """(ops with the loss op last, inputs with the labels last, the loss op): what compile lowers,
         also for the simulator, which lowers it without weights or a running runtime. `output` is the
-        tensor the loss applies to (default: the last op's first output)."""
+        tensor the loss applies to (default: the last op's first output); it must keep the batch as
+        its dim 0, as every input does."""
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
         out = self.ops[-1].outputs[0] if output is None else self._tensor(output, "compile output")
         if np.dtype(out.dtype).kind != "f" or out.name not in {t.name for op in self.ops for t in op.outputs}:
             raise ValueError(f"compile: the loss needs a float op output, got {out!r}")
+        batches = {t.shape[0] for t in self.inputs}
+        if len(batches) > 1:
+            raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
+                             f"{[(t.name, t.shape) for t in self.inputs]}")
+        if batches and out.shape[0] not in batches:
+            raise ValueError(f"compile: the output {out.name!r} {tuple(out.shape)} does not keep the batch "
+                             f"({batches.pop()} samples) as dim 0, and the loss goes by sample: does a transpose "
+                             f"move the batch?")
         producer = next(op for op in self.ops if out in op.outputs)
         taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
         labels_name = _free_name("labels", taken)
@@ -366,19 +383,11 @@ class Model:
                 raise ValueError(f"compile: unknown metric {mt!r}; expected some of {list(METRICS)}")
         if "accuracy" in metrics and loss != "sparse_categorical_crossentropy":
             raise ValueError(f"compile: metric 'accuracy' needs loss 'sparse_categorical_crossentropy', got {loss!r}")
-        batches = {t.shape[0] for t in self.inputs}
-        if len(batches) > 1:
-            raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
-                             f"{[(t.name, t.shape) for t in self.inputs]}")
         graph, inputs, loss_op = self.training_graph(loss, output)
         cannot_train = training_error(graph)
         if cannot_train is not None:
             raise cannot_train
         out = loss_op.inputs[0]
-        if batches and out.shape[0] not in batches:
-            raise ValueError(f"compile: the output {out.name!r} {tuple(out.shape)} does not keep the batch "
-                             f"({batches.pop()} samples) as dim 0, and the loss goes by sample: does a transpose "
-                             f"move the batch?")
         configs = dict(configs or {})
         known = {op.name: op for op in graph}
         for k in configs:
@@ -565,19 +574,27 @@ class Model:
         """
         self._need_compiled("train_on")
         iterations = as_int("train_on: iterations", iterations, least=1)
+        if not callable(source):
+            raise TypeError(f"train_on: source must be a function source(step, lo, hi) -> (inputs, labels), got "
+                            f"{type(source).__name__} {source!r}")
         self._low.source_segment(self._source_task)   # checks the inputs' shapes now, not at the first step
         return self._train_steps(source, iterations)
 
     def _train_steps(self, source, iterations: int):
+        """train_on's steps; after a failed task the runtime is recovered, as fit's is."""
         pending = None
-        for _ in range(iterations):
-            self.step += 1
-            futures = self._low.train_step(self.step, valid=self.batch_size, source=(self._source_task, source))
-            if pending is not None:
-                yield _mean_loss(pending)
-            pending = futures
-        self._forward_done = False
-        yield _mean_loss(pending)
+        try:
+            for _ in range(iterations):
+                self.step += 1
+                futures = self._low.train_step(self.step, valid=self.batch_size, source=(self._source_task, source))
+                if pending is not None:
+                    yield _mean_loss(pending)
+                pending = futures
+            self._forward_done = False
+            yield _mean_loss(pending)
+        except TaskError:
+            _recover(self.rt)
+            raise
 
     def _source_task(self, ctx, *views_and_args):
         """One rank's share of a batch from `source`, checked and written into the inputs and labels."""
@@ -649,6 +666,8 @@ class Model:
         """Run one batch forward (training mode by default, ready for `backward`); returns
         {tensor name: array} for `outputs` (tensors or names; default: self.outputs)."""
         self._need_compiled("forward")
+        if not isinstance(training, (bool, np.bool_)):
+            raise TypeError(f"forward: training must be True or False, got {type(training).__name__} {training!r}")
         arrays, _ = self._input_arrays(inputs, "forward", batch=True)
         wanted = self.outputs if outputs is None else outputs
         if isinstance(wanted, (str, TensorSpec)):   # one tensor (a name used to be taken letter by letter)

@@ -31,6 +31,7 @@ def random_config(op: Op, machine: Machine, rng) -> TileConfig:
     """A config drawn for `op`: its declared split dims in a random order, each a degree uniform in
     1..min(extent, processors left), the tiles on distinct random compute processors.
     `rng` is a numpy Generator (or a seed)."""
+    _check_op(op, "random_config")
     rng = np.random.default_rng(rng)
     procs = compute_processors(machine)
     shape = op.tile_shape
@@ -65,6 +66,7 @@ def tile_counts(machine: Machine) -> list[int]:
 def proposal_config(op: Op, machine: Machine, rng) -> TileConfig:
     """A config for the search to propose for `op` (see the module doc). `rng` is a numpy
     Generator (or a seed)."""
+    _check_op(op, "proposal_config")
     rng = np.random.default_rng(rng)
     if rng.random() < UNSHAPED_SHARE:
         return random_config(op, machine, rng)
@@ -83,6 +85,11 @@ def proposal_config(op: Op, machine: Machine, rng) -> TileConfig:
     else:
         start = int(rng.integers(len(procs) - tiles + 1))
     return TileConfig(tuple(degrees), tuple(procs[start:start + tiles]))
+
+
+def _check_op(op, what: str) -> None:
+    if not isinstance(op, Op):
+        raise TypeError(f"{what}: op must be an operator (model.ops has them), got {type(op).__name__} {op!r}")
 
 
 def _prime_factors(n: int) -> list[int]:

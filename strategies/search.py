@@ -226,6 +226,8 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     if model is not None and not hasattr(model, "ops"):
         raise TypeError(f"search: model must be the simulator's ops.Model (what the baselines take) or None, got "
                         f"{type(model).__name__} {model!r}")
+    if isinstance(starts, str):   # one start (a name used to be taken letter by letter)
+        starts = (starts,)
     unknown = [s for s in starts if s not in STARTS]
     if unknown or not starts:
         raise ValueError(f"search: starts must be some of {list(STARTS)}, got {list(starts)}")

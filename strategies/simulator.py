@@ -136,6 +136,14 @@ def _folds(src, dst, redop: str | None) -> bool:
     return redop is not None or src == dst
 
 
+def _timing(mm: MachineModel) -> tuple:
+    """What a cost model times a machine model's devices by: their kind, name, peak and bandwidth,
+    and its host's (not the node count, nor a device's memory size, which its share of the host's
+    memory sets)."""
+    return tuple((d.kind, d.name, d.peak_flops, d.mem_bandwidth) if d is not None else None
+                 for d in (mm.device, mm.host))
+
+
 def _fits(peak: dict[int, int], capacity: list) -> bool:
     """Every processor's peak bytes within its memory (`capacity` by processor, None: no limit)."""
     return all(capacity[i] is None or b <= capacity[i] for i, b in peak.items())
@@ -155,6 +163,13 @@ class Simulator:
         self.loss = loss
         self.machine_model = machine_model
         self.machine = machine_model.to_machine()
+        if cost is not None and _timing(cost.machine_model) != _timing(machine_model):
+            raise ValueError(f"Simulator: the cost model times {cost.machine_model.name}'s devices "
+                             f"({cost.machine_model.device!r}), the machine model is {machine_model.name} "
+                             f"({machine_model.device!r}): give a CostModel of the same machine model")
+        if source is not None and not callable(source):
+            raise TypeError(f"Simulator: source must be a function source(step, lo, hi) -> (inputs, labels), as "
+                            f"Model.train_on takes; got {type(source).__name__} {source!r}")
         self.cost = cost or CostModel(machine_model)
         if source is not None and self.cost.measures(self.machine.host_processor(0)):
             batch, ranks = self.inputs[0].shape[0], self.machine.num_ranks

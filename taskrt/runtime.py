@@ -208,6 +208,7 @@ class Runtime:
             raise ValueError(f"attach: an array of dtype {array.dtype} does not convert to {region!r}'s "
                              f"{region.dtype} without losing its kind (a complex or non-numeric array into a "
                              f"real region)")
+        _check_range(array, region)
         if self.home.rank == self.rank:
             array = array.astype(region.dtype, copy=True)
         else:
@@ -278,7 +279,7 @@ class Runtime:
         if self.executor is not None:
             for r in reqs:
                 if r.region.owner is None or r.region.owner() is not self:
-                    self._claim(name, r.region)
+                    self._claim(name, r)
         rects, procs, signature, key = self._mapped(fn, name, points, reqs, placement)
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"launch {name!r}: args must be a tuple of arguments, got {type(args).__name__} {args!r}")
@@ -328,8 +329,8 @@ class Runtime:
             chosen = placement.get(p) if placement else None
             if chosen is None:
                 chosen = self.mapper.select_processor(self.machine, name, p, points, i)
-            elif isinstance(chosen, int):
-                chosen = self.machine.processor(chosen)
+            elif isinstance(chosen, (int, np.integer)) and not isinstance(chosen, bool):
+                chosen = self.machine.processor(int(chosen))
             elif chosen not in self.machine.processors:
                 raise ValueError(f"launch {name!r}: point {p} placed on {chosen!r}, which is not in {self.machine!r}")
             procs.append(chosen)
@@ -611,13 +612,19 @@ class Runtime:
             self.executor.wait_all()
         self.executor.error = None
 
-    def _claim(self, name: str, region: Region) -> None:
-        """Make this runtime the region's owner, unless another runtime that is still open holds
-        its data (its instances are that runtime's: here the region would read as zeros)."""
+    def _claim(self, name: str, r: Requirement) -> None:
+        """Make this runtime the owner of r's region, unless another runtime that is still open
+        holds its data (its instances are that runtime's: here the region would read as zeros),
+        or one that has shut down held it and `r` reads it (its data went with that runtime)."""
+        region = r.region
         other = None if region.owner is None else region.owner()
         if other is not None and other is not self and not other._closed:
             raise ValueError(f"launch {name!r}: {region!r} belongs to another Runtime that is still open; its data "
                              f"lives there (a region is used by one runtime at a time)")
+        if region.owner is not None and (other is None or other._closed) and \
+                (r.privilege.reads or r.privilege.is_reduce):
+            raise ValueError(f"launch {name!r}: {region!r} held its data in a Runtime that has been shut down, and "
+                             f"its data went with it: attach or fill it in this runtime before reading it")
         region.owner = weakref.ref(self)
 
     def _check_caller(self, what: str) -> None:
@@ -787,6 +794,18 @@ def _check_point_args(points: list[tuple], point_args) -> None:
         if not isinstance(point_args[p], tuple):
             raise TypeError(f"point_args[{p!r}] must be a tuple of arguments, got {type(point_args[p]).__name__} "
                             f"{point_args[p]!r}")
+
+
+def _check_range(array: np.ndarray, region: Region) -> None:
+    """Refuse finite floats that the region's narrower floats cannot hold (they would become inf:
+    numpy only warns). Every rank checks, as every rank passes the same array."""
+    to = np.dtype(region.dtype)
+    if array.size and array.dtype.kind == "f" and to.kind == "f" and array.dtype.itemsize > to.itemsize:
+        over = (np.abs(array) > np.finfo(to).max) & np.isfinite(array)
+        if over.any():
+            where = tuple(int(k) for k in np.argwhere(over)[0])
+            raise ValueError(f"attach: {float(array[where])!r} at {where} is beyond what {region!r}'s {to} holds "
+                             f"(at most {np.finfo(to).max:.4g}): it would become inf")
 
 
 def _check_region(what: str, region) -> None:

@@ -154,6 +154,30 @@ def test_a_task_that_fails_on_bad_data_leaves_the_runtime_usable():
         m.fit({"x": np.ones((4, 3))}, np.zeros(4, "int64"), iterations=1, verbose=False)
 
 
+def test_train_on_recovers_the_runtime_after_a_bad_batch_and_wants_a_function():
+    """A source giving the wrong width failed its step, and the runtime stayed stopped: the next
+    fit raised that step's error again."""
+    with Runtime(cpus=2) as rt:
+        m = _mlp(rt, batch=4, features=3)
+        with pytest.raises(TypeError, match="train_on: source must be a function source\\(step, lo, hi\\)"):
+            m.train_on("data", 1)
+        with pytest.raises(TaskError, match="has shape \\(.*, 2\\), expected"):
+            list(m.train_on(lambda step, lo, hi: (np.ones((hi - lo, 2), "float32"), np.zeros(hi - lo, "int64")), 2))
+        losses = list(m.train_on(lambda step, lo, hi: (np.ones((hi - lo, 3), "float32"), np.zeros(hi - lo, "int64")), 2))
+        assert len(losses) == 2 and all(np.isfinite(losses))
+        m.fit({"x": np.ones((4, 3))}, np.zeros(4, "int64"), iterations=1, verbose=False)
+
+
+def test_a_tuple_of_tensors_where_one_goes_is_named_as_such():
+    """lstm's (y, h_n, c_n) passed on whole used to be called "not a tensor of this model"."""
+    m = Model(weights=False)
+    out = m.lstm(m.embedding(m.input((4, 5), "int64"), 10, 6), 7)
+    with pytest.raises(TypeError, match=r"dense input 0: got a tuple of 3 tensors \(lstm_0.out0, lstm_0.out1, "
+                                        r"lstm_0.out2\), where one tensor goes: pass one of them"):
+        m.dense(out, 10)
+    assert m.dense(out[0], 10).shape == (4, 5, 10)
+
+
 def test_an_embedding_index_out_of_range_is_refused_before_any_work():
     with Runtime(cpus=2) as rt:
         m = Model(rt, seed=0)
@@ -236,6 +260,11 @@ def test_attach_refuses_an_array_that_would_lose_its_kind():
             rt.attach(r, np.ones((2, 2), np.complex64))
         rt.attach(r, np.arange(4, dtype=np.int64).reshape(2, 2)).wait()   # integers into floats: kept
         assert rt.read(r).tolist() == [[0, 1], [2, 3]]
+        # float64 beyond float32's range became inf with numpy's warning alone; inf and nan stay what they are
+        with pytest.raises(ValueError, match=r"attach: 1e\+300 at \(1, 0\) is beyond what .* float32 holds"):
+            rt.attach(r, np.array([[1.0, np.inf], [1e300, np.nan]]))
+        rt.attach(r, np.array([[1.0, np.inf], [-np.inf, np.nan]])).wait()
+        assert np.isinf(rt.read(r)[1, 0]) and np.isnan(rt.read(r)[1, 1])
 
 
 @pytest.mark.parametrize("value,dtype", [("x", "float32"), (None, "float32"), (1.5, "int32"), (1j, "float64")])

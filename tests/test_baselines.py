@@ -196,6 +196,12 @@ def test_random_configs_are_valid_and_use_distinct_processors(seed, cpus):
 
 
 @pytest.mark.parametrize("draw", [random_config, proposal_config], ids=["random", "proposal"])
+def test_a_config_is_drawn_for_an_operator_not_its_name(draw):
+    with pytest.raises(TypeError, match=f"{draw.__name__}: op must be an operator .* got str 'dense_0'"):
+        draw("dense_0", Machine.build(1, 2), 0)
+
+
+@pytest.mark.parametrize("draw", [random_config, proposal_config], ids=["random", "proposal"])
 def test_configs_reach_every_declared_split_and_no_other(draw):
     """Random configs and search proposals both reach every split an op declares, only those, on
     its compute processors; and configs of 3 tiles on this machine's 4 (for a proposal: the

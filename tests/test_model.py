@@ -233,7 +233,9 @@ def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
         other.load(path)
     # the saved configs place tiles on processor 1; a 1-cpu runtime needs configs of its own
     with Runtime(cpus=1) as one:
-        with pytest.raises(ConfigError, match=r"places tile 1 on processor 1, but .* has processors 0..0"):
+        with pytest.raises(ConfigError, match=r"load .*: the configs saved with the model do not fit this runtime's "
+                                              r".*places tile 1 on processor 1, but .* has processors 0..0 "
+                                              r"\(Model.load\(path, configs=...\) gives others\)"):
             Model.load(path, runtime=one)
         d = Model.load(path, runtime=one, configs={})
         saved = Model.load(path, runtime=rt)
@@ -410,6 +412,8 @@ def test_fit_options_are_checked_before_a_step_and_forward_takes_one_name():
             m.fit(x, y, iterations=1, **kwargs)
     assert np.array_equal(before, m.parameters()["dense_0.weight"]) and m.step == 0
     assert list(m.forward(x, outputs="dense_0.out")) == ["dense_0.out"]
+    with pytest.raises(TypeError, match="forward: training must be True or False, got str 'no'"):
+        m.forward(x, training="no")   # it used to run in training mode: a non-empty string is true
     m.rt.shutdown()
 
 

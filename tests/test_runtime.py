@@ -349,6 +349,23 @@ def test_errors_at_launch_name_the_problem():
         with pytest.raises(ValueError, match=r"placement keys \[\(0, 0\)\]"):
             rt.index_launch(lambda: None, 2, placement={(0, 0): 0})
         assert rt._next_id == 0, "nothing may be issued by a launch that fails its checks"
+        # a processor index from numpy (np.arange, argsort) is an index too
+        done = rt.index_launch(lambda: 7, 2, placement={(0,): np.int64(0), (1,): np.int64(0)})
+        assert done.get() == {(0,): 7, (1,): 7}
+
+
+def test_a_region_of_a_runtime_that_has_shut_down_is_not_read_as_zeros():
+    """Its data went with that runtime; a new one read zeros silently (a notebook's second `with Runtime()`)."""
+    with Runtime(cpus=1) as rt:
+        x = rt.region((4,), "float32", "x")
+        rt.attach(x, np.ones(4))
+        rt.read(x)
+    with Runtime(cpus=1) as rt:
+        with pytest.raises(ValueError, match=r"held its data in a Runtime that has been shut down, and its data went "
+                                             r"with it: attach or fill it in this runtime before reading it"):
+            rt.read(x)
+        rt.attach(x, np.full(4, 2.0))
+        np.testing.assert_array_equal(rt.read(x), np.full(4, 2.0, "float32"))
 
 
 def test_writing_a_read_argument_fails():

@@ -72,6 +72,8 @@ def test_bad_budgets_are_refused():
         search(simulator(mlp()), budget=0)
     with pytest.raises(ValueError, match="starts must be some of"):
         search(simulator(mlp()), budget=5, starts=("nonsense",))
+    one = search(simulator(mlp()), budget=3, starts="random")   # one name, not its letters
+    assert one.proposals == 3
 
 
 def test_bad_seeds_and_seconds_are_refused():

@@ -81,6 +81,22 @@ def test_a_strategy_that_names_no_op_of_the_model_is_refused():
         sim.simulate("data")
 
 
+def test_a_model_its_costs_and_its_source_are_checked_when_the_simulator_is_made():
+    """An output that moves the batch used to fail at simulate, naming the labels and a batch
+    source the user never made; a cost model of another machine, or a source that is no function,
+    were taken (the first timed the machine's devices with another's figures)."""
+    moved = Model(weights=False)
+    moved.transpose(moved.dense(moved.input((8, 4, 6)), 3), (1, 0, 2))
+    p100, k80 = load_machine("p100", nodes=1), load_machine("k80", nodes=1)
+    with pytest.raises(ValueError, match=r"the output 'transpose_0.out' \(4, 8, 3\) does not keep the batch"):
+        Simulator.for_model(moved, p100)
+    with pytest.raises(ValueError, match="Simulator: the cost model times k80's devices .* the machine model is p100"):
+        Simulator.for_model(mlp(), p100, CostModel(k80))
+    with pytest.raises(TypeError, match="Simulator: source must be a function source\\(step, lo, hi\\)"):
+        Simulator.for_model(mlp(), p100, source="data")
+    assert Simulator.for_model(mlp(), load_machine("p100", nodes=2), CostModel(p100)).machine.num_ranks == 2
+
+
 def test_the_graph_is_the_runtimes_second_iteration():
     m = mlp(batch=8, width=64)
     ops, inputs, loss = m.training_graph()
