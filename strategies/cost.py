@@ -606,7 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="measure the calibration ops and fit the roofline's efficiencies")
     cal.add_argument("--machine", default="local", help="a shipped machine name or a machine file (default local)")
-    cal.add_argument("--cache", default=None, help="the measurements file (default: ~/.cache/taskrt/costs.json)")
+    cal.add_argument("--cache", default=None, help="the measurements file (default: TASKRT_COST_CACHE, else "
+                                                    "$XDG_CACHE_HOME/taskrt/costs.json, else ~/.cache/taskrt/costs.json)")
     cal.add_argument("--repeats", type=int, default=5, help="timed runs of each kernel (at least 1)")
     cal.add_argument("--write", action="store_true", help="write the fitted efficiencies into the machine file")
     args = parser.parse_args(argv)
