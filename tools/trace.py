@@ -11,9 +11,10 @@ waits, and compare traces.
     python -m tools.trace compare sim.jsonl run.jsonl -o compare.png [--json] [--skip N]
 
 A path that does not exist but whose rank files do (run.jsonl -> run.rank0.jsonl, ...) stands
-for all of them. Every command reads its traces with `load`, which checks them: a truncated,
-empty or foreign file raises `TraceError` naming the file and the line (the CLI prints that
-one line and exits with status 2).
+for all of them; where it exists too, it is read only as their merge written after them. Every
+command reads its traces with `load`, which checks them: a truncated, empty or foreign file, or
+ranks of two runs (each rank's meta names its run), raises `TraceError` naming the file and the
+line (the CLI prints that one line and exits with status 2).
 
 Dependences: runtime and simulator traces carry each event's `preds` (the task graph's edges,
 node ids; on many ranks they may name another rank's nodes, which a merged trace holds). For a
