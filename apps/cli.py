@@ -132,9 +132,15 @@ def app_named(name: str) -> App:
 def run(app: App, argv=None) -> dict:
     """Parse `argv` (default sys.argv[1:]), check it, train, print the report; returns the report
     (on every rank)."""
-    args = parser(app).parse_args(argv)
+    try:
+        args, problem = parser(app).parse_args(argv), None
+    except FlagError as e:   # agreed below: a rank that ended here alone left the others waiting in MPI's start
+        args, problem = None, str(e)
+    ranks = _world_size()
+    _agree(problem, ranks)
     if args.lr is None:
         args.lr = app.lr_for(args.tiny)
+    _agree(_differing_flag(vars(args), ranks), ranks)
     return train(app, args, check(app, args))
 
 
@@ -152,10 +158,11 @@ def fail(message: str) -> NoReturn:
 
 # ---- flags --------------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
+    """argparse that reports a bad flag as a FlagError (run agrees on it over the ranks, then
+    prints one line, no usage block, and exits 2)."""
 
     def error(self, message):
-        fail(message)
+        raise FlagError(message)
 
 
 def at_least(least: int):
@@ -246,10 +253,7 @@ def check(app: App, args) -> Plan:
 
     Checks whose answer could differ between ranks (files, devices) are agreed over MPI, then
     the machine is discovered (collective) and the rest follows from it and the same files."""
-    try:
-        ranks = mpi_world_size_from_env()
-    except ValueError as e:   # TASKRT_MPI: before anything can be agreed between ranks
-        fail(str(e))
+    ranks = _world_size()
     problem, strategy = None, None
     try:
         if args.warmup is not None and args.warmup >= args.iterations:
@@ -423,13 +427,40 @@ def _load_strategy(path: str) -> Strategy:
         raise FlagError(f"--strategy {path}: {e.one_line(path)}") from None
 
 
+def _world_size() -> int:
+    """The ranks of this run (mpiexec's), or exit 2 where TASKRT_MPI itself is wrong (every rank says so)."""
+    try:
+        return mpi_world_size_from_env()
+    except ValueError as e:   # before anything can be agreed between ranks
+        fail(str(e))
+
+
 def _agree(problem: str | None, ranks: int) -> None:
-    """Exit on every rank if any rank found a problem (the lowest rank's message), else return."""
+    """Exit on every rank if any rank found a problem (the lowest rank's message, naming the rank
+    where rank 0 had none), else return."""
     if ranks > 1:
         from mpi4py import MPI
-        problem = next((p for p in MPI.COMM_WORLD.allgather(problem) if p is not None), None)
+        found = MPI.COMM_WORLD.allgather(problem)
+        first = next((r for r, p in enumerate(found) if p is not None), None)
+        problem = None if first is None else found[first] + (f" (on rank {first})" if first else "")
     if problem is not None:
         fail(problem)
+
+
+def _differing_flag(flags: dict, ranks: int) -> str | None:
+    """The first flag whose value differs between the ranks, named with each rank's value, or None:
+    every rank runs the same program, so a rank given another --lr or --seed trained a model none
+    of them asked for (and another strategy failed in MPI's receives)."""
+    if ranks == 1:
+        return None
+    from mpi4py import MPI
+    every = MPI.COMM_WORLD.allgather(flags)
+    for name in flags:
+        values = [f.get(name) for f in every]
+        if any(v != values[0] for v in values):
+            said = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+            return f"--{name.replace('_', '-')} differs between the ranks ({said}): every rank takes the same flags"
+    return None
 
 
 def _discover(args, ranks: int) -> Machine:

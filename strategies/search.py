@@ -490,6 +490,16 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="the app's floats (its --dtype)")
     p.add_argument("-o", "--output", default=None, help="write the best strategy here")
     args = p.parse_args(argv)
+    from taskrt.machine import mpi_world_size_from_env
+    try:
+        under_mpiexec = mpi_world_size_from_env() > 1
+    except ValueError as e:   # TASKRT_MPI itself
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if under_mpiexec:   # every rank searched alone and wrote the same -o
+        print("error: python -m strategies.search runs in one process, not under mpiexec: it simulates the "
+              "machine model's ranks itself (the apps' --search-budget searches before an MPI run)", file=sys.stderr)
+        return 2
     bad = _bad_flag(args)
     if bad is not None:
         print(f"error: {bad}", file=sys.stderr)

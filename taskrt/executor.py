@@ -61,7 +61,7 @@ class TaskError(RuntimeError):
 
     def __init__(self, node, exc: BaseException, tb: str, rank: int = 0):
         self.node_name = node.name
-        self.point = getattr(node, "point", ())
+        self.point = getattr(node, "point", None) or ()   # (a copy has none)
         self.original = exc
         self.traceback_text = tb
         where = getattr(node, "proc", None) or getattr(node, "dst", None)

@@ -164,7 +164,12 @@ class Copies:
                 self.progress.post_later(op, post)
             return PENDING
         requests = post()
-        if MPI.Request.Testall(requests):
+        try:
+            arrived = MPI.Request.Testall(requests)
+        except MPI.Exception as exc:   # a message longer than this receive: the graphs differ
+            self.op_failed(op, exc.Get_error_code())
+            return PENDING
+        if arrived:
             # the message was here already (sent eagerly): finish in this thread
             if not self._header_ok(half, header):
                 return PENDING  # never finishes: the divergence report aborts
@@ -224,7 +229,12 @@ class Copies:
             except MPI.Exception as exc:
                 self.op_failed(op, exc.Get_error_code())
                 return
-        self.fatal(f"taskrt: rank {self.rank}: MPI error while testing {len(reqs)} requests")
+        receives = [op for op in ops if isinstance(op.node, RecvHalf)]
+        if len(receives) == 1:   # the failed test ended its request: the one receive is what did not fit
+            self.op_failed(receives[0], MPI.ERR_TRUNCATE)
+            return
+        self.fatal(f"taskrt: rank {self.rank}: MPI error while testing {len(reqs)} requests (a message longer than "
+                   f"its receive: the ranks' task graphs probably differ, as when they run different strategies)")
 
     def op_failed(self, op: Op, code: int) -> None:
         """MPI error `code` ended `op`: a copy's message did not fit (the graphs differ), or worse."""

@@ -36,8 +36,13 @@ ABORT_GRACE_S = 0.2
 DEFAULT_TIMEOUT_S = 60.0
 
 
+#: the shortest no-progress timeout: a busy peer says so once every HEARTBEAT_S, so a timeout
+#: nearer that than twice it ended correct programs whose peer was computing
+MIN_TIMEOUT_S = 2 * HEARTBEAT_S
+
+
 def timeout_from_env() -> float:
-    """TASKRT_MPI_TIMEOUT (seconds, at least 0; 0: never), else DEFAULT_TIMEOUT_S."""
+    """TASKRT_MPI_TIMEOUT (seconds, 0: never, else at least MIN_TIMEOUT_S), else DEFAULT_TIMEOUT_S."""
     value = os.environ.get("TASKRT_MPI_TIMEOUT", "").strip()
     if not value:
         return DEFAULT_TIMEOUT_S
@@ -47,6 +52,10 @@ def timeout_from_env() -> float:
         seconds = math.nan
     if not (0 <= seconds < math.inf):
         raise ValueError(f"TASKRT_MPI_TIMEOUT must be seconds, at least 0 (0: never), got {value!r}")
+    if 0 < seconds < MIN_TIMEOUT_S:
+        raise ValueError(f"TASKRT_MPI_TIMEOUT must be 0 (never) or at least {MIN_TIMEOUT_S:g} seconds (a busy rank "
+                         f"tells the others so every {HEARTBEAT_S:g} s; a shorter timeout ends correct programs), "
+                         f"got {value!r}")
     return seconds
 
 

@@ -140,11 +140,12 @@ DIVERGENCES = {
     "end": (r"launch #1: rank 1 made 'only_on_rank_1'", r"launch #1: rank 0 made no launch"),
     # found by the compiled receive loop: a 128 KiB tile into a 64 KiB receive
     "size": (r"launch #0: rank 1 made 'attach:x'.*float64\[16384\]", r"copy #\d+ .* from rank 0 did not fit"),
+    "small": (r"launch #0: rank 1 made 'attach:x'.*float64\[8\]", r"copy #\d+ .* from rank 0 did not fit"),
 }
 
 
 @pytest.mark.parametrize("mode,n", [("extra", 2), ("extra", 4), ("other", 4), ("fewer", 2), ("wait", 2),
-                                    ("end", 4), ("size", 2)])
+                                    ("end", 4), ("size", 2), ("small", 2)])
 def test_ranks_that_make_different_launches_stop_and_say_where(mode, n):
     proc, seconds = run_mpi(n, "divergence.py", mode, timeout=FAILURE_BOUND_S + 30)
     assert_stopped(proc, seconds)
@@ -152,6 +153,17 @@ def test_ranks_that_make_different_launches_stop_and_say_where(mode, n):
     assert "control replication diverged" in err, output(proc)
     for pattern in DIVERGENCES[mode]:
         assert re.search(pattern, err), f"{pattern!r} not in the report\n{output(proc)}"
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("lr", "error: --lr differs between the ranks (0.05 on rank 0, 2.0 on rank 1): every rank takes the same flags"),
+    ("bad", "error: argument --iterations: 'abc' is not an integer (on rank 1)")])
+def test_an_app_whose_flags_differ_on_one_rank_stops_every_rank_with_one_line(mode, said):
+    """Another --lr trained a model no rank asked for; a flag only rank 1 could not parse left rank 0
+    waiting in MPI's start until the job was killed."""
+    proc, seconds = run_mpi(2, "app_flags.py", mode, timeout=FAILURE_BOUND_S + 30)
+    assert_stopped(proc, seconds)
+    assert proc.returncode == 2 and proc.stderr.strip() == said, output(proc)
 
 
 def test_a_message_that_never_comes_ends_in_an_error_not_a_hang():

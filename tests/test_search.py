@@ -110,6 +110,14 @@ def test_the_command_line_names_an_out_of_range_number(flags, said, capsys):
     assert capsys.readouterr().err == f"error: {said}\n"
 
 
+def test_the_command_line_refuses_to_run_under_mpiexec(capsys, monkeypatch):
+    """Under mpiexec every rank searched alone and wrote the same -o file."""
+    import strategies.search as search_module
+    monkeypatch.setenv("PMI_SIZE", "2")
+    assert search_module.main(["--app", "mlp", "--tiny", "--machine", "p100"]) == 2
+    assert "runs in one process, not under mpiexec" in capsys.readouterr().err
+
+
 def test_the_command_line_help_gives_the_defaults_it_has(capsys):
     """--help used to print "(default: the app's) (default: None)" beside flags with no fixed default."""
     import strategies.search as search_module

@@ -8,7 +8,9 @@ mpiexec -n N python divergence.py MODE (N >= 2), MODE one of:
   wait    - rank 1 makes an extra launch that moves no data, then every rank calls wait();
   end     - rank 1 makes an extra launch that moves no data just before shutting down;
   size    - rank 1 makes its region half as long: the tiles rank 0 sends it (64 KiB and
-            more, so through the compiled receive loop) do not fit.
+            more, so through the compiled receive loop) do not fit;
+  small   - the same with tiles of a few bytes, which MPI sends at once (a receive that finds
+            its message there already raised MPI's error from the issuing thread).
 Never prints "OK".
 """
 from __future__ import annotations
@@ -53,7 +55,7 @@ def main():
         return quiet(mode)
     with Runtime.from_mpi(cpus=1) as rt:
         n = rt.num_ranks
-        length = 4 * n if mode != "size" else (8192 if rt.rank == 1 else 16384) * n
+        length = {"size": (8192 if rt.rank == 1 else 16384) * n, "small": (4 if rt.rank == 1 else 8) * n}.get(mode, 4 * n)
         x = rt.region((length,), "float64", "x")
         rt.attach(x, np.arange(float(length)))
         part = x.partition((n,))
