@@ -41,9 +41,9 @@ from ops.optimizers import make_optimizer
 from ops.shape import Concat, Flat, Reshape, Split, Transpose
 from ops.strategy import Strategy, model_fingerprint
 from ops.strategy import load as load_strategy
-from taskrt import Runtime, TaskError
+from taskrt import Runtime
 from taskrt.geometry import as_int, as_int_tuple
-from taskrt.region import dtype_of_kind
+from taskrt.region import beyond_range, dtype_of_kind
 
 LOSSES = ("sparse_categorical_crossentropy", "mean_squared_error")
 METRICS = ("accuracy",)
@@ -80,16 +80,20 @@ def _recovers(method):
     def run(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except TaskError:
-            _recover(self.rt)
-            raise
+        except RuntimeError as exc:   # (TaskError among them)
+            raise _recovered(self.rt, exc) from None
     return run
 
 
-def _recover(rt: Runtime) -> None:
-    """Make `rt` usable again after a failed task, in one process (on many ranks a failure ends every rank)."""
-    if rt.transport is None:
-        rt.recover()
+def _recovered(rt: Runtime, exc: RuntimeError) -> RuntimeError:
+    """After `exc` left an entry point: `rt` made usable again where a task failed, in one process
+    (on many ranks a failure ends every rank), and the error to raise: the failed task's own (a
+    launch issued after it had failed said only that the runtime stopped), else `exc`."""
+    failed = None if rt.executor is None else rt.executor.error
+    if failed is None or rt.transport is not None:
+        return exc
+    rt.recover()
+    return failed
 
 
 class Model:
@@ -454,12 +458,9 @@ class Model:
                 raise ValueError(f"{what}: input {t.name!r} needs integers ({t.dtype}), got dtype {a.dtype}")
             if n is not None and a.shape[0] != n:
                 raise ValueError(f"{what}: inputs have different sample counts ({n} and {a.shape[0]} for {t.name!r})")
-            kind = np.dtype(t.dtype)
-            if kind.kind == "f" and a.dtype.kind == "f" and a.dtype.itemsize > kind.itemsize and a.size:
-                big = np.nanmax(np.abs(a), initial=0.0)
-                if np.isfinite(big) and big > np.finfo(kind).max:
-                    raise ValueError(f"{what}: input {t.name!r} has values that {kind} cannot hold (largest "
-                                     f"magnitude {big:.3g}); they would become inf")
+            if beyond_range(a, t.dtype) is not None:
+                raise ValueError(f"{what}: input {t.name!r} has values that {np.dtype(t.dtype)} cannot hold (largest "
+                                 f"magnitude {_largest(a):.3g}); they would become inf")
             n = a.shape[0]
             arrays[t.name] = a
         if batch and n != self.batch_size:
@@ -574,9 +575,7 @@ class Model:
         """
         self._need_compiled("train_on")
         iterations = as_int("train_on: iterations", iterations, least=1)
-        if not callable(source):
-            raise TypeError(f"train_on: source must be a function source(step, lo, hi) -> (inputs, labels), got "
-                            f"{type(source).__name__} {source!r}")
+        check_source(source, "train_on")
         self._low.source_segment(self._source_task)   # checks the inputs' shapes now, not at the first step
         return self._train_steps(source, iterations)
 
@@ -592,9 +591,8 @@ class Model:
                 pending = futures
             self._forward_done = False
             yield _mean_loss(pending)
-        except TaskError:
-            _recover(self.rt)
-            raise
+        except RuntimeError as exc:
+            raise _recovered(self.rt, exc) from None
 
     def _source_task(self, ctx, *views_and_args):
         """One rank's share of a batch from `source`, checked and written into the inputs and labels."""
@@ -745,12 +743,10 @@ class Model:
             v = _numeric(v, f"set_parameters: {k}")
             if v.shape != tuple(shapes[k][0]):
                 raise ValueError(f"set_parameters: {k} has shape {v.shape}, expected {tuple(shapes[k][0])}")
-            with np.errstate(over="ignore"):
-                cast = v.astype(shapes[k][1])
-            if v.dtype.kind == "f" and not np.isfinite(cast).all() and np.isfinite(v).all():
+            if beyond_range(v, shapes[k][1]) is not None:
                 raise ValueError(f"set_parameters: {k} has values that {np.dtype(shapes[k][1])} cannot hold "
-                                 f"(largest magnitude {np.abs(v).max():.3g})")
-            checked[k] = cast
+                                 f"(largest magnitude {_largest(v):.3g})")
+            checked[k] = v.astype(shapes[k][1])
         for k, v in checked.items():
             if self._low is None:
                 self._values[k] = v
@@ -785,6 +781,19 @@ def _check_indices(a: np.ndarray, bound: int, what: str) -> None:
     if a.size and bool(bad.any()):
         where = tuple(int(k) for k in np.argwhere(bad)[0])
         raise ValueError(f"{what}: index {a[where]} at {where} is out of range [0, {bound})")
+
+
+def _largest(a: np.ndarray) -> float:
+    """The largest finite magnitude in float array `a` (for an error that names it)."""
+    return float(np.abs(a[np.isfinite(a)]).max(initial=0.0))
+
+
+def check_source(source, what: str) -> None:
+    """A batch source is a function source(step, lo, hi) -> (inputs, labels): Model.train_on's,
+    and what the simulator times."""
+    if not callable(source):
+        raise TypeError(f"{what}: source must be a function source(step, lo, hi) -> (inputs, labels), as "
+                        f"Model.train_on takes; got {type(source).__name__} {source!r}")
 
 
 def _numeric(value, what: str) -> np.ndarray:

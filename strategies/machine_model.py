@@ -323,7 +323,7 @@ def load_machine(name_or_path, nodes: int | None = None) -> MachineModel:
     if duplicates:
         raise MachineError(f"{where}: field {duplicates[0]!r} appears twice in one object")
     if nodes is not None and isinstance(data, dict) and data.get("devices_per_node", 0) is None:
-        _check_nodes(nodes, where)
+        _check_nodes(nodes, where)   # (the fields found here depend on the node count)
         data = {**data, "nodes": int(nodes)}
     model = from_dict(data, where)
     return model if nodes is None else model.with_nodes(nodes)

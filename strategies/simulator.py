@@ -34,6 +34,7 @@ import numpy as np
 from ops.base import Op, TensorSpec
 from ops.optimizers import make_optimizer
 from ops.lower import ConfigError, TileConfig, default_config, resolve_config
+from ops.model import check_source
 from ops.strategy import Strategy, model_fingerprint
 from strategies.cost import CostModel
 from strategies.graph import (BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, SOURCE_PHASE, UPDATE, IterationGraph,
@@ -167,9 +168,8 @@ class Simulator:
             raise ValueError(f"Simulator: the cost model times {cost.machine_model.name}'s devices "
                              f"({cost.machine_model.device!r}), the machine model is {machine_model.name} "
                              f"({machine_model.device!r}): give a CostModel of the same machine model")
-        if source is not None and not callable(source):
-            raise TypeError(f"Simulator: source must be a function source(step, lo, hi) -> (inputs, labels), as "
-                            f"Model.train_on takes; got {type(source).__name__} {source!r}")
+        if source is not None:
+            check_source(source, "Simulator")
         self.cost = cost or CostModel(machine_model)
         if source is not None and self.cost.measures(self.machine.host_processor(0)):
             batch, ranks = self.inputs[0].shape[0], self.machine.num_ranks

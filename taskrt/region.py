@@ -23,6 +23,20 @@ def dtype_of_kind(dtype, kinds: str) -> np.dtype | None:
     return dt if dt.kind in kinds else None
 
 
+def beyond_range(array: np.ndarray, dtype) -> tuple[int, ...] | None:
+    """Where the first finite value of float `array` is that the narrower float `dtype` cannot
+    hold (it would become inf, with numpy's warning alone), or None: asked of what is put into a
+    region or a weight. Two reductions where everything fits; the mask only where something may not."""
+    to = np.dtype(dtype)
+    if not (array.size and array.dtype.kind == "f" and to.kind == "f" and array.dtype.itemsize > to.itemsize):
+        return None
+    top = np.finfo(to).max
+    if not (np.fmax.reduce(array, axis=None) > top or np.fmin.reduce(array, axis=None) < -top):
+        return None
+    over = (np.abs(array) > top) & np.isfinite(array)
+    return tuple(int(k) for k in np.argwhere(over)[0]) if over.any() else None
+
+
 def numeric_dtype(what: str, dtype) -> np.dtype:
     """`dtype` as a numpy dtype of numbers (bool, integers, floats, complex); anything else (strings,
     objects, dates) names `what` in a ValueError: the runtime's copies, folds and fills work on numbers."""

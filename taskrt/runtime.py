@@ -35,7 +35,7 @@ from .mapper import DefaultMapper, Mapper
 from .outputs import output_problem
 from .privilege import READ, WRITE
 from .program import Launch, check_program
-from .region import Partition, Region, int_tuples
+from .region import Partition, Region, beyond_range, int_tuples
 from .replay import ReplayBlock
 from .replication import launch_signature
 from .taskgraph import CopyNode, TaskGraph, TaskNode
@@ -797,15 +797,13 @@ def _check_point_args(points: list[tuple], point_args) -> None:
 
 
 def _check_range(array: np.ndarray, region: Region) -> None:
-    """Refuse finite floats that the region's narrower floats cannot hold (they would become inf:
-    numpy only warns). Every rank checks, as every rank passes the same array."""
-    to = np.dtype(region.dtype)
-    if array.size and array.dtype.kind == "f" and to.kind == "f" and array.dtype.itemsize > to.itemsize:
-        over = (np.abs(array) > np.finfo(to).max) & np.isfinite(array)
-        if over.any():
-            where = tuple(int(k) for k in np.argwhere(over)[0])
-            raise ValueError(f"attach: {float(array[where])!r} at {where} is beyond what {region!r}'s {to} holds "
-                             f"(at most {np.finfo(to).max:.4g}): it would become inf")
+    """Refuse finite floats that the region's narrower floats cannot hold (beyond_range). Every
+    rank checks, as every rank passes the same array."""
+    where = beyond_range(array, region.dtype)
+    if where is not None:
+        to = np.dtype(region.dtype)
+        raise ValueError(f"attach: {float(array[where])!r} at {where} is beyond what {region!r}'s {to} holds "
+                         f"(at most {np.finfo(to).max:.4g}): it would become inf")
 
 
 def _check_region(what: str, region) -> None:

@@ -306,7 +306,7 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
     except StrategyError as e:
-        lacking = any("has processors" in p for p in e.problems)
+        lacking = any(d >= len(sim.machine.processors) for c in strategy.ops.values() for d in c.devices or ())
         hint = f" (is it for another machine than --machine {machine}?)" if lacking else ""
         raise ToolError(_named_once(e, strategy.source) + hint) from None
     except (ConfigError, ValueError) as e:

@@ -1137,8 +1137,9 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    if args.command in ("timeline", "compare") and png_problem(args.output):
-        raise TraceError(f"-o {args.output}: {png_problem(args.output)}")
+    problem = png_problem(args.output) if args.command in ("timeline", "compare") else None
+    if problem is not None:
+        raise TraceError(f"-o {args.output}: {problem}")
     if args.command == "compare":
         result = write_compare(load(args.simulated), load(args.measured), args.output, args.skip)
         print(json.dumps(result, indent=1) if args.json else format_compare(result) + f"\nwrote {args.output}")
