@@ -84,6 +84,9 @@ class Executor:
         self.hooks = hooks or []
         self.rank = rank
         self.on_error: Callable[[TaskError], None] | None = None
+        #: called with each node skipped after a failure (on its worker), to settle what its
+        #: run would have left for later nodes
+        self.on_skip: Callable[[object], None] | None = None
         self.inline_types: frozenset = frozenset()
         self._inline = threading.local()
         self.queues: dict[object, queue.SimpleQueue] = {}
@@ -291,6 +294,8 @@ class Executor:
     def _run(self, node, run: Callable) -> None:
         """Run a node (skipped after an error); finish it unless it returned PENDING."""
         if self.error is not None:
+            if self.on_skip is not None:
+                self.on_skip(node)
             self._finish(node)
             return
         start = time.perf_counter()

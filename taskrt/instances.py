@@ -18,7 +18,9 @@ executor calls): so a step that runs ahead of the one before it never writes int
 reads, no node waits for a free, and a device that runs ahead of the others frees its own
 instances as it goes, as strategies/memory.py counts.
 Reduction buffers are private to one task's requirement and live until every part of
-them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect).
+them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect). A task
+skipped after a failure leaves an empty buffer, so that its folds, even those issued after
+Runtime.recover, find one and fold nothing.
 """
 from __future__ import annotations
 
@@ -242,15 +244,21 @@ class InstanceStore:
             self.buffers[key] = _Buffer(buf, rect, rect.volume)
         return buf
 
+    def skip_buffer(self, key: tuple[int, int], rect: Rect) -> None:
+        """The buffer of a task skipped after a failure: it holds nothing, so that the folds
+        issued for it, before or after Runtime.recover, fold nothing."""
+        if rect.volume:
+            self.buffers[key] = _Buffer(None, rect, rect.volume)
+
     def take_buffer(self, key: tuple[int, int], rect: Rect):
         """The part `rect` of a reduction buffer (folds may take it piece by piece); the
-        buffer is freed once every element has been taken."""
+        buffer is freed once every element has been taken. None for a skipped task's."""
         with self._lock:
             b = self.buffers[key]
             b.left -= rect.volume
             if b.left <= 0:
                 del self.buffers[key]
-        if rect == b.rect:
+        if rect == b.rect or b.array is None:
             return b.array
         return b.array[rect.slices(b.rect.lo)]
 
@@ -264,8 +272,10 @@ class InstanceStore:
 
     def fold(self, region: Region, rect: Rect, dst: Memory, buffer_key: tuple[int, int], redop: str,
              at: int = -1) -> None:
-        """dst[rect] op= that part of the task's reduction buffer."""
-        self.fold_array(region, rect, dst, self.take_buffer(buffer_key, rect), redop, at)
+        """dst[rect] op= that part of the task's reduction buffer (nothing if the task was skipped)."""
+        buf = self.take_buffer(buffer_key, rect)
+        if buf is not None:
+            self.fold_array(region, rect, dst, buf, redop, at)
 
     def fold_array(self, region: Region, rect: Rect, dst: Memory, buf, redop: str, at: int = -1) -> None:
         """dst[rect] op= buf (a reduction buffer, or one that came from another rank), first
