@@ -47,7 +47,7 @@ from .mpi_futures import RemoteValues
 from .mpi_progress import SHARED_CORE_NAP_S, SHARED_CORE_SPIN_S, SPIN_NAP_S, SPIN_S, Op, Progress
 from .mpi_routing import FRONTIER_MAX, Route, Router, route
 from .mpi_watchdog import (ABORT_GRACE_S, DEFAULT_TIMEOUT_S, HEARTBEAT_S, STALL_S, Abort, Watchdog,
-                           abort_on_uncaught_exceptions, timeout_from_env)
+                           abort_on_uncaught_exceptions, checked_timeout, timeout_from_env)
 from .replication import LaunchLog
 from .taskgraph import TaskNode
 
@@ -64,6 +64,7 @@ class MPITransport:
     bound to it by `bind` (collective: duplicates the communicator, syncs clocks)."""
 
     def __init__(self, comm=None, timeout: float | None = None):
+        timeout = timeout_from_env() if timeout is None else checked_timeout(timeout)
         self.world = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.world.rank
         self.size = self.world.size
@@ -71,9 +72,8 @@ class MPITransport:
         self.router = Router(self.rank, self.size)
         self.log = LaunchLog()
         self.divergence = Divergence(self.rank, self.size, self.log, self._send_ctl, self.abort.fatal)
-        self.watchdog = Watchdog(self.rank, self.size, timeout_from_env() if timeout is None else timeout,
-                                 self._send_ctl, lambda: self.checkpoint("stall"), self._progress_marks,
-                                 self._working, self._waiting_for, self.abort.fatal)
+        self.watchdog = Watchdog(self.rank, self.size, timeout, self._send_ctl, lambda: self.checkpoint("stall"),
+                                 self._progress_marks, self._working, self._waiting_for, self.abort.fatal)
         self.barrier = ShutdownBarrier(self.rank, self.size, self._send_ctl, self.watchdog.block)
         self.clock = ClockSync()
 

@@ -50,13 +50,20 @@ def timeout_from_env() -> float:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not (0 <= seconds < math.inf):
-        raise ValueError(f"TASKRT_MPI_TIMEOUT must be seconds, at least 0 (0: never), got {value!r}")
+    return checked_timeout(seconds, "TASKRT_MPI_TIMEOUT", repr(value))
+
+
+def checked_timeout(seconds, what: str = "Runtime.from_mpi: timeout", shown: str | None = None) -> float:
+    """`seconds` as a no-progress timeout (0: never, else at least MIN_TIMEOUT_S), or a ValueError
+    naming `what` and the value (`shown`: as the user wrote it)."""
+    shown = repr(seconds) if shown is None else shown
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (0 <= seconds < math.inf):
+        raise ValueError(f"{what} must be seconds, at least 0 (0: never), got {shown}")
     if 0 < seconds < MIN_TIMEOUT_S:
-        raise ValueError(f"TASKRT_MPI_TIMEOUT must be 0 (never) or at least {MIN_TIMEOUT_S:g} seconds (a busy rank "
+        raise ValueError(f"{what} must be 0 (never) or at least {MIN_TIMEOUT_S:g} seconds (a busy rank "
                          f"tells the others so every {HEARTBEAT_S:g} s; a shorter timeout ends correct programs), "
-                         f"got {value!r}")
-    return seconds
+                         f"got {shown}")
+    return float(seconds)
 
 
 class Abort:
