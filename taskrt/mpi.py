@@ -32,6 +32,7 @@ seconds (TASKRT_MPI_TIMEOUT, default 60; 0: never) aborts too, naming what it wa
 """
 from __future__ import annotations
 
+import atexit
 import time
 
 from mpi4py import MPI
@@ -39,7 +40,7 @@ from mpi4py import MPI
 from . import mpi_native
 from .executor import Join
 from .mpi_clock import ClockSync, sync_clocks
-from .mpi_control import (Alive, Checkpoint, Dispatch, Get, Launches, Push, Query, Release,
+from .mpi_control import (Alive, Checkpoint, Dispatch, Exited, Get, Launches, Push, Query, Release,
                           UnknownControlMessage, Value)
 from .mpi_copies import COPY_IN_PROGRESS_BYTES, Copies, RecvHalf, SendHalf
 from .mpi_divergence import Divergence, ShutdownBarrier
@@ -57,6 +58,8 @@ __all__ = ["MPITransport", "connect", "SendHalf", "RecvHalf", "TAG_CTL", "CONTRO
 TAG_CTL = 1
 #: control messages read in one turn of the progress thread at most
 CONTROL_PER_TURN = 64
+#: how long a rank that exits with its runtime open tries to tell its peers so
+EXIT_SEND_S = 1.0
 
 
 class MPITransport:
@@ -113,6 +116,7 @@ class MPITransport:
             Launches: self.divergence.on_launches,
             Release: self.barrier.on_release,
             Alive: self.watchdog.heard,
+            Exited: self.watchdog.peer_exited,
         })
         ex.on_error = self.abort.task_failed
         ex.inline_types = frozenset({SendHalf, RecvHalf})
@@ -122,6 +126,7 @@ class MPITransport:
                              native=mpi_native.available() is None,
                              spin=fits)
         self.progress.start()
+        atexit.register(self.at_exit)
 
     # ---- launches and nodes (main thread) ------------------------------------------------------
     def on_launch(self, spec) -> None:
@@ -259,6 +264,7 @@ class MPITransport:
     def close(self) -> None:
         """After this rank's work is done: final checkpoint, a barrier through rank 0 (which
         compares every rank's final launch count and hash), then stop (collective)."""
+        atexit.unregister(self.at_exit)
         self.divergence.finish()
         self.barrier.wait(self.divergence.hold_if_diverged)
         self.divergence.hold_if_diverged()
@@ -266,6 +272,15 @@ class MPITransport:
         self.progress.stop()
         for c in (self.data, self.hdr, self.ctl):
             c.Free()
+
+
+    def at_exit(self) -> None:
+        """The program ends with this rank's runtime open: tell the peers, so that one waiting
+        for this rank aborts at once, naming it (instead of after its no-progress timeout)."""
+        sends = [self.ctl.isend(Exited(self.rank), p, TAG_CTL) for p in range(self.size) if p != self.rank]
+        deadline = time.monotonic() + EXIT_SEND_S
+        while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+            time.sleep(SPIN_NAP_S)
 
 
 def connect(comm=None, *, cpus: int | None = None, gpus: int | None = None, separate_memories: bool = False,

@@ -14,6 +14,7 @@ that names the type.
 | Query, Launches | a rank that found a divergence; the peer it asks | Divergence (taskrt/mpi_divergence.py) |
 | Release | rank 0, once every rank has shut down | the ShutdownBarrier |
 | Alive | a busy rank, every HEARTBEAT_S | the Watchdog (any message counts as heard) |
+| Exited | a rank whose program ends with its runtime open | the Watchdog |
 
 No state: a Dispatch is built once and only read. No mpi4py here, so that the messages and
 the table can be tested in a process that is not an MPI process.
@@ -94,8 +95,13 @@ class Alive(Message):
     """Rank `src` is busy computing: its peers' no-progress guards keep waiting."""
 
 
+@dataclass(frozen=True, slots=True)
+class Exited(Message):
+    """Rank `src`'s program ended with its runtime open (never shut down): it answers nothing more."""
+
+
 #: every control message type, each of which a Dispatch must handle
-MESSAGES: tuple[type[Message], ...] = (Checkpoint, Get, Value, Push, Query, Launches, Release, Alive)
+MESSAGES: tuple[type[Message], ...] = (Checkpoint, Get, Value, Push, Query, Launches, Release, Alive, Exited)
 
 
 class UnknownControlMessage(TypeError):

@@ -7,10 +7,13 @@
   sends a checkpoint once (so that a stuck rank is compared), and one that sees no progress
   on this rank and hears nothing from its peers for `timeout` seconds (TASKRT_MPI_TIMEOUT,
   default 60; 0: never) aborts, naming what it waited for.
+- A rank whose program ends with its runtime open (no shutdown) sends Exited to its peers
+  at exit (MPITransport.at_exit); a peer's wait that then sees nothing move here for
+  EXITED_QUIET_S aborts, naming that rank, rather than after `timeout`.
 - Abort prints the first fatal error only and ends every rank (MPI_Abort); a task that
   raises, an exception out of `with Runtime()` and an uncaught one all end there.
 
-State: the Watchdog's `last_heard` (written by the progress thread), `main_waiting`
+State: the Watchdog's `last_heard` and `exited` (written by the progress thread), `main_waiting`
 (written by the main thread) and `next_beat` (progress thread only) are single-writer
 values read without a lock: a stale read only moves a decision by one turn. Abort's
 `dying` is guarded by `Abort.lock`.
@@ -25,7 +28,7 @@ import time
 import traceback
 from typing import Callable
 
-from .mpi_control import Alive
+from .mpi_control import Alive, Exited
 
 #: a wait that has blocked this long sends a checkpoint (so a stuck rank is compared)
 STALL_S = 0.25
@@ -34,6 +37,9 @@ HEARTBEAT_S = 2.0
 #: between printing a fatal error and MPI_Abort, so that mpiexec forwards the message
 ABORT_GRACE_S = 0.2
 DEFAULT_TIMEOUT_S = 60.0
+#: after a peer's program ended with its runtime open, a wait that sees nothing move here for
+#: this long aborts (messages it had sent before exiting have arrived by then)
+EXITED_QUIET_S = 1.0
 
 
 #: the shortest no-progress timeout: a busy peer says so once every HEARTBEAT_S, so a timeout
@@ -140,11 +146,18 @@ class Watchdog:
         self.last_heard = time.monotonic()
         self.next_beat = 0.0
         self.main_waiting = False
+        #: the peers whose programs ended with their runtimes open, in the order heard
+        self.exited: list[int] = []
 
     # ---- heartbeats (progress thread) ----------------------------------------------------------
     def heard(self, msg=None) -> None:
         """A control message came from some peer (an Alive says no more than that)."""
         self.last_heard = time.monotonic()
+
+    def peer_exited(self, msg: Exited) -> None:
+        """Rank msg.src's program ended without shutting its runtime down."""
+        self.exited.append(msg.src)
+        self.heard()
 
     def busy(self) -> bool:
         """Running something itself (not only waiting for messages)."""
@@ -201,6 +214,8 @@ class Watchdog:
                 marks = self.marks()
                 if marks != seen:
                     seen, last = marks, now
+                if self.exited and now - last >= EXITED_QUIET_S and not self.working():
+                    self.fatal(self._exited_report(what))
                 idle = now - max(last, self.last_heard)
                 if self.timeout and idle > self.timeout:
                     self.fatal(self._stuck_report(what, idle))
@@ -208,11 +223,20 @@ class Watchdog:
             self.main_waiting = False
 
     def _stuck_report(self, what: str, idle: float) -> str:
-        waiting = self.waiting_for()
-        listing = "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else "") if waiting else "nothing posted"
         return (f"taskrt: rank {self.rank} waited {idle:.0f} s for {what} with no progress on this rank and no "
-                f"busy peer (TASKRT_MPI_TIMEOUT={self.timeout:g}); messages it waits for: {listing}. "
+                f"busy peer (TASKRT_MPI_TIMEOUT={self.timeout:g}); messages it waits for: {self._listing()}. "
                 f"The ranks' task graphs probably differ, or a rank is stuck outside taskrt.")
+
+    def _exited_report(self, what: str) -> str:
+        ranks = ", ".join(map(str, self.exited))
+        waiting = f"; messages it waits for: {self._listing()}" if self.waiting_for() else ""
+        return (f"taskrt: rank {ranks} ended its program with its Runtime open (no rt.shutdown(), no `with "
+                f"Runtime.from_mpi()`) while rank {self.rank} waits for {what}{waiting}. Every rank must make "
+                f"the same launches and shut its runtime down.")
+
+    def _listing(self) -> str:
+        waiting = self.waiting_for()
+        return "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else "") if waiting else "nothing posted"
 
 
 def _ran(wait_fn, t: float) -> bool:

@@ -131,6 +131,16 @@ def test_a_failing_task_stops_every_rank_with_its_message(n):
     assert "Traceback" in err and "raise ZeroDivisionError" in err, output(proc)
 
 
+@pytest.mark.parametrize("mode,what", [("read", r"node #\d+; messages it waits for: copy #\d+ from rank 1"),
+                                       ("shutdown", r"every rank to shut down\. Every rank must")])
+def test_a_rank_that_exits_with_its_runtime_open_stops_the_rank_waiting_for_it_at_once(mode, what):
+    # with the no-progress timeout at 60 s, only the exiting rank's notice ends the run in time
+    proc, seconds = run_mpi(2, "early_exit.py", mode, timeout=FAILURE_BOUND_S + 70, env={"TASKRT_MPI_TIMEOUT": "60"})
+    assert_stopped(proc, seconds)
+    assert re.search(r"taskrt: rank 1 ended its program with its Runtime open \(no rt.shutdown\(\), no `with "
+                     r"Runtime.from_mpi\(\)`\) while rank 0 waits for " + what, proc.stderr), output(proc)
+
+
 DIVERGENCES = {
     # mode: (what rank 1 made at the first differing launch, what the others made there)
     "extra": (r"launch #2: rank 1 made 'only_on_rank_1'", r"launch #2: rank \d made 'everyone'"),
@@ -167,7 +177,7 @@ def test_an_app_whose_flags_differ_on_one_rank_stops_every_rank_with_one_line(mo
 
 
 def test_a_message_that_never_comes_ends_in_an_error_not_a_hang():
-    proc, seconds = run_mpi(2, "lost_message.py", 2, timeout=FAILURE_BOUND_S + 30)
+    proc, seconds = run_mpi(2, "lost_message.py", 4, timeout=FAILURE_BOUND_S + 30)
     assert_stopped(proc, seconds)
     assert "with no progress on this rank" in proc.stderr, output(proc)
     # whichever rank gives up first reports: rank 1 waits for the copy, rank 0 for its value

@@ -9,8 +9,8 @@ import pickle
 import pytest
 from hypothesis import given, strategies as st
 
-from taskrt.mpi_control import (MESSAGES, Alive, Checkpoint, Dispatch, Get, Launches, Message, Push, Query,
-                                Release, UnknownControlMessage, Value)
+from taskrt.mpi_control import (MESSAGES, Alive, Checkpoint, Dispatch, Exited, Get, Launches, Message, Push,
+                                Query, Release, UnknownControlMessage, Value)
 
 SAMPLES = [
     Checkpoint(1, "shutdown", 12, 0xDEADBEEF),
@@ -22,6 +22,7 @@ SAMPLES = [
     Launches(0, (4, [(123, "'f' fn=m.f points=2"), (456, "'g' fn=m.g points=1")])),
     Release(0),
     Alive(2),
+    Exited(1),
 ]
 
 values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
