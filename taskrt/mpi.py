@@ -29,6 +29,8 @@ Failure: a task that raises prints its rank, name and traceback and calls Abort,
 ends every rank; so does an exception out of `with Runtime()` or an uncaught one. A wait
 that sees no progress on this rank and no heartbeat from a busy peer for `timeout`
 seconds (TASKRT_MPI_TIMEOUT, default 60; 0: never) aborts too, naming what it waited for.
+A program that ends with the runtime open (never shut down) tells the peers at exit
+(`at_exit`), so that one waiting for this rank aborts at once, naming it.
 """
 from __future__ import annotations
 
@@ -273,10 +275,11 @@ class MPITransport:
         for c in (self.data, self.hdr, self.ctl):
             c.Free()
 
-
     def at_exit(self) -> None:
         """The program ends with this rank's runtime open: tell the peers, so that one waiting
         for this rank aborts at once, naming it (instead of after its no-progress timeout)."""
+        if MPI.Is_finalized():
+            return
         sends = [self.ctl.isend(Exited(self.rank), p, TAG_CTL) for p in range(self.size) if p != self.rank]
         deadline = time.monotonic() + EXIT_SEND_S
         while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
