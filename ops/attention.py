@@ -37,7 +37,7 @@ import numpy as np
 
 from ops import cpu_pool
 from ops.activation import softmax_grad_rows, softmax_rows_
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, register_op
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, is_count, register_op
 from taskrt.geometry import Rect
 
 
@@ -159,7 +159,7 @@ class MultiHeadAttention(Op):
         if q[1] < 1 or k[1] < 1:
             raise self.fail(f"query and key lengths must be >= 1, got Lq={q[1]}, Lk={k[1]}")
         e = q[2]
-        if not isinstance(self.num_heads, (int, np.integer)) or self.num_heads < 1:
+        if not is_count(self.num_heads):
             raise self.fail(f"num_heads must be a positive int, got {self.num_heads!r}")
         if e % self.num_heads:
             raise self.fail(f"embedding size E={e} is not divisible by num_heads={self.num_heads}")

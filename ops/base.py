@@ -376,6 +376,11 @@ def weight_target(weight_out, name: str):
     return None if not weight_out else weight_out.get(name)
 
 
+def is_count(value) -> bool:
+    """A positive int (a bool is not one: True would pass for a size of 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
 def int_attr(kind: str, name: str, attr: str, value, least: int = 1) -> int:
     """An int attribute of op `name` (taskrt.geometry.as_int's rule: floats, even 3.0, bools and
     strings are refused, not truncated), or a ShapeError naming the op, the attribute and the value."""

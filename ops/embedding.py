@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, register_op, weight_target
+from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, is_count, register_op, weight_target
 from taskrt.geometry import Rect
 
 
@@ -60,7 +60,7 @@ class Embedding(Op):
             raise self.fail(f"indices must be integers, got dtype {self.inputs[0].dtype}")
         for attr in ("num_embeddings", "embedding_dim"):
             v = getattr(self, attr)
-            if not isinstance(v, (int, np.integer)) or v < 1:
+            if not is_count(v):
                 raise self.fail(f"{attr} must be a positive int, got {v!r}")
         return [tuple(shape) + (int(self.embedding_dim),)]
 

@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, register_op, weight_target
+from ops.base import (ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, is_count, register_op,
+                      weight_target)
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from ops.thin_gemm import thin_matmul
 from taskrt.geometry import Rect
@@ -61,7 +62,7 @@ class Dense(Op):
         (shape,) = in_shapes
         if len(shape) < 2:
             raise self.fail(f"needs at least 2 dims [batch, ..., in], got shape {shape}")
-        if not isinstance(self.out_features, (int, np.integer)) or self.out_features < 1:
+        if not is_count(self.out_features):
             raise self.fail(f"out_features must be a positive int, got {self.out_features!r}")
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise self.fail(f"unknown activation {self.activation!r}; expected None or one of {ACTIVATIONS}")

@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 from ops import cpu_pool, cpu_threads, cuda_kernels
-from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, register_op
+from ops.base import ATTRIBUTE, SAMPLE, Op, SplitDim, batch_rect, is_count, register_op
 from ops.cpu_threads import RowKernel
 from ops.linear import torch_linear_init
 from ops.thin_gemm import dots
@@ -259,7 +259,7 @@ class LSTM(Op):
         if len(in_shapes) != n_in:
             raise self.fail(f"takes {n_in} input{'s (x, h0, c0)' if n_in == 3 else ' (x)'} with "
                             f"with_initial_state={self.with_initial_state}, got {len(in_shapes)}")
-        if not isinstance(self.hidden_size, (int, np.integer)) or self.hidden_size < 1:
+        if not is_count(self.hidden_size):
             raise self.fail(f"hidden_size must be a positive int, got {self.hidden_size!r}")
         x = in_shapes[0]
         if len(x) != 3 or x[1] < 1:

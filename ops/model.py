@@ -150,10 +150,13 @@ class Model:
     # ---- graph building -------------------------------------------------------------------
     def _name(self, prefix: str, name: str | None) -> str:
         """`name` checked, or the next free `<prefix>_<i>` (the counter moves on when the op is added)."""
-        taken = {op.name for op in self.ops} | {t.name for t in self.inputs}
+        taken = {op.name for op in self.ops} | self.tensors.keys()
         if name is not None:
-            if not isinstance(name, str) or not name or name in taken:
-                raise ValueError(f"name {name!r} is empty, not a string, or already used in this model")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{prefix}: name must be a non-empty string, got {name!r}")
+            if name in taken:
+                what = "an op" if any(op.name == name for op in self.ops) else "a tensor"
+                raise ValueError(f"{prefix}: name {name!r} is already used in this model (by {what})")
             return name
         i = self._counters.get(prefix, 0)
         while f"{prefix}_{i}" in taken:
@@ -196,6 +199,10 @@ class Model:
         self._check_open(prefix)
         specs = [self._tensor(t, f"{prefix} input {i}") for i, t in enumerate(inputs)]
         op = cls(self._name(prefix, name), specs, **attrs)
+        for t in op.outputs:
+            if t.name in self.tensors:
+                raise ValueError(f"{prefix} {op.name!r}: its output would be named {t.name!r}, the name of a tensor "
+                                 f"already in this model: name the op or that tensor otherwise")
         self._insert(op)
         self._count(prefix, op.name)
         return op.outputs[0] if len(op.outputs) == 1 else list(op.outputs)
@@ -268,7 +275,9 @@ class Model:
 
     def split(self, x, sizes, axis, name=None) -> list[TensorSpec]:
         """torch.split: `sizes` is a list of sizes, or one chunk size (the last chunk may be smaller)."""
-        if isinstance(sizes, (int, np.integer)) and not isinstance(sizes, bool) and isinstance(x, TensorSpec):
+        if isinstance(sizes, (int, np.integer)) and not isinstance(sizes, bool) and isinstance(x, TensorSpec) \
+                and isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) and \
+                -len(x.shape) <= axis < len(x.shape):   # (another axis: the Split op says what is wrong)
             if sizes < 1:
                 raise ValueError(f"split: chunk size must be >= 1, got {sizes}")
             extent = x.shape[axis]

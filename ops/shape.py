@@ -16,7 +16,9 @@ from taskrt.geometry import Rect
 
 
 def _normalize_axis(op: Op, axis, ndim: int) -> int:
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise op.fail(f"axis must be an int, got {type(axis).__name__} {axis!r}")
+    if not -ndim <= axis < ndim:
         raise op.fail(f"axis={axis!r} is out of range for {ndim} dims")
     return int(axis) % ndim
 

@@ -278,8 +278,18 @@ def test_names_are_stable_and_given_names_are_checked(rt):
     m.dense(d, 3, name="head")
     assert [op.name for op in m.ops] == ["dense_0", "head"]
     assert list(m.parameters()) == ["dense_0.weight", "dense_0.bias", "head.weight", "head.bias"]
-    with pytest.raises(ValueError, match="'head' is empty, not a string, or already used"):
+    with pytest.raises(ValueError, match=r"relu: name 'head' is already used in this model \(by an op\)"):
         m.relu(d, name="head")
+    with pytest.raises(ValueError, match=r"input: name 'head.out' is already used in this model \(by a tensor\)"):
+        m.input((2, 3), name="head.out")
+    with pytest.raises(ValueError, match="dense: name must be a non-empty string, got ''"):
+        m.dense(d, 3, name="")
+    # an op whose output would take an input's name (it used to replace the input, failing at fit)
+    m.input((2, 3), name="tail.out")
+    with pytest.raises(ValueError, match=r"dense 'tail': its output would be named 'tail.out', the name of a "
+                                         r"tensor already in this model"):
+        m.dense(d, 3, name="tail")
+    assert [op.name for op in m.ops] == ["dense_0", "head"]
     with pytest.raises(TypeError, match="not a tensor of this model"):
         Model(rt).relu(x)
     with pytest.raises(ShapeError, match=r"concat 'concat_0': input 1 has shape \(2, 5\)"):
@@ -287,6 +297,25 @@ def test_names_are_stable_and_given_names_are_checked(rt):
     assert m.relu(x).name == "relu_0.out" and m.concat([x, x], axis=1).name == "concat_0.out"
     parts = m.split(m.input((2, 7)), 3, axis=1)
     assert [t.shape for t in parts] == [(2, 3), (2, 3), (2, 1)]
+    # a chunk size with a bad axis: the Split op's own error (it was an IndexError or a TypeError)
+    with pytest.raises(ShapeError, match=r"split 'split_1': axis=3 is out of range for 2 dims"):
+        m.split(x, 2, axis=3)
+    with pytest.raises(ShapeError, match=r"split 'split_1': axis must be an int, got str '1'"):
+        m.split(x, 2, axis="1")
+
+
+@pytest.mark.parametrize("make,attr", [
+    (lambda m: m.dense(m.input((2, 3)), True), "dense 'dense_0': out_features"),
+    (lambda m: m.lstm(m.input((2, 3, 4)), True), "lstm 'lstm_0': hidden_size"),
+    (lambda m: m.embedding(m.input((2, 3), dtype="int64"), True, 4), "embedding 'embedding_0': num_embeddings"),
+    (lambda m: m.embedding(m.input((2, 3), dtype="int64"), 4, True), "embedding 'embedding_0': embedding_dim"),
+    (lambda m: m.multihead_attention(m.input((2, 3, 4)), num_heads=True),
+     "multihead_attention 'multihead_attention_0': num_heads"),
+])
+def test_a_bool_is_not_a_size(rt, make, attr):
+    # as conv2d's out_channels: True used to pass for a size of 1
+    with pytest.raises(ShapeError, match=f"{attr} must be a positive int, got True"):
+        make(Model(rt))
 
 
 def test_errors_come_before_any_work(rt):
