@@ -63,7 +63,7 @@ from ops.base import SAMPLE, training_error
 from ops.lower import compute_processors
 from ops.model import Model
 from ops.optimizers import SGD, Adam
-from ops.strategy import Strategy, StrategyError
+from ops.strategy import Strategy, StrategyError, model_fingerprint
 from ops.strategy import load as load_strategy
 from taskrt import Runtime
 from taskrt.machine import (Machine, count_from_env, count_gpus, cpus_from_env, gpus_from_env, mpi_rank_from_env,
@@ -481,8 +481,8 @@ def dtype_problem(graph, dtype: str, name: str) -> str | None:
 
 def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, strategy: Strategy | None) -> Plan:
     """Build the graph alone (no weights) and check the dtype, the strategy and the batch against it."""
-    graph, _ = build_model(app.build, sizes, batch, dtype=args.dtype, weights=False,
-                           runtime=Runtime(machine=machine, execute=False))
+    graph, output = build_model(app.build, sizes, batch, dtype=args.dtype, weights=False,
+                                runtime=Runtime(machine=machine, execute=False))
     cannot_train = training_error(graph.ops)
     if cannot_train is not None:
         raise FlagError(f"--batch-size {batch}: {cannot_train}")
@@ -499,8 +499,9 @@ def _check_graph(app: App, args, batch: int, sizes: dict, machine: Machine, stra
     else:
         name = args.strategy
         _check_batch(graph, strategy, batch, args.strategy)
-        try:
-            strategy.resolve(graph.ops, machine, name=app.name)
+        try:   # against the ops compile resolves it against: the loss op too (search() names it)
+            strategy.resolve(graph.training_graph(app.loss, output)[0], machine, name=app.name,
+                             fingerprint=model_fingerprint(graph.ops))
         except StrategyError as e:
             raise FlagError(f"--strategy {args.strategy}: {e.one_line(args.strategy)}") from None
     return Plan(batch, sizes, machine, strategy, name, count_parameters(graph))

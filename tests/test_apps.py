@@ -509,6 +509,20 @@ def test_search_budget_searches_trains_with_it_and_exports_it(capsys, tmp_path):
     assert again["strategy"] == str(out) and again["predicted_iteration_s"] is None
 
 
+def test_a_strategy_from_the_search_api_names_the_loss_op_and_trains(capsys, tmp_path):
+    """search() returns every op of the simulated graph, the loss op included, as Model.compile
+    takes it; the apps refused that op ('unknown operator')."""
+    from strategies.machine_model import load_machine
+    from strategies.search import app_simulator, search
+    _, sim = app_simulator("mlp", load_machine("local"), tiny=True)
+    best = search(sim, budget=6, seed=0).best
+    assert "loss" in best.ops
+    path = tmp_path / "api.json"
+    best.save(path)
+    report, _ = run_here(mlp, "--tiny", "--iterations", 2, "--warmup", 0, "--strategy", path, capsys=capsys)
+    assert report["strategy"] == str(path) and report["iterations"] == 2
+
+
 def test_search_budget_on_two_ranks_agrees_on_one_strategy(tmp_path):
     out = tmp_path / "searched.json"
     proc, _ = run_mpi_app(2, "mlp", "--tiny", "--iterations", 3, "--cpus-per-rank", 1, "--search-budget", 6,
