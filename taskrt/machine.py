@@ -185,10 +185,11 @@ class Machine:
 
     def threads_fit_node(self, rank: int, extra_per_rank: int = 0) -> bool:
         """Whether the node (host) of `rank` has a core for every CPU worker of its ranks
-        and `extra_per_rank` more threads of each (a busy loop, say)."""
-        busy = sum(extra_per_rank + sum(p.kind == "cpu" for p in self.rank_processors(r))
-                   for r in self.ranks_on_host(rank))
-        return (os.cpu_count() or 1) >= busy
+        and `extra_per_rank` more threads of each (a busy loop, say). One pass over the
+        processors: a local machine model may have thousands of ranks on this host."""
+        ranks = set(self.ranks_on_host(rank))
+        cpus = sum(p.kind == "cpu" and p.rank in ranks for p in self.processors)
+        return (os.cpu_count() or 1) >= cpus + extra_per_rank * len(ranks)
 
     def ranks_on_host(self, rank: int) -> list[int]:
         """The ranks whose host is `rank`'s (itself included)."""
