@@ -197,8 +197,8 @@ class MachineModel:
             raise MachineError(f"{self.source or self.name}: nodes_per_host must be a whole number from 1 to its "
                                f"{self.nodes} node(s), got {self.nodes_per_host!r}")
         if self.nodes * self.devices_per_node > MAX_DEVICES:
-            raise MachineError(f"{self.source or self.name}: {self.nodes:,} nodes of {self.devices_per_node} devices "
-                               f"are {self.nodes * self.devices_per_node:,} devices; a machine model has at most "
+            raise MachineError(f"{self.source or self.name}: {_many(self.nodes)} nodes of {self.devices_per_node} "
+                               f"devices are {_many(self.nodes * self.devices_per_node)} devices; a machine model has at most "
                                f"{MAX_DEVICES:,} (the simulator's machine alone holds about a kilobyte a device)")
         if self.host is None:
             object.__setattr__(self, "host", self.device)
@@ -379,6 +379,12 @@ def kernel_seconds(alone, slowdown: float, surcharge: float, cap: float):
     return alone * slowdown + (np.minimum(extra, cap) if isinstance(extra, np.ndarray) else min(extra, cap))
 
 
+def _many(n: int) -> str:
+    """A count for a message: with thousands separators, or its order of magnitude when huge."""
+    digits = str(n)
+    return f"{n:,}" if n < 10**12 else f"about {digits[0]}e{len(digits) - 1}"
+
+
 def _check_nodes(nodes, where: str) -> None:
     if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 1:
         raise MachineError(f"{where}: nodes must be a whole number >= 1, got {nodes!r}")
@@ -441,6 +447,8 @@ def from_dict(data, where: str = "machine") -> MachineModel:
                            f"{host.kind!r}")
     naps = {k: _positive(data, k, "", where, zero=True) if k in data else 0.0
             for k in ("nap_first", "nap_longest", "nap_share")}
+    if naps["nap_share"] > 1:
+        raise MachineError(f"{where}: field 'nap_share' must be a share from 0 to 1, got {naps['nap_share']!r}")
     if naps["nap_longest"] < naps["nap_first"]:
         raise MachineError(f"{where}: field 'nap_longest' must be at least nap_first ({naps['nap_first']}), got "
                            f"{naps['nap_longest']}")
@@ -532,6 +540,8 @@ def _device(data: dict, prefix: str, where: str, discover: bool) -> DeviceSpec:
         raise MachineError(f"{where}: field '{prefix}{k}' may be null (found here) only for a machine's cpu devices")
     name = cpu_name() if "name" in found else _string(data, "name", prefix, where)
     mem = None if "mem_bytes" in found else _positive(data, "mem_bytes", prefix, where)
+    if mem is not None and mem < 1:
+        raise MachineError(f"{where}: field '{prefix}mem_bytes' must be at least 1 (bytes), got {data['mem_bytes']!r}")
     return DeviceSpec(kind, name, _positive(data, "peak_flops", prefix, where),
                       _positive(data, "mem_bandwidth", prefix, where), None if mem is None else int(mem))
 

@@ -92,10 +92,15 @@ def finite_or_none(x: float) -> float | None:
 
 def nothing_fits(result: SearchResult, sim: Simulator) -> str | None:
     """Why a search has no strategy to offer, or None: every strategy it tried (the baselines and
-    its proposals) needs more memory than a device of the machine has."""
+    its proposals) needs more memory than a device of the machine has, or takes forever there
+    (figures so extreme that a time overflows)."""
     if math.isfinite(result.best_time):
         return None
-    device = sim.machine_model.device
+    mm = sim.machine_model
+    if sim.simulate(result.best).fits:
+        return (f"every strategy's predicted time is infinite on {mm.source or mm.name}: its figures (bandwidths, "
+                f"latencies, overheads) make a time overflow")
+    device = mm.device
     return (f"no strategy fits the memory of {sim.machine_model.name}'s {device.kind} devices "
             f"({device.mem_bytes / 2**30:.3g} GiB each): not the baselines, nor any of {result.proposals} "
             f"proposals; a smaller batch, more devices or a bigger budget")

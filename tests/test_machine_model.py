@@ -61,6 +61,8 @@ def test_a_machine_past_the_device_limit_is_refused_before_anything_is_built():
     with pytest.raises(MachineError, match=r"p100.json: 262,145 nodes of 4 devices are 1,048,580 devices; "
                                            r"a machine model has at most 1,048,576"):
         load_machine("p100", nodes=most + 1)
+    with pytest.raises(MachineError, match=r"p100.json: about 1e300 nodes of 4 devices are about 4e300 devices; "):
+        load_machine("p100", nodes=10 ** 300)   # (the counts, hundreds of digits, made the line unreadable)
 
 
 def test_an_unknown_name_lists_the_shipped_ones():
@@ -227,6 +229,8 @@ BAD = [
     ("message_delay", lambda: _set(_local(), "message_delay", "fast"), "a number >= 0"),
     ("nap_first", lambda: _set(_p100(), "nap_first", 1e-4), "only for cpu machines"),
     ("nap_share", lambda: _set(_local(), "nap_share", -0.5), "a number >= 0"),
+    ("nap_share", lambda: _set(_local(), "nap_share", 1e9), "a share from 0 to 1"),
+    ("device.mem_bytes", lambda: _set(_p100(), "device.mem_bytes", 0.5), "at least 1 (bytes), got 0.5"),
     ("nap_longest", lambda: _set(_set(_local(), "nap_first", 1e-3), "nap_longest", 1e-4), "at least nap_first"),
     ("kernel_slowdown", lambda: _set(_local(), "kernel_slowdown", 0), "a positive number"),
     ("kernel_surcharge", lambda: _set(_local(), "kernel_surcharge", -0.5), "a number >= 0"),

@@ -140,6 +140,15 @@ def test_the_command_line_says_when_no_strategy_fits_and_writes_none(tmp_path, c
     err = capsys.readouterr().err.splitlines()[-1]   # after the progress lines
     assert err.startswith("error: no strategy fits the memory of p100's gpu devices (9.31e-07 GiB each)")
     assert not out.exists()
+    # figures so extreme that every time overflows: said so, not blamed on the memory
+    data["device"]["mem_bytes"], data["intra_node"]["bandwidth"] = 16e9, 5e-324
+    small.write_text(json.dumps(data))
+    assert search_module.main(["--app", "mlp", "--tiny", "--machine", str(small), "--nodes", "1", "--budget", "3",
+                               "-o", str(out)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: every strategy's predicted time is infinite on {small}: its figures (bandwidths, latencies, "
+        f"overheads) make a time overflow")
+    assert not out.exists()
     assert search_module.main(["--app", "mlp", "--tiny", "--machine", "p100", "--batch-size", str(10 ** 23)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --batch-size {10 ** 23}: ")
 
