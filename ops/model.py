@@ -332,22 +332,22 @@ class Model:
         return self.inputs[0].shape[0] if self.inputs else 0
 
     # ---- compile --------------------------------------------------------------------------
-    def training_graph(self, loss: str = "sparse_categorical_crossentropy", output=None):
+    def training_graph(self, loss: str = "sparse_categorical_crossentropy", output=None, what: str = "compile"):
         """(ops with the loss op last, inputs with the labels last, the loss op): what compile lowers,
         also for the simulator, which lowers it without weights or a running runtime. `output` is the
         tensor the loss applies to (default: the last op's first output); it must keep the batch as
-        its dim 0, as every input does."""
+        its dim 0, as every input does. `what` names the caller in errors."""
         if not isinstance(loss, str) or loss not in LOSSES:
-            raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
-        out = self.ops[-1].outputs[0] if output is None else self._tensor(output, "compile output")
+            raise ValueError(f"{what}: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
+        out = self.ops[-1].outputs[0] if output is None else self._tensor(output, f"{what} output")
         if np.dtype(out.dtype).kind != "f" or out.name not in {t.name for op in self.ops for t in op.outputs}:
-            raise ValueError(f"compile: the loss needs a float op output, got {out!r}")
+            raise ValueError(f"{what}: the loss needs a float op output, got {out!r}")
         batches = {t.shape[0] for t in self.inputs}
         if len(batches) > 1:
-            raise ValueError(f"compile: inputs disagree on the batch size (dim 0): "
+            raise ValueError(f"{what}: inputs disagree on the batch size (dim 0): "
                              f"{[(t.name, t.shape) for t in self.inputs]}")
         if batches and out.shape[0] not in batches:
-            raise ValueError(f"compile: the output {out.name!r} {tuple(out.shape)} does not keep the batch "
+            raise ValueError(f"{what}: the output {out.name!r} {tuple(out.shape)} does not keep the batch "
                              f"({batches.pop()} samples) as dim 0, and the loss goes by sample: does a transpose "
                              f"move the batch?")
         producer = next(op for op in self.ops if out in op.outputs)

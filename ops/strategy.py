@@ -175,7 +175,7 @@ class Strategy:
                      for k in data if k not in _FIELDS]
         problems += [f"{where}: missing field {k!r}" for k in _FIELDS if k not in data]
         version, model, entries = data.get("version"), data.get("model"), data.get("ops")
-        if "version" in data and (version != VERSION or isinstance(version, bool)):
+        if "version" in data and (version != VERSION or not isinstance(version, int) or isinstance(version, bool)):
             problems.append(f"{where}: version {version!r} is not supported; this reader knows version {VERSION}")
         if "model" in data and (not isinstance(model, str) or not model):
             problems.append(f"{where}: 'model' must be a model name or fingerprint (a non-empty string), got {model!r}")

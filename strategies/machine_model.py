@@ -198,8 +198,9 @@ class MachineModel:
                                f"{self.nodes} node(s), got {self.nodes_per_host!r}")
         if self.nodes * self.devices_per_node > MAX_DEVICES:
             raise MachineError(f"{self.source or self.name}: {_many(self.nodes)} nodes of {self.devices_per_node} "
-                               f"devices are {_many(self.nodes * self.devices_per_node)} devices; a machine model has at most "
-                               f"{MAX_DEVICES:,} (the simulator's machine alone holds about a kilobyte a device)")
+                               f"devices are {_many(self.nodes * self.devices_per_node)} devices; a machine model "
+                               f"has at most {MAX_DEVICES:,} (the simulator's machine alone holds about a kilobyte "
+                               f"a device)")
         if self.host is None:
             object.__setattr__(self, "host", self.device)
         if self.host_link is None:
@@ -397,7 +398,7 @@ def from_dict(data, where: str = "machine") -> MachineModel:
     _known(data, _FIELDS, "", where, "a machine file")
     if "version" not in data:
         raise MachineError(f"{where}: missing field 'version' (this format is version {VERSION})")
-    if data["version"] != VERSION or isinstance(data["version"], bool):
+    if data["version"] != VERSION or not isinstance(data["version"], int) or isinstance(data["version"], bool):
         raise MachineError(f"{where}: field 'version' must be {VERSION}, got {data['version']!r}")
     name = _string(data, "name", "", where)
     notes = data.get("notes", [])

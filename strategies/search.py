@@ -220,7 +220,8 @@ def search(sim: Simulator, budget: int, seed: int = 0, seconds: float | None = N
     budget = int(budget)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"search: seed must be an int >= 0, got {seed!r}")
-    if beta is not None and not (isinstance(beta, (int, float, np.floating)) and 0 < beta < math.inf):
+    if beta is not None and (isinstance(beta, bool) or not isinstance(beta, (int, float, np.integer, np.floating))
+                             or not 0 < beta < math.inf):
         raise ValueError(f"search: beta must be a positive finite number (1/seconds), got {beta!r}")
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.number))
                                 or not seconds > 0):

@@ -232,7 +232,8 @@ class Simulator:
                             f"{type(model).__name__} {model!r}")
         if not model.ops:
             raise ValueError("Simulator: the model has no operators")
-        ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy", output)
+        ops, inputs, loss_op = model.training_graph(loss or "sparse_categorical_crossentropy", output,
+                                                    "Simulator.for_model")
         return cls(ops, inputs, loss_op.name, machine_model, cost, optimizer, model_fingerprint(model.ops), source)
 
     def __repr__(self) -> str:
@@ -323,6 +324,8 @@ class Simulator:
         configs changed since they were last seen, and costs only their new nodes; full
         simulation (`delta=False`) builds the runtime's graph from scratch. Both time the same
         graph the same way, so their results are equal (tests/test_simulator.py)."""
+        if not isinstance(delta, bool):
+            raise TypeError(f"simulate: delta must be True or False, got {type(delta).__name__} {delta!r}")
         graph = self.graph(strategy, delta)
         res, dur, delay, resources, handling = self.node_costs(graph, cache=delta)
         timing = schedule_successors(res, dur, graph.successors, len(resources), delay, handling, self.naps)

@@ -201,6 +201,7 @@ BAD = [
     ("devices", lambda: _set(_p100(), "devices", 4), "unknown field"),
     ("name", lambda: _set(_p100(), "name", ""), "non-empty string"),
     ("notes", lambda: _set(_p100(), "notes", [1, 2]), "list of strings"),
+    ("version", lambda: _set(_p100(), "version", 1.0), "must be 1, got 1.0"),
     ("nodes", lambda: _set(_p100(), "nodes", 0), "whole number >= 1"),
     ("nodes", lambda: _set(_p100(), "nodes", "4"), "whole number >= 1"),
     ("nodes", lambda: _drop(_p100(), "nodes"), "missing field"),

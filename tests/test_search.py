@@ -83,11 +83,15 @@ def test_bad_seeds_and_seconds_are_refused():
         search(simulator(mlp()), budget=5, seconds=0)
 
 
-@pytest.mark.parametrize("beta", [-1.0, 0.0, float("nan"), float("inf"), "hot"])
+@pytest.mark.parametrize("beta", [-1.0, 0.0, float("nan"), float("inf"), "hot", True])
 def test_bad_betas_are_refused(beta):
     """A negative or NaN beta used to run: a chain that takes every proposal, or none."""
     with pytest.raises(ValueError, match="beta must be a positive finite number"):
         search(simulator(mlp()), budget=5, beta=beta)
+
+
+def test_a_numpy_int_beta_is_a_number():
+    assert search(simulator(mlp()), budget=3, beta=np.int64(500)).proposals == 3
 
 
 def test_an_unknown_app_is_named():

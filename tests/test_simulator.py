@@ -79,6 +79,8 @@ def test_a_strategy_that_names_no_op_of_the_model_is_refused():
         sim.simulate({"nosuch": sim.configs(None)[first]})
     with pytest.raises(TypeError, match="simulate: a strategy is a Strategy, a dict .* got str 'data'"):
         sim.simulate("data")
+    with pytest.raises(TypeError, match="simulate: delta must be True or False, got str 'no'"):
+        sim.simulate(None, delta="no")   # (it ran as delta=True)
 
 
 def test_a_model_its_costs_and_its_source_are_checked_when_the_simulator_is_made():
@@ -88,8 +90,11 @@ def test_a_model_its_costs_and_its_source_are_checked_when_the_simulator_is_made
     moved = Model(weights=False)
     moved.transpose(moved.dense(moved.input((8, 4, 6)), 3), (1, 0, 2))
     p100, k80 = load_machine("p100", nodes=1), load_machine("k80", nodes=1)
-    with pytest.raises(ValueError, match=r"the output 'transpose_0.out' \(4, 8, 3\) does not keep the batch"):
+    with pytest.raises(ValueError, match=r"Simulator.for_model: the output 'transpose_0.out' \(4, 8, 3\) does "
+                                         r"not keep the batch"):
         Simulator.for_model(moved, p100)
+    with pytest.raises(ValueError, match=r"Simulator.for_model: unknown loss 'hinge'"):   # (it said 'compile:')
+        Simulator.for_model(mlp(), p100, loss="hinge")
     with pytest.raises(ValueError, match="Simulator: the cost model times k80's devices .* the machine model is p100"):
         Simulator.for_model(mlp(), p100, CostModel(k80))
     with pytest.raises(TypeError, match="Simulator: source must be a function source\\(step, lo, hi\\)"):

@@ -179,6 +179,7 @@ def test_a_file_for_another_model(tmp_path):
 
 def test_fields_of_the_wrong_form(tmp_path):
     cases = [(dict(version=2), "version 2 is not supported; this reader knows version 1"),
+             (dict(version=1.0), "version 1.0 is not supported; this reader knows version 1"),
              (dict(extra=True), "unknown field 'extra'; a strategy file has 'version', 'model', 'ops'"),
              (dict(model=3), "'model' must be a model name or fingerprint (a non-empty string), got 3"),
              (dict(ops=[1]), "'ops' must map op names to configs, got list"),
