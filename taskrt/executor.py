@@ -84,9 +84,10 @@ class Executor:
         self.hooks = hooks or []
         self.rank = rank
         self.on_error: Callable[[TaskError], None] | None = None
-        #: called with each node skipped after a failure (on its worker), to settle what its
-        #: run would have left for later nodes
-        self.on_skip: Callable[[object], None] | None = None
+        #: called with each node that did not run to its end, on its worker, and whether it ran
+        #: (and failed) or was skipped after a failure: to settle what it would have left for
+        #: later nodes
+        self.on_lost: Callable[[object, bool], None] | None = None
         self.inline_types: frozenset = frozenset()
         self._inline = threading.local()
         self.queues: dict[object, queue.SimpleQueue] = {}
@@ -294,8 +295,7 @@ class Executor:
     def _run(self, node, run: Callable) -> None:
         """Run a node (skipped after an error); finish it unless it returned PENDING."""
         if self.error is not None:
-            if self.on_skip is not None:
-                self.on_skip(node)
+            self._lost(node, False)
             self._finish(node)
             return
         start = time.perf_counter()
@@ -304,7 +304,18 @@ class Executor:
                 return
         except BaseException as exc:  # the task's error is reported at wait(), never lost
             self._fail(node, exc, traceback.format_exc())
+            self._lost(node, True)
         self.complete(node, start)
+
+    def _lost(self, node, ran: bool) -> None:
+        """on_lost(node, ran), whose own error is recorded like a task's: the worker must go on,
+        or the nodes queued behind this one would never finish."""
+        if self.on_lost is None:
+            return
+        try:
+            self.on_lost(node, ran)
+        except BaseException as exc:
+            self._fail(node, exc, traceback.format_exc())
 
     def complete(self, node, start: float) -> None:
         """Finish a node whose run returned PENDING; `start` is when its run began."""

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .geometry import Rect
-from .privilege import Privilege, as_privilege
+from .privilege import Privilege, as_privilege, reduction_problem
 from .region import Partition, Region
 
 
@@ -78,6 +78,11 @@ def check_launch(name: str, fn, points, reqs) -> None:
 def req(target, privilege, rect: Rect | None = None, projection: Callable | None = None) -> Requirement:
     """Requirement on a Region (whole or `rect` of it) or a Partition, checked at once."""
     privilege = as_privilege(privilege)
+    region = target.region if isinstance(target, Partition) else target
+    if privilege.is_reduce and isinstance(region, Region):
+        problem = reduction_problem(privilege.redop, region.dtype)
+        if problem is not None:
+            raise ValueError(f"a requirement on {region!r}: {problem}")
     if isinstance(target, Partition):
         if rect is not None:
             raise ValueError(f"give a rect or a partition, not both ({target!r}, {rect!r})")

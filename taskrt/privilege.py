@@ -17,12 +17,23 @@ _ALIASES = {"+": "sum", "*": "prod"}
 
 def _lowest(dt):
     dt = np.dtype(dt)
-    return -np.inf if dt.kind == "f" else np.iinfo(dt).min
+    return -np.inf if dt.kind == "f" else False if dt.kind == "b" else np.iinfo(dt).min
 
 
 def _highest(dt):
     dt = np.dtype(dt)
-    return np.inf if dt.kind == "f" else np.iinfo(dt).max
+    return np.inf if dt.kind == "f" else True if dt.kind == "b" else np.iinfo(dt).max
+
+
+def reduction_problem(op: str, dtype) -> str | None:
+    """Why reduction operator `op` cannot fold a region of `dtype`, or None: max and min need
+    an ordered dtype (bool, ints, floats), every operator a number or a bool."""
+    dt = np.dtype(dtype)
+    ordered = op in ("max", "min")
+    if dt.kind not in ("biuf" if ordered else "biufc"):
+        need = "an ordered dtype (bool, ints or floats)" if ordered else "numbers or bools"
+        return f"Reduce({op!r}) needs {need}, got {dt}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ class Runtime:
             mems = sorted({p.memory for p in local}, key=str)
             self.executor = Executor(local + mems, self._run_task, self._run_copy,
                                      [self.tracer] if self.tracer else [], self._setup_worker, rank)
-            self.executor.on_skip = self._skip_node
+            self.executor.on_lost = self._lost_node
         self._closed = False
         self._blas_limit = None
         self._binding = None
@@ -538,16 +538,17 @@ class Runtime:
         if node.future is not None:
             node.future._set(result)
 
-    def _skip_node(self, node) -> None:
-        """A node skipped after a failure settles its reduction buffers as its run would: a
-        skipped task leaves empty ones (its contribution is lost), a skipped fold takes its
-        part. So the folds still pending at Runtime.recover find their buffers, and none leaks."""
+    def _lost_node(self, node, ran: bool) -> None:
+        """A node that failed (`ran`) or was skipped after a failure settles its reduction
+        buffers as its run would have: a task leaves an empty buffer for each it did not make
+        (its contribution is lost), a skipped fold takes its part. So the folds issued later,
+        even after Runtime.recover, find their buffers, and none leaks."""
         if type(node) is TaskNode:
             if node.fn is not None:
                 for i, r in enumerate(node.reqs):
-                    if r.privilege.is_reduce:
+                    if r.privilege.is_reduce and (node.id, i) not in self.store.buffers:
                         self.store.skip_buffer((node.id, i), r.rect)
-        elif type(node) is CopyNode and node.buffer is not None:
+        elif type(node) is CopyNode and node.buffer is not None and not ran:
             self.store.take_buffer(node.buffer, node.rect)
 
     def _run_copy(self, node: CopyNode):

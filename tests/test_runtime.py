@@ -750,6 +750,45 @@ def test_a_reduction_skipped_after_a_failure_is_folded_as_nothing_after_recover(
         assert rt.read(r).tolist() == [6] * 4 and not rt.store.buffers
 
 
+def test_a_reduction_task_that_fails_before_or_after_its_buffers_ends_in_its_error_not_a_hang(monkeypatch):
+    from taskrt.instances import InstanceStore
+    with Runtime(cpus=2) as rt:
+        r = rt.region((4,), "int64")
+        rt.fill(r, 1)
+
+        def add_then_fail(buf):
+            buf += 5
+            raise ValueError("after")
+        rt.launch(add_then_fail, req(r, Reduce("+")))
+        with pytest.raises(TaskError, match="after"):
+            rt.read(r)
+        rt.recover()
+        assert not rt.store.buffers
+        # a task that fails making its buffer: its fold, skipped, once killed the memory's worker
+        monkeypatch.setattr(InstanceStore, "new_buffer", lambda *a: 1 / 0)
+        rt.launch(lambda buf: None, req(r, Reduce("+")))
+        with pytest.raises(TaskError, match="ZeroDivisionError"):
+            rt.read(r)
+        monkeypatch.undo()
+        rt.recover()
+        rt.fill(r, 2)
+        assert rt.read(r).tolist() == [2] * 4 and not rt.store.buffers
+
+
+def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
+    with Runtime(cpus=2) as rt:
+        flags = rt.region((4,), "bool")
+        rt.fill(flags, False)
+        halves = Partition.equal(flags, (2,))
+        rt.index_launch(lambda buf: buf.__setitem__(0, True), halves, req(halves, Reduce("max")))
+        assert rt.read(flags).tolist() == [True, False, True, False]
+        rt.index_launch(lambda buf: buf.__setitem__(0, False), halves, req(halves, Reduce("min")))
+        assert rt.read(flags).tolist() == [False, False, False, False]
+        with pytest.raises(ValueError, match=r"Reduce\('max'\) needs an ordered dtype \(bool, ints or floats\), "
+                                             r"got complex128"):
+            req(rt.region((4,), "complex128"), Reduce("max"))   # (it failed inside the task)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"cpus": 1, "rank": 3}, ValueError, r"Runtime: rank 3 is not a rank of Machine\(1 ranks.*\(ranks 0..0\)"),
     ({"cpus": 1, "rank": True}, ValueError, r"Runtime: rank True is not a rank"),
