@@ -88,6 +88,11 @@ class Recording:
             return index.get(nid, -1)
 
         states = {uid: analyzer.lookup(uid) for uid in self.regions}
+        if any(buffer[0] not in index for st in states.values() if st is not None
+               for _, _, buffer, _, _ in st.pending):
+            # a reduction made before the block is still pending after it: its buffer is that
+            # task's, which a replay's exit state cannot name (it would name the fence)
+            self.replayable = False
         self.end_states = {uid: st.remap(encode) for uid, st in states.items() if st is not None}
         self.begin_abstract = {uid: self.begin_abstract.get(uid) for uid in self.regions}
         self.steady = {uid for uid, st in self.end_states.items() if st.abstract() == self.begin_abstract[uid]}

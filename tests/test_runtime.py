@@ -775,6 +775,22 @@ def test_a_reduction_task_that_fails_before_or_after_its_buffers_ends_in_its_err
         assert rt.read(r).tolist() == [2] * 4 and not rt.store.buffers
 
 
+def test_a_reduction_pending_through_a_replayed_block_is_folded_once():
+    """A block that leaves a reduction made before it pending cannot replay: its exit state
+    named the fence as the reduction's buffer (a KeyError in the fold, or a worker lost)."""
+    with Runtime(cpus=2) as rt:
+        x = rt.region((9,), "int64")
+        rt.fill(x, 0)
+        spans = Partition.from_rects(x, [Rect.make((0,), (2,)), Rect.make((1,), (4,))])
+        rt.index_launch(lambda buf: buf.__iadd__(1), spans, req(spans, Reduce("+")))
+        for _ in range(3):
+            with rt.replay("read"):   # reads [3, 6): folds a part of the pending sum
+                total = rt.launch(lambda v: int(v.sum()), req(x, READ, Rect.make((3,), (6,))))
+            assert total.get(timeout=30) == 1
+        assert rt.read(x).tolist() == [1, 2, 1, 1, 0, 0, 0, 0, 0] and not rt.store.buffers
+        assert rt.replay_stats["replayed"] == 0
+
+
 def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
     with Runtime(cpus=2) as rt:
         flags = rt.region((4,), "bool")
