@@ -575,6 +575,7 @@ class Runtime:
             raise RuntimeError("this runtime was built with execute=False: it builds task graphs and runs nothing")
         self._check_caller("a wait")
         _check_timeout(timeout)
+        self._check_stopped(f"node #{node_id}", node_id)
         self._wait_for(node_id, timeout)
 
     def _argument_value(self, future: Future):
@@ -607,6 +608,7 @@ class Runtime:
             return
         self._check_caller("Runtime.wait")
         _check_timeout(timeout)
+        self._check_stopped("Runtime.wait")
         if self.transport is None:
             self.executor.wait_all(timeout)
         else:
@@ -648,6 +650,16 @@ class Runtime:
         if worker is not None:
             raise RuntimeError(f"{what} from inside a task (on worker {worker}): tasks cannot launch tasks, wait "
                                f"for them or read regions; do it in the program that launched the task")
+
+    def _check_stopped(self, what: str, node_id: int | None = None) -> None:
+        """Refuse to wait for work that a shutdown(wait=False) left unrun: its workers are gone."""
+        if not self._closed:
+            return
+        left = self.executor.unfinished
+        if node_id is not None and node_id in left:
+            raise RuntimeError(f"{what}: shutdown(wait=False) left it unrun, and the workers are gone")
+        if node_id is None and left:
+            raise RuntimeError(f"{what}: shutdown(wait=False) left {len(left)} nodes unrun, and the workers are gone")
 
     def _check_alive(self) -> None:
         if self._closed:

@@ -791,6 +791,20 @@ def test_a_reduction_pending_through_a_replayed_block_is_folded_once():
         assert rt.replay_stats["replayed"] == 0
 
 
+def test_waiting_for_what_a_shutdown_without_waiting_left_unrun_raises_rather_than_hangs():
+    rt = Runtime(cpus=1)
+    x = rt.region((4,), "int64")
+    rt.fill(x, 0)
+    rt.wait()
+    rt.launch(lambda v: time.sleep(0.3), req(x, READ_WRITE))
+    total = rt.launch(lambda v: int(v.sum()), req(x, READ))   # ready only once the worker has stopped
+    rt.shutdown(wait=False)
+    with pytest.raises(RuntimeError, match=r"node #\d+: shutdown\(wait=False\) left it unrun"):
+        total.get(timeout=10)
+    with pytest.raises(RuntimeError, match=r"Runtime.wait: shutdown\(wait=False\) left 1 nodes unrun"):
+        rt.wait(timeout=10)
+
+
 def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
     with Runtime(cpus=2) as rt:
         flags = rt.region((4,), "bool")
