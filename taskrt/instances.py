@@ -213,7 +213,7 @@ class InstanceStore:
         if not box.contains(rect):
             raise RuntimeError(f"{region!r} {rect!r} in memory {memory}: its instance there holds {box!r} only; "
                                f"the rect was not reserved before its node was submitted")
-        return inst[rect.slices(box.lo)]
+        return inst[rect.slices(box.lo)] if rect.lo else inst[...]   # (a 0-d region: an array, not a scalar)
 
     def view(self, region: Region, rect: Rect, memory: Memory, writable: bool, at: int = -1):
         """part(), made once per instance (read-only unless writable)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -207,8 +208,8 @@ class Runtime:
                              f"of shape {rect.shape}")
         if not np.can_cast(array.dtype, region.dtype, casting="same_kind"):
             raise ValueError(f"attach: an array of dtype {array.dtype} does not convert to {region!r}'s "
-                             f"{region.dtype} without losing its kind (a complex or non-numeric array into a "
-                             f"real region)")
+                             f"{region.dtype} without losing its kind (a complex array into a real region, floats "
+                             f"into ints, signed ints into unsigned)")
         _check_range(array, region)
         if self.home.rank == self.rank:
             array = array.astype(region.dtype, copy=True)
@@ -764,7 +765,7 @@ def _holds(dtype: np.dtype, value) -> bool:
     if dtype.kind in "biu":
         low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
         return v.real.is_integer() and low <= v.real <= high
-    return True
+    return not (math.isfinite(v.real) and abs(v.real) > float(np.finfo(dtype).max))   # (it would become inf)
 
 
 def _fill_kernel(view, value):
@@ -823,13 +824,20 @@ def _check_point_args(points: list[tuple], point_args) -> None:
 
 
 def _check_range(array: np.ndarray, region: Region) -> None:
-    """Refuse finite floats that the region's narrower floats cannot hold (beyond_range). Every
-    rank checks, as every rank passes the same array."""
-    where = beyond_range(array, region.dtype)
+    """Refuse finite floats that the region's narrower floats cannot hold (beyond_range), and
+    ints beyond its narrower ints. Every rank checks, as every rank passes the same array."""
+    to = np.dtype(region.dtype)
+    where = beyond_range(array, to)
     if where is not None:
-        to = np.dtype(region.dtype)
         raise ValueError(f"attach: {float(array[where])!r} at {where} is beyond what {region!r}'s {to} holds "
                          f"(at most {np.finfo(to).max:.4g}): it would become inf")
+    if array.size and array.dtype.kind in "iu" and to.kind in "iu" and not np.can_cast(array.dtype, to):
+        low, high = np.iinfo(to).min, np.iinfo(to).max
+        outside = (array < low) | (array > high)
+        if outside.any():
+            where = tuple(int(k) for k in np.argwhere(outside)[0])
+            raise ValueError(f"attach: {int(array[where])} at {where} is beyond what {region!r}'s {to} holds "
+                             f"({low} to {high}): it would wrap around")
 
 
 def _check_region(what: str, region) -> None:

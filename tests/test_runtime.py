@@ -805,6 +805,36 @@ def test_waiting_for_what_a_shutdown_without_waiting_left_unrun_raises_rather_th
         rt.wait(timeout=10)
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_0d_region_holds_one_number(separate):
+    # a task saw a numpy scalar, so every fill, attach and write failed inside it
+    with Runtime(cpus=2, separate_memories=separate) as rt:
+        z = rt.region((), "float64")
+        rt.fill(z, 3.0)
+        assert rt.read(z).shape == () and float(rt.read(z)) == 3.0
+        rt.attach(z, np.array(5.0))
+        rt.launch(lambda v: v.__iadd__(1), req(z, READ_WRITE))
+        for _ in range(2):
+            rt.launch(lambda v: v.__iadd__(2), req(z, Reduce("+")), proc=rt.machine.processors[1])
+        assert rt.launch(lambda v: float(v), req(z, READ)).get(timeout=30) == 10.0
+
+
+def test_attach_and_fill_refuse_numbers_the_region_would_change():
+    with Runtime(cpus=2) as rt:
+        small = rt.region((3,), "int8")
+        with pytest.raises(ValueError, match=r"attach: 1000 at \(0,\) is beyond what .*'s int8 holds \(-128 to "
+                                             r"127\): it would wrap around"):
+            rt.attach(small, np.array([1000, 2, 3]))   # (it stored -24)
+        rt.attach(small, np.array([100, -2, 3]))
+        assert rt.read(small).tolist() == [100, -2, 3]
+        floats = rt.region((2,), "float32")
+        with pytest.raises(ValueError, match=r"fill: 1e\+300 \(float\) is not a number that .* \(float32\) can "
+                                             r"hold"):
+            rt.fill(floats, 1e300)   # (it stored inf, with numpy's warning)
+        rt.fill(floats, float("inf"))
+        assert rt.read(floats).tolist() == [float("inf")] * 2
+
+
 def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
     with Runtime(cpus=2) as rt:
         flags = rt.region((4,), "bool")
