@@ -298,10 +298,8 @@ class Analyzer:
         """Depend on whoever made the data valid in `mem`; copy it in first if it is valid elsewhere."""
         released = self.released.get(region.uid) if priv.reads else None
         for prect, valid in self._overlapping_pieces(st, rect):
-            if released is not None and max((n for n in valid.values() if n is not None), default=-1) < released:
-                by = f"launch #{launch}" + (f" of op {op!r}" if op else "")
-                raise RuntimeError(f"{region!r} {prect!r} is read by {by} after its Runtime.release at node "
-                                   f"#{released} with nothing written into it since: that data is gone")
+            if released is not None and _gone(valid, released):
+                raise _read_after_release(region, prect, released, launch, op)
             if mem in valid:
                 producer = valid[mem]
                 if producer is not None:
@@ -320,6 +318,17 @@ class Analyzer:
                         st.pieces[rest] = dict(valid)
                     st.pieces[inter] = {**valid, mem: copy.id}
                 preds.add(copy.id)
+
+    def check_released(self, region: Region, rect: Rect, launch: int, op: str) -> None:
+        """Refuse a read of `rect` where the region holds only data from before its release: what
+        _physical_preds refuses, asked of every point of a launch before any is analyzed, so that a
+        refused launch issues nothing."""
+        released = self.released.get(region.uid)
+        if released is None or rect.empty:
+            return
+        for prect, valid in self._overlapping_pieces(self.state(region), rect):
+            if _gone(valid, released):
+                raise _read_after_release(region, prect, released, launch, op)
 
     def _set_valid(self, st: RegionState, rect: Rect, valid: dict) -> None:
         if rect not in st.pieces:
@@ -355,6 +364,17 @@ class Analyzer:
 
 
 _FOLD_TARGET = Privilege("RW")
+
+
+def _gone(valid: dict, released: int) -> bool:
+    """Whether a piece's valid copies were all made before the release at node `released`."""
+    return max((n for n in valid.values() if n is not None), default=-1) < released
+
+
+def _read_after_release(region: Region, rect: Rect, released: int, launch: int, op: str) -> RuntimeError:
+    by = f"launch #{launch}" + (f" of op {op!r}" if op else "")
+    return RuntimeError(f"{region!r} {rect!r} is read by {by} after its Runtime.release at node #{released} with "
+                        f"nothing written into it since: that data is gone")
 
 
 def choose_source(valid: dict[Memory, int | None], dst: Memory) -> Memory:

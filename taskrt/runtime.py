@@ -355,6 +355,12 @@ class Runtime:
             self._analyze(spec)
 
     def _analyze(self, spec: LaunchSpec, shadow: bool = False) -> None:
+        released = self.analyzer.released
+        if released and not shadow:
+            for k, r in enumerate(spec.reqs):
+                if r.privilege.reads and r.region.uid in released:
+                    for rects in spec.rects:
+                        self.analyzer.check_released(r.region, rects[k], spec.launch_id, spec.op)
         add = self.analyzer.add_task
         for i, point in enumerate(spec.points):
             reqs = [(r.region, rect, r.privilege) for r, rect in zip(spec.reqs, spec.rects[i])]

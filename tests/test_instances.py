@@ -150,6 +150,11 @@ def test_reading_a_released_region_before_writing_it_is_refused_when_issued():
                                                r"Runtime.release at node #\d+ with nothing written into it since"):
             rt.launch(_double_into, req(a, "R"), req(b, WRITE), proc=1)
         assert rt.read(a, Rect((0,), (4,))).tolist() == [2.0] * 4
+        # an index launch whose second point reads the gone half issues none of its points
+        issued, halves = rt._next_id, a.partition((2,))
+        with pytest.raises(RuntimeError, match=r"Rect\(4:8\) is read by launch #\d+ after its Runtime.release"):
+            rt.index_launch(lambda v: float(v.sum()), halves, req(halves, "R"))
+        assert rt._next_id == issued
 
 
 def test_the_old_instances_go_only_once_every_node_before_the_release_has_run():
