@@ -159,6 +159,10 @@ class ReplayBlock:
         #: the launch list when issue_program runs the block; whether reissue made its nodes
         self.program = None
         self.reissued = False
+        #: while replaying, the releases made so far: (launches issued before it, regions, node
+        #: id it starts at), and each released region's release mark before the block's first
+        self.releases: list[tuple[int, tuple, int]] = []
+        self.released_before: dict[int, int | None] = {}
 
     # ---- entering and leaving ----------------------------------------------------------
     def __enter__(self):
@@ -208,8 +212,14 @@ class ReplayBlock:
             self.recording.emitted.append((node, preds))
 
     def on_release(self, regions) -> None:
+        """Called by Runtime.release before the release takes effect."""
         if self.mode == "recording":
             self.recording.releases.append((len(self.recording.emitted), tuple(regions)))
+        elif self.mode == "replaying":   # (for _fall_back, which re-analyzes around them)
+            released = self.rt.analyzer.released
+            for region in regions:
+                self.released_before.setdefault(region.uid, released.get(region.uid))
+            self.releases.append((len(self.specs), tuple(regions), self.rt._next_id))
 
     def issue(self, spec) -> None:
         """Called by the runtime for each launch inside the block."""
@@ -346,13 +356,31 @@ class ReplayBlock:
         analyzer = rt.analyzer
         saved = analyzer.new_id, analyzer.emit
         analyzer.new_id, analyzer.emit = (lambda: next(ids)), (lambda node, preds: None)
+        released = analyzer.released
+        after = {uid: released.get(uid) for uid in self.released_before}
+        _set_marks(released, self.released_before)   # each release again where it came, below
         try:
-            for spec in self.specs:
+            upcoming = iter(self.releases)
+            release = next(upcoming, None)
+            for k, spec in enumerate(self.specs):
+                while release is not None and release[0] <= k:
+                    _set_marks(released, {region.uid: release[2] for region in release[1]})
+                    release = next(upcoming, None)
                 rt._analyze(spec, shadow=True)
         finally:
             analyzer.new_id, analyzer.emit = saved
+            _set_marks(released, after)
         rt._recordings.pop(self.name, None)
         self.mode = "dynamic"
+
+
+def _set_marks(released: dict, marks: dict) -> None:
+    """Set each region's release mark (the analyzer's `released`; None: no release)."""
+    for uid, at in marks.items():
+        if at is None:
+            released.pop(uid, None)
+        else:
+            released[uid] = at
 
 
 def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:

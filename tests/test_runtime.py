@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 
 import numpy as np
@@ -833,6 +834,27 @@ def test_attach_and_fill_refuse_numbers_the_region_would_change():
             rt.fill(floats, 1e300)   # (it stored inf, with numpy's warning)
         rt.fill(floats, float("inf"))
         assert rt.read(floats).tolist() == [float("inf")] * 2
+
+
+def test_a_replay_that_falls_back_after_a_release_re_analyzes_around_it():
+    """The launches replayed before a mismatch are analyzed again, each before or after the
+    block's releases as they came (they were all analyzed after them: a false 'that data is gone')."""
+    def total_of(v):
+        return int(v.sum())
+    with Runtime(cpus=2) as rt:
+        x = rt.region((9,), "int64")
+        for i in range(4):
+            with rt.replay("step"), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rt.fill(x, i)
+                total = rt.launch(total_of, req(x, READ))
+                rt.release(x)
+                if i == 3:
+                    rt.fill(x, 7)   # one more launch than the recording: ReplayMismatch
+            assert total.get(timeout=30) == 9 * i
+            assert any(issubclass(w.category, ReplayMismatch) for w in caught) == (i == 3)
+        assert rt.read(x).tolist() == [7] * 9
+        assert rt.replay_stats["replayed"] == 2 and rt.replay_stats["mismatches"] == 1
 
 
 def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
