@@ -319,6 +319,15 @@ class Analyzer:
                     st.pieces[inter] = {**valid, mem: copy.id}
                 preds.add(copy.id)
 
+    def drop_pending(self, region: Region) -> set[tuple[int, int]]:
+        """Forget the region's reductions not yet folded (it is released: nobody will read them);
+        the keys of their buffers."""
+        st = self.state(region)
+        keys = {buffer for _, _, buffer, _, _ in st.pending}
+        if keys:
+            st.pending = PendingFolds(region.rect)
+        return keys
+
     def check_released(self, region: Region, rect: Rect, launch: int, op: str) -> None:
         """Refuse a read of `rect` where the region holds only data from before its release: what
         _physical_preds refuses, asked of every point of a launch before any is analyzed, so that a

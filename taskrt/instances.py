@@ -59,6 +59,8 @@ class InstanceStore:
         #: (region uid, memory) -> the box its instances are to hold (what reserve was told)
         self.boxes: dict[tuple[int, Memory], Rect] = {}
         self.buffers: dict[tuple[int, int], object] = {}
+        #: keys of buffers discarded before their tasks ran (see discard)
+        self._discarded: set[tuple[int, int]] = set()
         self.gpu_devices = gpu_devices or {}
         self._lock = threading.Lock()
         #: region uid -> (its oldest generation still in use, the node ids of its releases not yet
@@ -241,14 +243,30 @@ class InstanceStore:
             with cp.cuda.Device(self.gpu_devices[memory]):
                 buf = cp.full(rect.shape, identity, region.dtype)
         if rect.volume:
-            self.buffers[key] = _Buffer(buf, rect, rect.volume)
+            self._keep(key, _Buffer(buf, rect, rect.volume))
         return buf
 
     def skip_buffer(self, key: tuple[int, int], rect: Rect) -> None:
         """The buffer of a task skipped after a failure: it holds nothing, so that the folds
         issued for it, before or after Runtime.recover, fold nothing."""
         if rect.volume:
-            self.buffers[key] = _Buffer(None, rect, rect.volume)
+            self._keep(key, _Buffer(None, rect, rect.volume))
+
+    def _keep(self, key: tuple[int, int], buffer: _Buffer) -> None:
+        """Keep a task's buffer for its folds, unless a release discarded it already."""
+        with self._lock:
+            if key in self._discarded:
+                self._discarded.remove(key)
+            else:
+                self.buffers[key] = buffer
+
+    def discard(self, keys) -> None:
+        """Reduction buffers whose folds will never come (Runtime.release of their region while
+        they were pending): freed now, or not kept when their tasks run later."""
+        with self._lock:
+            for key in keys:
+                if self.buffers.pop(key, None) is None:
+                    self._discarded.add(key)
 
     def take_buffer(self, key: tuple[int, int], rect: Rect):
         """The part `rect` of a reduction buffer (folds may take it piece by piece); the

@@ -402,7 +402,22 @@ class Runtime:
         replay = self._replay
         if replay is not None:
             replay.on_release(regions)
+        if replay is None or replay.mode != "replaying":   # (replaying: the states are the recording's)
+            self._drop_pending(regions)
         self._collect_when_done(regions, at, self._start_generation(regions, at))
+
+    def _drop_pending(self, regions) -> None:
+        """A released region's reductions still pending are never folded: their buffers go. A
+        block that drops some is not replayed (its replays would not know which buffers)."""
+        for region in regions:
+            abstract = self.analyzer.abstract(region.uid)
+            if abstract is None or not abstract[1]:
+                continue
+            keys = self.analyzer.drop_pending(region)
+            if self.executor is not None:
+                self.store.discard(keys)
+            if self._replay is not None and self._replay.mode == "recording":
+                self._replay.recording.replayable = False
 
     def expect_releases(self) -> None:
         """Releases will come (a training step that frees its activations): from the next node

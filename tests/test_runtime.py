@@ -857,6 +857,28 @@ def test_a_replay_that_falls_back_after_a_release_re_analyzes_around_it():
         assert rt.replay_stats["replayed"] == 2 and rt.replay_stats["mismatches"] == 1
 
 
+@pytest.mark.parametrize("wait_first", [False, True])
+def test_a_reduction_pending_at_a_release_is_dropped_with_the_data(wait_first):
+    """Writing a region released with a reduction pending was refused: the write folded the
+    reduction first, reading the data the release had let go. Its buffer goes, whether or not
+    its task has run."""
+    with Runtime(cpus=2) as rt:
+        x = rt.region((6,), "int64")
+        rt.fill(x, 5)
+        rt.launch(lambda acc: acc.__iadd__(1), req(x, Reduce("+")))
+        if wait_first:
+            rt.wait()
+        rt.release(x)
+        rt.fill(x, 3)
+        assert rt.read(x).tolist() == [3] * 6
+        rt.wait()
+        assert not rt.store.buffers and not rt.store._discarded
+        with rt.replay("step"):   # a block that drops a pending reduction records again each time
+            rt.launch(lambda acc: acc.__iadd__(1), req(x, Reduce("+")))
+            rt.release(x)
+        assert rt.analyzer.abstract(x.uid)[1] == () and not rt._recordings["step"].replayable
+
+
 def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
     with Runtime(cpus=2) as rt:
         flags = rt.region((4,), "bool")
