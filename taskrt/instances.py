@@ -19,8 +19,9 @@ reads, no node waits for a free, and a device that runs ahead of the others free
 instances as it goes, as strategies/memory.py counts.
 Reduction buffers are private to one task's requirement and live until every part of
 them has been folded (a fold may take a part: taskrt/analysis.py folds per sub-rect). A task
-skipped after a failure leaves an empty buffer, so that its folds, even those issued after
-Runtime.recover, find one and fold nothing.
+that failed or was skipped after a failure leaves an empty buffer for each it did not make, so
+that its folds, even those issued after Runtime.recover, find one and fold nothing; a release
+of a region with reductions pending discards their buffers (`discard`), whose folds never come.
 """
 from __future__ import annotations
 
