@@ -4,6 +4,7 @@ step count, the data-order generator and the resolved tile configs)."""
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 import zlib
 
@@ -27,7 +28,8 @@ def graph_dict(model) -> dict:
 
 def save(model, path) -> None:
     """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
-    optimizer state, step count and data-order generator, so training resumes bit for bit."""
+    optimizer state, step count and data-order generator, so training resumes bit for bit. On
+    many ranks every rank calls it (collective) and rank 0 writes the file."""
     meta = {"graph": graph_dict(model), "compiled": model._compiled, "step": model.step,
             "data_rng": model._data_rng.bit_generator.state}
     arrays = {f"param/{k}": v for k, v in model.parameters().items()}
@@ -37,8 +39,26 @@ def save(model, path) -> None:
             for s, region in p.state.items():
                 arrays[f"opt/{p.name}/{s}"] = model._low.read(region)
     meta_text = json.dumps(meta, default=_json_default)
-    with open(path, "wb") as f:
-        np.savez(f, meta=np.array(meta_text), **arrays)
+    rt = model.rt
+    if rt.transport is None:
+        _write(path, meta_text, arrays)
+    else:   # every rank saves (its reads are collective), rank 0 alone writes, and all wait for it
+        rt.launch(_write, args=(path, meta_text, arrays), proc=rt.machine.host_processor(0),
+                  name="save").get()
+
+
+def _write(path, meta_text: str, arrays: dict) -> None:
+    """The .npz, written beside `path` and renamed onto it: a reader never sees it half written,
+    and a failed write leaves what was there."""
+    path = os.fspath(path)
+    partial = f"{path}.partial-{os.getpid()}"
+    try:
+        with open(partial, "wb") as f:
+            np.savez(f, meta=np.array(meta_text), **arrays)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def load_new(cls, path, runtime=None, configs: dict | None = None):

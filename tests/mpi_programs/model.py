@@ -10,6 +10,9 @@ mpiexec -n N (N >= 2); prints "OK rank R" at the end.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 from mpi4py import MPI
 
@@ -53,6 +56,23 @@ def assert_matches_one_process(losses, params, configs, images, labels, iteratio
         np.testing.assert_allclose(params[k], want_params[k], rtol=param_tol[0], atol=param_tol[1], err_msg=k)
 
 
+def save_and_load_on_every_rank(rt, folder):
+    """Every rank saves (collective) and at once loads the file: when every rank wrote it, a
+    rank could read it half written (a file of some MB: 'damaged or truncated')."""
+    m = Model(runtime=rt, seed=1)
+    h = m.dense(m.input((8, 64), name="x"), 512, activation="relu")
+    m.dense(m.dense(h, 512, activation="relu"), 3)
+    m.compile(optimizer=SGD(lr=0.05))
+    path = f"{folder}/big.npz"
+    for _ in range(3):
+        m.save(path)
+        again = Model.load(path, runtime=rt)
+        for k, v in m.parameters().items():
+            assert np.array_equal(again.parameters()[k], v), f"rank {rt.rank}: {k} changed in a save and load"
+        again.close()
+    m.close()
+
+
 def main():
     rng = np.random.default_rng(7)
     images = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
@@ -65,6 +85,10 @@ def main():
                    "fc": TileConfig((1, min(3, n), 1))}
         losses, params = build_and_train(rt, configs, images, labels, iterations=6)
         rank = rt.rank
+        folder = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if rank == 0 else None)
+        save_and_load_on_every_rank(rt, folder)
+    if rank == 0:   # (after the runtime's shutdown: every rank is done with the file)
+        shutil.rmtree(folder)
     everyone = MPI.COMM_WORLD.allgather((losses, params))
     for r, (other_losses, other_params) in enumerate(everyone):
         assert other_losses == losses, f"rank {r} saw losses {other_losses}, rank {rank} {losses}"
