@@ -319,14 +319,15 @@ class Analyzer:
                     st.pieces[inter] = {**valid, mem: copy.id}
                 preds.add(copy.id)
 
-    def drop_pending(self, region: Region) -> set[tuple[int, int]]:
+    def drop_pending(self, region: Region) -> list[tuple[tuple[int, int], Rect]]:
         """Forget the region's reductions not yet folded (it is released: nobody will read them);
-        the keys of their buffers."""
+        (buffer key, rect) of each part dropped (a partly folded buffer has its other parts' folds
+        issued already)."""
         st = self.state(region)
-        keys = {buffer for _, _, buffer, _, _ in st.pending}
-        if keys:
+        parts = [(buffer, rect) for rect, _, buffer, _, _ in st.pending]
+        if parts:
             st.pending = PendingFolds(region.rect)
-        return keys
+        return parts
 
     def check_released(self, region: Region, rect: Rect, launch: int, op: str) -> None:
         """Refuse a read of `rect` where the region holds only data from before its release: what

@@ -60,8 +60,8 @@ class InstanceStore:
         #: (region uid, memory) -> the box its instances are to hold (what reserve was told)
         self.boxes: dict[tuple[int, Memory], Rect] = {}
         self.buffers: dict[tuple[int, int], object] = {}
-        #: keys of buffers discarded before their tasks ran (see discard)
-        self._discarded: set[tuple[int, int]] = set()
+        #: buffer key -> elements of it discarded before its task ran (see discard)
+        self._discarded: dict[tuple[int, int], int] = {}
         self.gpu_devices = gpu_devices or {}
         self._lock = threading.Lock()
         #: region uid -> (its oldest generation still in use, the node ids of its releases not yet
@@ -254,20 +254,25 @@ class InstanceStore:
             self._keep(key, _Buffer(None, rect, rect.volume))
 
     def _keep(self, key: tuple[int, int], buffer: _Buffer) -> None:
-        """Keep a task's buffer for its folds, unless a release discarded it already."""
+        """Keep a task's buffer for its folds, less what a release discarded of it already."""
         with self._lock:
-            if key in self._discarded:
-                self._discarded.remove(key)
-            else:
+            buffer.left -= self._discarded.pop(key, 0)
+            if buffer.left > 0:
                 self.buffers[key] = buffer
 
-    def discard(self, keys) -> None:
-        """Reduction buffers whose folds will never come (Runtime.release of their region while
-        they were pending): freed now, or not kept when their tasks run later."""
+    def discard(self, parts) -> None:
+        """Parts (key, rect) of reduction buffers whose folds will never come (Runtime.release of
+        their region while they were pending): taken as a fold takes them, so that a buffer goes
+        once its other parts are folded, or counted against it if its task has not run yet."""
         with self._lock:
-            for key in keys:
-                if self.buffers.pop(key, None) is None:
-                    self._discarded.add(key)
+            for key, rect in parts:
+                b = self.buffers.get(key)
+                if b is None:
+                    self._discarded[key] = self._discarded.get(key, 0) + rect.volume
+                    continue
+                b.left -= rect.volume
+                if b.left <= 0:
+                    del self.buffers[key]
 
     def take_buffer(self, key: tuple[int, int], rect: Rect):
         """The part `rect` of a reduction buffer (folds may take it piece by piece); the

@@ -413,9 +413,9 @@ class Runtime:
             abstract = self.analyzer.abstract(region.uid)
             if abstract is None or not abstract[1]:
                 continue
-            keys = self.analyzer.drop_pending(region)
+            parts = self.analyzer.drop_pending(region)
             if self.executor is not None:
-                self.store.discard(keys)
+                self.store.discard(parts)
             if self._replay is not None and self._replay.mode == "recording":
                 self._replay.recording.replayable = False
 

@@ -873,6 +873,14 @@ def test_a_reduction_pending_at_a_release_is_dropped_with_the_data(wait_first):
         assert rt.read(x).tolist() == [3] * 6
         rt.wait()
         assert not rt.store.buffers and not rt.store._discarded
+        # a reduction partly folded (into a sum on [1, 2)) when it is dropped: the issued fold keeps its part
+        rt.launch(lambda acc: np.minimum(acc, 5, out=acc), req(x, Reduce("min")))
+        rt.launch(lambda acc: acc.__iadd__(1), req(x, Reduce("+"), Rect.make((1,), (2,))))
+        rt.release(x)
+        rt.fill(x, 7)
+        assert rt.read(x).tolist() == [7] * 6
+        rt.wait()
+        assert not rt.store.buffers and not rt.store._discarded
         with rt.replay("step"):   # a block that drops a pending reduction records again each time
             rt.launch(lambda acc: acc.__iadd__(1), req(x, Reduce("+")))
             rt.release(x)
