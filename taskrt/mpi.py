@@ -108,7 +108,8 @@ class MPITransport:
         self.progress = Progress(f"taskrt-mpi-r{rank}", self._tick, self._request_failed, fatal,
                                  spin_s=SPIN_S if fits else SHARED_CORE_SPIN_S,
                                  nap_s=SPIN_NAP_S if fits else SHARED_CORE_NAP_S)
-        self.values = RemoteValues(rank, self.size, ex, self.progress, self._send_ctl, self.watchdog.block)
+        self.values = RemoteValues(rank, self.size, ex, self.progress, self._send_ctl, self.watchdog.block, self.log,
+                                   self.divergence.found)
         self.dispatch = Dispatch({
             Checkpoint: self._on_checkpoint,
             Get: self.values.on_get,

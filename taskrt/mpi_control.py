@@ -47,9 +47,13 @@ class Checkpoint(Message):
 
 @dataclass(frozen=True, slots=True)
 class Get(Message):
-    """Rank `src` asks for the values of the tasks `ids` (all run by the receiver)."""
+    """Rank `src` asks for the values of the tasks `ids` (all run by the receiver), having made
+    `count` launches with running hash `hash` (so that a receiver holding no such task can tell
+    a divergence from a dropped Future)."""
 
     ids: tuple[int, ...]
+    count: int
+    hash: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,10 @@
 A task's value stays on the rank that ran it. Two ways it travels (control messages,
 pickled):
 
-- pulled: `get()` on another rank sends Get(ids) to the owner, whose progress thread
-  answers Value(task, ok, value) once the task has finished. FutureMap.get asks for all
+- pulled: `get()` on another rank sends Get(ids, with its launch count and hash) to the
+  owner, whose progress thread answers Value(task, ok, value) once the task has finished
+  (an owner that holds no Future of an id, and whose launches differ from the asker's at
+  that count, reports the divergence instead). FutureMap.get asks for all
   its points in one message. The owner finds the Future through `local` (weak: the
   program holds it) or `kept`: when the owner itself gets one of its own values, every
   other rank of a replicated program will ask too, so it holds the value until size - 1
@@ -90,8 +92,11 @@ class RemoteValues:
     """The futures side of the transport (see the module doc). `send(dest, msg)` posts a
     control message; `block(cond, ready, what)` waits on `cond`, guarded, on the main thread."""
 
-    def __init__(self, rank: int, size: int, executor, progress, send, block):
+    def __init__(self, rank: int, size: int, executor, progress, send, block, log, diverged):
         self.rank = rank
+        #: this rank's LaunchLog, and Divergence.found(peer, hi, how)
+        self.log = log
+        self.diverged = diverged
         self.size = size
         self.executor = executor
         self.progress = progress
@@ -103,7 +108,7 @@ class RemoteValues:
         self.requested: dict[int, int] = {}
         self.expected: dict[tuple[int, int], FutureRecv] = {}
         self.kept: dict[int, list] = {}
-        self.deferred: list[tuple[int, int]] = []
+        self.deferred: list[tuple[int, Get]] = []
         self.max_submitted = -1
 
     # ---- nodes (main thread at submit, workers at run) -------------------------------------
@@ -161,7 +166,7 @@ class RemoteValues:
                     self.requested[f.node_id] = f.rank
                     asks.setdefault(f.rank, []).append(f.node_id)
         for owner, ids in asks.items():
-            self.send(owner, Get(self.rank, tuple(ids)))
+            self.send(owner, Get(self.rank, tuple(ids), self.log.count, self.log.hash))
 
     def fetch(self, future: Future) -> None:
         """After `get()` waited: bring a remote value here, or hold a local one for the others."""
@@ -207,14 +212,15 @@ class RemoteValues:
             self.cond.notify_all()
 
     def on_get(self, msg: Get) -> None:
-        self.deferred.extend((nid, msg.src) for nid in msg.ids)
+        self.deferred.extend((nid, msg) for nid in msg.ids)
 
     def serve(self) -> bool:
         """Answer the requests whose task has finished; True if any was answered."""
         keep, answered = [], False
-        for nid, who in self.deferred:
+        for nid, ask in self.deferred:
+            who = ask.src
             if nid > self.max_submitted:
-                keep.append((nid, who))
+                keep.append((nid, ask))
                 continue
             with self.cond:
                 entry = self.kept.get(nid)
@@ -223,7 +229,12 @@ class RemoteValues:
                     if entry[1] <= 0:
                         del self.kept[nid]
             fut = entry[0] if entry is not None else self.local.get(nid)
-            if fut is None:
+            if fut is None and self.log.hash_at(ask.count) not in (None, ask.hash):
+                # the ranks' launches differ, and so do their task numbers: report where they differ
+                self.diverged(who, max(ask.count, self.log.count) + 1,
+                              f"rank {who} asked for the value of task #{nid}, of which rank {self.rank} has no "
+                              f"Future")
+            elif fut is None:
                 self.send(who, Value(self.rank, nid, False,
                                      f"rank {who} asked rank {self.rank} for the value of task #{nid}, but rank "
                                      f"{self.rank} no longer holds its Future (a program that drops a Future on "
@@ -236,7 +247,7 @@ class RemoteValues:
                                          f"the value of task #{nid} on rank {self.rank} cannot be sent to rank "
                                          f"{who}: {type(exc).__name__}: {exc}"))
             else:
-                keep.append((nid, who))
+                keep.append((nid, ask))
                 continue
             answered = True
         self.deferred = keep

@@ -14,7 +14,7 @@ from taskrt.mpi_control import (MESSAGES, Alive, Checkpoint, Dispatch, Exited, G
 
 SAMPLES = [
     Checkpoint(1, "shutdown", 12, 0xDEADBEEF),
-    Get(2, (3, 5, 8)),
+    Get(2, (3, 5, 8), 12, 0xC0FFEE),
     Value(0, 5, True, {"loss": [0.5, 0.25]}),
     Value(0, 6, False, "rank 0 no longer holds its Future"),
     Push(3, 17, 21, (1.5, "x")),

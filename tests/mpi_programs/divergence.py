@@ -10,7 +10,9 @@ mpiexec -n N python divergence.py MODE (N >= 2), MODE one of:
   size    - rank 1 makes its region half as long: the tiles rank 0 sends it (64 KiB and
             more, so through the compiled receive loop) do not fit;
   small   - the same with tiles of a few bytes, which MPI sends at once (a receive that finds
-            its message there already raised MPI's error from the issuing thread).
+            its message there already raised MPI's error from the issuing thread);
+  get     - rank 1 makes an extra launch, then rank 0 gets the value of a task on rank 1: the
+            task numbers differ, so rank 1 holds no Future of the one asked for.
 Never prints "OK".
 """
 from __future__ import annotations
@@ -49,10 +51,22 @@ def quiet(mode):
     print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
 
 
+def pulled():
+    """A value asked of a rank whose launches differ: its divergence report, not 'no longer holds'."""
+    with Runtime.from_mpi(cpus=1) as rt:   # (tasks that move no data: no copy header shows it)
+        if rt.rank == 1:
+            rt.launch(lambda: "only on rank 1", proc=rt.machine.host_processor(0))
+        value = rt.launch(lambda: 42, proc=rt.machine.host_processor(1)).get()
+        print(f"rank {rt.rank} got {value}", flush=True)
+    print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
+
+
 def main():
     mode = sys.argv[1]
     if mode in ("wait", "end"):
         return quiet(mode)
+    if mode == "get":
+        return pulled()
     with Runtime.from_mpi(cpus=1) as rt:
         n = rt.num_ranks
         length = {"size": (8192 if rt.rank == 1 else 16384) * n, "small": (4 if rt.rank == 1 else 8) * n}.get(mode, 4 * n)
