@@ -254,7 +254,11 @@ def test_calibrate_runs_fits_and_writes(tmp_path, capsys):
     assert set(result["measured"]) == set(BASELINES) and all(t > 0 for t in result["measured"].values())
     assert set(result["figures"]) == set(FIGURES)
     assert all(result["figures"][k] in FIT_GRID[k] or result["figures"][k] > max(FIT_GRID[k]) for k in FIGURES)
-    assert result["mean_error"] <= result["shipped"]["mean_error"] + 1e-12   # the shipped point may be on the grid
+    # the fit's objective (mean error less ORDER_WEIGHT times tau) is no worse than the shipped point's (which may be
+    # on the grid); the mean error alone may be, where tau gains more (11.9% and 0.33 against 10.3% and 0 once)
+    def objective(r):
+        return r["mean_error"] - ORDER_WEIGHT * r["kendall_tau"]
+    assert objective(result) <= objective(result["shipped"]) + 1e-12
     written = load_machine(str(path))
     assert {k: getattr(written, k) for k in FIGURES} == result["figures"]
     assert written.runtime_fitted.startswith("mlp (tiny), 4 strategies x 1 runs on 2 ranks")
