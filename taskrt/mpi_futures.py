@@ -165,8 +165,9 @@ class RemoteValues:
                         and f.node_id not in self.requested:
                     self.requested[f.node_id] = f.rank
                     asks.setdefault(f.rank, []).append(f.node_id)
+        count, h = self.log.position()
         for owner, ids in asks.items():
-            self.send(owner, Get(self.rank, tuple(ids), self.log.count, self.log.hash))
+            self.send(owner, Get(self.rank, tuple(ids), count, h))
 
     def fetch(self, future: Future) -> None:
         """After `get()` waited: bring a remote value here, or hold a local one for the others."""

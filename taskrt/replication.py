@@ -75,6 +75,12 @@ class LaunchLog:
             self.hash = h
             self.count += len(hashes)
 
+    def position(self) -> tuple[int, int]:
+        """(launches made, their running hash), read together (a worker may ask while the main
+        thread logs)."""
+        with self.lock:
+            return self.count, self.hash
+
     def hash_at(self, count: int) -> int | None:
         """The running hash after `count` launches; None if not reached or forgotten."""
         if count == 0:
