@@ -319,6 +319,12 @@ class Analyzer:
                     st.pieces[inter] = {**valid, mem: copy.id}
                 preds.add(copy.id)
 
+    def has_pending(self, uid: int) -> bool:
+        """Whether region uid has reductions not yet folded (without making a deferred state)."""
+        deferred = self.deferred.get(uid)
+        st = deferred[0] if deferred is not None else self.states.get(uid)
+        return st is not None and bool(st.pending)
+
     def drop_pending(self, region: Region) -> list[tuple[tuple[int, int], Rect]]:
         """Forget the region's reductions not yet folded (it is released: nobody will read them);
         (buffer key, rect) of each part dropped (a partly folded buffer has its other parts' folds

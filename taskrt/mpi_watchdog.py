@@ -224,19 +224,23 @@ class Watchdog:
 
     def _stuck_report(self, what: str, idle: float) -> str:
         return (f"taskrt: rank {self.rank} waited {idle:.0f} s for {what} with no progress on this rank and no "
-                f"busy peer (TASKRT_MPI_TIMEOUT={self.timeout:g}); messages it waits for: {self._listing()}. "
+                f"busy peer (TASKRT_MPI_TIMEOUT={self.timeout:g}); messages it waits for: "
+                f"{_listing(self.waiting_for()) or 'nothing posted'}. "
                 f"The ranks' task graphs probably differ, or a rank is stuck outside taskrt.")
 
     def _exited_report(self, what: str) -> str:
         ranks = ", ".join(map(str, self.exited))
-        waiting = f"; messages it waits for: {self._listing()}" if self.waiting_for() else ""
+        listing = _listing(self.waiting_for())
+        waiting = f"; messages it waits for: {listing}" if listing else ""
         return (f"taskrt: rank {ranks} ended its program with its Runtime open (no rt.shutdown(), no `with "
                 f"Runtime.from_mpi()`) while rank {self.rank} waits for {what}{waiting}. Every rank must make "
                 f"the same launches and shut its runtime down.")
 
-    def _listing(self) -> str:
-        waiting = self.waiting_for()
-        return "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else "") if waiting else "nothing posted"
+
+
+def _listing(waiting: list[str]) -> str:
+    """The first messages a rank waits for, for a report ('' for none)."""
+    return "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else "")
 
 
 def _ran(wait_fn, t: float) -> bool:

@@ -410,8 +410,7 @@ class Runtime:
         """A released region's reductions still pending are never folded: their buffers go. A
         block that drops some is not replayed (its replays would not know which buffers)."""
         for region in regions:
-            abstract = self.analyzer.abstract(region.uid)
-            if abstract is None or not abstract[1]:
+            if not self.analyzer.has_pending(region.uid):
                 continue
             parts = self.analyzer.drop_pending(region)
             if self.executor is not None:
