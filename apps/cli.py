@@ -70,6 +70,7 @@ from taskrt.machine import (Machine, count_from_env, count_gpus, cpus_from_env, 
                             mpi_world_size_from_env, physical_memory, switched_off)
 from taskrt.mpi_watchdog import timeout_from_env
 from taskrt.outputs import output_problem
+from taskrt.tracing import rank_trace_path
 
 #: the benchmark apps, each a module apps.NAME with its APP (an App) and a main() that calls run(APP)
 APPS = ("mlp", "alexnet", "resnet101", "inception_v3", "transformer", "rnntc", "rnnlm", "nmt")
@@ -265,9 +266,11 @@ def check(app: App, args) -> Plan:
         env_trace = (os.environ.get("TASKRT_TRACE") or None) if args.trace is None else None
         for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy),
                            ("TASKRT_TRACE", env_trace)):
-            problem = None if path is None else output_problem(path)
+            written = path if ranks == 1 or flag == "--export-strategy" or path is None else \
+                rank_trace_path(path, _rank())   # (each rank writes its own trace)
+            problem = None if path is None else output_problem(written)
             if problem is not None:
-                raise FlagError(f"{flag} {path}: {problem}")
+                raise FlagError(f"{flag} {path}: {problem}" if written == path else f"{flag} {path}: {written} {problem}")
     except FlagError as e:
         problem = str(e)
     _agree(problem, ranks)

@@ -165,6 +165,12 @@ def update_key(optimizer, shard: Rect, dtype: str, device: str) -> CostKey:
                    shard.shape, (shard.shape,), (), (dtype,), device)
 
 
+def _run_phase(phase: str) -> str:
+    """The phase of the kernel run that measures a task of `phase`: a tile's forward and backward
+    run together (as 'forward'); an update and a weight-gradient-only backward alone."""
+    return phase if phase in ("update", "backward_weights") else "forward"
+
+
 # ---- work of a task (the analytic model's inputs) ---------------------------------------------------
 def work(op: Op, phase: str, tile: Rect, forward: tuple[float, float] | None = None) -> tuple[float, float]:
     """(flops, bytes) of an op tile's forward or backward kernel; a backward of the weight
@@ -267,6 +273,8 @@ class CostModel:
         self._entries: dict | None = None
         self._backends: dict[str, Backend] = {}
         self._here: dict[str, str | None] = {}
+        #: (op, phase, tile, device name, param) of kernels this machine could not allocate (runnable)
+        self._unrunnable: set[tuple] = set()
         #: (op, tile) -> forward (flops, bytes): a tile's phases share them (work)
         self._forward_work: dict[tuple, tuple[float, float]] = {}
         #: seconds a sample of the app's batch source takes here (measure_source); None: not measured
@@ -397,18 +405,34 @@ class CostModel:
         or analytic, as inside a run (the machine's kernel_seconds), plus its launch overhead."""
         spec = self.device(device)
         mm = self.machine_model
-        if not self.measures(spec):
+        entry = None
+        if self.measures(spec) and self.runnable(op, phase, rect, spec, param, optimizer):
+            key = self.key(op, phase, rect, spec, param, optimizer)
+            entry = self.entries.get(key.text)
+            if entry is None:
+                self._store(self._measure([(op, phase, rect, spec, param, optimizer)], None))
+                entry = self.entries.get(key.text)   # (None: it ran out of memory here)
+            else:
+                self.stats["cached"] += 1
+        if entry is None:
             self.stats["analytic"] += 1
             kernel = self.analytic_time(op, phase, rect, spec, param, optimizer)
             return mm.kernel_seconds(kernel) + mm.launch_overhead
-        key = self.key(op, phase, rect, spec, param, optimizer)
-        entry = self.entries.get(key.text)
-        if entry is None:
-            self._store(self._measure([(op, phase, rect, spec, param, optimizer)], None))
-            entry = self.entries[key.text]
-        else:
-            self.stats["cached"] += 1
         return mm.kernel_seconds(entry["seconds"]) + mm.launch_overhead
+
+    def runnable(self, op: Op, phase: str, rect: Rect, device, param: str | None = None, optimizer=None) -> bool:
+        """Whether a measurement of the task would fit `device`'s memory: a tile's forward and
+        backward hold its arrays and their gradients (twice its forward's bytes), an update its
+        own bytes. One that would not is timed by the roofline (a strategy with it does not fit
+        the device either), so that a search at a huge batch is not killed measuring it."""
+        spec = self.device(device)
+        if (op, _run_phase(phase), rect, spec.name, param) in self._unrunnable:
+            return False
+        if phase == "update":
+            nbytes = self.work(op, phase, rect, param, optimizer)[1]
+        else:
+            nbytes = 2 * self.work(op, "forward", rect)[1]
+        return nbytes <= spec.mem_bytes
 
     def measure_all(self, tasks: Iterable[Sequence]) -> int:
         """Measure every task (op, phase, rect, device[, param]) that this model measures and the
@@ -423,8 +447,9 @@ class CostModel:
             param = rest[0] if rest else None
             if self.key(op, phase, rect, spec, param).text in self.entries:
                 continue
-            run = phase if phase in ("update", "backward_weights") else "forward"
-            jobs.setdefault(self.key(op, run, rect, spec, param).text, (op, run, rect, spec, param, None))
+            run = _run_phase(phase)
+            if self.runnable(op, run, rect, spec, param):
+                jobs.setdefault(self.key(op, run, rect, spec, param).text, (op, run, rect, spec, param, None))
         if not jobs:
             return 0
         todo = list(jobs.values())
@@ -435,31 +460,37 @@ class CostModel:
 
     def _measure(self, todo: list, progress: Progress | None) -> dict:
         """Run the kernels of `todo` (op, phase, rect, spec, param, optimizer): an update, or a
-        tile's forward and backward together. Returns the new cache entries."""
+        tile's forward and backward together. Returns the new cache entries; a kernel whose
+        arrays this machine cannot allocate has none, and is not tried again (runnable)."""
         new: dict = {}
-        for i, (op, phase, rect, spec, param, optimizer) in enumerate(todo):
-            backend = self._backend(spec)
+        for i, job in enumerate(todo):
             if progress is not None:
-                progress.show(i, str(self.key(op, phase, rect, spec, param, optimizer)))
-            self.stats["measured"] += 1
-            if phase == "update":
-                opt = optimizer or self.optimizer
-                key = self.key(op, phase, rect, spec, param, opt)
-                seconds = measure_update(opt, rect, self._param_dtype(op, param), backend, self.repeats, self.warmup)
-                new[key.text] = self._entry(key, seconds, self.work(op, phase, rect, param, opt))
-                continue
-            if phase == "backward_weights":  # the weight gradients alone: a run of its own
-                key = self.key(op, phase, rect, spec)
-                seconds = measure_tile(op, rect, backend, self.repeats, self.warmup, input_grads=False)[1]
-                new[key.text] = self._entry(key, seconds, work(op, phase, rect))
-                continue
-            times = measure_tile(op, rect, backend, self.repeats, self.warmup)
-            for ph, seconds in zip(("forward", "backward"), times):
-                key = self.key(op, ph, rect, spec)
-                new[key.text] = self._entry(key, seconds, work(op, ph, rect))
+                progress.show(i, str(self.key(*job)))
+            try:
+                new.update(self._measure_one(*job))
+            except MemoryError:
+                op, phase, rect, spec, param, _ = job
+                self._unrunnable.add((op, _run_phase(phase), rect, spec.name, param))
         if progress is not None:
             progress.show(len(todo), "")
         return new
+
+    def _measure_one(self, op: Op, phase: str, rect: Rect, spec: DeviceSpec, param: str | None, optimizer) -> dict:
+        """The cache entries of one job of _measure."""
+        backend = self._backend(spec)
+        self.stats["measured"] += 1
+        if phase == "update":
+            opt = optimizer or self.optimizer
+            key = self.key(op, phase, rect, spec, param, opt)
+            seconds = measure_update(opt, rect, self._param_dtype(op, param), backend, self.repeats, self.warmup)
+            return {key.text: self._entry(key, seconds, self.work(op, phase, rect, param, opt))}
+        if phase == "backward_weights":  # the weight gradients alone: a run of its own
+            key = self.key(op, phase, rect, spec)
+            seconds = measure_tile(op, rect, backend, self.repeats, self.warmup, input_grads=False)[1]
+            return {key.text: self._entry(key, seconds, work(op, phase, rect))}
+        times = measure_tile(op, rect, backend, self.repeats, self.warmup)
+        return {self.key(op, ph, rect, spec).text: self._entry(self.key(op, ph, rect, spec), seconds, work(op, ph, rect))
+                for ph, seconds in zip(("forward", "backward"), times)}
 
     @staticmethod
     def _entry(key: CostKey, seconds: float, flops_bytes: tuple[float, float]) -> dict:

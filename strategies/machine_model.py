@@ -483,7 +483,13 @@ def _op_kinds() -> set[str]:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """Whether v is a finite JSON number (an integer too large for a float is not)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _known(data: dict, fields: tuple, prefix: str, where: str, what: str) -> None:
@@ -541,8 +547,9 @@ def _device(data: dict, prefix: str, where: str, discover: bool) -> DeviceSpec:
         raise MachineError(f"{where}: field '{prefix}{k}' may be null (found here) only for a machine's cpu devices")
     name = cpu_name() if "name" in found else _string(data, "name", prefix, where)
     mem = None if "mem_bytes" in found else _positive(data, "mem_bytes", prefix, where)
-    if mem is not None and mem < 1:
-        raise MachineError(f"{where}: field '{prefix}mem_bytes' must be at least 1 (bytes), got {data['mem_bytes']!r}")
+    if mem is not None and (mem < 1 or not mem.is_integer()):
+        raise MachineError(f"{where}: field '{prefix}mem_bytes' must be a whole number of bytes, at least 1, got "
+                           f"{data['mem_bytes']!r}")
     return DeviceSpec(kind, name, _positive(data, "peak_flops", prefix, where),
                       _positive(data, "mem_bandwidth", prefix, where), None if mem is None else int(mem))
 

@@ -352,6 +352,17 @@ def test_files_the_run_writes_are_checked_before_it_trains(tmp_path, capsys):
     assert err.startswith("error: --export-strategy ") and "does not exist" in err
 
 
+def test_each_ranks_trace_file_is_checked_before_any_rank_trains(tmp_path):
+    """Under mpiexec a rank writes run.rank<r>.jsonl: a folder there on rank 1 alone stops every
+    rank with one line naming the file, not rank 1's traceback and an abort once training began."""
+    (tmp_path / "run.rank1.jsonl").mkdir()
+    proc, _ = run_mpi_app(2, "mlp", "--tiny", "--iterations", 1, "--cpus-per-rank", 1, "--trace",
+                          tmp_path / "run.jsonl")
+    assert proc.returncode == 2, output(proc)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --trace {tmp_path / 'run.jsonl'}: {tmp_path / 'run.rank1.jsonl'} is a folder, not a file (on rank 1)"]
+
+
 def test_under_mpiexec_only_rank_zero_prints_a_flag_error(capsys, monkeypatch):
     """Every rank finds the same problem and exits 2; one line is printed, not one a rank."""
     monkeypatch.setenv("PMI_SIZE", "2")

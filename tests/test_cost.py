@@ -225,6 +225,33 @@ def test_measured_times_are_cached_on_disk_and_reused(tmp_path):
     assert again.stats == {"measured": 0, "cached": 2, "analytic": 0}
 
 
+def test_a_kernel_too_big_for_the_device_is_timed_by_the_roofline_not_run(tmp_path, monkeypatch):
+    """A search at a huge batch on `local` asked the measured model for tiles of petabytes, and
+    the measurement's allocation crashed it: such a tile (twice its forward's bytes over the
+    device's memory) is not run; nor is one this machine cannot allocate, once it failed."""
+    mm = dataclasses.replace(load_machine("local"), device=dataclasses.replace(load_machine("local").device,
+                                                                                mem_bytes=10_000))
+    op = CountingDense("fc", [spec(16, 32)], 24)
+    big, small = Rect((0, 0, 0), (16, 24, 32)), Rect((0, 0, 0), (2, 2, 32))
+    CountingDense.calls.update(forward=0, backward=0)
+    cost = CostModel(mm, cache_path=tmp_path / "costs.json", repeats=1, warmup=0)
+    assert not cost.runnable(op, "forward", big, mm.device) and cost.runnable(op, "forward", small, mm.device)
+    t = cost.task_time(op, "backward", big, mm.device)
+    assert t == mm.kernel_seconds(cost.analytic_time(op, "backward", big, mm.device)) + mm.launch_overhead
+    assert cost.measure_all([(op, "forward", big, mm.device)]) == 0
+    assert CountingDense.calls == {"forward": 0, "backward": 0} and cost.stats["analytic"] == 1
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 22.7 PiB")
+    import strategies.cost as cost_module
+    monkeypatch.setattr(cost_module, "measure_tile", no_memory)
+    t = cost.task_time(op, "forward", small, mm.device)
+    assert t == mm.kernel_seconds(cost.analytic_time(op, "forward", small, mm.device)) + mm.launch_overhead
+    assert not cost.runnable(op, "backward", small, mm.device)   # not tried again, either phase
+    assert cost.stats == {"measured": 1, "cached": 0, "analytic": 2}
+    assert not (tmp_path / "costs.json").exists() or "fc" not in (tmp_path / "costs.json").read_text()
+
+
 def test_a_cache_that_is_a_folder_is_refused_before_any_measuring(tmp_path, capsys):
     """It used to be read as no cache, then calibrate's measuring ended in a traceback from the write."""
     from strategies.cost import main
