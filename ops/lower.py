@@ -843,6 +843,16 @@ def _fill_kernel(view, value) -> None:
     view[...] = value
 
 
+def rank_shares(shape: tuple, ranks: int) -> dict[int, Rect]:
+    """Each rank's share of a batch of `shape` (rank r of R: samples [r*B//R, (r+1)*B//R), all
+    of the other dims), where it is not empty: what a batch source writes on the rank's host
+    (Lowering.source_segment)."""
+    batch, rest = shape[0], tuple(shape[1:])
+    cuts = [r * batch // ranks for r in range(ranks + 1)]
+    return {r: Rect.make((cuts[r],) + (0,) * len(rest), (cuts[r + 1],) + rest)
+            for r in range(ranks) if cuts[r] < cuts[r + 1]}
+
+
 # ---- the lowered graph --------------------------------------------------------------------------
 class Lowering:
     """A graph of ops (in topological order) lowered onto one runtime under one config per op.
@@ -1007,15 +1017,13 @@ class Lowering:
                 raise ValueError(f"batch source: input {r.name!r} has shape {r.shape}, but every input needs the "
                                  f"batch ({batch}) as its first dim, as {regions[0].name!r} has")
         ranks = self.rt.num_ranks
-        cuts = [r * batch // ranks for r in range(ranks + 1)]
-        shares = {(r,): (cuts[r], cuts[r + 1]) for r in range(ranks) if cuts[r] < cuts[r + 1]}
+        colors = [(r,) for r in rank_shares(regions[0].shape, ranks)]
         reqs = []
         for region in regions:
-            rest = region.shape[1:]
-            rects = {c: Rect.make((lo,) + (0,) * len(rest), (hi,) + rest) for c, (lo, hi) in shares.items()}
+            rects = {(r,): rect for r, rect in rank_shares(region.shape, ranks).items()}
             reqs.append(req(Partition.from_rects(region, rects, name=f"{region.name}.ranks"), WRITE))
-        placement = {c: self.rt.machine.host_processor(c[0]) for c in shares}
-        return reqs, list(shares), placement
+        placement = {c: self.rt.machine.host_processor(c[0]) for c in colors}
+        return reqs, colors, placement
 
     def host_fill_segment(self, phase: str, fills: Sequence[tuple[Region, float]]) -> Segment:
         """Fills of whole regions on the runtime's home processor (what Runtime.fill issues)."""

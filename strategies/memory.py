@@ -23,8 +23,12 @@ replicated weight's gradient, a shared input's gradient, a partial output). Wher
 first place that makes it to the last place that touches its region (the buffer is folded and
 freed by then, at the next access that reads the region: a weight's gradient at its update, an
 activation's at its op's backward); elsewhere all count as live at once (in alexnet's data
-parallelism nine tenths of them were live at one time). Not counted: what a kernel keeps for
-backward besides its inputs and outputs, and host memory (attached inputs, initial weights).
+parallelism nine tenths of them were live at one time). And what the hosts keep besides
+(_host_holdings): rank 0's home memory the weights, optimizer state and statistics attached
+whole at the start (their instances stay), each rank's host its share of the step's inputs and
+labels, written there by the batch source (Model.train_on; Model.fit attaches the whole batch on
+rank 0's home). On a CPU machine the host is device 0 of its rank, so that device holds them too.
+Not counted: what a kernel keeps for backward besides its inputs and outputs.
 
 A strategy whose peak exceeds a device's `mem_bytes` does not fit (`fits`): the search treats
 it as invalid.
@@ -36,8 +40,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ops.base import Op
-from ops.lower import (FORWARD_PHASE, GRAD_FILL_PHASE, Lowering, TileConfig, default_config, releases_by_default,
-                       resolve_config)
+from ops.lower import (FORWARD_PHASE, GRAD_FILL_PHASE, Lowering, TileConfig, default_config, rank_shares,
+                       releases_by_default, resolve_config)
 from strategies.machine_model import MachineModel
 from taskrt import Runtime
 from taskrt.geometry import Rect
@@ -118,6 +122,27 @@ def _op_holdings(plan, updates, fills, machine: Machine, index: int, n: int):
     return held, last, buffers
 
 
+#: the holder in PeakCache of what the hosts keep besides the ops' tiles (_host_holdings)
+HOST = ""
+
+
+def _host_holdings(low, machine: Machine) -> dict[str, dict[Memory, list]]:
+    """Region name -> memory -> [its rects there, itemsize, first place (0)]: rank 0's home the
+    weights, optimizer state and statistics that Lowering.init_values attached whole there, each
+    rank's host its share of every input (and the labels) that the batch source writes
+    (ops.lower.rank_shares)."""
+    home = machine.host_processor(0).memory
+    out: dict[str, dict[Memory, list]] = {}
+    attached = [r for p in low.params.values() for r in (p.value, *p.state.values())] + list(low.stats.values())
+    for region in attached:
+        out[region.name] = {home: [[region.rect], region.dtype.itemsize, 0]}
+    for name in low.input_names:
+        region = low.values[name]
+        out[region.name] = {machine.host_processor(rank).memory: [[rect], region.dtype.itemsize, 0]
+                            for rank, rect in rank_shares(region.shape, machine.num_ranks).items()}
+    return out
+
+
 def box_volume(rects) -> int:
     """Elements in the smallest box holding every non-empty rect of `rects` (what an instance holds)."""
     rects = [r for r in set(rects) if not r.empty]
@@ -142,7 +167,7 @@ class PeakCache:
         #: whether the step releases its activations (Lowering.release; None: by the machine's kind)
         self.release = releases_by_default(machine) if release is None else release
         self.ops = list(ops)
-        self._order = {op.name: i for i, op in enumerate(ops)}
+        self._order = {HOST: -1, **{op.name: i for i, op in enumerate(ops)}}
         self._by_name = {op.name: op for op in ops}
         self._seen = None   # the name of the last view's program (a view's delta)
         #: op name -> the ops that made its inputs that it alone reads (whose fills its config
@@ -199,7 +224,14 @@ class PeakCache:
 
     def peak(self, low) -> dict[int, int]:
         """Peak bytes per device of `low`'s plans (a Lowering or strategies.segments' view)."""
+        touched: set[str] = set()
         if self._transient is None:
+            host = _host_holdings(low, self.machine)
+            self._keys[HOST] = (HOST,)
+            self._op_held[(HOST,)] = (host, {}, {})
+            for region in host:
+                self._holders.setdefault(region, []).insert(0, HOST)
+            touched.update(host)
             self._transient = {r.name for r in Lowering.transient(low)}
             producer = {t.name: op.name for op in self.ops for t in op.outputs}
             self._fill_producers = {op.name: [] for op in self.ops}
@@ -227,8 +259,8 @@ class PeakCache:
             key = self._key(op, low)
             if self._keys.get(name) != key:
                 changed.append((op, key))
-        if changed:
-            self._update(changed, low)
+        if changed or touched:
+            self._update(changed, low, touched)
         if self._stale.any():
             rows = np.flatnonzero(self._stale)
             self._peaks[rows] = np.cumsum(self._diff[0, rows] + self._diff[1, rows], axis=1).max(axis=1)
@@ -239,8 +271,9 @@ class PeakCache:
             peak[proc] = peak.get(proc, 0) + int(self._peaks[row])
         return dict(sorted(peak.items()))
 
-    def _update(self, changed: list, low) -> None:
-        touched: set[str] = set()
+    def _update(self, changed: list, low, touched: set[str]) -> None:
+        """Take the ops `changed` ((op, key) of its new config) and the regions `touched` besides
+        (the hosts' on a first peak) into the regions' parts and the diff arrays."""
         for op, key in changed:
             old = self._keys.get(op.name)
             self._keys[op.name] = key

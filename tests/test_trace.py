@@ -283,8 +283,12 @@ def test_compare_takes_medians_over_the_iterations_after_the_skipped(durations, 
     for j, op in enumerate(("source", "a", "b")):
         assert ops[op] == pytest.approx(np.median([sum(rank[j] for rank in it) for it in kept]))
     assert "attach" not in ops or ops["attach"] == 0.0   # before the first iteration
-    # an iteration's time: the slowest rank's, from its start to the next one's (the last: to its end)
-    times = [max(sum(rank) + (gap if k + 1 < len(durations) else 0.0) for rank in it) for k, it in enumerate(durations)]
+    # an iteration's time: from when the last rank began it to when the last rank began the next
+    # (the last: to the run's end)
+    begun = [50.0 + max(sum(sum(it[r]) + gap for it in durations[:k]) for r in range(len(durations[0])))
+             for k in range(len(durations))]
+    end = max(50.0 + sum(sum(it[r]) + gap for it in durations) - gap for r in range(len(durations[0])))
+    times = [b - a for a, b in zip(begun, begun[1:] + [end])]
     assert c["iteration"]["measured_us"] == pytest.approx(np.median(times[skip:]))
     assert c["iteration"]["measured_max_us"] == pytest.approx(max(times[skip:]))
     assert c["iteration"]["measured_each_us"] == pytest.approx(times[skip:])

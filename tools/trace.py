@@ -843,13 +843,14 @@ class Iterations:
         return bisect.bisect_right(self.starts[event["rank"]], event["start"]) - 1
 
     def times_us(self, measured: Trace) -> list[float]:
-        """Each iteration's time, the slowest rank's: from its start to the next one's (as an app
-        times its loop); the last to the end of its rank's last event."""
-        end: dict[int, float] = defaultdict(float)
-        for e in measured.events:
-            end[e["rank"]] = max(end[e["rank"]], e["end"])
-        return [max((s[k + 1] if k + 1 < len(s) else end[r]) - s[k] for r, s in self.starts.items())
-                for k in range(self.count)]
+        """Each iteration's time: from when the last rank began it to when the last rank began the
+        next (as an app times its loop: one step after another); the last to the run's last end.
+        One boundary for all ranks: a rank's own gaps count the ranks' skew twice, once in each
+        of two iterations, where a rank's batch source starts the next step before the others
+        are done with this one (an 8-iteration mlp run on 2 ranks: 166 ms for a 71 ms step)."""
+        bounds = [max(s[k] for s in self.starts.values()) for k in range(self.count)]
+        bounds.append(max(e["end"] for e in measured.events))
+        return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def cut_iterations(simulated: Trace, measured: Trace) -> Iterations | str:
