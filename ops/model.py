@@ -15,6 +15,8 @@ runtime's regions and every operator runs as taskrt tasks (ops/lower.py).
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import functools
 import os
 import sys
@@ -81,18 +83,20 @@ def _recovers(method):
         try:
             return method(self, *args, **kwargs)
         except RuntimeError as exc:   # (TaskError among them)
-            raise _recovered(self.rt, exc) from None
+            raise _recovered(self, exc) from None
     return run
 
 
-def _recovered(rt: Runtime, exc: RuntimeError) -> RuntimeError:
-    """After `exc` left an entry point: `rt` made usable again where a task failed, in one process
-    (on many ranks a failure ends every rank), and the error to raise: the failed task's own (a
-    launch issued after it had failed said only that the runtime stopped), else `exc`."""
+def _recovered(model: "Model", exc: RuntimeError) -> RuntimeError:
+    """After `exc` left an entry point: the model's runtime made usable again where a task failed,
+    in one process (on many ranks a failure ends every rank), and its step count taken back to
+    the steps that ran whole (Model._rewind); the error to raise: the failed task's own (a launch
+    issued after it had failed said only that the runtime stopped), else `exc`."""
+    rt = model.rt
     failed = None if rt.executor is None else rt.executor.error
     if failed is None or rt.transport is not None:
         return exc
-    rt.recover()
+    model._rewind(rt.recover())
     return failed
 
 
@@ -127,7 +131,12 @@ class Model:
         #: after compile: the ops (the loss op included) that got the data-parallel default config,
         #: named by neither the strategy nor `configs`
         self.default_ops: list[str] = []
+        #: training steps taken: the step an optimizer's update is told (Adam's bias correction)
         self.step = 0
+        #: (step, its first node id, the id after its last) of the last steps issued, so that
+        #: after a failure the count goes back to the steps that ran whole (_rewind); a step
+        #: this far back has finished before the next is issued (its loss is waited for)
+        self._issued_steps: collections.deque = collections.deque(maxlen=16)
         Model._instances += 1
         self._tag = f"model{Model._instances}"
 
@@ -561,9 +570,9 @@ class Model:
             if k == 0:
                 order = self._data_rng.permutation(n) if shuffle else np.arange(n)
             idx = order[k * b:(k + 1) * b]
+            first = self.rt.issued
             self._attach({name: a[idx] for name, a in arrays.items()}, y[idx])
-            self.step += 1
-            futures = self._low.train_step(self.step, valid=b)
+            futures = self._train_step(first, valid=b)
             if pending is not None and not self._record(history, progress, *pending) and stop_on_nan:
                 pending = None
                 break
@@ -593,15 +602,32 @@ class Model:
         pending = None
         try:
             for _ in range(iterations):
-                self.step += 1
-                futures = self._low.train_step(self.step, valid=self.batch_size, source=(self._source_task, source))
+                futures = self._train_step(self.rt.issued, valid=self.batch_size, source=(self._source_task, source))
                 if pending is not None:
                     yield _mean_loss(pending)
                 pending = futures
             self._forward_done = False
             yield _mean_loss(pending)
         except RuntimeError as exc:
-            raise _recovered(self.rt, exc) from None
+            raise _recovered(self, exc) from None
+
+    def _train_step(self, first: int, **kw):
+        """Issue the next training step (Lowering.train_step), whose nodes start at id `first`."""
+        self.step += 1
+        futures = self._low.train_step(self.step, **kw)
+        self._issued_steps.append((self.step, first, self.rt.issued))
+        return futures
+
+    def _rewind(self, lost: list[int]) -> None:
+        """After a failure: the step count back to before the first issued step that lost a node
+        (`lost`: the ids of the nodes that failed or were skipped, in order). Every step before
+        it ran whole, since a skipped node depends on the failure, which came later."""
+        for step, first, end in self._issued_steps:
+            i = bisect.bisect_left(lost, first)
+            if i < len(lost) and lost[i] < end:
+                self.step = step - 1
+                break
+        self._issued_steps.clear()
 
     def _source_task(self, ctx, *views_and_args):
         """One rank's share of a batch from `source`, checked and written into the inputs and labels."""

@@ -9,7 +9,12 @@ Run state, all guarded by one lock:
 - below:      callbacks due once every node below an id has finished, all of them or those
               that touch one thing (an instance: Runtime.release's collections), and
               `touching`: per such thing, the ids submitted since `track_touches` that touch
-              it, in order.
+              it, in order;
+- poisoned:   ids of nodes that failed or depend on one that did (or was skipped), until
+              they finish: each is skipped, not run; and `lost`, the ids of all of them since
+              the last `forget_failure`.
+After a failure only the nodes that depend on it are skipped: the others run, so that what
+was issued before the failed node and does not need it (the last step's updates, say) lands.
 A ready node goes to the queue of its worker: one thread per local processor (tasks)
 and one per local memory (copies and folds into it). Workers call `run_task` /
 `run_copy`, then `_finish`, which releases the dependents. Hooks get (node, start, end).
@@ -78,6 +83,8 @@ class Executor:
         self.waiting: dict[int, int] = {}
         self.dependents: dict[int, list[int]] = {}
         self.error: TaskError | None = None
+        self.poisoned: set[int] = set()
+        self.lost: list[int] = []
         self.watched: dict[object, int] = {}
         self.run_task = run_task
         self.run_copy = run_copy
@@ -265,7 +272,13 @@ class Executor:
         ready = []
         with self.lock:
             del self.unfinished[node.id]
+            poisoned = self.poisoned and node.id in self.poisoned
+            if poisoned:
+                self.poisoned.discard(node.id)
+                self.lost.append(node.id)
             for s in self.dependents.pop(node.id, ()):
+                if poisoned:
+                    self.poisoned.add(s)
                 c = self.waiting[s] - 1
                 if c:
                     self.waiting[s] = c
@@ -293,8 +306,8 @@ class Executor:
             self._run(node, run_task if type(node) is TaskNode else run_copy)
 
     def _run(self, node, run: Callable) -> None:
-        """Run a node (skipped after an error); finish it unless it returned PENDING."""
-        if self.error is not None:
+        """Run a node (skipped where it depends on a failure); finish it unless it returned PENDING."""
+        if self.poisoned and node.id in self.poisoned:
             self._lost(node, False)
             self._finish(node)
             return
@@ -333,12 +346,22 @@ class Executor:
     def _fail(self, node, exc: BaseException, tb: str) -> None:
         first = False
         with self.lock:
+            self.poisoned.add(node.id)
             if self.error is None:
                 self.error = TaskError(node, exc, tb, self.rank)
                 first = True
             self.cond.notify_all()
         if first and self.on_error is not None:
             self.on_error(self.error)
+
+    def forget_failure(self) -> list[int]:
+        """Go on after a failure (once everything has drained): the ids of the nodes that failed
+        or were skipped for it, in order, which are then forgotten with the error."""
+        with self.lock:
+            lost = sorted(self.lost)
+            self.error, self.lost = None, []
+            self.poisoned.clear()
+        return lost
 
     # ---- waiting ---------------------------------------------------------------------
     def wait_node(self, node_id: int, timeout: float | None = None) -> None:

@@ -636,18 +636,24 @@ class Runtime:
             self.transport.checkpoint("wait")
             self.transport.wait_local(self.executor.wait_all, timeout, "this rank's tasks and copies")
 
-    def recover(self) -> None:
+    def recover(self) -> list[int]:
         """Go on after a task failed: wait until everything issued has drained, then forget the
-        failure, so that the next launch runs. Regions that the failed task, or the nodes skipped
-        after it, would have written hold unspecified data until they are written again. One
-        process only: on many ranks a failure ends every rank."""
+        failure, so that the next launch runs; returns the ids of the nodes that failed or were
+        skipped (those that depend on a failed one), in order: every other node issued ran.
+        Regions that those nodes would have written hold unspecified data until they are written
+        again. One process only: on many ranks a failure ends every rank."""
         if self.transport is not None:
             raise RuntimeError("recover: on many ranks a failed task ends every rank; there is nothing to recover")
         if self.executor is None or self.executor.error is None:
-            return
+            return []
         with contextlib.suppress(TaskError):  # raised to the caller already: here it only drains
             self.executor.wait_all()
-        self.executor.error = None
+        return self.executor.forget_failure()
+
+    @property
+    def issued(self) -> int:
+        """How many nodes this runtime has issued: the id the next one gets."""
+        return self._next_id
 
     def _claim(self, name: str, r: Requirement) -> None:
         """Make this runtime the owner of r's region, unless another runtime that is still open
