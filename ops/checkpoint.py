@@ -101,10 +101,27 @@ def load_into(model, path) -> None:
     mine = json.loads(json.dumps(graph_dict(model), default=_json_default))
     theirs = meta["graph"]
     if (mine["inputs"], mine["ops"]) != (theirs["inputs"], theirs["ops"]):
-        raise ValueError(f"load {path}: the file holds a different graph "
-                         f"({[o['name'] for o in theirs['ops']]}) than this model "
-                         f"({[o['name'] for o in mine['ops']]})")
+        raise ValueError(f"load {path}: the file holds a different graph than this model: "
+                         f"{_graph_difference(theirs, mine)}")
     restore(model, meta, arrays)
+
+
+def _graph_difference(theirs: dict, mine: dict) -> str:
+    """The first thing that differs between a file's graph and a model's, in words."""
+    if theirs["inputs"] != mine["inputs"]:
+        return f"its inputs are {theirs['inputs']}, this model's {mine['inputs']}"
+    names = ([o["name"] for o in theirs["ops"]], [o["name"] for o in mine["ops"]])
+    if names[0] != names[1]:
+        return f"its ops are {names[0]}, this model's {names[1]}"
+    for a, b in zip(theirs["ops"], mine["ops"]):
+        for key in sorted(set(a) | set(b)):
+            there, here = a.get(key), b.get(key)
+            if there != here:
+                if isinstance(there, dict) and isinstance(here, dict):   # (an op's attrs: name the one)
+                    key = next(k for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k))
+                    there, here = there.get(key), here.get(key)
+                return f"op {a['name']!r} has {key} {there!r} there, {here!r} here"
+    return "they differ"
 
 
 def restore(model, meta: dict, arrays: dict) -> None:
