@@ -489,8 +489,8 @@ class CostModel:
             seconds = measure_tile(op, rect, backend, self.repeats, self.warmup, input_grads=False)[1]
             return {key.text: self._entry(key, seconds, work(op, phase, rect))}
         times = measure_tile(op, rect, backend, self.repeats, self.warmup)
-        return {self.key(op, ph, rect, spec).text: self._entry(self.key(op, ph, rect, spec), seconds, work(op, ph, rect))
-                for ph, seconds in zip(("forward", "backward"), times)}
+        keys = [self.key(op, ph, rect, spec) for ph in ("forward", "backward")]
+        return {key.text: self._entry(key, seconds, work(op, key.phase, rect)) for key, seconds in zip(keys, times)}
 
     @staticmethod
     def _entry(key: CostKey, seconds: float, flops_bytes: tuple[float, float]) -> dict:
