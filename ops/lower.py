@@ -586,6 +586,12 @@ class OpPlan:
         raise self._fail(color, "backward ran without a training forward before it "
                                 "(call forward with training=True first)")
 
+    @property
+    def replication_key(self) -> str:
+        """What every MPI rank's tasks of this op must agree on besides their launches: the op's
+        attributes (a dropout's seed among them; taskrt.replication.launch_signature)."""
+        return f"{self.op.kind}{self.op.attrs()}"
+
     def _forward_task(self, ctx, *views):
         op, color = self.op, ctx.point
         *views, training, valid, step = views
@@ -821,6 +827,12 @@ class UpdatePlan:
     def _update_task(self, ctx, value, grad, *rest):
         *states, step = rest
         self.optimizer.update(ctx.xp, value, grad, dict(zip(self.state_names, states)), step)
+
+    @property
+    def replication_key(self) -> str:
+        """What every MPI rank's update must agree on besides its launch (its optimizer and
+        hyperparameters: taskrt.replication.launch_signature)."""
+        return repr(self.optimizer)
 
 
 def _weight_blocks(whole: Rect, plan: OpPlan, short: str) -> dict[Rect, list[int]]:

@@ -35,9 +35,15 @@ LOG_KEEP = 1 << 14
 
 def launch_signature(spec) -> str:
     """What every rank must agree on about a launch. No region uids or default names
-    (those count objects made by the process, which may differ harmlessly), no args."""
+    (those count objects made by the process, which may differ harmlessly), no args (an
+    attach's array is on rank 0 alone); but where the function is a method of an object with a
+    `replication_key` (an op's plan: its attributes; an update: its optimizer), that key, so
+    that ranks given other hyperparameters stop rather than train a mix of them."""
     fn = spec.fn
     fname = "-" if fn is None else f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    key = getattr(getattr(fn, "__self__", None), "replication_key", None)
+    if key is not None:
+        fname = f"{fname} of {key}"
     reqs = []
     for r in spec.reqs:
         target = f"{len(r.partition.rects)} pieces" if r.partition is not None else repr(r.rect_or_all)

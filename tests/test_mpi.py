@@ -154,11 +154,14 @@ DIVERGENCES = {
     # found by the rank asked for a value (it said 'no longer holds its Future', naming no launch)
     "get": (r"launch #0: rank 1 made '<lambda>' .*@r0\.cpu0", r"rank 0 asked for the value of task #0, of which "
                                                              r"rank 1 has no Future"),
+    # the same launches with another learning rate on rank 1 (it trained a mix of both, silently)
+    "lr": (r"rank 1 made 'dense_0\.weight\.update' fn=\S+ of SGD\(lr=0\.2,",
+           r"rank 0 made 'dense_0\.weight\.update' fn=\S+ of SGD\(lr=0\.1,"),
 }
 
 
 @pytest.mark.parametrize("mode,n", [("extra", 2), ("extra", 4), ("other", 4), ("fewer", 2), ("wait", 2),
-                                    ("end", 4), ("size", 2), ("small", 2), ("get", 2)])
+                                    ("end", 4), ("size", 2), ("small", 2), ("get", 2), ("lr", 2)])
 def test_ranks_that_make_different_launches_stop_and_say_where(mode, n):
     proc, seconds = run_mpi(n, "divergence.py", mode, timeout=FAILURE_BOUND_S + 30)
     assert_stopped(proc, seconds)

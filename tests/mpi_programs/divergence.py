@@ -12,7 +12,9 @@ mpiexec -n N python divergence.py MODE (N >= 2), MODE one of:
   small   - the same with tiles of a few bytes, which MPI sends at once (a receive that finds
             its message there already raised MPI's error from the issuing thread);
   get     - rank 1 makes an extra launch, then rank 0 gets the value of a task on rank 1: the
-            task numbers differ, so rank 1 holds no Future of the one asked for.
+            task numbers differ, so rank 1 holds no Future of the one asked for;
+  lr      - the same model on every rank, compiled with another learning rate on rank 1: the
+            same launches with other values, which trained a mix of both rates.
 Never prints "OK".
 """
 from __future__ import annotations
@@ -61,12 +63,26 @@ def pulled():
     print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
 
 
+def hyperparameters():
+    """An optimizer whose learning rate depends on the rank: its update launches say so."""
+    from ops.model import Model
+    from ops.optimizers import SGD
+    with Runtime.from_mpi(cpus=1) as rt:
+        m = Model(rt, seed=0)
+        m.dense(m.input((4, 3), name="x"), 2)
+        m.compile(SGD(lr=0.1 * (1 + rt.rank)))
+        m.fit({"x": np.ones((4, 3), "float32")}, np.zeros(4, "int64"), iterations=2, verbose=False)
+    print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
+
+
 def main():
     mode = sys.argv[1]
     if mode in ("wait", "end"):
         return quiet(mode)
     if mode == "get":
         return pulled()
+    if mode == "lr":
+        return hyperparameters()
     with Runtime.from_mpi(cpus=1) as rt:
         n = rt.num_ranks
         length = {"size": (8192 if rt.rank == 1 else 16384) * n, "small": (4 if rt.rank == 1 else 8) * n}.get(mode, 4 * n)
