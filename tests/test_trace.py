@@ -352,6 +352,37 @@ def test_summary(measured, two_ranks, capsys):
     assert rc == 0 and set(json.loads(out)["ranks"]) == {"0", "1"}
 
 
+def test_the_critical_path_of_a_trace_without_preds_ends_where_events_take_no_time():
+    """Guessed from timing alone, two events of no length at one time each waited on the other,
+    and the walk back went round them for ever."""
+    events = [_task(0, "a", 0, 0.0, 10.0), _task(1, "z1", 0, 10.0, 0.0), _task(2, "z2", 0, 10.0, 0.0),
+              _task(3, "b", 0, 10.0, 10.0)]
+    for e, proc in zip(events, range(4)):
+        e["proc"] = f"r0.cpu{proc}"
+    path = tt.critical_path(tt.Trace(events))
+    assert [p["name"] for p in path] == ["a", "z1", "z2", "b"]
+    assert sum(p["duration_us"] for p in path) == pytest.approx(20.0)
+
+
+def test_the_critical_path_goes_through_a_message_to_its_sender():
+    """A receipt is posted before its sender's task ends and waits inside its event: the walk
+    back dropped every pred of it (they end after its start) and stopped on rank 1, the wait
+    counted as the receipt's work; and messages on one link were chained to each other."""
+    def event(i, name, kind, rank, proc, start, end, preds):
+        return {"id": i, "name": name, "kind": kind, "op": name.split(".")[0], "rank": rank, "proc": proc,
+                "start": start, "end": end, "bytes": 64, "point": None, "preds": preds}
+    link = "r0.sys0->r1.sys0"
+    events = [event(1, "a.fwd", "task", 0, "r0.cpu0", 0.0, 100.0, []),
+              event(2, "copy:x", "send", 0, link, 100.0, 105.0, [1]),
+              event(2, "copy:x", "recv", 1, link, 10.0, 120.0, [1]),
+              event(4, "copy:y", "send", 0, link, 101.0, 130.0, []),
+              event(3, "b.fwd", "task", 1, "r1.cpu0", 125.0, 200.0, [2])]
+    path = tt.critical_path(tt.Trace(sorted(events, key=lambda e: e["start"])))
+    assert [(p["name"], p["kind"]) for p in path] == [("a.fwd", "task"), ("copy:x", "send"), ("copy:x", "recv"),
+                                                      ("b.fwd", "task")]
+    assert [p["duration_us"] for p in path] == pytest.approx([100.0, 5.0, 15.0, 75.0])
+
+
 def test_critical_path_of_the_simulation_sets_its_time(simulated, measured, capsys):
     s = tt.load(simulated)
     path = tt.critical_path(s)

@@ -205,6 +205,8 @@ def _is_int(x) -> bool:
 
 #: what an event is: a task, a copy or a fold inside a rank, or a rank's half of a copy between ranks
 EVENT_KINDS = ("task", "copy", "reduce", "send", "recv")
+#: the kinds of a message's two ends, on a link between ranks
+MESSAGE_KINDS = ("send", "recv")
 
 #: (field, check, what it must be) of an event's fields other than its times
 _FIELDS = (
@@ -309,11 +311,13 @@ def write_merged(trace: Trace, path: str) -> str:
 # ---- dependences and the critical path ---------------------------------------------------------
 def dependences(trace: Trace) -> list[list[int]]:
     """For each event (by index), the indices of the events it waited on: its `preds` where the
-    trace has them, else inferred from timing; and, always, the previous event on its track."""
+    trace has them, else inferred from timing; the previous event on its track (not on a link,
+    whose messages are in flight side by side); and a receipt's send (the same id)."""
     events = trace.events
     by_row: dict[tuple, list[int]] = defaultdict(list)
     for i, e in enumerate(events):
-        by_row[(e["rank"], e["proc"])].append(i)
+        if e["kind"] not in MESSAGE_KINDS:
+            by_row[(e["rank"], e["proc"])].append(i)
     deps: list[list[int]] = [[] for _ in events]
     for idx in by_row.values():
         for a, b in zip(idx, idx[1:]):
@@ -325,12 +329,17 @@ def dependences(trace: Trace) -> list[list[int]]:
             by_id[e["id"]].append(i)
         for i, e in enumerate(events):
             deps[i].extend(j for p in e.get("preds", ()) for j in by_id.get(p, ()) if j != i)
-    else:
-        order = sorted(range(len(events)), key=lambda i: events[i]["end"])
+            if e["kind"] == "recv":
+                deps[i].extend(j for j in by_id.get(e["id"], ()) if events[j]["kind"] == "send")
+    else:   # the latest event to end by this one's start, and before it in (end, start, index) order:
+        # two events of no length at one time would each have waited on the other
+        def key(i):
+            return events[i]["end"], events[i]["start"], i
+        order = sorted(range(len(events)), key=key)
         ends = [events[i]["end"] for i in order]
         for i, e in enumerate(events):
             k = bisect.bisect_right(ends, e["start"] + EPS_US)
-            while k > 0 and order[k - 1] == i:
+            while k > 0 and key(order[k - 1]) >= key(i):
                 k -= 1
             if k > 0:
                 deps[i].append(order[k - 1])
@@ -345,19 +354,22 @@ def critical_path(trace: Trace) -> list[dict]:
         return []
     span = trace.span_us or 1.0
     i = max(range(len(events)), key=lambda k: events[k]["end"])
-    chain = [i]
+    chain, seen = [i], {i}
     while True:
         e = events[i]
-        ready = [j for j in deps[i] if events[j]["end"] <= e["start"] + EPS_US]
-        if not ready:
+        # a receipt is posted early and waits inside its event: what it waited on ends before its end
+        by = e["end"] if e["kind"] == "recv" else e["start"]
+        ready = [j for j in deps[i] if events[j]["end"] <= by + EPS_US and j not in seen]
+        if not ready:   # (an event met before: a loop of events within EPS_US of each other)
             break
         i = max(ready, key=lambda j: events[j]["end"])
         chain.append(i)
+        seen.add(i)
     chain.reverse()
     out, prev_end = [], trace.start_us
     for i in chain:
         e = events[i]
-        dur = e["end"] - e["start"]
+        dur = e["end"] - max(e["start"], prev_end)   # (a receipt's own part: from its send's end)
         out.append({"id": e["id"], "name": e["name"], "kind": e["kind"], "op": operator(e), "phase": phase(e),
                     "rank": e["rank"], "proc": e["proc"], "start_us": e["start"], "end_us": e["end"],
                     "duration_us": round(dur, 3), "wait_us": round(max(0.0, e["start"] - prev_end), 3),
@@ -481,7 +493,7 @@ def messages(trace: Trace) -> dict:
     where = trace.where
     sends, receipts = defaultdict(list), defaultdict(list)
     for e in trace.events:   # (sorted by start)
-        if e["kind"] in ("send", "recv"):
+        if e["kind"] in MESSAGE_KINDS:
             (sends if e["kind"] == "send" else receipts)[(e["proc"], e["name"])].append(e)
     if not sends or not receipts:
         raise TraceError(f"{where}: no messages between ranks (no "
