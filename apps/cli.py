@@ -311,8 +311,8 @@ def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
         problem = nothing_fits(result, sim)
         if problem is not None:
             raise FlagError(f"--search-budget {args.search_budget}: {problem}")
-        mine = {op.name for op in graph.ops}
-        return Strategy(app.name, {k: v for k, v in result.best.ops.items() if k in mine}).to_json(), result.best_time
+        mine = {k: v for k, v in result.best.ops.items() if k in {op.name for op in graph.ops}}
+        return Strategy(app.name, _renumbered(mine, sim.machine, plan.machine)).to_json(), result.best_time
     text, predicted = _on_rank_zero(searched, ranks)
     return Plan(plan.batch_size, plan.sizes, plan.machine, Strategy.from_json(text), "searched", plan.parameters,
                 predicted)
@@ -322,7 +322,7 @@ def _predict(app: App, args, plan: Plan, ranks: int) -> Plan:
     """The plan with its strategy's iteration time predicted on --machine's model (rank 0 simulates)."""
     def simulated():
         _, sim = _simulator(app, args, plan)
-        return sim.simulate(dict(plan.strategy.ops)).time
+        return sim.simulate(_renumbered(dict(plan.strategy.ops), plan.machine, sim.machine)).time
     return dataclasses.replace(plan, predicted_s=_on_rank_zero(simulated, ranks))
 
 
@@ -366,22 +366,38 @@ def _on_rank_zero(work, ranks: int):
 def _machine_model(args, machine: Machine):
     """--machine's model (default: this machine, as the 'local' model). A cpu model describes this
     machine's CPU workers, so it is shaped as this run is (a node a rank, its processors the
-    node's devices); any other model's devices must be this run's."""
+    node's devices); any other model's devices must be this run's: of its kind, as many a rank."""
     from strategies.machine_model import MachineError, load_machine
     devices = len(compute_processors(machine))
+    kind = "gpu" if any(p.kind == "gpu" for p in machine.processors) else "cpu"
     name = args.machine or "local"
     try:
         mm = load_machine(name)
     except MachineError as e:
         raise FlagError(f"--machine {name}: {e}") from None
-    if mm.device.kind == "cpu":
+    if mm.device.kind != kind:
+        hint = ("give a gpu machine model (h100, p100, k80 or a file of this machine's GPUs)" if kind == "gpu" else
+                "search for this run with '--machine local' (a strategy for another machine: python -m "
+                "strategies.search)")
+        raise FlagError(f"--machine {name}: its model's devices are {mm.device.kind}s, but this run computes on "
+                        f"{devices} {kind}{'s' * (devices != 1)}; {hint}")
+    if kind == "cpu":
         return dataclasses.replace(mm.with_nodes(machine.num_ranks), devices_per_node=devices // machine.num_ranks,
                                    nodes_per_host=max(1, len(machine.ranks_on_host(0))))
-    if mm.num_devices != devices:
-        raise FlagError(f"--machine {args.machine}: its model has {mm.num_devices} {mm.device.kind} devices, this run "
-                        f"has {devices} processors; train on a machine that has them, or search for this run with "
-                        f"'--machine local' (a strategy for another machine: python -m strategies.search)")
+    if (mm.nodes, mm.devices_per_node) != (machine.num_ranks, devices // machine.num_ranks):
+        raise FlagError(f"--machine {name}: its model has {mm.nodes} node(s) of {mm.devices_per_node} gpus, this run "
+                        f"{machine.num_ranks} rank(s) of {devices // machine.num_ranks}; train on a machine that has "
+                        f"them (a strategy for another machine: python -m strategies.search)")
     return mm
+
+
+def _renumbered(configs: dict, source: Machine, target: Machine) -> dict:
+    """`configs` (op name -> TileConfig) with each tile's processor moved from `source`'s numbering
+    to `target`'s: the k-th compute processor of one is the k-th of the other (a machine model's
+    GPUs follow one host CPU a rank, a run's follow its CPU workers)."""
+    moved = dict(zip(compute_processors(source), compute_processors(target)))
+    return {name: c if c.devices is None else dataclasses.replace(c, devices=tuple(moved[d] for d in c.devices))
+            for name, c in configs.items()}
 
 
 def _check_devices(args, ranks: int) -> None:

@@ -7,6 +7,8 @@ every app --tiny for two iterations, data parallel on 1 rank, with another basel
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import math
 import os
@@ -569,9 +571,40 @@ def test_the_prediction_simulates_the_optimizer_the_run_trains_with(capsys, monk
         assert made[-1].optimizer == want
 
 
-def test_a_machine_model_that_does_not_match_the_run_is_a_bad_flag(capsys):
+def test_a_gpu_run_takes_a_gpu_model_of_its_shape_and_its_strategies_in_its_own_numbering(tmp_path):
+    """A run's GPUs follow its CPU workers (processors 8 and 9 here); a machine model's follow one
+    host CPU a rank (1 and 2): a searched strategy named the model's, which are CPU workers in
+    the run, and `local` (CPU devices) was taken as a model of the GPUs."""
+    from apps.cli import FlagError, _machine_model, _renumbered
+    from ops.lower import TileConfig
+    from taskrt import Machine
+    run = Machine.build(1, cpus_per_rank=8, gpus_per_rank=2)
+    two = json.loads((ROOT / "strategies" / "machines" / "p100.json").read_text())
+    two.update(nodes=1, devices_per_node=2)
+    (tmp_path / "p100x2.json").write_text(json.dumps(two))
+    mm = _machine_model(argparse.Namespace(machine=str(tmp_path / "p100x2.json")), run)
+    configs = {"fc": TileConfig((2, 1, 1), (1, 2)), "out": TileConfig((1, 1, 1), (2,)), "loss": TileConfig((2,))}
+    moved = _renumbered(configs, mm.to_machine(), run)
+    assert moved == {"fc": TileConfig((2, 1, 1), (8, 9)), "out": TileConfig((1, 1, 1), (9,)), "loss": TileConfig((2,))}
+    assert _renumbered(moved, run, mm.to_machine()) == configs
+    with pytest.raises(FlagError, match="--machine local: its model's devices are cpus, but this run computes on 2 "
+                                        "gpus; give a gpu machine model"):
+        _machine_model(argparse.Namespace(machine=None), run)
+    with pytest.raises(FlagError, match="its model has 4 node\\(s\\) of 4 gpus, this run 1 rank\\(s\\) of 2"):
+        _machine_model(argparse.Namespace(machine="p100"), run)
+
+
+def test_a_machine_model_that_does_not_match_the_run_is_a_bad_flag(capsys, tmp_path):
     err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "p100")
-    assert err.startswith("error: --machine p100: its model has 16 gpu devices, this run has")
+    assert err.startswith("error: --machine p100: its model's devices are gpus, but this run computes on ")
     assert "'--machine local'" in err
+    # a model of two GPUs on a run of two CPU workers: the counts agree, the kinds do not (its
+    # strategy named the model's processors 1 and 2, and compile failed with a traceback)
+    two = json.loads((ROOT / "strategies" / "machines" / "p100.json").read_text())
+    two.update(nodes=1, devices_per_node=2)
+    path = tmp_path / "p100x2.json"
+    path.write_text(json.dumps(two))
+    err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", 2, "--search-budget", 4, "--machine", path)
+    assert err.startswith(f"error: --machine {path}: its model's devices are gpus, but this run computes on 2 cpus")
     err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--machine", "/no/such.json")
     assert err.startswith("error: --machine /no/such.json:")
