@@ -266,9 +266,10 @@ def check(app: App, args) -> Plan:
         env_trace = (os.environ.get("TASKRT_TRACE") or None) if args.trace is None else None
         for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy),
                            ("TASKRT_TRACE", env_trace)):
-            written = path if ranks == 1 or flag == "--export-strategy" or path is None else \
-                rank_trace_path(path, _rank())   # (each rank writes its own trace)
-            problem = None if path is None else output_problem(written)
+            if path is None:
+                continue
+            written = path if ranks == 1 or flag == "--export-strategy" else rank_trace_path(path, _rank())
+            problem = output_problem(written)   # (on many ranks each rank writes a trace of its own)
             if problem is not None:
                 raise FlagError(f"{flag} {path}: {problem}" if written == path else f"{flag} {path}: {written} {problem}")
     except FlagError as e:
