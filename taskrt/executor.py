@@ -12,7 +12,8 @@ Run state, all guarded by one lock:
               it, in order;
 - poisoned:   ids of nodes that failed or depend on one that did (or was skipped), until
               they finish: each is skipped, not run; and `lost`, the ids of all of them since
-              the last `forget_failure`.
+              the last `forget_failure` (a node submitted after a pred of it was lost is
+              poisoned at once).
 After a failure only the nodes that depend on it are skipped: the others run, so that what
 was issued before the failed node and does not need it (the last step's updates, say) lands.
 A ready node goes to the queue of its worker: one thread per local processor (tasks)
@@ -84,7 +85,7 @@ class Executor:
         self.dependents: dict[int, list[int]] = {}
         self.error: TaskError | None = None
         self.poisoned: set[int] = set()
-        self.lost: list[int] = []
+        self.lost: set[int] = set()
         self.watched: dict[object, int] = {}
         self.run_task = run_task
         self.run_copy = run_copy
@@ -139,12 +140,15 @@ class Executor:
         ready = []
         with self.lock:
             unfinished, dependents, waiting = self.unfinished, self.dependents, self.waiting
+            lost, poisoned = self.lost, self.poisoned
             for node, preds in items:
                 count = 0
                 for p in preds:
                     if p in unfinished:
                         dependents.setdefault(p, []).append(node.id)
                         count += 1
+                    elif lost and p in lost:   # (submitted after a pred it needs was lost)
+                        poisoned.add(node.id)
                 unfinished[node.id] = node
                 if self._touching is not None:
                     self._track(node, unfinished)
@@ -275,7 +279,7 @@ class Executor:
             poisoned = self.poisoned and node.id in self.poisoned
             if poisoned:
                 self.poisoned.discard(node.id)
-                self.lost.append(node.id)
+                self.lost.add(node.id)
             for s in self.dependents.pop(node.id, ()):
                 if poisoned:
                     self.poisoned.add(s)
@@ -359,7 +363,8 @@ class Executor:
         or were skipped for it, in order, which are then forgotten with the error."""
         with self.lock:
             lost = sorted(self.lost)
-            self.error, self.lost = None, []
+            self.error = None
+            self.lost.clear()
             self.poisoned.clear()
         return lost
 
@@ -375,7 +380,7 @@ class Executor:
         with self.cond:
             self.watched[what] = self.watched.get(what, 0) + 1
             try:
-                # after an error the remaining nodes drain without running, so this ends too
+                # after an error the nodes that need it drain without running, so this ends too
                 while not done():
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:

@@ -248,10 +248,17 @@ class InstanceStore:
         return buf
 
     def skip_buffer(self, key: tuple[int, int], rect: Rect) -> None:
-        """The buffer of a task skipped after a failure: it holds nothing, so that the folds
-        issued for it, before or after Runtime.recover, fold nothing."""
-        if rect.volume:
-            self._keep(key, _Buffer(None, rect, rect.volume))
+        """The buffer of a task skipped after a failure, or that failed: it holds nothing (what
+        a failed task had put in it is dropped), so that the folds issued for it, before or
+        after Runtime.recover, fold nothing."""
+        if not rect.volume:
+            return
+        with self._lock:
+            made = self.buffers.get(key)
+            if made is not None:
+                made.array = None
+                return
+        self._keep(key, _Buffer(None, rect, rect.volume))
 
     def _keep(self, key: tuple[int, int], buffer: _Buffer) -> None:
         """Keep a task's buffer for its folds, less what a release discarded of it already."""

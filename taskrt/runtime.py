@@ -492,7 +492,8 @@ class Runtime:
                 if memory.rank == rank and reserve(region, memory, rect):
                     grow[(region.uid, memory)] = (region, memory)
         if grow:
-            self.executor.wait_all()
+            with contextlib.suppress(TaskError):   # (a failure drains too: these nodes are made, and go in)
+                self.executor.wait_all()
             for region, memory in grow.values():
                 self.store.grow(region, memory)
 
@@ -561,13 +562,13 @@ class Runtime:
 
     def _lost_node(self, node, ran: bool) -> None:
         """A node that failed (`ran`) or was skipped after a failure settles its reduction
-        buffers as its run would have: a task leaves an empty buffer for each it did not make
-        (its contribution is lost), a skipped fold takes its part. So the folds issued later,
+        buffers as its run would have: a task leaves an empty buffer for each, made or not (its
+        contribution, whole or partial, is lost), a skipped fold takes its part. So the folds issued later,
         even after Runtime.recover, find their buffers, and none leaks."""
         if type(node) is TaskNode:
             if node.fn is not None:
                 for i, r in enumerate(node.reqs):
-                    if r.privilege.is_reduce and (node.id, i) not in self.store.buffers:
+                    if r.privilege.is_reduce:
                         self.store.skip_buffer((node.id, i), r.rect)
         elif type(node) is CopyNode and node.buffer is not None and not ran:
             self.store.take_buffer(node.buffer, node.rect)

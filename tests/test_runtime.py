@@ -758,6 +758,28 @@ def test_after_a_failure_only_what_depends_on_it_is_skipped():
         assert rt.read(a).tolist() == [2] * 4
 
 
+def test_a_launch_whose_instance_grows_as_a_task_fails_goes_in_whole():
+    """An instance that must grow waits for what was issued before; a task failing meanwhile made
+    that wait raise halfway through the launch, whose nodes were never submitted, and the region
+    stayed unreadable on that memory after recover."""
+    with Runtime(cpus=2, separate_memories=True) as rt:
+        r, b = rt.region((8,), "int64"), rt.region((4,), "int64")
+        rt.fill(r, 1)
+        rt.fill(b, 0)
+        rt.launch(lambda v: int(v.sum()), req(r, READ, Rect((0,), (4,))), proc=1).get(timeout=30)
+
+        def fails_later(v):
+            time.sleep(0.3)
+            raise ValueError("boom")
+        rt.launch(fails_later, req(b, READ_WRITE), proc=0)
+        try:   # r needs none of it; its instance on cpu1 grows
+            rt.launch(lambda v: int(v.sum()), req(r, READ), proc=1).get(timeout=30)
+        except TaskError:
+            pass
+        rt.recover()
+        assert rt.launch(lambda v: v.tolist(), req(r, READ), proc=1).get(timeout=30) == [1] * 8
+
+
 def test_a_reduction_skipped_after_a_failure_is_folded_as_nothing_after_recover():
     # the skipped tasks' folds are issued only when r is read, after recover(): they used to
     # miss their buffers (KeyError in a fold), as train_on did about 1 time in 60
@@ -803,6 +825,13 @@ def test_a_reduction_task_that_fails_before_or_after_its_buffers_ends_in_its_err
         monkeypatch.undo()
         rt.recover()
         rt.fill(r, 2)
+        assert rt.read(r).tolist() == [2] * 4 and not rt.store.buffers
+        # failed after adding to its buffer, folded only after recover: the failed task gives
+        # nothing (its 5 was folded in)
+        rt.launch(add_then_fail, req(r, Reduce("+")))
+        with pytest.raises(TaskError, match="after"):
+            rt.wait()
+        rt.recover()
         assert rt.read(r).tolist() == [2] * 4 and not rt.store.buffers
 
 
