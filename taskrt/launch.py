@@ -105,7 +105,7 @@ class Future:
     rank for the value (taskrt/mpi.py). `_replicated` is false for a future that only its
     own rank holds (a rank's point of `Runtime.read`): nobody else will ask for it."""
 
-    __slots__ = ("_runtime", "node_id", "rank", "_value", "_has_value", "_replicated", "__weakref__")
+    __slots__ = ("_runtime", "node_id", "rank", "_value", "_has_value", "_replicated", "_lost", "__weakref__")
 
     def __init__(self, runtime, node_id: int, rank: int = 0):
         self._runtime = runtime
@@ -114,10 +114,20 @@ class Future:
         self._has_value = False
         self._value = None
         self._replicated = True
+        self._lost: str | None = None   # the task's name, where it failed or was skipped after a failure
 
     def _set(self, value) -> None:
         self._value = value
         self._has_value = True
+
+    def _lose(self, task: str) -> None:
+        """The task failed or was skipped after a failure: it has no value, now or after recover."""
+        self._lost = task
+
+    def _check_lost(self) -> None:
+        if self._lost is not None:
+            raise RuntimeError(f"the value of task {self._lost!r} (node #{self.node_id}) is lost: the task failed or "
+                               f"was skipped after a failure")
 
     def done(self) -> bool:
         """The value is here (for a task of another rank: has arrived; asking starts it)."""
@@ -126,6 +136,7 @@ class Future:
     def get(self, timeout: float | None = None):
         if not self._has_value:
             self._runtime._wait_node(self.node_id, timeout)
+        self._check_lost()
         self._runtime._resolve_future(self)
         return self._value
 

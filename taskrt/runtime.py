@@ -292,6 +292,11 @@ class Runtime:
         else:
             all_args = [args] * len(points)
             extra = [tuple(a.node_id for a in args if isinstance(a, Future))] * len(points)
+        lost = next((a for pa in (all_args if point_args else [args]) for a in pa
+                     if isinstance(a, Future) and a._lost is not None), None)
+        if lost is not None:
+            raise ValueError(f"launch {name!r}: an argument is the future of task {lost._lost!r} (node #{lost.node_id}), "
+                             f"which failed or was skipped after a failure: its value is lost")
         spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op,
                           signature=signature, known_key=key)
         self._launch_count += 1
@@ -566,6 +571,8 @@ class Runtime:
         contribution, whole or partial, is lost), a skipped fold takes its part. So the folds issued later,
         even after Runtime.recover, find their buffers, and none leaks."""
         if type(node) is TaskNode:
+            if node.future is not None:
+                node.future._lose(node.name)
             if node.fn is not None:
                 for i, r in enumerate(node.reqs):
                     if r.privilege.is_reduce:
@@ -605,6 +612,7 @@ class Runtime:
         done), but on many ranks its value may still be on its way."""
         if not future._has_value:
             self._wait_for(future.node_id, None)
+        future._check_lost()
         self._resolve_future(future)
         return future._value
 

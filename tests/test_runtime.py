@@ -758,6 +758,22 @@ def test_after_a_failure_only_what_depends_on_it_is_skipped():
         assert rt.read(a).tolist() == [2] * 4
 
 
+def test_the_future_of_a_lost_task_says_so_after_recover():
+    """It returned None after recover, and a task given it as an argument later failed with
+    whatever error was current: get() raises, and a launch taking it is refused before it runs."""
+    with Runtime(cpus=2) as rt:
+        f = rt.launch(lambda: 1 // 0, name="div")
+        with pytest.raises(TaskError, match="ZeroDivisionError"):
+            f.get(timeout=30)
+        rt.recover()
+        with pytest.raises(RuntimeError, match=r"the value of task 'div' \(node #\d+\) is lost: the task failed"):
+            f.get(timeout=30)
+        issued = rt.issued
+        with pytest.raises(ValueError, match=r"launch 'uses_f': an argument is the future of task 'div' .* lost"):
+            rt.launch(lambda x: x, args=(f,), name="uses_f")
+        assert rt.issued == issued and rt.launch(lambda: 7).get(timeout=30) == 7
+
+
 def test_a_launch_whose_instance_grows_as_a_task_fails_goes_in_whole():
     """An instance that must grow waits for what was issued before; a task failing meanwhile made
     that wait raise halfway through the launch, whose nodes were never submitted, and the region
