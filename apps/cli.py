@@ -271,7 +271,7 @@ def check(app: App, args) -> Plan:
             written = path if ranks == 1 or flag == "--export-strategy" else rank_trace_path(path, _rank())
             problem = output_problem(written)   # (on many ranks each rank writes a trace of its own)
             if problem is not None:
-                raise FlagError(f"{flag} {path}: {problem}" if written == path else f"{flag} {path}: {written} {problem}")
+                raise FlagError(f"{flag} {path}: {'' if written == path else written + ' '}{problem}")
     except FlagError as e:
         problem = str(e)
     _agree(problem, ranks)
@@ -369,8 +369,8 @@ def _machine_model(args, machine: Machine):
     machine's CPU workers, so it is shaped as this run is (a node a rank, its processors the
     node's devices); any other model's devices must be this run's: of its kind, as many a rank."""
     from strategies.machine_model import MachineError, load_machine
-    devices = len(compute_processors(machine))
-    kind = "gpu" if any(p.kind == "gpu" for p in machine.processors) else "cpu"
+    computing = compute_processors(machine)
+    devices, kind = len(computing), machine.processors[computing[0]].kind
     name = args.machine or "local"
     try:
         mm = load_machine(name)

@@ -237,7 +237,6 @@ class Watchdog:
                 f"the same launches and shut its runtime down.")
 
 
-
 def _listing(waiting: list[str]) -> str:
     """The first messages a rank waits for, for a report ('' for none)."""
     return "; ".join(waiting[:8]) + (" ..." if len(waiting) > 8 else "")

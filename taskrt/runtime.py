@@ -295,8 +295,8 @@ class Runtime:
         lost = next((a for pa in (all_args if point_args else [args]) for a in pa
                      if isinstance(a, Future) and a._lost is not None), None)
         if lost is not None:
-            raise ValueError(f"launch {name!r}: an argument is the future of task {lost._lost!r} (node #{lost.node_id}), "
-                             f"which failed or was skipped after a failure: its value is lost")
+            raise ValueError(f"launch {name!r}: an argument is the future of task {lost._lost!r} "
+                             f"(node #{lost.node_id}), which failed or was skipped after a failure: its value is lost")
         spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op,
                           signature=signature, known_key=key)
         self._launch_count += 1
@@ -568,8 +568,9 @@ class Runtime:
     def _lost_node(self, node, ran: bool) -> None:
         """A node that failed (`ran`) or was skipped after a failure settles its reduction
         buffers as its run would have: a task leaves an empty buffer for each, made or not (its
-        contribution, whole or partial, is lost), a skipped fold takes its part. So the folds issued later,
-        even after Runtime.recover, find their buffers, and none leaks."""
+        contribution, whole or partial, is lost), a skipped fold takes its part. So the folds
+        issued later, even after Runtime.recover, find their buffers, and none leaks; and its
+        future says its value is lost."""
         if type(node) is TaskNode:
             if node.future is not None:
                 node.future._lose(node.name)

@@ -233,7 +233,8 @@ def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
         other.load(path)
     # a graph of the same op names with another attribute: the attribute is named
     same_names = small_cnn(rt, batch=6, seed=99, classes=5)
-    with pytest.raises(ValueError, match=r"different graph than this model: op 'dense_0' has out_features 4 there, 5 here"):
+    with pytest.raises(ValueError,
+                       match=r"different graph than this model: op 'dense_0' has out_features 4 there, 5 here"):
         same_names.load(path)
     # the saved configs place tiles on processor 1; a 1-cpu runtime needs configs of its own
     with Runtime(cpus=1) as one:
