@@ -313,7 +313,7 @@ def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
         if problem is not None:
             raise FlagError(f"--search-budget {args.search_budget}: {problem}")
         mine = {k: v for k, v in result.best.ops.items() if k in {op.name for op in graph.ops}}
-        return Strategy(app.name, _renumbered(mine, sim.machine, plan.machine)).to_json(), result.best_time
+        return Strategy(app.name, mine).to_json(), result.best_time
     text, predicted = _on_rank_zero(searched, ranks)
     return Plan(plan.batch_size, plan.sizes, plan.machine, Strategy.from_json(text), "searched", plan.parameters,
                 predicted)
@@ -323,7 +323,7 @@ def _predict(app: App, args, plan: Plan, ranks: int) -> Plan:
     """The plan with its strategy's iteration time predicted on --machine's model (rank 0 simulates)."""
     def simulated():
         _, sim = _simulator(app, args, plan)
-        return sim.simulate(_renumbered(dict(plan.strategy.ops), plan.machine, sim.machine)).time
+        return sim.simulate(dict(plan.strategy.ops)).time
     return dataclasses.replace(plan, predicted_s=_on_rank_zero(simulated, ranks))
 
 
@@ -390,15 +390,6 @@ def _machine_model(args, machine: Machine):
                         f"{machine.num_ranks} rank(s) of {devices // machine.num_ranks}; train on a machine that has "
                         f"them (a strategy for another machine: python -m strategies.search)")
     return mm
-
-
-def _renumbered(configs: dict, source: Machine, target: Machine) -> dict:
-    """`configs` (op name -> TileConfig) with each tile's processor moved from `source`'s numbering
-    to `target`'s: the k-th compute processor of one is the k-th of the other (a machine model's
-    GPUs follow one host CPU a rank, a run's follow its CPU workers)."""
-    moved = dict(zip(compute_processors(source), compute_processors(target)))
-    return {name: c if c.devices is None else dataclasses.replace(c, devices=tuple(moved[d] for d in c.devices))
-            for name, c in configs.items()}
 
 
 def _check_devices(args, ranks: int) -> None:

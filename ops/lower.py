@@ -1,7 +1,7 @@
 """Lowering: an operator graph under parallel configs becomes taskrt launches.
 
 A TileConfig is a tiling plus a placement: `degrees` cut an op's tile space
-(`op.tile_shape`) into a grid of tiles, and `devices` name the processor of each
+(`op.tile_shape`) into a grid of tiles, and `devices` name the compute device of each
 tile in row-major color order. Lowering gives every tensor a Region and builds, for
 every op, partitions whose colors are the tile grid's colors, from the op's own rect
 rules (`input_rects`, `weight_rects`, `output_rects`), so what a tile needs is
@@ -59,6 +59,7 @@ before the block, the source would be among what the replay's fence stands for. 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import threading
@@ -86,9 +87,10 @@ class ConfigError(ValueError):
 class TileConfig:
     """How an op runs: `degrees` tiles per dim of its tile space, and the processor of each tile.
 
-    `devices[i]` is the global processor index (machine.processors order) of the i-th tile in
-    row-major color order; None means tile i of n on compute processor i*P//n (see
-    `default_devices`). `str` is short for logs: "2x1x1x1 on [0, 1]".
+    `devices[i]` is the compute device of the i-th tile in row-major color order: device k is
+    the k-th of `compute_processors` (the k-th GPU, else the k-th CPU), so a config means the
+    same on a machine model and on a run whatever their host CPUs; None means tile i of n on
+    device i*D//n (see `default_devices`). `str` is short for logs: "2x1x1x1 on [0, 1]".
     """
 
     degrees: tuple[int, ...]
@@ -106,7 +108,7 @@ class TileConfig:
                 raise ConfigError(f"TileConfig {degrees} has {self.num_tiles} tiles but {len(devices)} devices "
                                   f"{devices}")
             if any(d < 0 for d in devices):
-                raise ConfigError(f"TileConfig devices must be processor indices >= 0, got {devices}")
+                raise ConfigError(f"TileConfig devices must be device numbers >= 0, got {devices}")
             object.__setattr__(self, "devices", devices)
         # a key of the simulator's caches, hashed thousands of times a proposal: once
         object.__setattr__(self, "_hash", hash((self.degrees, self.devices)))
@@ -144,16 +146,23 @@ def _int_tuple(what: str, value) -> tuple[int, ...]:
     return tuple(int(v) for v in items)
 
 
-def compute_processors(machine: Machine) -> list[int]:
-    """Global indices of the processors tiles go to by default: the GPUs if any, else every CPU."""
-    gpus = [i for i, p in enumerate(machine.processors) if p.kind == "gpu"]
-    return gpus or list(range(len(machine.processors)))
+@functools.lru_cache(maxsize=16)
+def compute_processors(machine: Machine) -> tuple[int, ...]:
+    """Global indices of the processors tiles run on, device k the k-th: the GPUs if any, else
+    every CPU."""
+    gpus = tuple(i for i, p in enumerate(machine.processors) if p.kind == "gpu")
+    return gpus or tuple(range(len(machine.processors)))
+
+
+def compute_devices(machine: Machine) -> range:
+    """The device numbers of TileConfig.devices on `machine`: 0..D-1, one a compute processor."""
+    return range(len(compute_processors(machine)))
 
 
 def default_devices(machine: Machine, num_tiles: int) -> tuple[int, ...]:
-    """Tile i of n on compute processor i*P//n: neighbouring tiles share a processor."""
-    procs = compute_processors(machine)
-    return tuple(procs[i * len(procs) // num_tiles] for i in range(num_tiles))
+    """Tile i of n on device i*D//n: neighbouring tiles share a device."""
+    count = len(compute_processors(machine))
+    return tuple(i * count // num_tiles for i in range(num_tiles))
 
 
 def default_config(op: Op, machine: Machine) -> TileConfig:
@@ -174,11 +183,12 @@ def resolve_config(op: Op, config: TileConfig, machine: Machine) -> TileConfig:
     check_degrees(op, config)
     where = f"{op.kind} {op.name!r}"
     devices = config.devices if config.devices is not None else default_devices(machine, config.num_tiles)
-    nprocs = len(machine.processors)
+    procs = compute_processors(machine)
     for i, dev in enumerate(devices):
-        if dev >= nprocs:
-            raise ConfigError(f"{where}: config {config} places tile {i} on processor {dev}, but {machine!r} has "
-                              f"processors 0..{nprocs - 1}")
+        if dev >= len(procs):
+            kind = machine.processors[procs[0]].kind
+            raise ConfigError(f"{where}: config {config} places tile {i} on device {dev}, but {machine!r} computes on "
+                              f"{len(procs)} {kind}{'s' * (len(procs) != 1)}: devices 0..{len(procs) - 1}")
     return TileConfig(config.degrees, devices)
 
 
@@ -316,7 +326,8 @@ class OpPlan:
                                  f"{config.degrees} and backward {backward}")
             self.__dict__.update({k: like.__dict__[k] for k in like._shaped})
             self._shaped = like._shaped
-        self.placement = dict(zip(self.colors, config.devices))
+        procs = compute_processors(low.rt.machine)
+        self.placement = {color: procs[d] for color, d in zip(self.colors, config.devices)}
         self._zero_outs = _zero_launches(self._outs, self.colors, self.placement) if self.partial else []
         self._zero_sums = {k: _zero_launches([p], self.colors, self.placement) for k, p in self._sums.items()}
         # launches are pure functions of the plan (and of a few flags): made once, issued every

@@ -5,15 +5,19 @@ see `model_fingerprint`) and op name -> TileConfig. It lives on this floor, besi
 TileConfig, so that `Model.compile(strategy=...)` can take one (or a file) without ops
 importing strategies; the baselines and the search that make strategies live in strategies/.
 
-The file (version 1) is JSON, one op a line; `devices` may be left out (default placement):
+The file (version 2) is JSON, one op a line; `devices` may be left out (default placement):
 
-    {"version": 1, "model": "graph:3f0c9a1d2b7e4c55", "ops": {
+    {"version": 2, "model": "graph:3f0c9a1d2b7e4c55", "ops": {
       "conv2d_0": {"degrees": [4, 1, 1, 1], "devices": [0, 1, 2, 3]}}}
+
+Devices are compute devices (the k-th GPU, else the k-th CPU; see TileConfig), so a file
+made on a machine model places its tiles on the same GPUs of a run whatever CPU workers the
+run has; version 1 numbered all processors, hosts' CPUs among them, and is refused.
 
 Two checks, both before any work, each problem one line naming the file: `from_json`/`load`
 check the file's own form (JSON syntax with its line, fields, types, degrees >= 1, one device
 a tile); `Strategy.resolve` checks the entries against a graph and a machine (the model, known
-ops, the arity, splittable dims and extents of degrees, processors that exist) through
+ops, the arity, splittable dims and extents of degrees, devices that exist) through
 ops.lower.resolve_config, and says which ops the strategy leaves to the data-parallel default.
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ops.base import Op
 from ops.lower import ConfigError, TileConfig, default_config, resolve_config
 from taskrt.machine import Machine
 
-VERSION = 1
+VERSION = 2
 FINGERPRINT_PREFIX = "graph:"
 _FIELDS = ("version", "model", "ops")
 _CONFIG_FIELDS = ("degrees", "devices")
@@ -145,7 +149,7 @@ class Strategy:
 
     # ---- files ------------------------------------------------------------------------------------
     def to_json(self) -> str:
-        """The version-1 file text, one op a line in this strategy's order."""
+        """The file's text, one op a line in this strategy's order."""
         rows = []
         for name, config in self.ops.items():
             entry = {"degrees": list(config.degrees)}
@@ -157,7 +161,7 @@ class Strategy:
 
     @staticmethod
     def from_json(text: str, source: str | None = None) -> "Strategy":
-        """Parse and check a version-1 file's text; `source` names it in errors (and in the result)."""
+        """Parse and check a file's text; `source` names it in errors (and in the result)."""
         where = source or "strategy"
         if not isinstance(text, (str, bytes, bytearray)):
             raise StrategyError([f"{where}: a strategy is JSON text, got {type(text).__name__}"])
@@ -175,7 +179,12 @@ class Strategy:
                      for k in data if k not in _FIELDS]
         problems += [f"{where}: missing field {k!r}" for k in _FIELDS if k not in data]
         version, model, entries = data.get("version"), data.get("model"), data.get("ops")
-        if "version" in data and (version != VERSION or not isinstance(version, int) or isinstance(version, bool)):
+        if version == 1 and isinstance(version, int) and not isinstance(version, bool):
+            problems.append(f"{where}: version 1 numbered a machine's processors, hosts' CPUs among them; version "
+                            f"{VERSION} numbers its compute devices (the GPUs, else the CPUs): where the machine has "
+                            f"no GPU the numbers are the same, so set 'version' to {VERSION}; else make the strategy "
+                            f"again")
+        elif "version" in data and (version != VERSION or not isinstance(version, int) or isinstance(version, bool)):
             problems.append(f"{where}: version {version!r} is not supported; this reader knows version {VERSION}")
         if "model" in data and (not isinstance(model, str) or not model):
             problems.append(f"{where}: 'model' must be a model name or fingerprint (a non-empty string), got {model!r}")
@@ -192,12 +201,12 @@ class Strategy:
         return Strategy(model, configs, source)
 
     def save(self, path) -> None:
-        """Write the version-1 file to `path`."""
+        """Write the file to `path`."""
         save(self, path)
 
 
 def save(strategy: Strategy, path) -> None:
-    """Write `strategy` as a version-1 JSON file."""
+    """Write `strategy` as a JSON strategy file."""
     with open(path, "w") as f:
         f.write(strategy.to_json())
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from ops.attention import MultiHeadAttention
 from ops.base import PARAMETER, REDUCE, Op
 from ops.linear import Dense
-from ops.lower import TileConfig, compute_processors, default_config
+from ops.lower import TileConfig, compute_devices, default_config
 from ops.model import Model
 from ops.strategy import Strategy, model_fingerprint
 from taskrt.machine import Machine
@@ -70,7 +70,7 @@ def model_parallel(model: Model | Sequence[Op], machine: Machine) -> Strategy:
     every other op runs whole on the next processor."""
     _check_machine(machine)
     ops = graph_ops(model)
-    procs = compute_processors(machine)
+    procs = compute_devices(machine)
     cursor, configs = 0, {}
     for op in ops:
         dim = parameter_dim(op)
@@ -88,7 +88,7 @@ def expert(model: Model | Sequence[Op], machine: Machine) -> Strategy:
     each dense splits its out features over the compute processors."""
     _check_machine(machine)
     ops = graph_ops(model)
-    procs = compute_processors(machine)
+    procs = compute_devices(machine)
     configs = {}
     for op in ops:
         dim = parameter_dim(op) if isinstance(op, Dense) else None
@@ -109,7 +109,7 @@ def tensor_parallel(model: Model | Sequence[Op], machine: Machine) -> Strategy:
     where it declares a partial parameter (head) dim."""
     _check_machine(machine)
     ops = graph_ops(model)
-    procs = compute_processors(machine)
+    procs = compute_devices(machine)
     consumers: dict[str, list[Op]] = {}
     for op in ops:
         for t in op.inputs:

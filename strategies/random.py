@@ -2,7 +2,7 @@
 
 A random config (`random_config`) splits any of the dims an op declares (any SOAP kind,
 partial ones too) by degrees that fit the extents, with no more tiles than compute
-processors, each tile on a different processor drawn from ops.lower.compute_processors:
+processors, each tile on a different device drawn from ops.lower.compute_devices:
 the whole space, for property tests and random starts.
 
 A proposal (`proposal_config`, what the search draws) is shaped the way FlexFlow's are: a
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from ops.base import Op
-from ops.lower import TileConfig, compute_processors
+from ops.lower import TileConfig, compute_devices, compute_processors
 from ops.model import Model
 from ops.strategy import Strategy, model_fingerprint
 from strategies.baselines import graph_ops
@@ -33,7 +33,7 @@ def random_config(op: Op, machine: Machine, rng) -> TileConfig:
     `rng` is a numpy Generator (or a seed)."""
     _check_op(op, "random_config")
     rng = np.random.default_rng(rng)
-    procs = compute_processors(machine)
+    procs = compute_devices(machine)
     shape = op.tile_shape
     degrees = [1] * len(shape)
     dims = sorted({s.dim for s in op.split_dims()})
@@ -70,7 +70,7 @@ def proposal_config(op: Op, machine: Machine, rng) -> TileConfig:
     rng = np.random.default_rng(rng)
     if rng.random() < UNSHAPED_SHARE:
         return random_config(op, machine, rng)
-    procs = compute_processors(machine)
+    procs = compute_devices(machine)
     shape = op.tile_shape
     dims = sorted({s.dim for s in op.split_dims()})
     counts = tile_counts(machine)

@@ -405,43 +405,43 @@ def test_missing_strategy_file(capsys, tmp_path):
 
 
 def test_malformed_strategy_file(capsys, tmp_path):
-    path = strategy_file(tmp_path, '{"version": 1,\n "model": "mlp",\n "ops": {"fc1": }}\n')
+    path = strategy_file(tmp_path, '{"version": 2,\n "model": "mlp",\n "ops": {"fc1": }}\n')
     assert bad(capsys, mlp, "--tiny", "--strategy", path).startswith(f"error: --strategy {path}: {path}:3:")
 
 
 def test_strategy_file_for_another_model(capsys, tmp_path):
-    path = strategy_file(tmp_path, '{"version": 1, "model": "alexnet", "ops": {}}')
+    path = strategy_file(tmp_path, '{"version": 2, "model": "alexnet", "ops": {}}')
     err = bad(capsys, mlp, "--tiny", "--strategy", path)
     assert err == f"error: --strategy {path}: made for model 'alexnet', but this model is 'mlp'"
 
 
 def test_strategy_unknown_operator(capsys, tmp_path):
-    path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", "ops": {"fc9": {"degrees": [2, 1, 1]}}}')
+    path = strategy_file(tmp_path, '{"version": 2, "model": "mlp", "ops": {"fc9": {"degrees": [2, 1, 1]}}}')
     assert "unknown operator 'fc9'" in bad(capsys, mlp, "--tiny", "--strategy", path)
 
 
 def test_batch_size_the_strategy_cannot_split(capsys, tmp_path):
-    path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [4, 1, 1]}}}')
+    path = strategy_file(tmp_path, '{"version": 2, "model": "mlp", "ops": {"fc1": {"degrees": [4, 1, 1]}}}')
     err = bad(capsys, mlp, "--tiny", "--batch-size", 2, "--strategy", path)
     assert err == f"error: --strategy {path}: splits dense 'fc1' 4 ways along the batch, which has 2 samples " \
                   f"(--batch-size)"
 
 
 def test_strategy_devices_the_machine_lacks(capsys, tmp_path):
-    path = strategy_file(tmp_path, '{"version": 1, "model": "mlp", '
+    path = strategy_file(tmp_path, '{"version": 2, "model": "mlp", '
                                    '"ops": {"fc1": {"degrees": [2, 1, 1], "devices": [0, 5]}}}')
     err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", 2, "--strategy", path)
     assert err.startswith(f"error: --strategy {path}: dense 'fc1': config 2x1x1 on [0, 5] places tile 1 on "
-                          f"processor 5")
+                          f"device 5, but Machine(1 ranks, 2 cpus, 0 gpus, 1 memories) computes on 2 cpus")
 
 
 def test_a_strategy_for_a_bigger_machine_names_its_first_problems_and_counts_the_rest(capsys, tmp_path):
     ops = ("fc1", "fc2", "fc3", "out", "drop1")
     configs = ", ".join(f'"{name}": {{"degrees": [2, 1, 1], "devices": [1, 6]}}' for name in ops[:4])
-    path = strategy_file(tmp_path, f'{{"version": 1, "model": "mlp", "ops": {{{configs}, '
+    path = strategy_file(tmp_path, f'{{"version": 2, "model": "mlp", "ops": {{{configs}, '
                                    f'"drop1": {{"degrees": [2, 1], "devices": [1, 6]}}}}}}')
     err = bad(capsys, mlp, "--tiny", "--cpus-per-rank", 2, "--strategy", path)
-    assert err.count("places tile 1 on processor 6") == 3 and err.endswith("; and 2 more")
+    assert err.count("places tile 1 on device 6") == 3 and err.endswith("; and 2 more")
 
 
 def test_more_cpus_than_cores(capsys, monkeypatch):
@@ -474,7 +474,7 @@ def test_dtype_the_network_does_not_compute_in(capsys):
 
 
 def test_bad_strategy_stops_every_rank_before_work(tmp_path):
-    path = strategy_file(tmp_path, '{"version": 1, "model": "alexnet", "ops": {}}')
+    path = strategy_file(tmp_path, '{"version": 2, "model": "alexnet", "ops": {}}')
     proc, seconds = run_mpi_app(2, "mlp", "--tiny", "--cpus-per-rank", 1, "--strategy", path, timeout=60)
     assert proc.returncode != 0 and seconds < 30, output(proc)
     line = f"error: --strategy {path}: made for model 'alexnet', but this model is 'mlp'"
@@ -571,22 +571,24 @@ def test_the_prediction_simulates_the_optimizer_the_run_trains_with(capsys, monk
         assert made[-1].optimizer == want
 
 
-def test_a_gpu_run_takes_a_gpu_model_of_its_shape_and_its_strategies_in_its_own_numbering(tmp_path):
+def test_a_gpu_run_takes_a_gpu_model_of_its_shape_and_places_its_strategies_on_the_same_gpus(tmp_path):
     """A run's GPUs follow its CPU workers (processors 8 and 9 here); a machine model's follow one
-    host CPU a rank (1 and 2): a searched strategy named the model's, which are CPU workers in
-    the run, and `local` (CPU devices) was taken as a model of the GPUs."""
-    from apps.cli import FlagError, _machine_model, _renumbered
-    from ops.lower import TileConfig
-    from taskrt import Machine
+    host CPU a rank (1 and 2): a strategy's devices are the GPUs of either (they named processors,
+    so a searched strategy ran on the run's CPU workers), and `local` (CPU devices) was taken as a
+    model of the GPUs."""
+    from apps.cli import FlagError, _machine_model
+    from ops import SGD, Model, TileConfig
+    from taskrt import Machine, Runtime
     run = Machine.build(1, cpus_per_rank=8, gpus_per_rank=2)
     two = json.loads((ROOT / "strategies" / "machines" / "p100.json").read_text())
     two.update(nodes=1, devices_per_node=2)
     (tmp_path / "p100x2.json").write_text(json.dumps(two))
     mm = _machine_model(argparse.Namespace(machine=str(tmp_path / "p100x2.json")), run)
-    configs = {"fc": TileConfig((2, 1, 1), (1, 2)), "out": TileConfig((1, 1, 1), (2,)), "loss": TileConfig((2,))}
-    moved = _renumbered(configs, mm.to_machine(), run)
-    assert moved == {"fc": TileConfig((2, 1, 1), (8, 9)), "out": TileConfig((1, 1, 1), (9,)), "loss": TileConfig((2,))}
-    assert _renumbered(moved, run, mm.to_machine()) == configs
+    for machine, gpus in ((run, (8, 9)), (mm.to_machine(), (1, 2))):
+        m = Model(Runtime(machine=machine, execute=False))
+        m.dense(m.input((4, 6)), 3, name="fc")
+        m.compile(SGD(lr=0.1), configs={"fc": TileConfig((2, 1, 1), (1, 0))})
+        assert list(m._low.plans["fc"].placement.values()) == [gpus[1], gpus[0]]
     with pytest.raises(FlagError, match="--machine local: its model's devices are cpus, but this run computes on 2 "
                                         "gpus; give a gpu machine model"):
         _machine_model(argparse.Namespace(machine=None), run)

@@ -14,7 +14,7 @@ from ops.base import ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, SplitDim
 from ops.conv import Conv2d
 from ops.pool import Pool2d
 from ops.linear import Dense
-from ops.lower import compute_processors, resolve_config
+from ops.lower import compute_devices, resolve_config
 from strategies import (BASELINES, data_parallel, expert, model_parallel, random_config, random_strategy,
                         tensor_parallel)
 from strategies.baselines import reduce_dim
@@ -23,7 +23,7 @@ from taskrt import Machine, Runtime
 from tests.opcheck import spec
 
 MACHINE4 = Machine.build(1, 4)
-GPUS = Machine.build(2, cpus_per_rank=2, gpus_per_rank=2)  # compute processors: the 4 GPUs, 2, 3, 6, 7
+GPUS = Machine.build(2, cpus_per_rank=2, gpus_per_rank=2)  # devices 0-3: the 4 GPUs, processors 2, 3, 6, 7
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_every_baseline_is_valid_on_every_machine(name, machine):
         configs, defaulted = s.resolve(m.ops, machine)
         assert configs == s.ops and defaulted == []
         for config in s.ops.values():
-            assert set(config.devices) <= set(compute_processors(machine)), (name, config)
+            assert set(config.devices) <= set(compute_devices(machine)), (name, config)
 
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
@@ -105,7 +105,7 @@ def test_model_parallel_splits_weights_and_hands_out_the_rest_in_turn():
             assert config.num_tiles == 1 and config.devices == (after,), (op.name, config)
         after = (config.devices[-1] + 1) % 4
     assert {d for c in s.ops.values() for d in c.devices} == {0, 1, 2, 3}
-    assert model_parallel(m, GPUS).ops["relu_0"].devices == (2,)
+    assert model_parallel(m, GPUS).ops["relu_0"].devices == (0,)  # the first GPU
 
 
 def test_expert_is_data_parallel_convolutions_and_model_parallel_dense_layers():
@@ -204,7 +204,7 @@ def test_a_config_is_drawn_for_an_operator_not_its_name(draw):
 @pytest.mark.parametrize("draw", [random_config, proposal_config], ids=["random", "proposal"])
 def test_configs_reach_every_declared_split_and_no_other(draw):
     """Random configs and search proposals both reach every split an op declares, only those, on
-    its compute processors; and configs of 3 tiles on this machine's 4 (for a proposal: the
+    its compute devices; and configs of 3 tiles on this machine's 4 (for a proposal: the
     plain random ones among them, since its tile counts are 1, 2 and 4)."""
     x = spec((8, 6, 16), name="input_0")
     ops = [Conv2d("conv", [spec((8, 3, 6, 6))], out_channels=4, kernel=3), HeadAttention("att", [x, x, x], num_heads=2),
@@ -216,7 +216,7 @@ def test_configs_reach_every_declared_split_and_no_other(draw):
             config = draw(op, GPUS, rng)
             split |= {d for d, deg in enumerate(config.degrees) if deg > 1}
             counts.add(config.num_tiles)
-            assert set(config.devices) <= {2, 3, 6, 7}
+            assert set(config.devices) <= {0, 1, 2, 3}   # the GPUs (processors 2, 3, 6, 7)
         assert split == {s.dim for s in op.split_dims()}, op.name
         assert 3 in counts
 
@@ -227,7 +227,7 @@ def test_proposals_fit_the_machine_layout_on_consecutive_devices(seed, ranks, pe
     a rank's processors or is whole ranks, its devices are consecutive (aligned to its size where
     that divides the machine), and it is reproducible for a seed."""
     machine = Machine.build(ranks, per_rank)
-    procs = compute_processors(machine)
+    procs = list(compute_devices(machine))
     assert tile_counts(machine) == sorted({d for d in range(1, per_rank + 1) if per_rank % d == 0}
                                           | {per_rank * d for d in range(1, ranks + 1) if ranks % d == 0})
     m = cnn()

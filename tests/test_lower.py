@@ -12,7 +12,7 @@ from ops.base import OP_REGISTRY
 from ops.conv import Conv2d
 from ops.embedding import Embedding
 from ops.linear import Dense
-from ops.lower import Lowering, default_devices, resolve_config, tile_rects
+from ops.lower import ConfigError, Lowering, compute_processors, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
 from ops.norm import BatchNorm
 from ops.pool import Pool2d
@@ -46,7 +46,7 @@ def test_tile_config_reads_well_and_checks_itself():
         TileConfig((0, 1))
     with pytest.raises(ConfigError, match="has 2 tiles but 3 devices"):
         TileConfig((2, 1), (0, 1, 2))
-    with pytest.raises(ConfigError, match="processor indices >= 0"):
+    with pytest.raises(ConfigError, match="device numbers >= 0"):
         TileConfig((2,), (0, -1))
     with pytest.raises(ConfigError, match="must be ints"):
         TileConfig((1.5,))
@@ -63,7 +63,7 @@ def test_resolve_config_names_op_dim_and_kind():
     with pytest.raises(ConfigError, match=r"dense 'fc'.* has 2 degrees but the op's tile space \(8, 6, 16\) has "
                                           r"3 dims"):
         resolve_config(dense, TileConfig((1, 1)), MACHINE4)
-    with pytest.raises(ConfigError, match=r"places tile 1 on processor 4, but .* has processors 0..3"):
+    with pytest.raises(ConfigError, match=r"places tile 1 on device 4, but .* computes on 4 cpus: devices 0..3"):
         resolve_config(dense, TileConfig((2, 1, 1), (0, 4)), MACHINE4)
     with pytest.raises(ConfigError, match="must be a TileConfig"):
         resolve_config(dense, (2, 1, 1), MACHINE4)
@@ -79,8 +79,10 @@ def test_default_config_splits_the_sample_dim_over_the_compute_processors():
     assert default_config(bn, MACHINE4) == TileConfig((4, 1, 1, 1), (0, 1, 2, 3))
     fc = Dense("fc", [spec((8, 16))], out_features=6)  # the tile space has the input features
     assert default_config(fc, MACHINE4) == TileConfig((4, 1, 1), (0, 1, 2, 3))
-    gpus = Machine.build(1, cpus_per_rank=2, gpus_per_rank=2)  # tiles go to the GPUs (indices 2, 3)
-    assert default_devices(gpus, 4) == (2, 2, 3, 3)
+    gpus = Machine.build(1, cpus_per_rank=2, gpus_per_rank=2)  # devices are the GPUs (processors 2, 3)
+    assert default_devices(gpus, 4) == (0, 0, 1, 1) and compute_processors(gpus) == (2, 3)
+    with pytest.raises(ConfigError, match=r"places tile 1 on device 2, but .* computes on 2 gpus: devices 0..1"):
+        resolve_config(fc, TileConfig((2, 1, 1), (0, 2)), gpus)
 
 
 def test_tiles_follow_partition_equal():

@@ -239,7 +239,7 @@ def test_save_and_load_continue_training_bit_for_bit(rt, tmp_path):
     # the saved configs place tiles on processor 1; a 1-cpu runtime needs configs of its own
     with Runtime(cpus=1) as one:
         with pytest.raises(ConfigError, match=r"load .*: the configs saved with the model do not fit this runtime's "
-                                              r".*places tile 1 on processor 1, but .* has processors 0..0 "
+                                              r".*places tile 1 on device 1, but .* computes on 1 cpu: devices 0..0 "
                                               r"\(Model.load\(path, configs=...\) gives others\)"):
             Model.load(path, runtime=one)
         d = Model.load(path, runtime=one, configs={})

@@ -39,7 +39,7 @@ def entry(degrees, devices=None) -> dict:
 
 def write(tmp_path, ops: dict, model=None, **extra) -> str:
     """A strategy file for small_cnn's graph (its fingerprint unless `model` is given)."""
-    data = {"version": 1, "model": model or model_fingerprint(small_cnn().ops), "ops": ops, **extra}
+    data = {"version": 2, "model": model or model_fingerprint(small_cnn().ops), "ops": ops, **extra}
     path = tmp_path / "s.json"
     path.write_text(json.dumps(data, indent=1))
     return str(path)
@@ -115,7 +115,7 @@ def test_resolve_fills_in_devices_and_names_the_ops_left_to_the_default():
 # ---- one test per loader error -----------------------------------------------------------------
 def test_malformed_json_names_the_file_and_line(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text('{"version": 1,\n "model": "cnn",\n "ops": {"dense_0": {"degrees": [1, 2],}}\n}\n')
+    path.write_text('{"version": 2,\n "model": "cnn",\n "ops": {"dense_0": {"degrees": [1, 2],}}\n}\n')
     message = problem(str(path))
     assert message.startswith(f"{path}:3:") and "malformed JSON" in message
 
@@ -163,8 +163,8 @@ def test_a_device_list_of_the_wrong_length(tmp_path):
 
 def test_devices_the_machine_does_not_have(tmp_path):
     message = problem(write(tmp_path, {"dense_0": entry([1, 2, 1], [0, 4])}))
-    assert ("dense 'dense_0': config 1x2x1 on [0, 4] places tile 1 on processor 4, but Machine(1 ranks, 4 cpus, "
-            "0 gpus, 1 memories) has processors 0..3") in message
+    assert ("dense 'dense_0': config 1x2x1 on [0, 4] places tile 1 on device 4, but Machine(1 ranks, 4 cpus, "
+            "0 gpus, 1 memories) computes on 4 cpus: devices 0..3") in message
 
 
 def test_a_file_for_another_model(tmp_path):
@@ -178,8 +178,11 @@ def test_a_file_for_another_model(tmp_path):
 
 
 def test_fields_of_the_wrong_form(tmp_path):
-    cases = [(dict(version=2), "version 2 is not supported; this reader knows version 1"),
-             (dict(version=1.0), "version 1.0 is not supported; this reader knows version 1"),
+    cases = [(dict(version=3), "version 3 is not supported; this reader knows version 2"),
+             (dict(version=2.0), "version 2.0 is not supported; this reader knows version 2"),
+             (dict(version=1), "version 1 numbered a machine's processors, hosts' CPUs among them; version 2 numbers "
+                               "its compute devices (the GPUs, else the CPUs): where the machine has no GPU the "
+                               "numbers are the same, so set 'version' to 2; else make the strategy again"),
              (dict(extra=True), "unknown field 'extra'; a strategy file has 'version', 'model', 'ops'"),
              (dict(model=3), "'model' must be a model name or fingerprint (a non-empty string), got 3"),
              (dict(ops=[1]), "'ops' must map op names to configs, got list"),
@@ -190,14 +193,14 @@ def test_fields_of_the_wrong_form(tmp_path):
              (dict(ops={"dense_0": entry([1, 2.0])}), "op 'dense_0': TileConfig degrees must be ints, got (1, 2.0)"),
              (dict(ops={"dense_0": entry([0, 1])}), "op 'dense_0': TileConfig degrees must all be >= 1, got (0, 1)")]
     for fields, expected in cases:
-        data = {"version": 1, "model": "cnn", "ops": {}, **fields}
+        data = {"version": 2, "model": "cnn", "ops": {}, **fields}
         path = tmp_path / "s.json"
         path.write_text(json.dumps(data))
         with pytest.raises(StrategyError) as info:
             load(path)
         assert str(info.value) == f"{path}: {expected}" or str(info.value).startswith(f"{path}: {expected}"), \
             (str(info.value), expected)
-    path.write_text('{"version": 1, "ops": {}, "ops": {}}')
+    path.write_text('{"version": 2, "ops": {}, "ops": {}}')
     with pytest.raises(StrategyError) as info:
         load(path)
     assert info.value.problems == [f"{path}: key 'ops' appears twice in one object", f"{path}: missing field 'model'"]

@@ -189,8 +189,8 @@ def test_errors_one_line_exit_2(tmp_path, capsys, case):
             "memory nodes": ["memory", good, "--app", "mlp", "--tiny", "--nodes", "0"],
             "draw svg": ["draw", good, "--app", "mlp", "--tiny", "-o", tmp_path / "g.svg"]}[case]
     ops = app_graph("mlp", 16, tiny=True)[0].ops
-    text = {"malformed": '{"version": 1,\n "model": "mlp", "ops": {',
-            "bad field": '{"version": 1, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
+    text = {"malformed": '{"version": 2,\n "model": "mlp", "ops": {',
+            "bad field": '{"version": 2, "model": "mlp", "ops": {"fc1": {"degrees": [0, 1, 1]}}}',
             "other model": Strategy("mlp", {}).to_json(),
             "unknown op": Strategy("mlp", {"fc9": TileConfig((2, 1, 1))}).to_json(),
             "arity": Strategy("mlp", {"fc1": TileConfig((2, 1))}).to_json(),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
 from ops.base import Op
-from ops.lower import ConfigError, TileConfig, check_degrees
+from ops.lower import ConfigError, TileConfig, check_degrees, compute_devices
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
 from strategies.memory import place_name, step_holdings
 from taskrt.outputs import output_problem
@@ -306,7 +306,7 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
     try:
         view = sim.builder.plan_view(sim.configs(strategy))
     except StrategyError as e:
-        lacking = any(d >= len(sim.machine.processors) for c in strategy.ops.values() for d in c.devices or ())
+        lacking = any(d >= len(compute_devices(sim.machine)) for c in strategy.ops.values() for d in c.devices or ())
         hint = f" (is it for another machine than --machine {machine}?)" if lacking else ""
         raise ToolError(_named_once(e, strategy.source) + hint) from None
     except (ConfigError, ValueError) as e:
