@@ -12,7 +12,7 @@ from ops.base import OP_REGISTRY
 from ops.conv import Conv2d
 from ops.embedding import Embedding
 from ops.linear import Dense
-from ops.lower import ConfigError, Lowering, compute_processors, default_devices, resolve_config, tile_rects
+from ops.lower import Lowering, compute_processors, default_devices, resolve_config, tile_rects
 from ops.loss import SparseCategoricalCrossEntropy
 from ops.norm import BatchNorm
 from ops.pool import Pool2d
