@@ -30,6 +30,9 @@ def save(model, path) -> None:
     """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
     optimizer state, step count and data-order generator, so training resumes bit for bit. On
     many ranks every rank calls it (collective) and rank 0 writes the file."""
+    folder = os.path.dirname(os.fspath(path)) or "."
+    if not os.path.isdir(folder):   # (checked on every rank: rank 0's write failing would end them all)
+        raise FileNotFoundError(f"save {path}: no folder {folder!r} to write it in")
     meta = {"graph": graph_dict(model), "compiled": model._compiled, "step": model.step,
             "data_rng": model._data_rng.bit_generator.state}
     arrays = {f"param/{k}": v for k, v in model.parameters().items()}
@@ -90,20 +93,21 @@ def load_new(cls, path, runtime=None, configs: dict | None = None):
                 raise
             raise ConfigError(f"load {path}: the configs saved with the model do not fit this runtime's "
                               f"{m.rt.machine!r}: {e} (Model.load(path, configs=...) gives others)") from None
-    restore(m, meta, arrays)
+    restore(m, meta, arrays, f"load {path}")
     return m
 
 
 def load_into(model, path) -> None:
-    """m.load(path): restore weights, stats (and optimizer state and step, if compiled) from a file
-    saved from a model with the same graph."""
+    """m.load(path): restore weights, stats (and optimizer state, step and data order where both
+    the model and the file were compiled) from a file saved from a model with the same graph; a
+    file saved before compile leaves the model's optimizer state and step as they are."""
     meta, arrays = _read_file(path)
     mine = json.loads(json.dumps(graph_dict(model), default=_json_default))
     theirs = meta["graph"]
     if (mine["inputs"], mine["ops"]) != (theirs["inputs"], theirs["ops"]):
         raise ValueError(f"load {path}: the file holds a different graph than this model: "
                          f"{_graph_difference(theirs, mine)}")
-    restore(model, meta, arrays)
+    restore(model, meta, arrays, f"load {path}")
 
 
 def _graph_difference(theirs: dict, mine: dict) -> str:
@@ -124,26 +128,48 @@ def _graph_difference(theirs: dict, mine: dict) -> str:
     return "they differ"
 
 
-def restore(model, meta: dict, arrays: dict) -> None:
+def restore(model, meta: dict, arrays: dict, where: str) -> None:
     """Put a file's arrays (and, when compiled, optimizer state, step and data order) into `model`;
-    everything is checked before anything is put in, so a file that does not fit changes nothing."""
+    everything is checked before anything is put in, so a file that does not fit changes nothing.
+    `where` ("load PATH") begins each error."""
     values = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(("param/", "stat/"))}
+    missing = [k for k in model._param_names() + model._stat_names() if k not in values]
+    if missing:
+        raise ValueError(f"{where}: a damaged model file: no {', '.join(map(repr, missing[:4]))}"
+                         f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}")
+    try:
+        checked = model._checked_parameters(values, where)
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
     compiled = model._low is not None and meta["compiled"] is not None
-    states = []
+    states, step, data_order = [], None, None
     if compiled:
         for p in model._low.params.values():
             for s, region in p.state.items():
                 key = f"opt/{p.name}/{s}"
                 if key not in arrays:
-                    raise ValueError(f"load: the file has no optimizer state {key!r} (saved with another "
+                    raise ValueError(f"{where}: the file has no optimizer state {key!r} (saved with another "
                                      f"optimizer?)")
-                states.append((region, arrays[key]))
-    model.set_parameters(values)
+                state = arrays[key]
+                if state.shape != region.shape or state.dtype.kind != "f":
+                    raise ValueError(f"{where}: optimizer state {key!r} is {state.dtype}{list(state.shape)}, this "
+                                     f"model's {region.dtype}{list(region.shape)}")
+                states.append((region, state))
+        step = meta["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"{where}: a damaged model file: its step is {step!r}, not a count")
+        data_order = np.random.PCG64()
+        try:
+            data_order.state = meta["data_rng"]
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{where}: a damaged model file: its data-order generator state does not load "
+                             f"({_reason(e)})") from None
+    model._put_parameters(checked)
     for region, array in states:
         model._low.attach(region, array)
     if compiled:
-        model.step = int(meta["step"])
-        model._data_rng.bit_generator.state = meta["data_rng"]
+        model.step = step
+        model._data_rng.bit_generator.state = data_order.state
 
 
 def _json_default(v):
@@ -186,7 +212,7 @@ def _read_file(path) -> tuple[dict, dict[str, np.ndarray]]:
     graph = meta.get("graph") if isinstance(meta, dict) else None
     if not isinstance(graph, dict) or graph.get("format") != FORMAT:
         raise ValueError(f"{where}: not a model file of format {FORMAT}")
-    missing = [k for k in ("compiled", "step") if k not in meta] + [
+    missing = [k for k in ("compiled", "step", "data_rng") if k not in meta] + [
         k for k in ("inputs", "ops", "seed", "counters") if k not in graph]
     if missing:
         raise ValueError(f"{where}: a damaged model file: no {', '.join(map(repr, missing))}")

@@ -1113,6 +1113,13 @@ class Lowering:
         for segment in self.update_segments(step):
             self.issue(segment)
 
+    def forget_saved(self) -> None:
+        """Drop what training forwards kept for backwards that will not run: after a failure, once
+        every task issued has run or been lost (Runtime.recover), each entry left is a lost
+        backward's, and the next step's backward would take it for its own forward's."""
+        with self.saved_lock:
+            self.saved.clear()
+
     def train_step(self, step: int, valid: int | None = None, source: tuple | None = None):
         """One iteration (forward, backward, update) as one program; returns the loss FutureMap
         (None without a loss). `source` = (fn, source): the program starts with the batch

@@ -89,14 +89,17 @@ def _recovers(method):
 
 def _recovered(model: "Model", exc: RuntimeError) -> RuntimeError:
     """After `exc` left an entry point: the model's runtime made usable again where a task failed,
-    in one process (on many ranks a failure ends every rank), and its step count taken back to
-    the steps that ran whole (Model._rewind); the error to raise: the failed task's own (a launch
+    in one process (on many ranks a failure ends every rank), its step count taken back to the
+    steps that ran whole (Model._rewind) and what lost backwards would have taken dropped; the
+    error to raise: the failed task's own (a launch
     issued after it had failed said only that the runtime stopped), else `exc`."""
     rt = model.rt
     failed = None if rt.executor is None else rt.executor.error
     if failed is None or rt.transport is not None:
         return exc
     model._rewind(rt.recover())
+    if model._low is not None:
+        model._low.forget_saved()
     return failed
 
 
@@ -764,24 +767,33 @@ class Model:
         return self._read_all(names, lambda k: self._low.params[k].grad)
 
     def set_parameters(self, values: dict) -> None:
-        """Set weights and/or running stats by name; shapes must match exactly."""
+        """Set weights and/or running stats by name; shapes must match exactly (every value is
+        checked before any is set)."""
         if not self.has_weights:
             raise RuntimeError("set_parameters: the model was built with weights=False (its graph alone)")
         if not isinstance(values, dict):
             raise TypeError(f"set_parameters: values must be a dict of name -> array, got {type(values).__name__}")
+        self._put_parameters(self._checked_parameters(values, "set_parameters"))
+
+    def _checked_parameters(self, values: dict, what: str) -> dict[str, np.ndarray]:
+        """`values` (name -> array) checked against the model's weights and running stats and cast
+        to their dtypes; `what` begins each error."""
         shapes = {f"{op.name}.{k}": (s, op.weight_dtype(k)) for op in self.ops
                   for k, s in {**op.weight_shapes(), **op.state_shapes()}.items()}
         checked = {}
         for k, v in values.items():
             if k not in shapes:
-                raise KeyError(f"set_parameters: unknown parameter {k!r}; known: {sorted(shapes)}")
-            v = _numeric(v, f"set_parameters: {k}")
+                raise KeyError(f"{what}: unknown parameter {k!r}; known: {sorted(shapes)}")
+            v = _numeric(v, f"{what}: {k}")
             if v.shape != tuple(shapes[k][0]):
-                raise ValueError(f"set_parameters: {k} has shape {v.shape}, expected {tuple(shapes[k][0])}")
+                raise ValueError(f"{what}: {k} has shape {v.shape}, expected {tuple(shapes[k][0])}")
             if beyond_range(v, shapes[k][1]) is not None:
-                raise ValueError(f"set_parameters: {k} has values that {np.dtype(shapes[k][1])} cannot hold "
+                raise ValueError(f"{what}: {k} has values that {np.dtype(shapes[k][1])} cannot hold "
                                  f"(largest magnitude {_largest(v):.3g})")
             checked[k] = v.astype(shapes[k][1])
+        return checked
+
+    def _put_parameters(self, checked: dict[str, np.ndarray]) -> None:
         for k, v in checked.items():
             if self._low is None:
                 self._values[k] = v
@@ -802,8 +814,9 @@ class Model:
         return checkpoint.load_new(cls, path, runtime, configs)
 
     def _load_into(self, path) -> None:
-        """m.load(path): restore weights, stats (and optimizer state and step, if compiled) from a file
-        saved from a model with the same graph."""
+        """m.load(path): restore weights, stats (and optimizer state, step and data order where both
+        the model and the file were compiled) from a file saved from a model with the same graph; a
+        file saved before compile leaves the model's optimizer state and step as they are."""
         checkpoint.load_into(self, path)
 
     load = _dualmethod(_load_new, _load_into)

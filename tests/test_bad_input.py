@@ -6,6 +6,8 @@ the runtime goes on).
 """
 from __future__ import annotations
 
+import itertools
+import json
 import warnings
 
 import numpy as np
@@ -122,6 +124,61 @@ def test_damaged_checkpoints_name_the_path(tmp_path, damage, match):
     assert str(bad) in str(info.value)
 
 
+@pytest.mark.parametrize("damage,match", [
+    ("no weight", r"a damaged model file: no 'dense_0.bias'"),
+    ("state shape", r"optimizer state 'opt/dense_0.weight/exp_avg' is float32\[2, 3\], this model's float32\[5, 3\]"),
+    ("step", r"a damaged model file: its step is 'four', not a count"),
+    ("data order", r"a damaged model file: its data-order generator state does not load"),
+    ("no data order", r"a damaged model file: no 'data_rng'"),
+])
+def test_a_damaged_checkpoint_changes_nothing_in_the_model_it_is_loaded_into(tmp_path, damage, match):
+    """Missing weights were not noticed (the model's own stayed, the step and optimizer state came
+    from the file), and the optimizer state, step and data order were checked after the weights
+    were replaced, in errors that did not name the file."""
+    path, bad = tmp_path / "m.npz", tmp_path / "bad.npz"
+    with Runtime(cpus=1) as rt:
+        m = Model(rt, seed=0)
+        m.dense(m.dense(m.input((4, 3), name="x"), 5), 2)
+        m.compile("adam")
+        m.fit({"x": np.ones((4, 3))}, np.zeros(4, "int64"), iterations=2, verbose=False)
+        m.save(path)
+        with np.load(path) as f:
+            arrays = {k: f[k] for k in f.files}
+        meta = json.loads(str(arrays.pop("meta")))
+        if damage == "no weight":
+            del arrays["param/dense_0.bias"]
+        elif damage == "state shape":
+            arrays["opt/dense_0.weight/exp_avg"] = arrays["opt/dense_0.weight/exp_avg"][:2]
+        elif damage == "step":
+            meta["step"] = "four"
+        elif damage == "data order":
+            meta["data_rng"] = {"bit_generator": "PCG64", "state": "garbage"}
+        else:
+            del meta["data_rng"]
+        np.savez(bad, meta=np.array(json.dumps(meta)), **arrays)
+        m.fit({"x": np.full((4, 3), 2.0)}, np.ones(4, "int64"), iterations=1, verbose=False)
+        before = m.parameters(), m.step
+        with pytest.raises(ValueError, match=match) as info:
+            m.load(bad)
+        assert str(info.value).startswith(f"load {bad}: ")
+        assert m.step == before[1] == 3
+        for name, value in before[0].items():
+            np.testing.assert_array_equal(m.parameters()[name], value, err_msg=name)
+        with pytest.raises(ValueError, match=match):
+            Model.load(bad, runtime=rt)
+
+
+def test_saving_into_a_missing_folder_is_refused_before_any_work(tmp_path):
+    """Under mpiexec rank 0's failed write ended every rank; the folder is checked on each first."""
+    with Runtime(cpus=1) as rt:
+        m = _mlp(rt)
+        issued = rt.issued
+        with pytest.raises(FileNotFoundError, match=f"save {tmp_path}/nowhere/m.npz: no folder "
+                                                    f"'{tmp_path}/nowhere' to write it in"):
+            m.save(tmp_path / "nowhere" / "m.npz")
+        assert rt.issued == issued
+
+
 def test_a_non_finite_loss_is_reported_and_can_stop_training():
     with Runtime(cpus=1) as rt:
         m = _mlp(rt)
@@ -203,6 +260,44 @@ def test_a_failed_step_keeps_the_steps_before_it_and_the_count_of_those_that_ran
             assert losses == pytest.approx(ref_losses[2:], rel=1e-6)
             for name, value in ref.parameters().items():
                 np.testing.assert_allclose(m.parameters()[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_failing_midway_leaves_no_saved_tensors_for_the_backwards_that_come_after(monkeypatch):
+    """The failed step's layer norm ran its forward, which keeps its rows' means and deviations for
+    its backward; the backward was skipped, they stayed queued, and from then on every backward of
+    the layer norm took the step before's: the step redone matched (the same batch and weights),
+    the next did not."""
+    from ops.linear import Dense
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((16, 3)).astype("float32"), rng.integers(0, 2, 16)
+    calls, forward = itertools.count(1), Dense.forward
+
+    def source(step, lo, hi):
+        at = 4 * (step - 1) % 16
+        return x[at + lo:at + hi], y[at + lo:at + hi]
+
+    def second_fails_at_step_3(self, *args, **kwargs):
+        if self.name == "out" and next(calls) == 5:   # two tiles a step
+            raise ArithmeticError("out of order")
+        return forward(self, *args, **kwargs)
+
+    def mlp(rt):
+        m = Model(rt, seed=0)
+        m.dense(m.layer_norm(m.dense(m.input((4, 3), name="x"), 5)), 2, name="out")
+        m.compile("sgd")
+        return m
+
+    with Runtime(cpus=2) as rt:
+        ref = mlp(rt)
+        ref_losses = list(ref.train_on(source, 5))
+        m = mlp(rt)
+        monkeypatch.setattr(Dense, "forward", second_fails_at_step_3)
+        with pytest.raises(TaskError, match="out of order"):
+            list(m.train_on(source, 5))
+        assert m.step == 2
+        assert list(m.train_on(source, 3)) == pytest.approx(ref_losses[2:], rel=1e-6)
+        for name, value in ref.parameters().items():
+            np.testing.assert_allclose(m.parameters()[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_a_tuple_of_tensors_where_one_goes_is_named_as_such():
