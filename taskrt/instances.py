@@ -313,11 +313,12 @@ class InstanceStore:
         moving buf into dst's memory when it lives elsewhere."""
         dst_view = self.part(region, rect, dst, at)
         if dst.kind == "sys":
-            if not isinstance(buf, np.ndarray):
-                buf = gpu.to_numpy(buf)
-        else:
-            buf = gpu.to_device(buf, self.gpu_devices[dst])
-        fold(self.xp(dst), redop, dst_view, buf)
+            fold(np, redop, dst_view, buf if isinstance(buf, np.ndarray) else gpu.to_numpy(buf))
+            return
+        device = self.gpu_devices[dst]
+        with gpu.on(device):   # (the caller's thread may work on another device: a transport's)
+            fold(self.xp(dst), redop, dst_view, gpu.to_device(buf, device))
+            gpu.synchronize()   # done when it returns, for the tasks of every stream
 
     def put(self, region: Region, rect: Rect, dst: Memory, array: np.ndarray, at: int = -1) -> None:
         """dst[rect] = an array: a host array (data that came from another rank), or one in dst's

@@ -210,8 +210,6 @@ class Copies:
             self.store.fold_array(node.region, node.rect, node.dst, target, node.redop, node.id)
         else:
             self.store.put(node.region, node.rect, node.dst, target, node.id)
-        if node.dst.kind == "gpu":
-            gpu.synchronize()  # done means the data is there, for tasks on other streams too
 
     def unpack_recv(self, half: RecvHalf):
         """On the dst memory's worker: fold the received buffer, or copy it into place."""

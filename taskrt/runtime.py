@@ -588,8 +588,6 @@ class Runtime:
             self.store.copy(node.region, node.rect, node.src, node.dst, node.id)
         else:
             self.store.fold(node.region, node.rect, node.dst, node.buffer, node.redop, node.id)
-        if node.src.kind == "gpu" or node.dst.kind == "gpu":
-            gpu.synchronize()
 
     # ---- waiting and shutting down --------------------------------------------------------
     def _node_done(self, node_id) -> bool:

@@ -21,14 +21,23 @@ def use_device(device: int) -> None:
 
 
 def synchronize() -> None:
-    """Wait for the work this thread issued on its current stream."""
+    """Wait for the work this thread issued on its current stream (of its current device)."""
     module().cuda.get_current_stream().synchronize()
 
 
+def on(device: int):
+    """A context in which this thread's cupy work goes to `device` (on its stream there)."""
+    return module().cuda.Device(device)
+
+
 def allocate(shape, dtype, device: int):
+    """Zeros on `device`, filled when returned: the allocating thread's stream may be one that a
+    task's stream is not ordered after (the submitting thread's, when an instance grows)."""
     cp = module()
     with cp.cuda.Device(device):
-        return cp.zeros(shape, dtype)
+        array = cp.zeros(shape, dtype)
+        synchronize()
+        return array
 
 
 def to_numpy(array) -> np.ndarray:
@@ -50,16 +59,20 @@ def to_device(array, device: int):
         return array
     with cp.cuda.Device(array.device.id):
         src = cp.ascontiguousarray(array)
+        synchronize()   # made on the source device's stream, which the peer copy is not ordered after
     with cp.cuda.Device(device):
         staged = cp.empty(src.shape, src.dtype)
         staged.data.copy_from_device(src.data, src.nbytes)
+        synchronize()   # src is freed on return: read first
     return staged
 
 
 def copy(dst_view, src_view, dst_device: int | None) -> None:
-    """dst[...] = src across host and devices: host to device, device to host, or peer to peer."""
+    """dst[...] = src across host and devices: host to device, device to host, or peer to peer;
+    done when it returns, for the tasks of every stream."""
     if dst_device is None:
         dst_view[...] = to_numpy(src_view)
         return
     with module().cuda.Device(dst_device):
         dst_view[...] = to_device(src_view, dst_device)
+        synchronize()
