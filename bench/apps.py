@@ -260,7 +260,7 @@ def torch_side(args) -> dict:
         times.append(time.perf_counter() - start)
     if world > 1:
         torch.distributed.destroy_process_group()
-    span = times[-1] - times[args.warmup - 1]
+    span = times[-1] - (times[args.warmup - 1] if args.warmup else 0.0)
     return {"samples_per_s": b * (args.iterations - args.warmup) / span, "first_loss": losses[0],
             "final_loss": losses[-1]}
 
@@ -373,15 +373,15 @@ def main(argv=None) -> None:
     p.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="fewer iterations")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (8, 3 of them warm-up), unless given")
     p.add_argument("--only", nargs="+", default=None, choices=APPS, metavar="APP", help="these apps only")
-    p.add_argument("--iterations", type=at_least(1), default=20)
-    p.add_argument("--warmup", type=at_least(0), default=5)
+    p.add_argument("--iterations", type=at_least(1), default=None, help="iterations a run (default 20)")
+    p.add_argument("--warmup", type=at_least(0), default=None, help="of them left out of the timing (default 5)")
     p.add_argument("--local-bn", action="store_true",
                    help="PyTorch's 2 ranks with DDP's per-rank batch norm statistics (default: summed over ranks)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.iterations, args.warmup = 8, 3
+    args.iterations = args.iterations if args.iterations is not None else 8 if args.quick else 20
+    args.warmup = args.warmup if args.warmup is not None else min(3 if args.quick else 5, args.iterations - 1)
     if args.warmup >= args.iterations:
         p.error(f"--warmup {args.warmup}: must be less than --iterations ({args.iterations})")
     if args.side == "torch":

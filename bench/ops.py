@@ -88,11 +88,13 @@ def ours_fwd_bwd(xp, op, inputs, weights, state=None, tile=None):
     rng = np.random.default_rng(1)
     grads = [xp.asarray(rng.standard_normal(r.shape).astype(o.dtype))
              for o, r in zip(op.outputs, op.output_rects(tile))]
+    # an op that writes its weight gradients into the runtime's buffers is given them, as in training
+    extra = {"weight_out": {k: xp.empty_like(w) for k, w in ws.items()}} if op.writes_weight_out else {}
 
     def step():
         outs, saved = op.forward(xp, tile, ins, in_rects, ws, training=True,
                                  state=None if st is None else {k: v.copy() for k, v in st.items()})
-        op.backward(xp, tile, ins, in_rects, ws, outs, grads, saved)
+        op.backward(xp, tile, ins, in_rects, ws, outs, grads, saved, **extra)
     return step
 
 

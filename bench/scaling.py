@@ -466,11 +466,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None, help="ours worker: the runtime's trace path (one file per rank)")
     ap.add_argument("--no-sync", action="store_true", help="ddp worker: also time the steps under model.no_sync()")
     args = ap.parse_args(argv)
-    args.iterations = args.iterations or (2 if args.quick else 5)
-    args.trials = args.trials or (1 if args.quick else 4)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    for flag, least, default in (("iterations", 1, (2, 5)), ("trials", 1, (1, 4)), ("rounds", 1, (1, 2)),
+                                 ("warmup", 0, (1, 3))):
+        value = getattr(args, flag)
+        if value is None:
+            setattr(args, flag, default[0] if args.quick else default[1])
+        elif value < least:
+            ap.error(f"--{flag} {value}: must be at least {least}")
+    if not args.worker:
+        check_choices(ap, args)
     return args
+
+
+def check_choices(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--models, --strategies (model:strategy with --profile) and --ranks name what there is, before
+    any run starts."""
+    from strategies import BASELINES
+    models = args.models.split(",")
+    for m in models:
+        if m not in SIZES["full"]:
+            ap.error(f"--models {args.models}: no model {m!r}; there are {', '.join(SIZES['full'])}")
+    for entry in args.strategies.split(","):
+        model, _, strategy = entry.rpartition(":") if args.profile else ("", "", entry)
+        if model and model not in models:
+            ap.error(f"--strategies {args.strategies}: {entry!r} names model {model!r}, not one of --models")
+        if strategy not in BASELINES:
+            ap.error(f"--strategies {args.strategies}: no baseline {strategy!r}; there are {', '.join(BASELINES)}")
+    for r in args.ranks.split(","):
+        if not r.isdigit() or not 1 <= int(r) <= CORES:
+            ap.error(f"--ranks {args.ranks}: {r!r} is not a rank count from 1 to {CORES} (this benchmark gives "
+                     f"each of R ranks {CORES} // R cores)")
 
 
 def benchmark(args, sizes: dict, models: list[str], strategies: list[str]) -> dict:
@@ -532,8 +557,6 @@ def main() -> None:
             os._exit(0)
         return
 
-    from strategies import BASELINES
-
     models = args.models.split(",")
     if args.profile:
         wanted = args.strategies.split(",")
@@ -549,8 +572,7 @@ def main() -> None:
         return
 
     load_before = os.getloadavg()[0]  # other work on the machine slows the runs down; say how much
-    strategies = [s for s in args.strategies.split(",") if s in BASELINES]
-    throughput = benchmark(args, sizes, models, strategies)
+    throughput = benchmark(args, sizes, models, args.strategies.split(","))
     sync = sync_ratios(args.quick)
     top = str(max(int(r) for r in args.ranks.split(",")))
     result = {"bench": "scaling", "mode": mode, "iterations": args.iterations, "warmup": args.warmup,
