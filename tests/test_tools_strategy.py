@@ -144,6 +144,13 @@ def test_memory_gives_each_device_s_peak_where_it_falls_and_its_largest_regions(
         # (device 0 is the host too, where the momentum was attached whole at the start)
         assert all(line.startswith("    ") and line.endswith((".weight", ".weight.momentum"))
                    for line in lines if line not in heads)
+    # on GPUs the rows are the strategy's devices, and the host of each node beside them (they were
+    # numbered as processors: the host 0 and the GPUs 1 to 4, where the file says 0 to 3)
+    Strategy("mlp", {"fc1": TileConfig((4, 1, 1), (3, 2, 1, 0))}).save(tmp_path / "gpus.json")
+    status, out, _ = run(capsys, "memory", tmp_path / "gpus.json", "--app", "mlp", "--tiny", "--machine", "p100",
+                         "--nodes", "1", "--top", "1")
+    heads = [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")]
+    assert status == 0 and heads == ["host of node 0", "device 0", "device 1", "device 2", "device 3"], out
     held = {}   # device 0's bytes at its peak: Adam keeps two states a weight, SGD one; float64 twice the bytes
     for flags in (("--optimizer", "sgd"), ("--optimizer", "adam"), ("--dtype", "float64")):
         _, out, _ = run(capsys, "memory", mlp_strategy(tmp_path / "s.json"), "--app", "mlp", "--tiny", "--machine",

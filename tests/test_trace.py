@@ -140,6 +140,19 @@ def test_a_base_path_stands_for_its_rank_files_or_their_merge(two_ranks, measure
     shutil.copy(measured, base)   # a one-rank run's trace of the same name
     rc, _, err = run_cli(capsys, "summary", base)
     assert rc == 2 and "name the files to read" in err
+    # their merge, and then the merge of another run's files of the same names, both written after them
+    rc, _, _ = run_cli(capsys, "merge", *[tmp_path / f"run.rank{r}.jsonl" for r in range(2)], "-o",
+                       tmp_path / "merged.jsonl")
+    lines = open(tmp_path / "merged.jsonl").read().splitlines(keepends=True)
+    meta = json.loads(lines[0])
+    for run, read in ((meta["run"], True), (meta["run"] + 60, False)):
+        write(tmp_path, "run.jsonl", json.dumps({**meta, "run": run}) + "\n" + "".join(lines[1:]))
+        os.utime(base, (later + 10, later + 10))
+        if read:
+            assert rc == 0 and tt.load(base).meta["sources"] == [str(base)]
+        else:
+            with pytest.raises(tt.TraceError, match="both it and rank files .* exist, and it is not their merge"):
+                tt.load(base)
 
 
 # ---- chrome --------------------------------------------------------------------------------------

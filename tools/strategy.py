@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
 from ops.base import Op
-from ops.lower import ConfigError, TileConfig, check_degrees, compute_devices
+from ops.lower import ConfigError, TileConfig, check_degrees, compute_devices, compute_processors
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
 from strategies.memory import place_name, step_holdings
 from taskrt.outputs import output_problem
@@ -315,6 +315,7 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
     first = {}
     for i, p in enumerate(sim.machine.processors):
         first.setdefault(p.memory, i)
+    device_of = {proc: k for k, proc in enumerate(compute_processors(sim.machine))}   # the strategy's numbers
     lines, fits = [], True
     for memory, proc in sorted(first.items(), key=lambda kv: kv[1]):
         timeline = held.get(memory)
@@ -328,7 +329,9 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
         fits = fits and not over
         when = ("everything kept for the whole step" if timeline.min() == timeline.max()
                 else f"at the {place_name(place, view.ops)}")
-        lines.append(f"device {proc}: {si(peak, 'B')} of {si(capacity, 'B')}{'  OVER' if over else ''}, {when} "
+        where = (f"device {device_of[proc]}" if proc in device_of
+                 else f"host of node {sim.machine.processors[proc].rank}")
+        lines.append(f"{where}: {si(peak, 'B')} of {si(capacity, 'B')}{'  OVER' if over else ''}, {when} "
                      f"(reduction buffers {si(int(buffers[memory][place]), 'B')})")
         live = sorted(((nbytes, name) for name, (nbytes, lo, hi) in regions[memory].items() if lo <= place <= hi),
                       reverse=True)

@@ -246,17 +246,25 @@ def _rank_files(path: str) -> list[str]:
 
 
 def _merged_from(path: str, ranks: list[str]) -> bool:
-    """Whether the file `path` is `merge`'s of the files `ranks`, written after them."""
+    """Whether the file `path` is `merge`'s of the files `ranks`: of the same run, written after them."""
+    meta, first = _first_meta(path), _first_meta(ranks[0])
+    sources = meta.get("sources")
+    if not isinstance(sources, list) or sorted(map(os.path.basename, map(str, sources))) != \
+            sorted(map(os.path.basename, ranks)):
+        return False
+    if meta.get("run") != first.get("run"):   # (a merge of another run's files of the same names)
+        return False
+    return all(os.path.getmtime(r) <= os.path.getmtime(path) for r in ranks)
+
+
+def _first_meta(path: str) -> dict:
+    """A trace file's first line as a dict, or {} where it is not one."""
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.loads(f.readline())
     except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    sources = meta.get("sources") if isinstance(meta, dict) else None
-    if not isinstance(sources, list) or sorted(map(os.path.basename, map(str, sources))) != \
-            sorted(map(os.path.basename, ranks)):
-        return False
-    return all(os.path.getmtime(r) <= os.path.getmtime(path) for r in ranks)
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def load(paths) -> Trace:
