@@ -91,8 +91,8 @@ def _recovered(model: "Model", exc: RuntimeError) -> RuntimeError:
     """After `exc` left an entry point: the model's runtime made usable again where a task failed,
     in one process (on many ranks a failure ends every rank), its step count taken back to the
     steps that ran whole (Model._rewind) and what lost backwards would have taken dropped; the
-    error to raise: the failed task's own (a launch
-    issued after it had failed said only that the runtime stopped), else `exc`."""
+    error to raise: the failed task's own (a launch issued after it had failed said only that the
+    runtime stopped), else `exc`."""
     rt = model.rt
     failed = None if rt.executor is None else rt.executor.error
     if failed is None or rt.transport is not None:
