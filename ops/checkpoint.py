@@ -11,10 +11,11 @@ import zlib
 import numpy as np
 
 from ops.base import OP_REGISTRY
-from ops.lower import ConfigError, TileConfig
+from ops.lower import ConfigError, TileConfig, compute_processors
 from ops.optimizers import optimizer_from_dict
 
-FORMAT = 1
+#: 2: saved configs' devices are compute devices (TileConfig); 1 numbered every processor
+FORMAT = 2
 
 
 def graph_dict(model) -> dict:
@@ -85,6 +86,8 @@ def load_new(cls, path, runtime=None, configs: dict | None = None):
         saved = configs is None
         if saved:
             configs = {k: TileConfig.from_dict(v) for k, v in c["configs"].items()}
+            if graph["format"] == 1:
+                configs = _renumbered(configs, m.rt.machine, path)
         try:
             m.compile(optimizer_from_dict(c["optimizer"]), c["loss"], c["metrics"], configs,
                       output=m.tensors[c["output"]])
@@ -95,6 +98,22 @@ def load_new(cls, path, runtime=None, configs: dict | None = None):
                               f"{m.rt.machine!r}: {e} (Model.load(path, configs=...) gives others)") from None
     restore(m, meta, arrays, f"load {path}")
     return m
+
+
+def _renumbered(configs: dict, machine, path) -> dict:
+    """A format-1 file's configs, whose devices were processor indices, in device numbers on
+    `machine` (the saved configs fit the machine that loads them, so it is the one they name)."""
+    procs = compute_processors(machine)
+    out = {}
+    for name, config in configs.items():
+        strays = [d for d in config.devices or () if d not in procs]
+        if strays:
+            raise ConfigError(f"load {path}: a file of format 1 places op {name!r} on processor {strays[0]}, not "
+                              f"one of the {len(procs)} compute processors of this runtime's {machine!r} "
+                              f"(Model.load(path, configs=...) gives others)")
+        out[name] = config if config.devices is None else TileConfig(
+            config.degrees, tuple(procs.index(d) for d in config.devices))
+    return out
 
 
 def load_into(model, path) -> None:
@@ -210,8 +229,8 @@ def _read_file(path) -> tuple[dict, dict[str, np.ndarray]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: its 'meta' entry is not JSON: {e.msg}") from None
     graph = meta.get("graph") if isinstance(meta, dict) else None
-    if not isinstance(graph, dict) or graph.get("format") != FORMAT:
-        raise ValueError(f"{where}: not a model file of format {FORMAT}")
+    if not isinstance(graph, dict) or type(graph.get("format")) is not int or graph["format"] not in (1, FORMAT):
+        raise ValueError(f"{where}: not a model file of format {FORMAT} (or 1)")
     missing = [k for k in ("compiled", "step", "data_rng") if k not in meta] + [
         k for k in ("inputs", "ops", "seed", "counters") if k not in graph]
     if missing:

@@ -3,6 +3,7 @@ loading bit for bit, and clear errors before any work."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from ops import SGD, Adam, ConfigError, History, Model, TileConfig
 from ops.base import ShapeError
-from taskrt import Runtime
+from taskrt import Machine, Runtime
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +264,33 @@ def test_load_restores_step_and_data_order_without_optimizer_state(rt, tmp_path)
     c.load(path)
     assert c.step == 3
     assert c.fit(x, y, iterations=4, verbose=False).loss == want.loss
+
+
+def test_a_checkpoint_of_format_1_numbered_processors_and_loads_on_the_machine_it_names(rt, tmp_path):
+    """Format 2 saves configs' devices as compute devices; a format-1 file's were processor
+    indices (a GPU run's GPUs after its CPU workers), now read as the devices they are."""
+    m = Model(rt, seed=1)
+    m.dense(m.input((4, 6)), 3, name="fc")
+    m.compile(SGD(lr=0.1), configs={"fc": TileConfig((2, 1, 1))})
+    m.save(tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as f:
+        arrays = {k: f[k] for k in f.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    assert meta["graph"]["format"] == 2
+    gpus = Machine.build(1, cpus_per_rank=3, gpus_per_rank=2)   # the GPUs are processors 3 and 4
+    for devices, want in (([4, 3], (1, 0)), ([1, 3], "places op 'fc' on processor 1, not one of the 2 compute")):
+        meta["graph"]["format"] = 1
+        for config in meta["compiled"]["configs"].values():   # (fc's and the loss op's: two tiles each)
+            config["devices"] = devices
+        np.savez(tmp_path / "old.npz", meta=np.array(json.dumps(meta)), **arrays)
+        with Runtime(gpus, execute=False) as other:
+            if isinstance(want, str):
+                with pytest.raises(ConfigError, match=want):
+                    Model.load(tmp_path / "old.npz", runtime=other)
+                continue
+            back = Model.load(tmp_path / "old.npz", runtime=other)
+            assert back.configs["fc"].devices == want
+            assert list(back._low.plans["fc"].placement.values()) == devices
 
 
 def test_an_uncompiled_model_saves_and_loads_its_graph_and_weights(rt, tmp_path):

@@ -66,7 +66,12 @@ def test_show_marks_ops_left_to_the_default(tmp_path, capsys):
     assert status == 0
     table = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
     assert table["fc1"][2:4] == ["S2", "default"] and table["fc2"][2:4] == ["default", "default"]
-    assert len(table) == 9
+    assert len(table) == 10 and table["loss"][1:4] == ["sparse_categorical_crossentropy", "default", "default"]
+    # a file may name the loss op (search() returns every op it simulated): it was "not in --app mlp"
+    Strategy("mlp", {"loss": TileConfig((2,), (1, 0))}).save(tmp_path / "loss.json")
+    status, out, _ = run(capsys, "show", tmp_path / "loss.json", "--app", "mlp", "--tiny")
+    table = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
+    assert status == 0 and table["loss"][2:4] == ["S2", "1,0"]
 
 
 def test_draw_matplotlib_png_of_the_expected_size(tmp_path, capsys):
@@ -74,10 +79,10 @@ def test_draw_matplotlib_png_of_the_expected_size(tmp_path, capsys):
     status, out, _ = run(capsys, "draw", mlp_strategy(tmp_path / "s.json"), "--app", "mlp", "--tiny",
                          "-o", png, "--engine", "matplotlib")
     assert status == 0 and "matplotlib" in out
-    model, _ = app_graph("mlp", 16, tiny=True)
-    w, h = tool.figure_size(model.ops)
+    ops, _ = tool.app_ops("mlp", tiny=True)
+    w, h = tool.figure_size(ops)
     assert png_size(png) == (round(w * tool.DPI), round(h * tool.DPI))
-    assert png_size(png) == (360, 870)  # 9 layers of one op each
+    assert png_size(png) == (360, 960)  # 10 layers of one op each, the loss op's last
 
 
 def test_layers_edges_and_colours_of_a_branching_graph():

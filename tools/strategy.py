@@ -68,26 +68,28 @@ def _named_once(e: StrategyError, path: str | None) -> str:
     return line if not path or line.startswith(path) else f"{path}: {line}"
 
 
-def app_ops(app: str, tiny: bool = False, batch: int | None = None) -> list[Op]:
-    """The ops of app `app`'s graph (built without weights)."""
-    from apps.cli import APPS
+def app_ops(app: str, tiny: bool = False, batch: int | None = None) -> tuple[list[Op], str]:
+    """(the ops app `app` trains, its loss op last, built without weights; the fingerprint of
+    its graph, which has no loss op)."""
+    from apps.cli import APPS, app_named
     from strategies.search import app_graph
     if app not in APPS:
         raise ToolError(f"--app {app}: unknown app; the apps are {', '.join(APPS)}")
     if batch is not None and batch < 1:
         raise ToolError(f"--batch-size {batch}: must be at least 1")
-    model, _ = app_graph(app, batch, tiny)
-    return list(model.ops)
+    model, output = app_graph(app, batch, tiny)
+    return model.training_graph(app_named(app).loss, output)[0], model_fingerprint(model.ops)
 
 
-def check_fits(strategy: Strategy, ops: Sequence[Op], app: str) -> None:
-    """The strategy was made for this app (name or fingerprint), names only its ops, and gives
-    each a degree per tile dim; ToolError naming the first problem."""
+def check_fits(strategy: Strategy, ops: Sequence[Op], fingerprint: str, app: str) -> None:
+    """The strategy was made for this app (its name or `fingerprint`), names only its ops (`ops`,
+    the loss op among them), and gives each a degree per tile dim; ToolError naming the first
+    problem."""
     where = strategy.source or "strategy"
     if is_fingerprint(strategy.model):
-        if strategy.model != model_fingerprint(ops):
+        if strategy.model != fingerprint:
             raise ToolError(f"{where}: made for model {strategy.model}, but --app {app} is "
-                            f"{model_fingerprint(ops)} (try --tiny or --batch-size)")
+                            f"{fingerprint} (try --tiny or --batch-size)")
     elif strategy.model != app:
         raise ToolError(f"{where}: made for model {strategy.model!r}, not --app {app}")
     by_name = {op.name: op for op in ops}
@@ -399,8 +401,8 @@ def main(argv=None) -> int:
             raise ToolError(f"-o {args.output}: {unwritable}")
         ops = None
         if args.app is not None:
-            ops = app_ops(args.app, args.tiny, args.batch_size)
-            check_fits(strategy, ops, args.app)
+            ops, fingerprint = app_ops(args.app, args.tiny, args.batch_size)
+            check_fits(strategy, ops, fingerprint, args.app)
         if args.command == "show":
             print(f"{args.file}: model {strategy.model}, {len(strategy.ops)} ops")
             print(format_table(rows(strategy, ops)))
