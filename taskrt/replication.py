@@ -17,7 +17,8 @@ LOG_KEEP launches. Ranks compare hashes at *checkpoints*, never on the hot path:
   final count, or stopped short of it) is a divergence at once.
 
 Run state: `log` (count, hash, recent signatures), `pending` (a heap of checkpoints
-ahead of this rank), `agreed` (peer -> highest count known to match), `final` (this
+ahead of this rank), `agreed` (peer -> highest count known to match), `shut` (peer -> its
+final launch count, compared with this rank's own when it shuts down), `final` (this
 rank's launch count once it shuts down). A divergence goes to `report(peer, lo, hi, how)`,
 which asks the peer for its signatures in [lo, hi) and names the first launch that
 differs (ReplicationCheck.describe).
@@ -117,12 +118,16 @@ class ReplicationCheck:
         self.next_check = float("inf")
         self.agreed: dict[int, int] = {}
         self.final: int | None = None
+        #: peer -> the launch count it shut down at (a rank may launch more after it arrived)
+        self.shut: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def received(self, peer: int, kind: str, count: int, h: int) -> None:
         """A peer's checkpoint (progress thread)."""
         with self.lock:
             mine = self.log.count
+            if kind == "shutdown":
+                self.shut[peer] = count
             if count <= mine:
                 self._compare(peer, kind, count, h)
                 if kind == "shutdown" and count < mine:
@@ -155,6 +160,11 @@ class ReplicationCheck:
                             f"after {self.final}")
             self.pending.clear()
             self.next_check = float("inf")
+            for peer, count in self.shut.items():
+                if count < self.final:   # (it arrived when this rank had made no more than it)
+                    self.report(peer, self.agreed.get(peer, 0), count + 1,
+                                f"rank {peer} shut down after {count} launches; rank {self.rank} has made "
+                                f"{self.final}")
 
     def _compare(self, peer: int, kind: str, count: int, h: int) -> None:
         mine = self.log.hash_at(count)

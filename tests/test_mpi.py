@@ -148,6 +148,7 @@ DIVERGENCES = {
     "fewer": (r"launch #3: rank 1 made 'read:x'", r"launch #3: rank \d made '<lambda>'"),
     "wait": (r"launch #1: rank 1 made 'only_on_rank_1'", r"launch #1: rank 0 made 'everyone'"),
     "end": (r"launch #1: rank 1 made 'only_on_rank_1'", r"launch #1: rank 0 made no launch"),
+    "late": (r"launch #1: rank 1 made no launch", r"launch #1: rank 0 made 'only_on_rank_0'"),
     # found by the compiled receive loop: a 128 KiB tile into a 64 KiB receive
     "size": (r"launch #0: rank 1 made 'attach:x'.*float64\[16384\]", r"copy #\d+ .* from rank 0 did not fit"),
     "small": (r"launch #0: rank 1 made 'attach:x'.*float64\[8\]", r"copy #\d+ .* from rank 0 did not fit"),
@@ -161,7 +162,7 @@ DIVERGENCES = {
 
 
 @pytest.mark.parametrize("mode,n", [("extra", 2), ("extra", 4), ("other", 4), ("fewer", 2), ("wait", 2),
-                                    ("end", 4), ("size", 2), ("small", 2), ("get", 2), ("lr", 2)])
+                                    ("end", 4), ("late", 2), ("size", 2), ("small", 2), ("get", 2), ("lr", 2)])
 def test_ranks_that_make_different_launches_stop_and_say_where(mode, n):
     proc, seconds = run_mpi(n, "divergence.py", mode, timeout=FAILURE_BOUND_S + 30)
     assert_stopped(proc, seconds)

@@ -7,6 +7,9 @@ mpiexec -n N python divergence.py MODE (N >= 2), MODE one of:
   other   - rank 1 makes a different launch (same number of launches);
   wait    - rank 1 makes an extra launch that moves no data, then every rank calls wait();
   end     - rank 1 makes an extra launch that moves no data just before shutting down;
+  late    - rank 0 makes an extra launch that moves no data after rank 1 has shut down (rank 0
+            went on with its program past the shutdown: it had compared rank 1's final count
+            when it had made as many launches, and never again);
   size    - rank 1 makes its region half as long: the tiles rank 0 sends it (64 KiB and
             more, so through the compiled receive loop) do not fit;
   small   - the same with tiles of a few bytes, which MPI sends at once (a receive that finds
@@ -20,6 +23,7 @@ Never prints "OK".
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 
@@ -38,18 +42,25 @@ def everyone(v):
     v += 1
 
 
+def only_on_rank_0(v):
+    v += 10
+
+
 def quiet(mode):
     """Divergences no copy header can show: only the checkpoints at wait() and shutdown do."""
     with Runtime.from_mpi(cpus=1) as rt:
         mine = rt.region((4,), "float64", "mine")
         here = rt.machine.host_processor(1)
         rt.launch(everyone, req(mine, READ_WRITE), proc=here)
-        if rt.rank == 1:
+        if rt.rank == 1 and mode != "late":
             rt.launch(only_on_rank_1, req(mine, READ_WRITE), proc=here)
         if mode == "wait":
             rt.wait()
             rt.launch(everyone, req(mine, READ_WRITE), proc=here)
             rt.wait()
+        if mode == "late" and rt.rank == 0:
+            time.sleep(1.0)   # rank 1's shutdown checkpoint arrives first
+            rt.launch(only_on_rank_0, req(mine, READ_WRITE), proc=here)
     print(f"SHOULD NOT GET HERE rank {rt.rank}", flush=True)
 
 
@@ -77,7 +88,7 @@ def hyperparameters():
 
 def main():
     mode = sys.argv[1]
-    if mode in ("wait", "end"):
+    if mode in ("wait", "end", "late"):
         return quiet(mode)
     if mode == "get":
         return pulled()
