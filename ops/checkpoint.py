@@ -34,6 +34,8 @@ def save(model, path) -> None:
     folder = os.path.dirname(os.fspath(path)) or "."
     if not os.path.isdir(folder):   # (checked on every rank: rank 0's write failing would end them all)
         raise FileNotFoundError(f"save {path}: no folder {folder!r} to write it in")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"save {path}: a folder, not a file to write")
     meta = {"graph": graph_dict(model), "compiled": model._compiled, "step": model.step,
             "data_rng": model._data_rng.bit_generator.state}
     arrays = {f"param/{k}": v for k, v in model.parameters().items()}

@@ -168,14 +168,16 @@ def test_a_damaged_checkpoint_changes_nothing_in_the_model_it_is_loaded_into(tmp
             Model.load(bad, runtime=rt)
 
 
-def test_saving_into_a_missing_folder_is_refused_before_any_work(tmp_path):
-    """Under mpiexec rank 0's failed write ended every rank; the folder is checked on each first."""
+def test_saving_into_a_missing_folder_or_onto_one_is_refused_before_any_work(tmp_path):
+    """Under mpiexec rank 0's failed write ended every rank; the path is checked on each first."""
     with Runtime(cpus=1) as rt:
         m = _mlp(rt)
         issued = rt.issued
         with pytest.raises(FileNotFoundError, match=f"save {tmp_path}/nowhere/m.npz: no folder "
                                                     f"'{tmp_path}/nowhere' to write it in"):
             m.save(tmp_path / "nowhere" / "m.npz")
+        with pytest.raises(IsADirectoryError, match=f"save {tmp_path}: a folder, not a file to write"):
+            m.save(tmp_path)   # (it wrote the whole file beside it, then failed to rename it)
         assert rt.issued == issued
 
 
