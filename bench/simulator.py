@@ -23,7 +23,8 @@ Measured here, on one core:
   devices; target for 10,000 proposals at 1,024: under 10 minutes).
 Beside FlexFlow's published figures: its Inception-v3 search on 64 GPUs took 1,278 s with delta
 simulation (`flexflow_search_s_over_ours` divides it by our 10,000 proposals' seconds), and its
-delta simulation was 2.2 to 6.9 times faster than full. Analytic costs throughout; the tiny apps at batch 16 (BATCH). Last line: one JSON object.
+delta simulation was 2.2 to 6.9 times faster than full. Analytic costs throughout; the tiny
+apps at batch 16 (BATCH). Last line: one JSON object.
 """
 from __future__ import annotations
 
