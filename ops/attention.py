@@ -37,7 +37,7 @@ import numpy as np
 
 from ops import cpu_pool
 from ops.activation import softmax_grad_rows, softmax_rows_
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, is_count, register_op
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, bool_attr, is_count, register_op
 from taskrt.geometry import Rect
 
 
@@ -142,7 +142,8 @@ class MultiHeadAttention(Op):
     float_inputs = True
 
     def __init__(self, name, inputs, num_heads: int, use_bias: bool = True, causal: bool = False):
-        super().__init__(name, inputs, num_heads=num_heads, use_bias=use_bias, causal=causal)
+        super().__init__(name, inputs, num_heads=num_heads, use_bias=bool_attr(self.kind, name, "use_bias", use_bias),
+                         causal=bool_attr(self.kind, name, "causal", causal))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 3:

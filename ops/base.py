@@ -390,6 +390,14 @@ def int_attr(kind: str, name: str, attr: str, value, least: int = 1) -> int:
         raise ShapeError(str(e)) from None
 
 
+def bool_attr(kind: str, name: str, attr: str, value) -> bool:
+    """A yes/no attribute of op `name`: True or False (a string such as "False" is true to bool()),
+    or a ShapeError naming the op, the attribute and the value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ShapeError(f"{kind} {name!r}: {attr} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def float_attr(kind: str, name: str, attr: str, value, lo: float | None = None, hi: float | None = None,
                lo_open: bool = False) -> float:
     """A finite real attribute of op `name` in [lo, hi] ((lo, hi] with lo_open), or a ShapeError."""

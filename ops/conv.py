@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from ops import cpu_pool, cuda_kernels, direct_conv, winograd, winograd_1d, winograd_strided
-from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, given_out, int_attr, register_op
+from ops.base import ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, bool_attr, given_out, int_attr, register_op
 from ops.linear import torch_linear_init
 from ops.windows import check_window, pad, pair, span, strided, window_geometry
 from taskrt.geometry import Rect
@@ -583,7 +583,7 @@ class Conv2d(Op):
         super().__init__(name, inputs, out_channels=int_attr(k, name, "out_channels", out_channels),
                          kernel=pair(k, name, "kernel", kernel, 1), stride=pair(k, name, "stride", stride, 1),
                          padding=pair(k, name, "padding", padding, 0), groups=int_attr(k, name, "groups", groups),
-                         use_bias=bool(use_bias))
+                         use_bias=bool_attr(k, name, "use_bias", use_bias))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:

@@ -13,7 +13,7 @@ import functools
 import numba
 import numpy as np
 
-from ops.base import Op, float_attr, int_attr, register_op, sample_split_dims
+from ops.base import Op, ShapeError, float_attr, int_attr, register_op, sample_split_dims
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -104,6 +104,8 @@ class Dropout(Op):
     def __init__(self, name, inputs, rate: float = 0.5, seed: int = 0):
         super().__init__(name, inputs, rate=float_attr(self.kind, name, "rate", rate, 0.0, 1.0),
                          seed=int_attr(self.kind, name, "seed", seed, 0))
+        if self.seed >= 2**64:   # (the mask hashes its low 64 bits)
+            raise ShapeError(f"{self.kind} {name!r}: seed must be below 2**64, got {self.seed}")
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ops.base import (ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, given_out, is_count, register_op,
+from ops.base import (ATTRIBUTE, PARAMETER, REDUCE, SAMPLE, Op, SplitDim, bool_attr, given_out, is_count, register_op,
                       weight_target)
 from ops.functions import ACTIVATIONS, activation_backward, activation_forward
 from ops.thin_gemm import thin_matmul
@@ -54,7 +54,8 @@ class Dense(Op):
     writes_weight_out = True
 
     def __init__(self, name, inputs, out_features: int, use_bias: bool = True, activation: str | None = None):
-        super().__init__(name, inputs, out_features=out_features, use_bias=use_bias, activation=activation)
+        super().__init__(name, inputs, out_features=out_features,
+                         use_bias=bool_attr(self.kind, name, "use_bias", use_bias), activation=activation)
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import math
 import os
 import sys
 import warnings
@@ -201,6 +202,8 @@ class Model:
         dt = dtype_of_kind(dtype, "fiu")
         if dt is None:
             raise ValueError(f"input dtype must be a float or integer dtype (float32, int64, ...), got {dtype!r}")
+        if dt.kind == "f" and dt not in (np.float32, np.float64):
+            raise ValueError(f"input dtype {dt.name}: the operators compute in float32 or float64")
         t = TensorSpec(shape, dt.name, self._name("input", name))
         self._count("input", t.name)
         self.inputs.append(t)
@@ -222,7 +225,15 @@ class Model:
     def _insert(self, op: Op) -> None:
         """Add a built op: its outputs become tensors, its weights and state get initial values."""
         if self.has_weights:
-            values = op.init_weights(self._init_rng)
+            try:
+                values = op.init_weights(self._init_rng)
+            except MemoryError:
+                shapes = {**op.weight_shapes(), **op.state_shapes()}
+                nbytes = sum(math.prod(s) * np.dtype(op.weight_dtype(k)).itemsize for k, s in shapes.items())
+                listed = ", ".join(f"{k} {list(s)}" for k, s in shapes.items())
+                raise MemoryError(f"{op.kind} {op.name!r}: its weights ({listed}, {nbytes / 2**30:.3g} GiB) do not "
+                                  f"fit in this machine's memory; Model(weights=False) builds the graph "
+                                  f"alone") from None
             for k, shape in {**op.weight_shapes(), **op.state_shapes()}.items():
                 v = np.asarray(values[k])
                 if v.shape != tuple(shape):
@@ -482,6 +493,7 @@ class Model:
             if beyond_range(a, t.dtype) is not None:
                 raise ValueError(f"{what}: input {t.name!r} has values that {np.dtype(t.dtype)} cannot hold (largest "
                                  f"magnitude {_largest(a):.3g}); they would become inf")
+            _check_finite(a, f"{what}: input {t.name!r}")
             n = a.shape[0]
             arrays[t.name] = a
         if batch and n != self.batch_size:
@@ -517,6 +529,7 @@ class Model:
                 raise ValueError(f"{what}: label {bad} is out of range for {classes} classes")
         elif y.shape != (n,) + spec.shape[1:]:
             raise ValueError(f"{what}: targets must have shape {(n,) + spec.shape[1:]}, got {y.shape}")
+        _check_finite(y, f"{what}: targets")
         return y
 
     def _attach(self, arrays: dict[str, np.ndarray], labels=None) -> None:
@@ -790,6 +803,7 @@ class Model:
             if beyond_range(v, shapes[k][1]) is not None:
                 raise ValueError(f"{what}: {k} has values that {np.dtype(shapes[k][1])} cannot hold "
                                  f"(largest magnitude {_largest(v):.3g})")
+            _check_finite(v, f"{what}: {k}")
             checked[k] = v.astype(shapes[k][1])
         return checked
 
@@ -829,6 +843,14 @@ def _check_indices(a: np.ndarray, bound: int, what: str) -> None:
     if a.size and bool(bad.any()):
         where = tuple(int(k) for k in np.argwhere(bad)[0])
         raise ValueError(f"{what}: index {a[where]} at {where} is out of range [0, {bound})")
+
+
+def _check_finite(a: np.ndarray, what: str) -> None:
+    """A float array without NaN or inf (one would spread through a step into every weight), or a
+    ValueError naming the first; two reductions where all are finite."""
+    if a.dtype.kind == "f" and a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
+        where = tuple(int(k) for k in np.argwhere(~np.isfinite(a))[0])
+        raise ValueError(f"{what} has {a[where]} at {where}: the data must be finite")
 
 
 def _largest(a: np.ndarray) -> float:

@@ -31,7 +31,7 @@ import numpy as np
 from ops import cpu_pool, cuda_kernels
 from ops.cpu_threads import PARALLEL_MIN_VALUES, RowKernel, row_split, task_threads
 from ops.cpu_layout import row_starts
-from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, float_attr, given_out, int_attr,
+from ops.base import (ATTRIBUTE, PARAMETER, SAMPLE, Op, SplitDim, bool_attr, float_attr, given_out, int_attr,
                       register_op, sample_split_dims)
 from ops.cpu_layout import flat_row, flat_rows
 from taskrt.geometry import Rect
@@ -176,7 +176,8 @@ class BatchNorm(Op):
 
     def __init__(self, name, inputs, eps: float = 1e-5, momentum: float = 0.1, relu: bool = False):
         super().__init__(name, inputs, eps=float_attr(self.kind, name, "eps", eps, 0.0, lo_open=True),
-                         momentum=float_attr(self.kind, name, "momentum", momentum, 0.0, 1.0), relu=bool(relu))
+                         momentum=float_attr(self.kind, name, "momentum", momentum, 0.0, 1.0),
+                         relu=bool_attr(self.kind, name, "relu", relu))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:
@@ -524,7 +525,7 @@ class LayerNorm(Op):
         shape = tuple(int_attr(self.kind, name, "normalized_shape", s) for s in normalized_shape)
         super().__init__(name, inputs, normalized_shape=shape, eps=float_attr(self.kind, name, "eps", eps, 0.0,
                                                                               lo_open=True),
-                         elementwise_affine=bool(elementwise_affine))
+                         elementwise_affine=bool_attr(self.kind, name, "elementwise_affine", elementwise_affine))
 
     def infer_shapes(self, in_shapes):
         if len(in_shapes) != 1:

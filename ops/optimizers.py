@@ -145,7 +145,7 @@ class Adam:
         for i, b in enumerate(self.betas):
             _check_number("Adam", f"betas[{i}]", b, 0.0, lo_open=False, hi=1.0, hi_open=True)
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        _check_number("Adam", "eps", self.eps, 0.0, lo_open=False)
+        _check_number("Adam", "eps", self.eps, 0.0, lo_open=True)   # (0 divides by zero where v is)
         _check_number("Adam", "weight_decay", self.weight_decay, 0.0, lo_open=False)
 
     def state_names(self) -> tuple[str, ...]:

@@ -184,7 +184,8 @@ def test_saving_into_a_missing_folder_or_onto_one_is_refused_before_any_work(tmp
 def test_a_non_finite_loss_is_reported_and_can_stop_training():
     with Runtime(cpus=1) as rt:
         m = _mlp(rt)
-        x = np.full((4, 3), np.nan)
+        m.set_parameters({"dense_0.weight": np.full((2, 3), 1e30)})
+        x = np.full((4, 3), 1e30)   # finite data whose logits overflow float32
         with pytest.warns(RuntimeWarning, match=r"fit: the loss of iteration 1 is nan"):
             history = m.fit({"x": x}, np.zeros(4, "int64"), iterations=5, verbose=False, stop_on_nan=True)
         assert len(history.loss) == 1 and np.isnan(history.loss[0])
@@ -339,6 +340,16 @@ def test_an_embedding_index_out_of_range_is_refused_before_any_work():
     (lambda m, x: m.batch_norm(x, momentum=2), r"momentum must be in \[0, 1\], got 2"),
     (lambda m, x: m.layer_norm(x, eps=-1), r"layer_norm 'layer_norm_0': eps must be in \(0, inf\], got -1"),
     (lambda m, x: m.dropout(x, rate=float("nan")), r"dropout 'dropout_0': rate must be a finite number"),
+    # yes/no attributes were bool() of anything: the string "False" was true
+    (lambda m, x: m.conv2d(x, 2, 3, use_bias="False"), r"conv2d 'conv2d_0': use_bias must be True or False, got "
+                                                       r"str 'False'"),
+    (lambda m, x: m.batch_norm(x, relu="no"), r"batch_norm 'batch_norm_0': relu must be True or False"),
+    (lambda m, x: m.layer_norm(x, elementwise_affine=1), r"elementwise_affine must be True or False, got int 1"),
+    (lambda m, x: m.dense(x, 2, use_bias=None), r"dense 'dense_0': use_bias must be True or False, got NoneType"),
+    (lambda m, x: m.multihead_attention(m.input((4, 6, 8), name="q"), num_heads=2, causal="False"),
+     r"multihead_attention 'multihead_attention_0': causal must be True or False"),
+    # the mask hashes a seed's low 64 bits: 2**64 + 1 gave seed 1's
+    (lambda m, x: m.dropout(x, 0.5, seed=2**64 + 1), r"dropout 'dropout_0': seed must be below 2\*\*64"),
 ])
 def test_operator_attributes_are_checked_not_truncated(build, match):
     m = Model(Runtime(execute=False), weights=False)
@@ -352,6 +363,53 @@ def test_operator_attributes_are_checked_not_truncated(build, match):
 def test_a_model_input_holds_floats_or_integers(dtype):
     with pytest.raises(ValueError, match=rf"input dtype must be a float or integer dtype .*got '{dtype}'"):
         Model(seed=0).input((2, 3), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "longdouble"])
+def test_a_model_input_s_floats_are_those_the_kernels_compute_in(dtype):
+    """float16 and longdouble built and compiled, then failed in a task with numba's error."""
+    with pytest.raises(ValueError, match=rf"input dtype {np.dtype(dtype).name}: the operators compute in float32 "
+                                         rf"or float64"):
+        Model(seed=0).input((2, 3), dtype=dtype)
+
+
+def test_weights_too_big_for_memory_name_their_op():
+    """numpy's MemoryError named a float64 array of 224 GiB, not the op."""
+    m = Model(seed=0)
+    with pytest.raises(MemoryError, match=r"dense 'dense_0': its weights \(weight \[10000000000, 3\], bias "
+                                          r"\[10000000000\], 149 GiB\) do not fit"):
+        m.dense(m.input((4, 3)), 10**10)
+    assert not m.ops
+
+
+def test_data_that_is_not_finite_is_refused_before_any_work():
+    """A NaN in a batch was trained on, with a warning after the update had made every weight NaN."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 3)), np.zeros(4, "int64")
+    with Runtime(cpus=1) as rt:
+        m = _mlp(rt)
+        before, issued = m.parameters(), rt.issued
+        bad = x.copy()
+        bad[2, 1] = np.nan
+        with pytest.raises(ValueError, match=r"fit: input 'x' has nan at \(2, 1\): the data must be finite"):
+            m.fit({"x": bad}, y, iterations=1, verbose=False)
+        bad[2, 1] = -np.inf
+        with pytest.raises(ValueError, match=r"predict: input 'x' has -inf at \(2, 1\)"):
+            m.predict({"x": bad})
+        with pytest.raises(ValueError, match=r"set_parameters: dense_0.bias has nan at \(1,\)"):
+            m.set_parameters({"dense_0.bias": np.array([0.0, np.nan])})
+        assert rt.issued == issued and m.step == 0
+        for name, value in before.items():
+            np.testing.assert_array_equal(m.parameters()[name], value)
+        with pytest.raises(TaskError, match=r"train_on: source\(1, 0, 4\): input 'x' has inf"):
+            list(m.train_on(lambda step, lo, hi: (np.full((hi - lo, 3), np.inf), y[lo:hi]), 1))
+        assert m.step == 0
+    with Runtime(cpus=1) as rt:
+        m = Model(rt, seed=0)
+        m.dense(m.input((4, 3), name="x"), 2)
+        m.compile(loss="mean_squared_error")
+        with pytest.raises(ValueError, match=r"fit: targets has nan at \(0, 0\)"):
+            m.fit({"x": x}, np.full((4, 2), np.nan), iterations=1, verbose=False)
 
 
 @pytest.mark.parametrize("build", [

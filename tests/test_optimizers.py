@@ -125,6 +125,8 @@ def test_bad_arguments_name_the_value():
         Adam(betas=(0.9,))
     with pytest.raises(ValueError, match=r"Adam: eps must be a number .* got nan"):
         Adam(eps=float("nan"))
+    with pytest.raises(ValueError, match=r"Adam: eps must be a number in \(0.0, inf\), got 0.0"):
+        Adam(eps=0.0)   # (an update where a gradient's second moment is 0 divided by zero)
     with pytest.raises(ValueError, match=r"Adam: lr must be a number .* got '0.1'"):
         Adam(lr="0.1")
     with pytest.raises(ValueError, match=r"Adam.update: step is 1-based and must be an int >= 1, got 0"):
