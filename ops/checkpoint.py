@@ -31,6 +31,8 @@ def save(model, path) -> None:
     """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
     optimizer state, step count and data-order generator, so training resumes bit for bit. On
     many ranks every rank calls it (collective) and rank 0 writes the file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save: a file's path (str or path-like), got {type(path).__name__} {path!r}")
     folder = os.path.dirname(os.fspath(path)) or "."
     if not os.path.isdir(folder):   # (checked on every rank: rank 0's write failing would end them all)
         raise FileNotFoundError(f"save {path}: no folder {folder!r} to write it in")

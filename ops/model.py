@@ -294,6 +294,8 @@ class Model:
         return self._add(Dropout, "dropout", [x], name, rate=rate, seed=seed)
 
     def concat(self, tensors, axis, name=None):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"concat: tensors must be a list of tensors, got {type(tensors).__name__} {tensors!r}")
         return self._add(Concat, "concat", list(tensors), name, axis=axis)
 
     def split(self, x, sizes, axis, name=None) -> list[TensorSpec]:
@@ -410,6 +412,9 @@ class Model:
             raise TypeError(f"compile: release must be True, False or None, got {type(release).__name__} {release!r}")
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"compile: unknown loss {loss!r}; expected one of {sorted(LOSSES)}")
+        if not isinstance(metrics, (str, list, tuple, type(None))):
+            raise TypeError(f"compile: metrics must be a metric's name or a list of them, got "
+                            f"{type(metrics).__name__} {metrics!r}")
         metrics = [metrics] if isinstance(metrics, str) else list(metrics or ())
         if configs is not None and not isinstance(configs, dict):
             raise TypeError(f"compile: configs must be a dict of op name -> TileConfig, got "

@@ -176,6 +176,8 @@ def test_saving_into_a_missing_folder_or_onto_one_is_refused_before_any_work(tmp
         with pytest.raises(FileNotFoundError, match=f"save {tmp_path}/nowhere/m.npz: no folder "
                                                     f"'{tmp_path}/nowhere' to write it in"):
             m.save(tmp_path / "nowhere" / "m.npz")
+        with pytest.raises(TypeError, match=r"save: a file's path \(str or path-like\), got int 5"):
+            m.save(5)
         with pytest.raises(IsADirectoryError, match=f"save {tmp_path}: a folder, not a file to write"):
             m.save(tmp_path)   # (it wrote the whole file beside it, then failed to rename it)
         assert rt.issued == issued
@@ -350,6 +352,7 @@ def test_an_embedding_index_out_of_range_is_refused_before_any_work():
      r"multihead_attention 'multihead_attention_0': causal must be True or False"),
     # the mask hashes a seed's low 64 bits: 2**64 + 1 gave seed 1's
     (lambda m, x: m.dropout(x, 0.5, seed=2**64 + 1), r"dropout 'dropout_0': seed must be below 2\*\*64"),
+    (lambda m, x: m.concat(x, axis=1), r"concat: tensors must be a list of tensors, got TensorSpec"),
 ])
 def test_operator_attributes_are_checked_not_truncated(build, match):
     m = Model(Runtime(execute=False), weights=False)

@@ -364,6 +364,8 @@ def test_errors_come_before_any_work(rt):
         assert rt._next_id == issued
     with pytest.raises(ConfigError, match=r"dense 'dense_1'.* splits dim 1 \(parameter\) 9 ways"):
         m.compile(configs={"dense_1": TileConfig((1, 9, 1))})
+    with pytest.raises(TypeError, match=r"compile: metrics must be a metric's name or a list of them, got int 5"):
+        m.compile(metrics=5)   # ('int' object is not iterable)
     with pytest.raises(RuntimeError, match="fit: call compile"):
         m.fit(np.ones((4, 7)), np.zeros(4, np.int64))
     m.compile(SGD(lr=0.1), metrics=["accuracy"])
