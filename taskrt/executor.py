@@ -13,8 +13,7 @@ Run state, all guarded by one lock:
 - poisoned:   ids of nodes that failed or depend on one that did (or was skipped), until
               they finish: each is skipped, not run; and `lost`, the ids of all of them since
               the last `forget_failure` (a node submitted after a pred of it was lost is
-              poisoned at once). The fold of a lost task's reduction buffer is not: it folds
-              nothing, and the folds after it into the same data run.
+              poisoned at once).
 After a failure only the nodes that depend on it are skipped: the others run, so that what
 was issued before the failed node and does not need it (the last step's updates, say) lands.
 A ready node goes to the queue of its worker: one thread per local processor (tasks)
@@ -48,13 +47,6 @@ from .taskgraph import TaskNode
 PENDING = object()
 #: what `wait_all` watches for in Executor.watched
 ALL = "all"
-
-
-def _lost_with(node, pred: int) -> bool:
-    """Whether `node` is lost with its lost pred `pred`: every node is but the fold of `pred`'s
-    reduction buffer (a lost task's buffer is emptied, so its fold folds nothing)."""
-    buffer = getattr(node, "buffer", None)
-    return buffer is None or buffer[0] != pred
 
 
 class Join:
@@ -155,7 +147,7 @@ class Executor:
                     if p in unfinished:
                         dependents.setdefault(p, []).append(node.id)
                         count += 1
-                    elif lost and p in lost and _lost_with(node, p):   # (submitted after a pred it needs was lost)
+                    elif lost and p in lost:   # (submitted after a pred it needs was lost)
                         poisoned.add(node.id)
                 unfinished[node.id] = node
                 if self._touching is not None:
@@ -289,7 +281,7 @@ class Executor:
                 self.poisoned.discard(node.id)
                 self.lost.add(node.id)
             for s in self.dependents.pop(node.id, ()):
-                if poisoned and _lost_with(self.unfinished[s], node.id):
+                if poisoned:
                     self.poisoned.add(s)
                 c = self.waiting[s] - 1
                 if c:

@@ -818,24 +818,6 @@ def test_a_reduction_skipped_after_a_failure_is_folded_as_nothing_after_recover(
         assert rt.read(r).tolist() == [6] * 4 and not rt.store.buffers
 
 
-def test_the_reductions_of_the_tasks_that_ran_land_beside_a_failed_one():
-    """Folds into one rect run in order, each after the one before: a failed task's fold was lost
-    and took every fold after it along, the tasks that ran included. It folds nothing now."""
-    with Runtime(cpus=2) as rt:
-        r = rt.region((4,), "int64")
-        rt.fill(r, 1)
-
-        def add(buf, point):
-            if point == 1:
-                raise ValueError("point 1")
-            buf += 10 ** point
-        rt.index_launch(add, 4, req(r, Reduce("+")), point_args={(p,): (p,) for p in range(4)})
-        with pytest.raises(TaskError, match="point 1"):
-            rt.read(r)
-        rt.recover()
-        assert rt.read(r).tolist() == [1 + 1 + 100 + 1000] * 4 and not rt.store.buffers
-
-
 def test_a_reduction_task_that_fails_before_or_after_its_buffers_ends_in_its_error_not_a_hang(monkeypatch):
     from taskrt.instances import InstanceStore
     with Runtime(cpus=2) as rt:
