@@ -635,9 +635,10 @@ class Model:
     def _train_step(self, first: int, **kw):
         """Issue the next training step (Lowering.train_step), whose nodes start at id `first`."""
         self.step += 1
-        futures = self._low.train_step(self.step, **kw)
-        self._issued_steps.append((self.step, first, self.rt.issued))
-        return futures
+        try:
+            return self._low.train_step(self.step, **kw)
+        finally:   # (also when a failure stopped the runtime halfway through the step's launches)
+            self._issued_steps.append((self.step, first, self.rt.issued))
 
     def _rewind(self, lost: list[int]) -> None:
         """After a failure: the step count back to before the first issued step that lost a node
@@ -770,20 +771,24 @@ class Model:
         futures = {k: self._low.read(region_of(k), wait=False) for k in names}
         return {k: f.get() for k, f in futures.items()}
 
+    @_recovers
     def parameters(self) -> dict[str, np.ndarray]:
         """Trainable weights by name ('dense_0.weight'), as numpy copies."""
         return self._read_all(self._param_names(), lambda k: self._low.params[k].value)
 
+    @_recovers
     def stats(self) -> dict[str, np.ndarray]:
         """Non-trained state by name ('batch_norm_0.running_mean')."""
         return self._read_all(self._stat_names(), lambda k: self._low.stats[k])
 
+    @_recovers
     def gradients(self) -> dict[str, np.ndarray]:
         """Gradients of the last backward pass (or training step), for weights on the path to the loss."""
         self._need_compiled("gradients")
         names = [k for k in self._param_names() if self._low.params[k].grad is not None]
         return self._read_all(names, lambda k: self._low.params[k].grad)
 
+    @_recovers
     def set_parameters(self, values: dict) -> None:
         """Set weights and/or running stats by name; shapes must match exactly (every value is
         checked before any is set)."""
@@ -820,6 +825,7 @@ class Model:
                 self._low.attach(self._low.params[k].value if k in self._low.params else self._low.stats[k], v)
 
     # ---- saving and loading (ops/checkpoint.py) -----------------------------------------------
+    @_recovers
     def save(self, path) -> None:
         """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
         optimizer state, step count and data-order generator, so training resumes bit for bit."""
@@ -832,6 +838,7 @@ class Model:
         continues bit for bit) unless `configs` replaces them, e.g. for a machine with fewer processors."""
         return checkpoint.load_new(cls, path, runtime, configs)
 
+    @_recovers
     def _load_into(self, path) -> None:
         """m.load(path): restore weights, stats (and optimizer state, step and data order where both
         the model and the file were compiled) from a file saved from a model with the same graph; a

@@ -818,6 +818,30 @@ def test_a_reduction_skipped_after_a_failure_is_folded_as_nothing_after_recover(
         assert rt.read(r).tolist() == [6] * 4 and not rt.store.buffers
 
 
+def test_what_reads_a_reduction_missing_a_failed_part_is_lost_with_it():
+    """A failed contributor's fold once folded nothing and let the folds after it and the readers
+    run: a model's activation gradient summed over tiles, missing one, drove every backward and
+    update above it (momentum-only updates on a zero gradient)."""
+    with Runtime(cpus=2) as rt:
+        r, out = rt.region((4,), "int64"), rt.region((4,), "int64")
+        rt.fill(r, 1)
+        rt.fill(out, 0)
+
+        def add(buf, point):
+            if point == 1:
+                raise ValueError("point 1")
+            buf += 10 ** point
+
+        def copy(dst, src):
+            dst[...] = src
+        rt.index_launch(add, 4, req(r, Reduce("+")), point_args={(p,): (p,) for p in range(4)})
+        reader = rt.launch(copy, req(out, WRITE), req(r, READ))
+        with pytest.raises(TaskError, match="point 1"):
+            rt.wait()
+        lost = rt.recover()
+        assert reader.node_id in lost and rt.read(out).tolist() == [0] * 4 and not rt.store.buffers
+
+
 def test_a_reduction_task_that_fails_before_or_after_its_buffers_ends_in_its_error_not_a_hang(monkeypatch):
     from taskrt.instances import InstanceStore
     with Runtime(cpus=2) as rt:
