@@ -20,8 +20,10 @@ import numpy as np
 
 def _check_number(cls_name: str, field: str, value, lo: float, lo_open: bool, hi: float | None = None,
                    hi_open: bool = True) -> None:
-    """Raise ValueError naming the field and its value unless lo <(=) value <(=) hi."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """Raise ValueError naming the field and its value unless lo <(=) value <(=) hi (a Python or
+    numpy real number)."""
+    ok = (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+          and math.isfinite(value))
     if ok:
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:
@@ -31,6 +33,13 @@ def _check_number(cls_name: str, field: str, value, lo: float, lo_open: bool, hi
         right = "" if hi is None else (f"{hi})" if hi_open else f"{hi}]")
         span = f"{left}{lo}, {right or 'inf)'}"
         raise ValueError(f"{cls_name}: {field} must be a number in {span}, got {value!r}")
+
+
+def _as_floats(optimizer, fields) -> None:
+    """The checked hyperparameters of a frozen optimizer as Python floats (a numpy scalar's repr
+    would show in saved files and in the launch signatures ranks compare)."""
+    for name in fields:
+        object.__setattr__(optimizer, name, float(getattr(optimizer, name)))
 
 
 def _check_step(cls_name: str, step) -> None:
@@ -57,6 +66,7 @@ class SGD:
             raise ValueError(f"SGD: nesterov must be a bool, got {self.nesterov!r}")
         if self.nesterov and self.momentum == 0:
             raise ValueError(f"SGD: nesterov=True needs momentum > 0, got momentum={self.momentum!r}")
+        _as_floats(self, ("lr", "momentum", "weight_decay"))
 
     def state_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.momentum != 0 else ()
@@ -147,6 +157,7 @@ class Adam:
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         _check_number("Adam", "eps", self.eps, 0.0, lo_open=True)   # (0 divides by zero where v is)
         _check_number("Adam", "weight_decay", self.weight_decay, 0.0, lo_open=False)
+        _as_floats(self, ("lr", "eps", "weight_decay"))
 
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")

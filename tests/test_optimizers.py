@@ -125,6 +125,11 @@ def test_bad_arguments_name_the_value():
         Adam(betas=(0.9,))
     with pytest.raises(ValueError, match=r"Adam: eps must be a number .* got nan"):
         Adam(eps=float("nan"))
+    # numpy's real numbers are numbers (np.float32(0.1) was refused as out of (0, inf)), kept as floats
+    assert SGD(lr=np.float32(0.5), momentum=np.float64(0.9)) == SGD(lr=0.5, momentum=0.9)
+    assert type(Adam(lr=np.float32(0.5)).lr) is float and type(SGD(lr=1).lr) is float
+    with pytest.raises(ValueError, match=r"SGD: lr must be a number .* got np.True_"):
+        SGD(lr=np.bool_(True))
     with pytest.raises(ValueError, match=r"Adam: eps must be a number in \(0.0, inf\), got 0.0"):
         Adam(eps=0.0)   # (an update where a gradient's second moment is 0 divided by zero)
     with pytest.raises(ValueError, match=r"Adam: lr must be a number .* got '0.1'"):
