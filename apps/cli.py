@@ -312,8 +312,8 @@ def _search(app: App, args, plan: Plan, ranks: int) -> Plan:
         problem = nothing_fits(result, sim)
         if problem is not None:
             raise FlagError(f"--search-budget {args.search_budget}: {problem}")
-        mine = {k: v for k, v in result.best.ops.items() if k in {op.name for op in graph.ops}}
-        return Strategy(app.name, mine).to_json(), result.best_time
+        names = {op.name for op in graph.ops}
+        return Strategy(app.name, {k: v for k, v in result.best.ops.items() if k in names}).to_json(), result.best_time
     text, predicted = _on_rank_zero(searched, ranks)
     return Plan(plan.batch_size, plan.sizes, plan.machine, Strategy.from_json(text), "searched", plan.parameters,
                 predicted)

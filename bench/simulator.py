@@ -213,8 +213,6 @@ def main(argv=None) -> dict:
         for nodes in (8, 32, 128):
             out["search_by_devices"][str(nodes * 8)] = search_rate("transformer", "h100", nodes, 100)
             print(f"search at {nodes * 8} devices: {out['search_by_devices'][str(nodes * 8)]}", flush=True)
-    # the peer: FlexFlow's published figures (Inception-v3 on 64 GPUs: its search 1,278 s with delta
-    # simulation, 8,817 s with full; delta 2.2 to 6.9 times faster than full)
     out["flexflow"] = dict(FLEXFLOW)
     out["flexflow_search_s_over_ours"] = round(FLEXFLOW["search_s"] / out["search"]["seconds_for_10000_proposals"], 1)
     if out["delta_over_full"] is not None:

@@ -225,16 +225,16 @@ class Model:
     def _insert(self, op: Op) -> None:
         """Add a built op: its outputs become tensors, its weights and state get initial values."""
         if self.has_weights:
+            shapes = {**op.weight_shapes(), **op.state_shapes()}
             try:
                 values = op.init_weights(self._init_rng)
             except MemoryError:
-                shapes = {**op.weight_shapes(), **op.state_shapes()}
                 nbytes = sum(math.prod(s) * np.dtype(op.weight_dtype(k)).itemsize for k, s in shapes.items())
                 listed = ", ".join(f"{k} {list(s)}" for k, s in shapes.items())
                 raise MemoryError(f"{op.kind} {op.name!r}: its weights ({listed}, {nbytes / 2**30:.3g} GiB) do not "
                                   f"fit in this machine's memory; Model(weights=False) builds the graph "
                                   f"alone") from None
-            for k, shape in {**op.weight_shapes(), **op.state_shapes()}.items():
+            for k, shape in shapes.items():
                 v = np.asarray(values[k])
                 if v.shape != tuple(shape):
                     raise ValueError(f"{op.kind} {op.name!r}: init_weights gave {k} shape {v.shape}, expected {shape}")

@@ -292,11 +292,12 @@ class Runtime:
         else:
             all_args = [args] * len(points)
             extra = [tuple(a.node_id for a in args if isinstance(a, Future))] * len(points)
-        lost = next((a for pa in (all_args if point_args else [args]) for a in pa
-                     if isinstance(a, Future) and a._lost is not None), None)
-        if lost is not None:
-            raise ValueError(f"launch {name!r}: an argument is the future of task {lost._lost!r} "
-                             f"(node #{lost.node_id}), which failed or was skipped after a failure: its value is lost")
+        if any(extra):   # (only a launch given futures can be given a lost one)
+            lost = next((a for pa in (all_args if point_args else [args]) for a in pa
+                         if isinstance(a, Future) and a._lost is not None), None)
+            if lost is not None:
+                raise ValueError(f"launch {name!r}: an argument is the future of task {lost._lost!r} (node "
+                                 f"#{lost.node_id}), which failed or was skipped after a failure: its value is lost")
         spec = LaunchSpec(name, fn, points, list(reqs), rects, procs, all_args, extra, self._launch_count, op,
                           signature=signature, known_key=key)
         self._launch_count += 1
