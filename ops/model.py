@@ -21,7 +21,9 @@ import functools
 import math
 import os
 import sys
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +106,16 @@ def _recovered(model: "Model", exc: RuntimeError) -> RuntimeError:
     return failed
 
 
+def _shut_down_dropped(rt: Runtime) -> None:
+    """Shut down the runtime of a model collected without close(). A collection can run on one
+    of that runtime's workers, which the shutdown joins: there it runs on a thread of its own."""
+    workers = rt.executor.threads if rt.executor is not None else ()
+    if threading.current_thread() in workers:
+        threading.Thread(target=rt.shutdown, name="taskrt-shutdown", daemon=True).start()
+    else:
+        rt.shutdown()
+
+
 class Model:
     """A graph of operators, its weights, and (after `compile`) its lowering onto a taskrt Runtime."""
 
@@ -120,6 +132,10 @@ class Model:
         self.has_weights = weights
         self.rt = runtime if runtime is not None else Runtime(execute=self.has_weights)
         self._own_runtime = runtime is None
+        #: a runtime of its own is shut down when the model is collected without close() (its
+        #: workers hold the runtime, not the model); not a replicated one, whose shutdown is collective
+        self._shut_when_dropped = (weakref.finalize(self, _shut_down_dropped, self.rt)
+                                   if self._own_runtime and self.rt.transport is None else None)
         self.seed = seed
         self.inputs: list[TensorSpec] = []
         self.ops: list[Op] = []
@@ -156,8 +172,11 @@ class Model:
         return False
 
     def close(self) -> None:
-        """Shut the runtime down if this model made it."""
+        """Shut the runtime down if this model made it (on many ranks: on every rank, as the
+        shutdown is collective)."""
         if self._own_runtime:
+            if self._shut_when_dropped is not None:
+                self._shut_when_dropped.detach()
             self.rt.shutdown()
 
     # ---- graph building -------------------------------------------------------------------

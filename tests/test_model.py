@@ -2,8 +2,10 @@
 loading bit for bit, and clear errors before any work."""
 from __future__ import annotations
 
+import gc
 import io
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -415,6 +417,34 @@ def test_model_arguments_are_checked_before_a_runtime_is_made():
                                  ({"weights": "no"}, TypeError, r"Model: weights must be True or False")):
         with pytest.raises(error, match=match):
             Model(**kwargs)
+
+
+def test_a_model_dropped_without_close_stops_its_own_runtime_and_not_a_shared_one(rt):
+    """Its workers hold the runtime, not the model: without this every dropped model left its
+    threads behind. A collection on one of those workers shuts down on a thread of its own."""
+    m = Model(seed=0)
+    m.dense(m.input((4, 6)), 3)
+    m.compile(SGD(lr=0.1))
+    m.fit(np.ones((4, 6)), np.zeros(4, np.int64), iterations=2, verbose=False)
+    own, workers = m.rt, list(m.rt.executor.threads)
+    del m
+    gc.collect()
+    assert own._closed and not any(t.is_alive() for t in workers)
+
+    m = Model(seed=0)
+    own, workers = m.rt, list(m.rt.executor.threads)
+    ran = []
+    own.launch(lambda: (m._shut_when_dropped(), ran.append(threading.current_thread())))
+    for t in workers:
+        t.join(timeout=10)
+    assert ran[0] in workers and own._closed and not any(t.is_alive() for t in workers)
+
+    shared = Model(rt, seed=0)
+    assert shared._shut_when_dropped is None
+    shared.close()
+    del shared
+    gc.collect()
+    assert not rt._closed
 
 
 def test_a_graph_only_model_says_it_has_no_weights():
