@@ -162,6 +162,10 @@ class Analyzer:
         #: region uid -> the node id of its last release (Runtime.release): data made before it
         #: is gone, and reading it is refused
         self.released: dict[int, int] = {}
+        #: while a replay block records (taskrt/replay.py): its first node id, and the regions
+        #: it reads data of from before it (a replay may read them only if not released since)
+        self.entry_from: int | None = None
+        self.entry_reads: set[int] = set()
 
     def state(self, region: Region) -> RegionState:
         st = self.states.get(region.uid)
@@ -297,9 +301,12 @@ class Analyzer:
     def _physical_preds(self, st, region, rect, priv, mem, preds, launch, op) -> None:
         """Depend on whoever made the data valid in `mem`; copy it in first if it is valid elsewhere."""
         released = self.released.get(region.uid) if priv.reads else None
+        entry_from = self.entry_from if priv.reads else None
         for prect, valid in self._overlapping_pieces(st, rect):
             if released is not None and _gone(valid, released):
                 raise _read_after_release(region, prect, released, launch, op)
+            if entry_from is not None and _gone(valid, entry_from):
+                self.entry_reads.add(region.uid)
             if mem in valid:
                 producer = valid[mem]
                 if producer is not None:

@@ -59,6 +59,10 @@ class Recording:
     signatures: list = field(default_factory=list)
     #: (nodes emitted before it, regions) of each Runtime.release inside the block
     releases: list[tuple[int, tuple]] = field(default_factory=list)
+    #: region uid -> its release mark (None: none) when recorded, for the regions whose data from
+    #: before the block it reads: released since, that data may be gone, which only analysis can
+    #: tell (and refuse), so the block records again
+    entry_marks: dict[int, int | None] = field(default_factory=dict)
     _rows: "Rows | None" = None
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
@@ -163,6 +167,8 @@ class ReplayBlock:
         #: id it starts at), and each released region's release mark before the block's first
         self.releases: list[tuple[int, tuple, int]] = []
         self.released_before: dict[int, int | None] = {}
+        #: while recording: the analyzer's release marks at entry (for Recording.entry_marks)
+        self.marks_before: dict[int, int] = {}
 
     # ---- entering and leaving ----------------------------------------------------------
     def __enter__(self):
@@ -170,9 +176,9 @@ class ReplayBlock:
         if rt._replay is not None:
             raise RuntimeError(f"replay block {self.name!r} opened inside replay block {rt._replay.name!r}")
         rec = rt._recordings.get(self.name)
-        if rec is not None and rec.replayable and all(_unchanged_since_replay(rt, rec, uid)
-                                                      or _abstract(rt, uid) == rec.begin_abstract[uid]
-                                                      for uid in rec.regions):
+        if rec is not None and rec.replayable and not _released_since(rt, rec) \
+                and all(_unchanged_since_replay(rt, rec, uid) or _abstract(rt, uid) == rec.begin_abstract[uid]
+                        for uid in rec.regions):
             self.mode = "replaying"
             self.recording = rec
             self.fence_id = rt._emit_fence(f"replay-fence:{self.name}")
@@ -180,6 +186,8 @@ class ReplayBlock:
         else:
             self.mode = "recording"
             self.recording = Recording(self.name, rt._next_id, rt.analyzer.abstracts())
+            self.marks_before = dict(rt.analyzer.released)
+            rt.analyzer.entry_from, rt.analyzer.entry_reads = rt._next_id, set()
             rt.replay_stats["recorded"] += 1
         rt._replay = self
         return self
@@ -187,11 +195,13 @@ class ReplayBlock:
     def __exit__(self, exc_type, exc, tb):
         rt = self.rt
         rt._replay = None
+        rt.analyzer.entry_from = None
         if exc_type is not None:
             return False
         if self.mode == "recording":
             self.recording.program = self.program
             self.recording.finish(rt.analyzer, self.launch_ids)
+            self.recording.entry_marks = {uid: self.marks_before.get(uid) for uid in rt.analyzer.entry_reads}
             rt._recordings[self.name] = self.recording
         elif self.mode == "replaying":
             if self.reissued:
@@ -381,6 +391,13 @@ def _set_marks(released: dict, marks: dict) -> None:
             released.pop(uid, None)
         else:
             released[uid] = at
+
+
+def _released_since(rt, rec: Recording) -> bool:
+    """Whether a region whose data from before the block the recording reads has been released
+    since it was recorded (inside the block included): a replay would read gone data unchecked."""
+    released = rt.analyzer.released
+    return any(released.get(uid) != at for uid, at in rec.entry_marks.items())
 
 
 def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:

@@ -955,6 +955,38 @@ def test_a_replay_that_falls_back_after_a_release_re_analyzes_around_it():
         assert rt.replay_stats["replayed"] == 2 and rt.replay_stats["mismatches"] == 1
 
 
+def test_a_block_that_reads_a_region_released_since_its_last_run_is_analyzed_again():
+    """A replay reads without analysis: after a release since it was recorded (between runs, or
+    inside the block) it read the gone data (a fresh zeroed instance) where analysis refuses."""
+    def total_of(v):
+        return int(v.sum())
+    with Runtime(cpus=2) as rt:
+        x = rt.region((9,), "int64")
+        rt.fill(x, 2)
+        for _ in range(3):
+            with rt.replay("sum"):
+                total = rt.launch(total_of, req(x, READ))
+            assert total.get(timeout=30) == 18
+        assert rt.replay_stats["replayed"] == 2
+        rt.release(x)
+        with pytest.raises(RuntimeError, match=r"is read by .* after its Runtime.release .* that data is gone"):
+            with rt.replay("sum"):
+                rt.launch(total_of, req(x, READ))
+        rt.fill(x, 1)   # written again: the block records and then replays
+        for _ in range(3):
+            with rt.replay("sum"):
+                total = rt.launch(total_of, req(x, READ))
+            assert total.get(timeout=30) == 9
+        assert rt.replay_stats["replayed"] == 4
+        with rt.replay("sum and release"):   # recorded: it reads the data and then lets it go
+            total = rt.launch(total_of, req(x, READ))
+            rt.release(x)
+        assert total.get(timeout=30) == 9
+        with pytest.raises(RuntimeError, match=r"that data is gone"):
+            with rt.replay("sum and release"):   # a replay read the gone data: 0
+                rt.launch(total_of, req(x, READ))
+
+
 @pytest.mark.parametrize("wait_first", [False, True])
 def test_a_reduction_pending_at_a_release_is_dropped_with_the_data(wait_first):
     """Writing a region released with a reduction pending was refused: the write folded the
