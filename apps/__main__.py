@@ -7,9 +7,12 @@ from apps.cli import APPS, fail
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m apps NAME [flags]   (NAME: {', '.join(APPS)}; python -m apps.NAME --help for flags)")
-        sys.exit(0 if argv else 2)
+    usage = f"usage: python -m apps NAME [flags]   (NAME: {', '.join(APPS)}; python -m apps.NAME --help for flags)"
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage)
+        sys.exit(0)
+    if not argv:
+        fail(f"no app named; {usage}")
     name = argv[0]
     if name not in APPS:
         fail(f"unknown app {name!r}; the apps are {', '.join(APPS)}")

@@ -22,7 +22,6 @@ them now:
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -35,6 +34,7 @@ import numpy as np
 
 from apps.cli import APPS, DefaultsHelp, at_least
 from apps.demo import Setup, train_mpi
+from tools import LineParser
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
@@ -165,7 +165,7 @@ def figures_text(figures: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m apps.calibrate", description=__doc__.split("\n\n")[0],
+    p = LineParser(prog="python -m apps.calibrate", description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelp)
     p.add_argument("--app", default="transformer", choices=APPS, help="the tiny app whose strategies are run")
     p.add_argument("--ranks", type=at_least(2), default=2, help="MPI ranks, one CPU worker each")

@@ -257,6 +257,8 @@ def check(app: App, args) -> Plan:
     ranks = _world_size()
     problem, strategy = None, None
     try:
+        if args.lr > float(np.finfo(args.dtype).max):
+            raise FlagError(f"--lr {args.lr:g}: beyond the range of {args.dtype}, the network's type")
         if args.warmup is not None and args.warmup >= args.iterations:
             raise FlagError(f"--warmup {args.warmup}: must be less than --iterations ({args.iterations}): "
                             f"no iteration would be timed")
@@ -264,6 +266,7 @@ def check(app: App, args) -> Plan:
         if args.strategy is not None:
             strategy = _load_strategy(args.strategy)
         env_trace = (os.environ.get("TASKRT_TRACE") or None) if args.trace is None else None
+        claimed: dict[str, str] = {}   # real path -> the flag that writes it
         for flag, path in (("--trace", args.trace), ("--export-strategy", args.export_strategy),
                            ("TASKRT_TRACE", env_trace)):
             if path is None:
@@ -272,6 +275,9 @@ def check(app: App, args) -> Plan:
             problem = output_problem(written)   # (on many ranks each rank writes a trace of its own)
             if problem is not None:
                 raise FlagError(f"{flag} {path}: {'' if written == path else written + ' '}{problem}")
+            other = claimed.setdefault(os.path.realpath(written), flag)
+            if other != flag:
+                raise FlagError(f"{flag} {path}: the same file as {other}'s: one would overwrite the other")
     except FlagError as e:
         problem = str(e)
     _agree(problem, ranks)
@@ -288,9 +294,18 @@ def check(app: App, args) -> Plan:
         plan = _search(app, args, plan, ranks)
     elif args.machine is not None:
         plan = _predict(app, args, plan, ranks)
-    if args.export_strategy is not None and _rank() == 0:
-        Strategy(app.name, {op: c for op, c in plan.strategy.ops.items()}).save(args.export_strategy)
+    if args.export_strategy is not None:
+        _on_rank_zero(lambda: _export(app, plan, args.export_strategy), ranks)
     return plan
+
+
+def _export(app: App, plan: Plan, path: str) -> None:
+    """Write the plan's strategy to --export-strategy's file (a write that fails there, as on a full
+    disk, is a flag error: every rank ends, none waits for rank 0)."""
+    try:
+        Strategy(app.name, dict(plan.strategy.ops)).save(path)
+    except OSError as e:
+        raise FlagError(f"--export-strategy {path}: cannot write: {e.strerror or e}") from None
 
 
 def _rank() -> int:
@@ -371,7 +386,7 @@ def _machine_model(args, machine: Machine):
     from strategies.machine_model import MachineError, load_machine
     computing = compute_processors(machine)
     devices, kind = len(computing), machine.processors[computing[0]].kind
-    name = args.machine or "local"
+    name = "local" if args.machine is None else args.machine
     try:
         mm = load_machine(name)
     except MachineError as e:
@@ -619,7 +634,15 @@ def train(app: App, args, plan: Plan) -> dict:
             losses.append(loss)
             times.append(time.perf_counter() - start)
             progress.show(len(losses), loss, times)
+            if not math.isfinite(loss):   # (every rank has the same loss, so every rank stops here)
+                break
         rank, trace = rt.rank, rt.trace_path
+    if not math.isfinite(losses[-1]):
+        if rank == 0:
+            print(f"error: {app.name}: the loss is {losses[-1]} at iteration {len(losses)} of {args.iterations} "
+                  f"({args.optimizer}, --lr {args.lr:g}): training diverged (a smaller --lr may help)", file=sys.stderr,
+                  flush=True)
+        sys.exit(1)
     warmup = min(WARMUP, args.iterations - 1) if args.warmup is None else args.warmup
     span = times[-1] - (times[warmup - 1] if warmup else 0.0)
     measured = args.iterations - warmup

@@ -20,7 +20,6 @@ and set the measured throughputs beside the simulator's predictions.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apps.cli import APPS, DefaultsHelp, at_least
+from tools import LineParser
 from ops.strategy import Strategy
 from strategies.baselines import data_parallel
 from strategies.machine_model import MachineModel, load_machine
@@ -214,7 +214,7 @@ def out_problem(out: str) -> str | None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
+    p = LineParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
                                 formatter_class=DefaultsHelp)
     p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
     p.add_argument("--ranks", type=at_least(1), default=2, help="MPI ranks")

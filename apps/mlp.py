@@ -33,7 +33,7 @@ def make_batch(rng, model, batch_size, sizes):
 
 
 #: the app: its name, graph, sizes, batches and training defaults
-APP = App("mlp", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, lr=0.05,
+APP = App("mlp", build, FULL, TINY, make_batch, batch_size=64, tiny_batch_size=16, lr=0.01,
           description=__doc__.splitlines()[0])
 
 

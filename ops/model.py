@@ -309,7 +309,7 @@ class Model:
         return self._add(Softmax, "softmax", [x], name, axis=axis)
 
     def dropout(self, x, rate=0.5, seed=None, name=None):
-        seed = self.seed * 1_000_003 + len(self.ops) if seed is None else seed
+        seed = (self.seed * 1_000_003 + len(self.ops)) % 2**64 if seed is None else seed   # (a mask's seed is 64 bits)
         return self._add(Dropout, "dropout", [x], name, rate=rate, seed=seed)
 
     def concat(self, tensors, axis, name=None):
@@ -427,6 +427,11 @@ class Model:
         if not self.ops:
             raise ValueError("compile: the model has no operators")
         opt = make_optimizer(optimizer, "compile")
+        for dtype in sorted({str(np.dtype(op.weight_dtype(k))) for op in self.ops for k in op.weight_shapes()}):
+            for field_name, value in opt.to_dict().items():   # (an update runs in the weights' dtype)
+                if isinstance(value, float) and beyond_range(np.array([value]), dtype) is not None:
+                    raise ValueError(f"compile: {type(opt).__name__} {field_name} {value:g} is beyond the range of "
+                                     f"{dtype}, the weights' type")
         if release is not None and not isinstance(release, bool):
             raise TypeError(f"compile: release must be True, False or None, got {type(release).__name__} {release!r}")
         if not isinstance(loss, str) or loss not in LOSSES:

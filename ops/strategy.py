@@ -205,6 +205,10 @@ class Strategy:
         save(self, path)
 
 
+#: the longest strategy file read (1,024 devices' configs for a thousand ops take a few MiB)
+MAX_CHARS = 64 << 20
+
+
 def save(strategy: Strategy, path) -> None:
     """Write `strategy` as a JSON strategy file."""
     with open(path, "w") as f:
@@ -218,11 +222,13 @@ def load(path) -> Strategy:
     where = str(path)
     try:
         with open(path) as f:
-            text = f.read()
+            text = f.read(MAX_CHARS + 1)   # (not all of /dev/zero)
     except OSError as e:
         raise StrategyError([f"{where}: can't read the strategy file: {e.strerror}"]) from None
     except UnicodeDecodeError as e:
         raise StrategyError([f"{where}: not a text file ({e.reason} at byte {e.start})"]) from None
+    if len(text) > MAX_CHARS:
+        raise StrategyError([f"{where}: over {MAX_CHARS >> 20} Mi characters, not a strategy file"])
     return Strategy.from_json(text, source=where)
 
 

@@ -30,7 +30,6 @@ memory accounting is in strategies/memory.py.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -632,7 +631,8 @@ def calibrate(cost: CostModel, ops: Sequence[Op] | None = None) -> dict[str, flo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m strategies.cost",
+    from tools import LineParser
+    parser = LineParser(prog="python -m strategies.cost",
                                      description="Fit a machine model's efficiencies to kernels measured here.")
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="measure the calibration ops and fit the roofline's efficiencies")

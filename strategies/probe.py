@@ -104,7 +104,8 @@ def measure_overheads(ranks: int = 2, timeout: float = 120) -> dict[str, float]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m strategies.probe", description=__doc__.splitlines()[0])
+    from tools import LineParser
+    p = LineParser(prog="python -m strategies.probe", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks (one CPU worker each)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

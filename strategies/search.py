@@ -21,7 +21,6 @@ optimizer, in float32 (`app_simulator`), unless --batch-size, --optimizer or --d
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -97,13 +96,16 @@ def nothing_fits(result: SearchResult, sim: Simulator) -> str | None:
     if math.isfinite(result.best_time):
         return None
     mm = sim.machine_model
-    if sim.simulate(result.best).fits:
+    best = sim.simulate(result.best)
+    if best.fits:
         return (f"every strategy's predicted time is infinite on {mm.source or mm.name}: its figures (bandwidths, "
                 f"latencies, overheads) make a time overflow")
-    device = mm.device
-    return (f"no strategy fits the memory of {sim.machine_model.name}'s {device.kind} devices "
-            f"({device.mem_bytes / 2**30:.3g} GiB each): not the baselines, nor any of {result.proposals} "
-            f"proposals; a smaller batch, more devices or a bigger budget")
+    kinds = {sim.machine.processors[i].kind for i, peak in best.peak_memory.items() if peak > best.capacity[i]}
+    memories = [f"{mm.device.kind} devices ({mm.device.mem_bytes / 2**30:.3g} GiB each)"] if mm.device.kind in kinds else []
+    if mm.device.kind != "cpu" and "cpu" in kinds:   # (the CPUs of a GPU machine are its hosts)
+        memories.append(f"hosts ({mm.host.mem_bytes / 2**30:.3g} GiB each)")
+    return (f"no strategy fits the memory of {mm.name}'s {' and '.join(memories)}: not the baselines, nor any of "
+            f"{result.proposals} proposals; a smaller batch, more devices or a bigger budget")
 
 
 class _Bar:
@@ -479,8 +481,9 @@ def main(argv=None) -> int:
     strategy's predicted time beside the baselines', write the strategy file the apps take."""
     from apps.cli import APPS, DTYPES, OPTIMIZERS, DefaultsHelp, dtype_problem
     from strategies.machine_model import MachineError, load_machine
+    from tools import LineParser
 
-    p = argparse.ArgumentParser(prog="python -m strategies.search", description=main.__doc__,
+    p = LineParser(prog="python -m strategies.search", description=main.__doc__,
                                 formatter_class=DefaultsHelp)
     p.add_argument("--app", required=True, choices=sorted(APPS), help="the network to search for")
     p.add_argument("--tiny", action="store_true", help="its scaled-down configuration")

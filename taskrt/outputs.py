@@ -18,6 +18,9 @@ def output_problem(path: str) -> str | None:
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         return f"the folder {folder} does not exist"
+    longest = os.pathconf(folder, "PC_NAME_MAX")
+    if len(os.fsencode(os.path.basename(path))) > longest:
+        return f"the file name is too long (over {longest} bytes)"
     if os.path.isdir(path):
         return "is a folder, not a file"
     if os.path.exists(path):

@@ -288,7 +288,7 @@ def test_recurrent_apps_default_to_a_smaller_rate_at_full_size(capsys):
     assert "(default: 0.001; 0.01 with --tiny)" in " ".join(capsys.readouterr().out.split())
     assert run_here(rnntc, "--tiny", "--iterations", 1, capsys=capsys)[0]["lr"] == 0.01
     assert run_here(rnntc, "--tiny", "--iterations", 1, "--lr", 0.05, capsys=capsys)[0]["lr"] == 0.05
-    assert run_here(mlp, "--tiny", "--iterations", 1, capsys=capsys)[0]["lr"] == 0.05
+    assert run_here(mlp, "--tiny", "--iterations", 1, capsys=capsys)[0]["lr"] == 0.01
 
 
 def test_help_lists_every_flag_with_its_default(capsys):
@@ -325,6 +325,10 @@ def test_unknown_app(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == ("error: unknown app 'lenet'; the apps are mlp, alexnet, resnet101, "
                                                "inception_v3, transformer, rnntc, rnnlm, nmt")
+    with pytest.raises(SystemExit) as e:   # (its usage went to stdout)
+        apps_main([])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and not out.out and out.err.startswith("error: no app named; usage: python -m apps NAME")
 
 
 @pytest.mark.parametrize("name", APP_NAMES)
@@ -352,6 +356,26 @@ def test_files_the_run_writes_are_checked_before_it_trains(tmp_path, capsys):
     assert bad(capsys, mlp, "--tiny", "--trace", tmp_path) == f"error: --trace {tmp_path}: is a folder, not a file"
     err = bad(capsys, mlp, "--tiny", "--search-budget", 4, "--export-strategy", tmp_path / "no" / "s.json")
     assert err.startswith("error: --export-strategy ") and "does not exist" in err
+    long = tmp_path / ("a" * 300 + ".json")   # (an OSError traceback once the work was done)
+    assert bad(capsys, mlp, "--tiny", "--export-strategy", long) == (
+        f"error: --export-strategy {long}: the file name is too long (over 255 bytes)")
+    same = tmp_path / "out.json"   # (the trace overwrote the strategy, without a word)
+    assert bad(capsys, mlp, "--tiny", "--trace", same, "--export-strategy", same) == (
+        f"error: --export-strategy {same}: the same file as --trace's: one would overwrite the other")
+    assert bad(capsys, mlp, "--tiny", "--export-strategy", "/dev/full") == (
+        "error: --export-strategy /dev/full: cannot write: No space left on device")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+def test_flags_that_would_train_nothing_sensible_are_refused_and_a_diverged_run_fails(capsys):
+    assert bad(capsys, mlp, "--tiny", "--lr", 1e300) == "error: --lr 1e+300: beyond the range of float32, the network's type"
+    assert bad(capsys, mlp, "--tiny", "--machine", "").startswith("error: --machine : ")   # (it ran as local)
+    with pytest.raises(SystemExit) as e:   # (it printed "final_loss": NaN, not JSON, and exited 0)
+        mlp.main(["--tiny", "--iterations", "50", "--lr", "1e6"])
+    assert e.value.code == 1
+    out = capsys.readouterr()
+    assert "{" not in out.out and re.fullmatch(r"error: mlp: the loss is nan at iteration \d+ of 50 \(sgd, --lr 1e\+06\): "
+                                               r"training diverged \(a smaller --lr may help\)", out.err.strip())
 
 
 def test_each_ranks_trace_file_is_checked_before_any_rank_trains(tmp_path):
@@ -566,7 +590,7 @@ def test_the_prediction_simulates_the_optimizer_the_run_trains_with(capsys, monk
         made.append(real(cls, *args, **kwargs))
         return made[-1]
     monkeypatch.setattr(Simulator, "for_model", classmethod(spy))
-    for flags, want in (((), SGD(lr=0.05, momentum=0.9)), (("--optimizer", "adam", "--lr", 0.5), Adam(lr=0.5))):
+    for flags, want in (((), SGD(lr=0.01, momentum=0.9)), (("--optimizer", "adam", "--lr", 0.5), Adam(lr=0.5))):
         run_here(mlp, "--tiny", "--iterations", 2, "--machine", "local", *flags, capsys=capsys)
         assert made[-1].optimizer == want
 

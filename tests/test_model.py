@@ -464,6 +464,8 @@ def test_compile_arguments_are_checked(tmp_path):
         m.compile(configs="dense_0")
     with pytest.raises(ValueError, match=r"set_parameters: dense_0.bias has values that float32 cannot hold"):
         m.set_parameters({"dense_0.bias": np.array([1e300] * 3)})
+    with pytest.raises(ValueError, match=r"compile: SGD lr 1e\+300 is beyond the range of float32, the weights' type"):
+        m.compile(optimizer=SGD(lr=1e300))   # (every weight became inf, then nan)
     m.compile(metrics="accuracy")   # one metric by name (it used to be taken letter by letter)
     m.rt.shutdown()
     n = Model(Runtime(cpus=1), seed=0)

@@ -114,6 +114,20 @@ def test_the_command_line_names_an_out_of_range_number(flags, said, capsys):
     assert capsys.readouterr().err == f"error: {said}\n"
 
 
+@pytest.mark.parametrize("module, argv, said", [
+    ("strategies.search", ["--app", "mlp", "--batch-size", "2.5"], "argument --batch-size: invalid int value: '2.5'"),
+    ("apps.demo", ["--ranks", "x"], "argument --ranks: 'x' is not an integer"),
+    ("tools.trace", ["summary", "t.jsonl", "--top", "0"], "argument --top: '0' is not a whole number >= 1"),
+    ("tools.strategy", ["draw"], "the following arguments are required: file, --app, -o/--output"),
+    ("strategies.cost", [], "the following arguments are required: command")])
+def test_every_command_s_bad_flag_is_one_line(module, argv, said, capsys):
+    """argparse printed its usage block and `prog: error:` above the message."""
+    import importlib
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {said}\n"
+
+
 def test_the_command_line_refuses_to_run_under_mpiexec(capsys, monkeypatch):
     """Under mpiexec every rank searched alone and wrote the same -o file."""
     import strategies.search as search_module
@@ -153,6 +167,13 @@ def test_the_command_line_says_when_no_strategy_fits_and_writes_none(tmp_path, c
         f"error: every strategy's predicted time is infinite on {small}: its figures (bandwidths, latencies, "
         f"overheads) make a time overflow")
     assert not out.exists()
+    # the hosts' memory is what is short: named, not the GPUs'
+    data["intra_node"]["bandwidth"], data["host"]["mem_bytes"] = 1e10, 1e4
+    small.write_text(json.dumps(data))
+    assert search_module.main(["--app", "mlp", "--tiny", "--machine", str(small), "--nodes", "1", "--budget", "3",
+                               "-o", str(out)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "error: no strategy fits the memory of p100's hosts (9.31e-06 GiB each): not the baselines")
     assert search_module.main(["--app", "mlp", "--tiny", "--machine", "p100", "--batch-size", str(10 ** 23)]) == 2
     assert capsys.readouterr().err.startswith(f"error: --batch-size {10 ** 23}: ")
 
@@ -166,7 +187,7 @@ def test_an_app_is_simulated_at_its_own_batch_with_its_own_optimizer(capsys):
     model, _ = app_graph("inception_v3", tiny=True)
     assert model.inputs[0].shape[0] == inception_v3.APP.tiny_batch_size == 8
     assert app_graph("inception_v3", 4, tiny=True)[0].inputs[0].shape[0] == 4
-    assert app_optimizer("mlp") == SGD(lr=0.05, momentum=0.9)
+    assert app_optimizer("mlp") == SGD(lr=0.01, momentum=0.9)
     assert app_optimizer("nmt") == Adam(lr=0.001) and app_optimizer("nmt", tiny=True) == Adam(lr=0.01)
     assert app_optimizer("nmt", kind="sgd") == SGD(lr=0.001, momentum=0.9)
     model, sim = app_simulator("transformer", load_machine("p100", nodes=1), tiny=True)

@@ -206,9 +206,12 @@ def test_fields_of_the_wrong_form(tmp_path):
     assert info.value.problems == [f"{path}: key 'ops' appears twice in one object", f"{path}: missing field 'model'"]
 
 
-def test_a_missing_file(tmp_path):
+def test_a_missing_file_and_an_endless_one(tmp_path, monkeypatch):
     with pytest.raises(StrategyError, match=r"nope.json: can't read the strategy file: No such file"):
         load(tmp_path / "nope.json")
+    monkeypatch.setattr("ops.strategy.MAX_CHARS", 1 << 20)
+    with pytest.raises(StrategyError, match=r"^/dev/zero: over 1 Mi characters, not a strategy file$"):
+        load("/dev/zero")   # (read it all: killed for memory)
 
 
 def test_every_problem_of_a_file_is_named_on_its_own_line(tmp_path):

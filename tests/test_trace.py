@@ -215,6 +215,9 @@ def test_images_are_written_as_png_files_only(measured, simulated, tmp_path, cap
         rc, _, err = run_cli(capsys, *argv)
         assert rc == 2 and "the tools write PNG images only: name the file .png" in err
     assert not list(tmp_path.iterdir())
+    for output, said in (("", "is an empty path"), (tmp_path / "no" / "m.jsonl", "does not exist")):
+        rc, _, err = run_cli(capsys, "merge", tmp_path / "not read.jsonl", "-o", output)   # (said after reading)
+        assert rc == 2 and err.startswith(f"tools.trace: -o {output}: ") and said in err, err
 
 
 def test_timeline_of_64_processors(tmp_path):

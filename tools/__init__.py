@@ -1,8 +1,18 @@
 """Command-line tools over traces and strategy files (tools/trace.py, tools/strategy.py)."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+
+
+class LineParser(argparse.ArgumentParser):
+    """argparse whose bad flag is one line on stderr (`error: ...`) and exit status 2, without the
+    usage block (the apps' own parser does the same and agrees on it over MPI's ranks)."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def exit_with(main) -> None:

@@ -35,7 +35,7 @@ from ops.lower import ConfigError, TileConfig, check_degrees, compute_devices, c
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
 from strategies.memory import place_name, step_holdings
 from taskrt.outputs import output_problem
-from tools import exit_with, png_problem
+from tools import LineParser, exit_with, png_problem
 
 #: one letter per SOAP kind, as in SplitDim's str
 LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
@@ -343,15 +343,10 @@ def memory_report(strategy: Strategy, app: str, tiny: bool, batch: int | None, m
 
 
 # ---- command line -------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
-
-
 def parser() -> argparse.ArgumentParser:
     from apps.cli import DTYPES, OPTIMIZERS
-    p = _Parser(prog="python -m tools.strategy", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = LineParser(prog="python -m tools.strategy", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=LineParser)
 
     def app_flags(q, required):
         q.add_argument("--app", required=required, help="the benchmark app the strategy is for")

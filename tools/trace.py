@@ -34,8 +34,9 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from taskrt.outputs import output_problem
 from taskrt.tracing import rank_trace_path
-from tools import exit_with, png_problem
+from tools import LineParser, exit_with, png_problem
 
 REQUIRED = ("id", "name", "kind", "rank", "proc", "start", "end", "bytes")
 PHASE_SUFFIXES = ((".fwd", "forward"), (".bwd", "backward"), (".update", "update"), (".infer", "inference"))
@@ -150,7 +151,8 @@ def _read_file(path: str) -> tuple[dict, list[dict]]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             last = lineno == len(lines) or not any(x.strip() for x in lines[lineno:])
-            what = "truncated" if last and not text.endswith("\n") else "not JSON"
+            what = ("truncated" if last and not text.endswith("\n") else
+                    "not JSON on one line (a trace has a JSON object a line)")
             raise TraceError(f"{path}:{lineno}: {what}: {e.msg} (column {e.colno})") from None
         except RecursionError:
             raise TraceError(f"{path}:{lineno}: not a taskrt trace: JSON nested too deeply") from None
@@ -1091,8 +1093,8 @@ def write_compare(simulated: Trace, measured: Trace, path: str, skip: int = 1) -
 
 # ---- command line ----------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.trace", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = LineParser(prog="python -m tools.trace", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=LineParser)
     m = sub.add_parser("merge", help="per-rank traces into one file, on one clock")
     m.add_argument("traces", nargs="+")
     m.add_argument("-o", "--output", required=True)
@@ -1158,9 +1160,12 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    problem = png_problem(args.output) if args.command in ("timeline", "compare") else None
+    output = getattr(args, "output", None)
+    problem = None if output is None else output_problem(output)   # (before the traces are read)
+    if problem is None and args.command in ("timeline", "compare"):
+        problem = png_problem(output)
     if problem is not None:
-        raise TraceError(f"-o {args.output}: {problem}")
+        raise TraceError(f"-o {output}: {problem}")
     if args.command == "compare":
         result = write_compare(load(args.simulated), load(args.measured), args.output, args.skip)
         print(json.dumps(result, indent=1) if args.json else format_compare(result) + f"\nwrote {args.output}")
