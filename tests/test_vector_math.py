@@ -46,12 +46,14 @@ def test_erf_in_float64_is_math_erf():
 
 @pytest.mark.parametrize("m", [0.0, 3.5])
 def test_exp_is_within_2_ulp_and_its_sum_is_the_sum(m):
-    """exp(x - m) for x <= m down to float32's underflow (clamped at -87: below it the result
-    is float32's smallest normals, not 0), and the float64 sum it returns. (Compared with the
-    exp of the float32 difference, whose own rounding is not the exp's.)"""
-    x = (m - np.abs(np.linspace(-90, 0, 200_001))).astype(np.float32)
+    """exp(x - m) for x <= m down to float32's underflow (0 below -87, where np.exp gives a
+    number below float32's smallest normal: it gave 1.6e-38 there, which a softmax's
+    cross-entropy took as a probability, where float64's was 0), and the float64 sum it
+    returns. (Compared with the exp of the float32 difference, whose own rounding is not the exp's.)"""
+    x = (m - np.abs(np.linspace(-1e4, 0, 200_001) ** 3 / 1e8)).astype(np.float32)
     y, total = _exp_all(x, np.float32(m), True)
-    want = np.exp(np.maximum((x - np.float32(m)).astype(np.float64), -87.0))
+    diff = (x - np.float32(m)).astype(np.float64)
+    want = np.where(diff < -87.0, 0.0, np.exp(diff))
     assert y.dtype == np.float32
     np.testing.assert_allclose(y, want, rtol=2.5e-7, atol=0)
     assert total == pytest.approx(float(y.astype(np.float64).sum()), rel=1e-12)
