@@ -68,6 +68,13 @@ CACHE_BYTES = 4 << 30
 #: the bytes a recorded point task takes, about (a TaskNode, its requirements and cost, measured
 #: at 1,024 devices: 1.1 GB of resident memory over 2,566 segments of 1,024 tasks)
 TASK_BYTES = 400
+#: the bytes of a recorded segment besides its tasks' (its dicts by region and their arrays'
+#: headers), of a region result besides its arrays' data (eleven array headers and itself), and
+#: of a part's costs besides theirs (the simulator's): the tiny apps' searches held 3,000-5,000,
+#: about 2,000 and 330 (tracemalloc), and were counted at a third of what they held without them
+SEGMENT_BYTES = 3000
+REGION_BYTES = 2000
+PART_COST_BYTES = 330
 
 
 @dataclass(frozen=True)
@@ -649,7 +656,7 @@ class SegmentBuilder:
         if rec is None:
             segment, plan = make()
             rec = self._segments[key] = self._record(key, segment, plan)
-            self._cached_bytes += TASK_BYTES * len(rec.procs)
+            self._cached_bytes += SEGMENT_BYTES + TASK_BYTES * len(rec.procs)
         return rec
 
     def _record(self, key: tuple, segment: Segment, plan: OpPlan | None) -> RecordedSegment:
@@ -754,7 +761,7 @@ class SegmentBuilder:
             result = self._regions.get(key)
             if result is None:
                 result = self._regions[key] = self._region(uid, program, positions, second)
-                self._cached_bytes += result.nbytes
+                self._cached_bytes += REGION_BYTES + result.nbytes
             by_uid[uid] = result
         self._last = (program, where, by_uid, ids, sizes)
         self._bound_caches()
@@ -783,6 +790,11 @@ class SegmentBuilder:
                                   program[second:] + results, program, changed_parts,
                                   view, self.machine,
                                   (self._columns.store, copy_columns, copy_counts, offset, sizes, second))
+
+    def count_cached(self, nbytes: int) -> None:
+        """Count `nbytes` more of what is cached for the parts this builder made (a simulator's
+        costs of them), dropped with them."""
+        self._cached_bytes += nbytes
 
     def _bound_caches(self) -> None:
         """Drop the caches of recorded segments and region analyses when they hold more than

@@ -42,7 +42,7 @@ from strategies.graph import (BACKWARD, BACKWARD_WEIGHTS, FILL, FORWARD, SOURCE_
 from strategies.arena import Arena, columns_of
 from strategies.machine_model import MachineModel
 from strategies.memory import PeakCache, plan_peak
-from strategies.segments import AssembledIteration, RecordedSegment, SegmentBuilder
+from strategies.segments import PART_COST_BYTES, AssembledIteration, RecordedSegment, SegmentBuilder
 from strategies.timing import NO_NAPS, Handling, Naps, Timing, schedule_successors
 from taskrt.heap import collect_cycles_less, keep_freed_memory
 from taskrt.taskgraph import CopyNode
@@ -375,6 +375,7 @@ class Simulator:
             else:
                 costs = self._region_costs(part)
             known = self._part_cost_cache[id(part)] = (part, costs)
+            self.builder.count_cached(PART_COST_BYTES + costs.nbytes)
         return known[1]
 
     def _segment_costs(self, part: RecordedSegment) -> np.ndarray:
