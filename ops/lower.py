@@ -449,6 +449,10 @@ class OpPlan:
     def __repr__(self) -> str:
         return f"OpPlan({self.op.kind} {self.op.name!r}, {self.config})"
 
+    def own_regions(self) -> list[Region]:
+        """The regions this plan made: its tiles' shared sums, an ordered dim's carries and their gradients."""
+        return [p.region for p in (*self._sums.values(), *self._carries, *self._carry_grads)]
+
     def _fail(self, color, message: str) -> RuntimeError:
         return RuntimeError(f"{self.op.kind} {self.op.name!r} tile {color} ({self.tiles[color]!r}): {message}")
 
@@ -1112,6 +1116,17 @@ class Lowering:
         """The optimizer update of every trained weight; `step` is 1-based."""
         for segment in self.update_segments(step):
             self.issue(segment)
+
+    def release_all(self) -> None:
+        """Free what this lowering holds on its runtime (a model closed on a runtime it shares):
+        the instances of every region it made, once the nodes issued so far have run, and the
+        recordings of its programs."""
+        params = [r for p in self.params.values() for r in (p.value, p.grad, *p.state.values()) if r is not None]
+        regions = [*self.values.values(), *self.grads.values(), *self.stats.values(), *params,
+                   *(r for plan in self.plans.values() for r in plan.own_regions())]
+        self.rt.release(*regions)
+        for name in self._programs:
+            self.rt.forget_replay(name)
 
     def forget_saved(self) -> None:
         """Drop what training forwards kept for backwards that will not run: after a failure, once

@@ -157,6 +157,7 @@ class Model:
         #: after a failure the count goes back to the steps that ran whole (_rewind); a step
         #: this far back has finished before the next is issued (its loss is waited for)
         self._issued_steps: collections.deque = collections.deque(maxlen=16)
+        self._closed = False
         Model._instances += 1
         self._tag = f"model{Model._instances}"
 
@@ -173,11 +174,19 @@ class Model:
 
     def close(self) -> None:
         """Shut the runtime down if this model made it (on many ranks: on every rank, as the
-        shutdown is collective)."""
+        shutdown is collective); on a runtime it was given, free what it holds there (weights,
+        gradients, optimizer state, activations) once its work has run. Then it refuses work."""
         if self._own_runtime:
             if self._shut_when_dropped is not None:
                 self._shut_when_dropped.detach()
             self.rt.shutdown()
+        elif self._low is not None and not self.rt._closed and not self._closed:
+            self._low.release_all()
+        self._closed = True
+
+    def _check_not_closed(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}: the model is closed")
 
     # ---- graph building -------------------------------------------------------------------
     def _name(self, prefix: str, name: str | None) -> str:
@@ -420,6 +429,7 @@ class Model:
         release: whether each training step frees every activation and activation gradient after
         its last use (Runtime.release; None: on GPUs only, ops.lower.releases_by_default).
         """
+        self._check_not_closed("compile")
         if self._low is not None:
             raise RuntimeError("compile: the model is already compiled")
         if not self.has_weights:
@@ -486,6 +496,7 @@ class Model:
         return {k: plan.config for k, plan in self._low.plans.items()}
 
     def _need_compiled(self, what: str) -> None:
+        self._check_not_closed(what)
         if self._low is None:
             raise RuntimeError(f"{what}: call compile() first")
 
@@ -788,6 +799,7 @@ class Model:
         return [f"{op.name}.{k}" for op in self.ops for k in op.state_shapes()]
 
     def _read_all(self, names: list[str], region_of) -> dict[str, np.ndarray]:
+        self._check_not_closed("reading the weights")
         if not self.has_weights:
             raise RuntimeError("the model was built with weights=False (its graph alone): it has no weights to read")
         if self._low is None:
@@ -816,6 +828,7 @@ class Model:
     def set_parameters(self, values: dict) -> None:
         """Set weights and/or running stats by name; shapes must match exactly (every value is
         checked before any is set)."""
+        self._check_not_closed("set_parameters")
         if not self.has_weights:
             raise RuntimeError("set_parameters: the model was built with weights=False (its graph alone)")
         if not isinstance(values, dict):

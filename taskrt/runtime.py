@@ -42,7 +42,8 @@ from .replication import launch_signature
 from .taskgraph import CopyNode, TaskGraph, TaskNode
 from .tracing import TraceRecorder, rank_trace_path
 
-#: distinct placed launches whose mapping a runtime keeps (then it starts over)
+#: distinct placed launches whose mapping a runtime keeps (then it starts over), and task
+#: functions whose first parameter it knows
 MAPPED_LAUNCHES_KEPT = 4096
 
 
@@ -412,6 +413,11 @@ class Runtime:
             self._drop_pending(regions)
         self._collect_when_done(regions, at, self._start_generation(regions, at))
 
+    def forget_replay(self, name: str) -> None:
+        """Drop replay block `name`'s recording (its program will not come back)."""
+        self._check_caller("Runtime.forget_replay")
+        self._recordings.pop(name, None)
+
     def _drop_pending(self, regions) -> None:
         """A released region's reductions still pending are never folded: their buffers go. A
         block that drops some is not replayed (its replays would not know which buffers)."""
@@ -555,6 +561,8 @@ class Runtime:
             args = tuple(self._argument_value(a) if isinstance(a, Future) else a for a in args)
         wants_ctx = self._ctx_fns.get(fn)
         if wants_ctx is None:
+            if len(self._ctx_fns) >= MAPPED_LAUNCHES_KEPT:   # (closed models' kernels, and what they hold)
+                self._ctx_fns.clear()
             wants_ctx = self._ctx_fns[fn] = _first_param(fn) == "ctx"
         if wants_ctx:
             ctx = TaskContext(node.point, [r.rect for r in node.reqs], node.proc, store.xp(node.proc.memory), node.name)
