@@ -15,7 +15,8 @@ from numba.extending import overload
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in few bits
 _LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.0)  # exp of less is below float32's smallest normal: 0 there (as np.exp's nearly)
+#: exp of less is below float32's smallest normal, and 0 from here (2^k's bits 0: +0.0), as np.exp's nearly
+_EXP_MIN = np.float32(-88.0)
 
 
 @numba.njit(nogil=True, inline="always", fastmath={"contract"})
@@ -30,8 +31,7 @@ def exp_shifted_row(x, m, y, bits, fast):
         scale = bits[:n].view(np.float32)
         for i in range(n):
             t = x[i] - m
-            under = t < _EXP_MIN
-            t = _EXP_MIN if under else t
+            t = _EXP_MIN if t < _EXP_MIN else t
             k = np.floor(t * _LOG2E + np.float32(0.5))
             r = t - k * _LN2_HI - k * _LN2_LO
             p = np.float32(1.9875691500e-4)
@@ -41,7 +41,7 @@ def exp_shifted_row(x, m, y, bits, fast):
             p = p * r + np.float32(1.6666665459e-1)
             p = p * r + np.float32(5.0000001201e-1)
             y[i] = p * r * r + r + np.float32(1.0)
-            bits[i] = np.int32(0) if under else (np.int32(k) + np.int32(127)) << 23   # (0: +0.0)
+            bits[i] = (np.int32(k) + np.int32(127)) << 23
         for i in range(n):
             v = y[i] * scale[i]
             y[i] = v

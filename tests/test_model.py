@@ -410,6 +410,14 @@ def test_compile_refuses_an_output_whose_dim_0_is_not_the_batch():
     m.rt.shutdown()
 
 
+def test_a_dropout_s_default_seed_stays_in_64_bits_for_any_model_seed():
+    """It was seed * 1,000,003 + the op's index: from a model seed of about 1.8e13 a dropout was
+    refused as `seed must be below 2**64` (apps' --seed 100000000000000 ended in a traceback)."""
+    m = Model(weights=False, seed=10**14)
+    m.dropout(m.input((2, 3)), 0.5, name="d")
+    assert m.ops[0].seed == (10**14 * 1_000_003) % 2**64
+
+
 def test_model_arguments_are_checked_before_a_runtime_is_made():
     for kwargs, error, match in (({"seed": -1}, ValueError, r"Model: seed must be >= 0, got -1"),
                                  ({"seed": 2.7}, TypeError, r"Model: seed must be an int, got float 2.7"),

@@ -46,16 +46,18 @@ def test_erf_in_float64_is_math_erf():
 
 @pytest.mark.parametrize("m", [0.0, 3.5])
 def test_exp_is_within_2_ulp_and_its_sum_is_the_sum(m):
-    """exp(x - m) for x <= m down to float32's underflow (0 below -87, where np.exp gives a
-    number below float32's smallest normal: it gave 1.6e-38 there, which a softmax's
-    cross-entropy took as a probability, where float64's was 0), and the float64 sum it
-    returns. (Compared with the exp of the float32 difference, whose own rounding is not the exp's.)"""
+    """exp(x - m) for x <= m: within 2 ulp down to -87, within float32's smallest normal below
+    (subnormal), 0 below -88 (it gave 1.6e-38 from -87 on, which a softmax's cross-entropy
+    took as a probability, where float64's was 0), and the float64 sum it returns. (Compared
+    with the exp of the float32 difference, whose own rounding is not the exp's.)"""
     x = (m - np.abs(np.linspace(-1e4, 0, 200_001) ** 3 / 1e8)).astype(np.float32)
     y, total = _exp_all(x, np.float32(m), True)
     diff = (x - np.float32(m)).astype(np.float64)
-    want = np.where(diff < -87.0, 0.0, np.exp(diff))
     assert y.dtype == np.float32
-    np.testing.assert_allclose(y, want, rtol=2.5e-7, atol=0)
+    normal = diff >= -87.0
+    np.testing.assert_allclose(y[normal], np.exp(diff[normal]), rtol=2.5e-7, atol=0)
+    np.testing.assert_allclose(y[~normal], np.exp(diff[~normal]), rtol=0, atol=np.finfo(np.float32).tiny)
+    assert not y[diff < -88].any() and y[diff < -88].size
     assert total == pytest.approx(float(y.astype(np.float64).sum()), rel=1e-12)
     y64, _ = _exp_all(x.astype(np.float64), m, False)
     np.testing.assert_allclose(y64, np.exp(x.astype(np.float64) - m), rtol=1e-15)
