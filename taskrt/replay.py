@@ -57,12 +57,18 @@ class Recording:
     #: replication signatures, and the flattened rows that reissue makes nodes from
     program: object = None
     signatures: list = field(default_factory=list)
-    #: (nodes emitted before it, regions) of each Runtime.release inside the block
+    #: (nodes emitted before it, regions) of each Runtime.release inside the block, and (launches
+    #: issued before it, the regions' uids): what a replay's releases are compared with
     releases: list[tuple[int, tuple]] = field(default_factory=list)
+    release_points: list[tuple[int, tuple]] = field(default_factory=list)
     #: region uid -> its release mark (None: none) when recorded, for the regions whose data from
     #: before the block it reads: released since, that data may be gone, which only analysis can
     #: tell (and refuse), so the block records again
     entry_marks: dict[int, int | None] = field(default_factory=dict)
+    #: its regions' release marks after its last run, recorded or replayed: one released since
+    #: (outside the block) holds data gone where the block does not write it, which a replay's
+    #: exit state would name as written at its fence, so the block records again
+    marks: dict[int, int] = field(default_factory=dict)
     _rows: "Rows | None" = None
 
     def finish(self, analyzer, launch_ids: list[int]) -> None:
@@ -85,6 +91,8 @@ class Recording:
                     # folds a reduction made before the block: its buffer differs every time
                     self.replayable = False
             self.templates[by_launch[node.launch]].append((node, inner, external, slot))
+        for _, regions in self.releases:   # (a region the block only releases is the block's too)
+            self.regions.update(r.uid for r in regions)
 
         def encode(nid):
             if nid is None:
@@ -209,11 +217,18 @@ class ReplayBlock:
             elif len(self.specs) != len(self.recording.launch_keys):
                 self._fall_back(f"the block ended after {len(self.specs)} launches; the recording has "
                                 f"{len(self.recording.launch_keys)}")
+            elif len(self.releases) != len(self.recording.release_points):
+                self._fall_back(f"the block made {len(self.releases)} releases; the recording has "
+                                f"{len(self.recording.release_points)}")
             else:
                 if self.program is not None and self.program is not self.recording.program:
                     # launch by launch the same as the recording: next time reissue it
                     self.recording.program, self.recording._rows = self.program, None
                 self._install_end_state()
+        rec = rt._recordings.get(self.name)
+        if rec is not None:
+            released = rt.analyzer.released
+            rec.marks = {uid: released[uid] for uid in rec.regions if uid in released} if released else {}
         return False
 
     # ---- issuing launches ----------------------------------------------------------------
@@ -225,7 +240,14 @@ class ReplayBlock:
         """Called by Runtime.release before the release takes effect."""
         if self.mode == "recording":
             self.recording.releases.append((len(self.recording.emitted), tuple(regions)))
+            self.recording.release_points.append((len(self.launch_ids), tuple(r.uid for r in regions)))
         elif self.mode == "replaying":   # (for _fall_back, which re-analyzes around them)
+            points = self.recording.release_points
+            here = (len(self.specs), tuple(r.uid for r in regions))
+            if len(self.releases) >= len(points) or points[len(self.releases)] != here:
+                self._fall_back(f"a release of {', '.join(repr(r.name) for r in regions)} after launch "
+                                f"#{len(self.specs)} that the recording does not make there")
+                return
             released = self.rt.analyzer.released
             for region in regions:
                 self.released_before.setdefault(region.uid, released.get(region.uid))
@@ -395,9 +417,13 @@ def _set_marks(released: dict, marks: dict) -> None:
 
 def _released_since(rt, rec: Recording) -> bool:
     """Whether a region whose data from before the block the recording reads has been released
-    since it was recorded (inside the block included): a replay would read gone data unchecked."""
+    since it was recorded (inside the block included), or a region it touches since its last run:
+    a replay would read gone data unchecked, or name it as written at its fence."""
     released = rt.analyzer.released
-    return any(released.get(uid) != at for uid, at in rec.entry_marks.items())
+    if not released and not rec.marks:
+        return False
+    return (any(released.get(uid) != at for uid, at in rec.entry_marks.items())
+            or any(released.get(uid) != rec.marks.get(uid) for uid in rec.regions))
 
 
 def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:

@@ -173,7 +173,7 @@ def test_ranks_that_make_different_launches_stop_and_say_where(mode, n):
 
 
 @pytest.mark.parametrize("mode, said", [
-    ("lr", "error: --lr differs between the ranks (0.05 on rank 0, 2.0 on rank 1): every rank takes the same flags"),
+    ("lr", "error: --lr differs between the ranks (0.01 on rank 0, 2.0 on rank 1): every rank takes the same flags"),
     ("bad", "error: argument --iterations: 'abc' is not an integer (on rank 1)")])
 def test_an_app_whose_flags_differ_on_one_rank_stops_every_rank_with_one_line(mode, said):
     """Another --lr trained a model no rank asked for; a flag only rank 1 could not parse left rank 0

@@ -987,6 +987,83 @@ def test_a_block_that_reads_a_region_released_since_its_last_run_is_analyzed_aga
                 rt.launch(total_of, req(x, READ))
 
 
+def _sum(v):
+    return int(v.sum())
+
+
+def _add_one(acc):
+    acc += 1
+
+
+def test_a_block_replays_only_where_its_releases_and_the_releases_around_it_are_as_recorded():
+    """Found by a fuzzer of replayed blocks against plain analysis, each a silent wrong answer:
+    a region released before the block and written there in part read as zeros after it (the
+    replay named its unwritten part as written at the block's fence); a release the recording
+    did not make was not noticed (the read after it gave 0); a region the block only releases,
+    with a reduction pending from before, kept it (and its buffer)."""
+    with Runtime(cpus=1) as rt:
+        x = rt.region((4,), "int64")
+        rt.fill(x, 5)
+        for i in range(4):
+            if i == 3:
+                rt.release(x)
+            with rt.replay("half"):
+                rt.fill(x, 1, Rect.make((0,), (2,)))
+        with pytest.raises(RuntimeError, match=r"Rect\(2:4\) is read by .* that data is gone"):
+            rt.read(x)
+    with Runtime(cpus=1) as rt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = rt.region((4,), "int64")
+        rt.fill(x, 5)
+        for i in range(3):
+            with rt.replay("sum"):
+                if i == 2:
+                    rt.release(x)   # not in the recording
+                if i < 2:
+                    assert rt.launch(_sum, req(x, READ)).get(timeout=30) == 20
+                else:
+                    with pytest.raises(RuntimeError, match=r"that data is gone"):
+                        rt.launch(_sum, req(x, READ))
+        assert "a release of 'region" in str(caught[-1].message) and "recording does not make there" in \
+            str(caught[-1].message)
+    with Runtime(cpus=1) as rt:
+        x, y = rt.region((4,), "int64"), rt.region((4,), "int64")
+        rt.fill(x, 5)
+        for i in range(3):
+            if i == 2:
+                rt.launch(_add_one, req(x, Reduce("+")))   # pending at the block's release of x
+            with rt.replay("fill and release"):
+                rt.fill(y, i)
+                rt.release(x)
+            rt.fill(x, 7)
+            assert rt.read(x).tolist() == [7] * 4
+        rt.wait()
+        assert not rt.store.buffers
+
+
+def test_a_program_that_matches_its_recording_launch_by_launch_but_not_in_releases_is_not_adopted():
+    """issue_program took a new launch list that matched the recorded one launch by launch as the
+    recording's, releases and all: the first list's release of z was reissued every step after."""
+    def total_into(dst, src):
+        dst[...] = int(src.sum())
+    with Runtime(cpus=1) as rt, warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplayMismatch)
+        y, z = rt.region((4,), "int64"), rt.region((4,), "int64")
+        rt.fill(y, 1)
+        rt.fill(z, 2)
+        add = Launch(_add_one, ((),), (req(y, Reduce("+")),), "add")
+        total = Launch(total_into, ((),), (req(z, WRITE), req(y, READ)), "total")
+        releasing = Launch(total_into, ((),), (req(z, WRITE), req(y, READ)), "total", releases=(z,))
+        first, then = (add, releasing), (add, total)   # (the same list each time: reissued once adopted)
+        for i in range(4):
+            rt.issue_program("step", first if i == 0 else then, [(), ()])
+            if i == 0:
+                with pytest.raises(RuntimeError, match=r"that data is gone"):
+                    rt.read(z)
+            else:
+                assert rt.read(z).tolist() == [4 * (i + 2)] * 4
+
+
 @pytest.mark.parametrize("wait_first", [False, True])
 def test_a_reduction_pending_at_a_release_is_dropped_with_the_data(wait_first):
     """Writing a region released with a reduction pending was refused: the write folded the
