@@ -102,7 +102,7 @@ class SimResult:
         position in the iteration), and `launch`: the microseconds of the runtime's hand-off before
         `start` (tasks and folds), which the node held its processor for but a run's trace does not
         show as the node's own, so that an event's span is what a run's would be."""
-        ids = range(len(self.graph.nodes))
+        preds = self.graph.preds   # (made afresh at each access of an assembled graph's)
         for i, node in enumerate(self.graph.nodes):
             if isinstance(node, CopyNode):
                 where, rank, kind = f"{node.src}->{node.dst}", node.dst.rank, node.kind
@@ -115,7 +115,7 @@ class SimResult:
             handoff = min(handoff, end - start)
             yield {"id": i, "name": node.name, "kind": kind, "op": node.op, "rank": rank, "proc": where,
                    "start": round((start + handoff) * 1e6, 3), "end": round(end * 1e6, 3),
-                   "bytes": node.nbytes, "point": point, "preds": [ids[p] for p in self.graph.preds[i]],
+                   "bytes": node.nbytes, "point": point, "preds": list(preds[i]),
                    "launch": round(handoff * 1e6, 3)}
 
     def write_trace(self, path: str) -> str:

@@ -18,6 +18,7 @@ from strategies.cost import CostModel
 from strategies.graph import build_iteration
 from strategies.machine_model import load_machine
 from strategies.random import random_config
+from strategies.segments import AssembledIteration
 from strategies.simulator import Simulator
 from strategies.timing import NO_NAPS, Naps
 from taskrt import Rect, Runtime, TaskNode
@@ -150,12 +151,19 @@ def test_a_strategy_that_does_not_fit_is_flagged():
     assert roomy.fits
 
 
-def test_the_trace_is_in_the_runtimes_format(tmp_path):
+_preds = AssembledIteration.preds.fget
+
+
+def test_the_trace_is_in_the_runtimes_format(tmp_path, monkeypatch):
     model = mlp(batch=16, width=32)
     mm = load_machine("k80", nodes=1)
     sim = Simulator.for_model(model, mm, CostModel(mm, measured=False))
     result = sim.simulate(model_parallel(model, sim.machine))
+    made = []   # an assembled graph's preds are made at each access: read once (8,000 nodes took 26 s)
+    monkeypatch.setattr(type(result.graph), "preds", property(lambda g: made.append(1) or _preds(g)))
     path = result.write_trace(str(tmp_path / "sim.jsonl"))
+    assert len(made) == 1
+    monkeypatch.undo()
     lines = [json.loads(line) for line in open(path)]
     assert lines[0]["kind"] == "meta" and lines[0]["simulated"] is True
     events = lines[1:]

@@ -99,6 +99,23 @@ def test_layers_edges_and_colours_of_a_branching_graph():
     assert colours["default"] == "#bbbbbb" and len(set(colours.values())) == len(colours)
 
 
+def test_device_lists_are_ranges_and_many_sets_get_colours_of_their_own(tmp_path):
+    """A strategy on 1,024 devices listed every device (3,000 characters a row of show, a legend
+    entry drawn over the graph), and tab10's colours repeated from the eleventh set on."""
+    assert tool.number_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10,11"
+    assert tool.number_ranges(list(range(1024))) == "0-1023" and tool.number_ranges([3, 2, 1]) == "3,2,1"
+    assert tool.devices_text(TileConfig((4, 1), (4, 5, 6, 7))) == "4-7" and tool.number_ranges([]) == ""
+    groups = {f"op{i}": tool.number_ranges(range(i, i + 8)) for i in range(40)}
+    colours = tool.colours(groups)
+    assert len(set(colours.values())) == 40
+    entries = tool.legend_entries(colours)
+    assert len(entries) == tool.LEGEND_ENTRIES and entries[-1] == ("and 29 more device sets", "white")
+    assert entries[0] == ("devices 0-7", colours["0-7"])
+    assert tool.legend_entries({"0,2,4,6,8,10,12,14,16": "#000000"}) == [("devices 0,2,4,6,8,10,12,14,16", "#000000")]
+    assert tool.legend_entries({",".join(map(str, range(0, 40, 2))): "#000000"})[0][0] == (
+        "devices 0,2,4,6,8,10,12,14,16,18 ...")
+
+
 def test_dot_source_names_every_op_and_edge(tmp_path):
     model, _ = app_graph("mlp", 16, tiny=True)
     text = tool.dot_source(tool.read(mlp_strategy(tmp_path / "s.json")), model.ops, "t")

@@ -229,6 +229,19 @@ def test_timeline_of_64_processors(tmp_path):
     assert png_size(tt.write_timeline(t, str(tmp_path / "big.png"))) == (1400, 160 + 18 * 128)
 
 
+def test_a_timeline_draws_its_busiest_tracks_and_says_how_many_it_left_out(tmp_path):
+    """A simulation on 1,024 devices has 20,000-110,000 tracks: its image was 100,000 pixels
+    tall, or not made in minutes."""
+    events = [{"id": i, "name": "op.fwd", "kind": "task", "op": "op", "rank": 0, "proc": f"r0.cpu{i}",
+               "start": 5.0 + i, "end": 5.0 + 2 * i + 1, "bytes": 0, "point": None} for i in range(300)]
+    t = tt.Trace(events)
+    kept, said = tt.busiest_rows(t, 200)
+    assert said == " (the 200 busiest of 300 tracks)" and len(kept.rows()) == 200
+    assert {e["proc"] for e in kept.events} == {f"r0.cpu{i}" for i in range(100, 300)}
+    assert tt.busiest_rows(kept, 200) == (kept, "")
+    assert png_size(tt.write_timeline(t, str(tmp_path / "many.png"))) == (1400, 160 + 18 * tt.MOST_ROWS)
+
+
 def test_compare(simulated, measured, tmp_path, capsys):
     result = tt.write_compare(tt.load(simulated), tt.load(measured), str(tmp_path / "cmp.png"))
     s, m = tt.load(simulated), tt.load(measured)

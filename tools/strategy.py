@@ -41,6 +41,8 @@ from tools import LineParser, exit_with, png_problem
 LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
 #: inches per layer (down) and per op in the widest layer (across), and the figure's dpi
 LAYER_IN, COLUMN_IN, DPI = 0.9, 1.8, 100
+#: the legend's entries and a device set's characters there, at most (the rest is said, not drawn)
+LEGEND_ENTRIES, LEGEND_CHARS = 12, 24
 DEFAULT = "default"
 
 
@@ -121,7 +123,19 @@ def split_text(config: TileConfig | None, op: Op | None = None) -> str:
 def devices_text(config: TileConfig | None) -> str:
     if config is None or config.devices is None:
         return DEFAULT
-    return ",".join(map(str, config.devices))
+    return number_ranges(config.devices)
+
+
+def number_ranges(numbers: Sequence[int]) -> str:
+    """The numbers in their order, three or more consecutive ones as a range: 0-3,8,10,11 (a
+    strategy on 1,024 devices listed each of them)."""
+    parts, start = [], 0
+    for i in range(1, len(numbers) + 1):
+        if i == len(numbers) or numbers[i] != numbers[i - 1] + 1:
+            run = numbers[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(n) for n in run]
+            start = i
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -184,21 +198,33 @@ def device_groups(strategy: Strategy, ops: Sequence[Op]) -> dict[str, str]:
     for op in ops:
         config = strategy.ops.get(op.name)
         devs = None if config is None or config.devices is None else sorted(set(config.devices))
-        out[op.name] = DEFAULT if devs is None else ",".join(map(str, devs))
+        out[op.name] = DEFAULT if devs is None else number_ranges(devs)
     return out
 
 
 def colours(groups: dict[str, str]) -> dict[str, str]:
-    """A hex colour per device-set label, from matplotlib's tab10 in order of first use; grey for 'default'."""
+    """A hex colour per device-set label, in order of first use, each its own: matplotlib's tab10
+    (tab20 for up to 20 sets, else turbo at as many points); grey for 'default'."""
     from matplotlib import colormaps
     from matplotlib.colors import to_hex
-    cmap = colormaps["tab10"]
     labels = list(dict.fromkeys(groups.values()))
     picked = [lab for lab in labels if lab != DEFAULT]
-    out = {lab: to_hex(cmap(i % 10)) for i, lab in enumerate(picked)}
+    n = len(picked)
+    cmap = colormaps["tab10"] if n <= 10 else colormaps["tab20"] if n <= 20 else colormaps["turbo"].resampled(n)
+    out = {lab: to_hex(cmap(i)) for i, lab in enumerate(picked)}
     if DEFAULT in labels:
         out[DEFAULT] = "#bbbbbb"
     return out
+
+
+def legend_entries(colour: dict[str, str]) -> list[tuple[str, str]]:
+    """(label, colour) of each entry of the drawing's legend: a device set cut at LEGEND_CHARS,
+    at most LEGEND_ENTRIES entries, the last saying how many sets are left out."""
+    entries = [(f"devices {lab if len(lab) <= LEGEND_CHARS else lab[:LEGEND_CHARS] + ' ...'}", c)
+               for lab, c in colour.items()]
+    if len(entries) <= LEGEND_ENTRIES:
+        return entries
+    return entries[:LEGEND_ENTRIES - 1] + [(f"and {len(entries) - LEGEND_ENTRIES + 1} more device sets", "white")]
 
 
 def figure_size(ops: Sequence[Op]) -> tuple[float, float]:
@@ -233,7 +259,7 @@ def draw_matplotlib(strategy: Strategy, ops: Sequence[Op], path: str, title: str
     ax.set_ylim(-len(ls) + 0.4, 0.6)
     ax.axis("off")
     ax.set_title(title, fontsize=9)
-    ax.legend(handles=[Patch(facecolor=c, label=f"devices {lab}") for lab, c in colour.items()],
+    ax.legend(handles=[Patch(facecolor=c, label=label) for label, c in legend_entries(colour)],
               loc="upper right", fontsize=7, frameon=False)
     fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.01)
     fig.savefig(path, dpi=DPI, format="png")
