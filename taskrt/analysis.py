@@ -163,7 +163,7 @@ class Analyzer:
         #: is gone, and reading it is refused
         self.released: dict[int, int] = {}
         #: while a replay block records (taskrt/replay.py): its first node id, and the regions
-        #: it reads data of from before it (a replay may read them only if not released since)
+        #: it reads data of from before it (a block that then releases one is not replayed)
         self.entry_from: int | None = None
         self.entry_reads: set[int] = set()
 

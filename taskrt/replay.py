@@ -61,10 +61,6 @@ class Recording:
     #: issued before it, the regions' uids): what a replay's releases are compared with
     releases: list[tuple[int, tuple]] = field(default_factory=list)
     release_points: list[tuple[int, tuple]] = field(default_factory=list)
-    #: region uid -> its release mark (None: none) when recorded, for the regions whose data from
-    #: before the block it reads: released since, that data may be gone, which only analysis can
-    #: tell (and refuse), so the block records again
-    entry_marks: dict[int, int | None] = field(default_factory=dict)
     #: its regions' release marks after its last run, recorded or replayed: one released since
     #: (outside the block) holds data gone where the block does not write it, which a replay's
     #: exit state would name as written at its fence, so the block records again
@@ -175,8 +171,6 @@ class ReplayBlock:
         #: id it starts at), and each released region's release mark before the block's first
         self.releases: list[tuple[int, tuple, int]] = []
         self.released_before: dict[int, int | None] = {}
-        #: while recording: the analyzer's release marks at entry (for Recording.entry_marks)
-        self.marks_before: dict[int, int] = {}
 
     # ---- entering and leaving ----------------------------------------------------------
     def __enter__(self):
@@ -194,7 +188,6 @@ class ReplayBlock:
         else:
             self.mode = "recording"
             self.recording = Recording(self.name, rt._next_id, rt.analyzer.abstracts())
-            self.marks_before = dict(rt.analyzer.released)
             rt.analyzer.entry_from, rt.analyzer.entry_reads = rt._next_id, set()
             rt.replay_stats["recorded"] += 1
         rt._replay = self
@@ -209,7 +202,8 @@ class ReplayBlock:
         if self.mode == "recording":
             self.recording.program = self.program
             self.recording.finish(rt.analyzer, self.launch_ids)
-            self.recording.entry_marks = {uid: self.marks_before.get(uid) for uid in rt.analyzer.entry_reads}
+            if rt.analyzer.entry_reads & {r.uid for _, regions in self.recording.releases for r in regions}:
+                self.recording.replayable = False   # (it reads data from before it, then lets it go)
             rt._recordings[self.name] = self.recording
         elif self.mode == "replaying":
             if self.reissued:
@@ -416,14 +410,12 @@ def _set_marks(released: dict, marks: dict) -> None:
 
 
 def _released_since(rt, rec: Recording) -> bool:
-    """Whether a region whose data from before the block the recording reads has been released
-    since it was recorded (inside the block included), or a region it touches since its last run:
-    a replay would read gone data unchecked, or name it as written at its fence."""
+    """Whether a region the block touches was released since its last run: a replay would read
+    gone data unchecked, or name it as written at its fence."""
     released = rt.analyzer.released
     if not released and not rec.marks:
         return False
-    return (any(released.get(uid) != at for uid, at in rec.entry_marks.items())
-            or any(released.get(uid) != rec.marks.get(uid) for uid in rec.regions))
+    return any(released.get(uid) != rec.marks.get(uid) for uid in rec.regions)
 
 
 def _unchanged_since_replay(rt, rec: Recording, uid: int) -> bool:
