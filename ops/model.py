@@ -106,6 +106,29 @@ def _recovered(model: "Model", exc: RuntimeError) -> RuntimeError:
     return failed
 
 
+class _SourceTask:
+    """train_on's task: one rank's share of a batch from `source`, checked and written into the
+    inputs and labels. It holds its model weakly: the runtime keeps its task functions, and a
+    model held there (as a bound method was) is never collected, nor its own runtime shut down."""
+
+    def __init__(self, model: "Model"):
+        self.model = weakref.ref(model)
+
+    def __call__(self, ctx, *views_and_args):
+        model = self.model()
+        if model is None:
+            raise RuntimeError("train_on: the model was collected before this batch was made")
+        *views, source, step = views_and_args
+        lo, hi = ctx.rects[0].lo[0], ctx.rects[0].hi[0]
+        inputs, labels = source(step, lo, hi)
+        what = f"train_on: source({step}, {lo}, {hi})"
+        arrays, n = model._input_arrays(inputs, what)
+        if n != hi - lo:
+            raise ValueError(f"{what} gave {n} samples, expected {hi - lo}")
+        for view, a in zip(views, [arrays[t.name] for t in model.inputs] + [model._label_array(labels, n, what)]):
+            view[...] = a
+
+
 def _shut_down_dropped(rt: Runtime) -> None:
     """Shut down the runtime of a model collected without close(). A collection can run on one
     of that runtime's workers, which the shutdown joins: there it runs on a thread of its own."""
@@ -158,6 +181,7 @@ class Model:
         #: this far back has finished before the next is issued (its loss is waited for)
         self._issued_steps: collections.deque = collections.deque(maxlen=16)
         self._closed = False
+        self._source_task = _SourceTask(self)
         Model._instances += 1
         self._tag = f"model{Model._instances}"
 
@@ -658,6 +682,7 @@ class Model:
         pending = None
         try:
             for _ in range(iterations):
+                self._check_not_closed("train_on")   # (a generator outlives close)
                 futures = self._train_step(self.rt.issued, valid=self.batch_size, source=(self._source_task, source))
                 if pending is not None:
                     yield _mean_loss(pending)
@@ -685,18 +710,6 @@ class Model:
                 self.step = step - 1
                 break
         self._issued_steps.clear()
-
-    def _source_task(self, ctx, *views_and_args):
-        """One rank's share of a batch from `source`, checked and written into the inputs and labels."""
-        *views, source, step = views_and_args
-        lo, hi = ctx.rects[0].lo[0], ctx.rects[0].hi[0]
-        inputs, labels = source(step, lo, hi)
-        what = f"train_on: source({step}, {lo}, {hi})"
-        arrays, n = self._input_arrays(inputs, what)
-        if n != hi - lo:
-            raise ValueError(f"{what} gave {n} samples, expected {hi - lo}")
-        for view, a in zip(views, [arrays[t.name] for t in self.inputs] + [self._label_array(labels, n, what)]):
-            view[...] = a
 
     def _record(self, history: History, progress: "_Progress", it: int, futures) -> bool:
         """Add iteration `it`'s loss (and accuracy) to the history; False if the loss is not finite."""
@@ -798,8 +811,8 @@ class Model:
     def _stat_names(self) -> list[str]:
         return [f"{op.name}.{k}" for op in self.ops for k in op.state_shapes()]
 
-    def _read_all(self, names: list[str], region_of) -> dict[str, np.ndarray]:
-        self._check_not_closed("reading the weights")
+    def _read_all(self, names: list[str], region_of, what: str) -> dict[str, np.ndarray]:
+        self._check_not_closed(what)
         if not self.has_weights:
             raise RuntimeError("the model was built with weights=False (its graph alone): it has no weights to read")
         if self._low is None:
@@ -810,19 +823,19 @@ class Model:
     @_recovers
     def parameters(self) -> dict[str, np.ndarray]:
         """Trainable weights by name ('dense_0.weight'), as numpy copies."""
-        return self._read_all(self._param_names(), lambda k: self._low.params[k].value)
+        return self._read_all(self._param_names(), lambda k: self._low.params[k].value, "parameters")
 
     @_recovers
     def stats(self) -> dict[str, np.ndarray]:
         """Non-trained state by name ('batch_norm_0.running_mean')."""
-        return self._read_all(self._stat_names(), lambda k: self._low.stats[k])
+        return self._read_all(self._stat_names(), lambda k: self._low.stats[k], "stats")
 
     @_recovers
     def gradients(self) -> dict[str, np.ndarray]:
         """Gradients of the last backward pass (or training step), for weights on the path to the loss."""
         self._need_compiled("gradients")
         names = [k for k in self._param_names() if self._low.params[k].grad is not None]
-        return self._read_all(names, lambda k: self._low.params[k].grad)
+        return self._read_all(names, lambda k: self._low.params[k].grad, "gradients")
 
     @_recovers
     def set_parameters(self, values: dict) -> None:
@@ -866,6 +879,7 @@ class Model:
     def save(self, path) -> None:
         """One .npz: the graph (JSON), weights, running stats, and after compile the compile settings,
         optimizer state, step count and data-order generator, so training resumes bit for bit."""
+        self._check_not_closed("save")
         checkpoint.save(self, path)
 
     def _load_new(cls, path, runtime: Runtime | None = None, configs: dict | None = None) -> "Model":
@@ -880,6 +894,7 @@ class Model:
         """m.load(path): restore weights, stats (and optimizer state, step and data order where both
         the model and the file were compiled) from a file saved from a model with the same graph; a
         file saved before compile leaves the model's optimizer state and step as they are."""
+        self._check_not_closed("load")
         checkpoint.load_into(self, path)
 
     load = _dualmethod(_load_new, _load_into)

@@ -382,6 +382,7 @@ class Runtime:
         """Issue launches[k] with args[k] for every k, as replay block `name`; the FutureMaps of
         the launches marked `returns` (None for the others). When the block replays a recording
         of this very list, its nodes are issued again in one go (taskrt/program.py)."""
+        self._check_alive()   # (a reissue makes no launch, which would ask)
         check_program(launches, args)
         with self.replay(name) as block:
             if block.can_reissue(launches):

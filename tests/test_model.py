@@ -439,6 +439,15 @@ def test_a_model_dropped_without_close_stops_its_own_runtime_and_not_a_shared_on
     gc.collect()
     assert own._closed and not any(t.is_alive() for t in workers)
 
+    m = Model(seed=0)   # train_on's task held the model (a bound method) in its runtime's caches
+    m.dense(m.input((4, 6)), 3)
+    m.compile(SGD(lr=0.1))
+    list(m.train_on(lambda step, lo, hi: (np.ones((hi - lo, 6)), np.zeros(hi - lo, np.int64)), 2))
+    own, workers = m.rt, list(m.rt.executor.threads)
+    del m
+    gc.collect()
+    assert own._closed and not any(t.is_alive() for t in workers)
+
     m = Model(seed=0)
     own, workers = m.rt, list(m.rt.executor.threads)
     ran = []
@@ -455,7 +464,7 @@ def test_a_model_dropped_without_close_stops_its_own_runtime_and_not_a_shared_on
     assert not rt._closed
 
 
-def test_closing_a_model_on_a_shared_runtime_frees_what_it_held_there(rt):
+def test_closing_a_model_on_a_shared_runtime_frees_what_it_held_there(rt, tmp_path):
     """close() did nothing on a runtime given to the model: each model trained on it kept its
     weights, gradients, optimizer state and activations there (8.5 MB a model with a 1024-wide
     dense layer). Then the model refuses work, rather than train on what is gone."""
@@ -468,13 +477,19 @@ def test_closing_a_model_on_a_shared_runtime_frees_what_it_held_there(rt):
     m.compile(SGD(lr=0.1, momentum=0.9), configs={"fc": TileConfig((2, 1, 1))})
     m.fit(np.ones((4, 6)), np.zeros(4, np.int64), iterations=3, verbose=False)
     assert uids() > before
+    g = m.train_on(lambda step, lo, hi: (np.ones((hi - lo, 6)), np.zeros(hi - lo, np.int64)), 4)
+    next(g)
+    m.save(tmp_path / "m.npz")
     m.close()
     assert uids() == before
     for what, call in (("fit", lambda: m.fit(np.ones((4, 6)), np.zeros(4, np.int64), verbose=False)),
-                       ("reading the weights", m.parameters), ("set_parameters", lambda: m.set_parameters({})),
-                       ("predict", lambda: m.predict(np.ones((4, 6)))), ("compile", m.compile)):
+                       ("parameters", m.parameters), ("set_parameters", lambda: m.set_parameters({})),
+                       ("predict", lambda: m.predict(np.ones((4, 6)))), ("compile", m.compile),
+                       ("save", lambda: m.save(tmp_path / "n.npz")), ("load", lambda: m.load(tmp_path / "m.npz")),
+                       ("train_on", lambda: next(g))):   # (a generator went on: on regions gone)
         with pytest.raises(RuntimeError, match=f"^{what}: the model is closed$"):
             call()
+    assert uids() == before
     m.close()   # (twice: nothing more)
     n = Model(rt, seed=0)   # the runtime goes on
     n.dense(n.input((4, 6)), 3)
