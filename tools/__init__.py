@@ -4,15 +4,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr (`error: ...`) and exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 class LineParser(argparse.ArgumentParser):
-    """argparse whose bad flag is one line on stderr (`error: ...`) and exit status 2, without the
-    usage block (the apps' own parser does the same and agrees on it over MPI's ranks)."""
+    """argparse whose bad flag is one line (fail), without the usage block (the apps' own parser
+    does the same and agrees on it over MPI's ranks)."""
 
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(message)
 
 
 def exit_with(main) -> None:

@@ -25,17 +25,16 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from ops.base import Op
 from ops.lower import ConfigError, TileConfig, check_degrees, compute_devices, compute_processors
 from ops.strategy import Strategy, StrategyError, is_fingerprint, load, model_fingerprint
 from strategies.memory import place_name, step_holdings
 from taskrt.outputs import output_problem
-from tools import LineParser, exit_with, png_problem
+from tools import LineParser, exit_with, fail, png_problem
 
 #: one letter per SOAP kind, as in SplitDim's str
 LETTERS = {"sample": "S", "attribute": "A", "parameter": "P", "reduce": "R"}
@@ -48,11 +47,6 @@ DEFAULT = "default"
 
 class ToolError(Exception):
     """A problem with the command's input; its message is the one line printed."""
-
-
-def fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 # ---- reading ------------------------------------------------------------------------------------
