@@ -34,7 +34,6 @@ import numpy as np
 
 from apps.cli import APPS, DefaultsHelp, at_least
 from apps.demo import Setup, train_mpi
-from tools import LineParser
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
@@ -45,6 +44,7 @@ from strategies.search import app_graph, app_optimizer, app_simulator, app_sourc
 from strategies.simulator import SimResult
 from taskrt.cores import cores_problem
 from taskrt.outputs import output_problem
+from tools import LineParser
 
 #: the batch of the calibration runs (the tiny apps' own)
 BATCH = 16
@@ -166,7 +166,7 @@ def figures_text(figures: dict) -> str:
 
 def main(argv=None) -> int:
     p = LineParser(prog="python -m apps.calibrate", description=__doc__.split("\n\n")[0],
-                                formatter_class=DefaultsHelp)
+                   formatter_class=DefaultsHelp)
     p.add_argument("--app", default="transformer", choices=APPS, help="the tiny app whose strategies are run")
     p.add_argument("--ranks", type=at_least(2), default=2, help="MPI ranks, one CPU worker each")
     p.add_argument("--rounds", type=at_least(1), default=2, help="runs of each strategy, taking turns")

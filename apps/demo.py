@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apps.cli import APPS, DefaultsHelp, at_least
-from tools import LineParser
 from ops.strategy import Strategy
 from strategies.baselines import data_parallel
 from strategies.machine_model import MachineModel, load_machine
@@ -38,6 +37,7 @@ from taskrt.machine import count_gpus
 from taskrt.mpiexec import run_module_json
 from taskrt.outputs import folder_problem
 from taskrt.tracing import rank_trace_path
+from tools import LineParser
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def out_problem(out: str) -> str | None:
 
 def main(argv=None) -> None:
     p = LineParser(prog="python -m apps.demo", description=__doc__.split("\n\n")[0].replace("\n", " "),
-                                formatter_class=DefaultsHelp)
+                   formatter_class=DefaultsHelp)
     p.add_argument("--app", default="mlp", choices=APPS, help="the benchmark app, run --tiny")
     p.add_argument("--ranks", type=at_least(1), default=2, help="MPI ranks")
     p.add_argument("--budget", type=at_least(1), default=300, help="search proposals")

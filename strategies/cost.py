@@ -633,7 +633,7 @@ def calibrate(cost: CostModel, ops: Sequence[Op] | None = None) -> dict[str, flo
 def main(argv: Sequence[str] | None = None) -> int:
     from tools import LineParser
     parser = LineParser(prog="python -m strategies.cost",
-                                     description="Fit a machine model's efficiencies to kernels measured here.")
+                        description="Fit a machine model's efficiencies to kernels measured here.")
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="measure the calibration ops and fit the roofline's efficiencies")
     cal.add_argument("--machine", default="local", help="a shipped machine name or a machine file (default local)")

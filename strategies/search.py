@@ -484,7 +484,7 @@ def main(argv=None) -> int:
     from tools import LineParser
 
     p = LineParser(prog="python -m strategies.search", description=main.__doc__,
-                                formatter_class=DefaultsHelp)
+                   formatter_class=DefaultsHelp)
     p.add_argument("--app", required=True, choices=sorted(APPS), help="the network to search for")
     p.add_argument("--tiny", action="store_true", help="its scaled-down configuration")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the app's)")

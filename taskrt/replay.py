@@ -57,10 +57,9 @@ class Recording:
     #: replication signatures, and the flattened rows that reissue makes nodes from
     program: object = None
     signatures: list = field(default_factory=list)
-    #: (nodes emitted before it, regions) of each Runtime.release inside the block, and (launches
-    #: issued before it, the regions' uids): what a replay's releases are compared with
-    releases: list[tuple[int, tuple]] = field(default_factory=list)
-    release_points: list[tuple[int, tuple]] = field(default_factory=list)
+    #: (nodes emitted before it, launches issued before it, regions) of each Runtime.release
+    #: inside the block (a replay's releases are compared with the last two)
+    releases: list[tuple[int, int, tuple]] = field(default_factory=list)
     #: its regions' release marks after its last run, recorded or replayed: one released since
     #: (outside the block) holds data gone where the block does not write it, which a replay's
     #: exit state would name as written at its fence, so the block records again
@@ -87,7 +86,7 @@ class Recording:
                     # folds a reduction made before the block: its buffer differs every time
                     self.replayable = False
             self.templates[by_launch[node.launch]].append((node, inner, external, slot))
-        for _, regions in self.releases:   # (a region the block only releases is the block's too)
+        for _, _, regions in self.releases:   # (a region the block only releases is the block's too)
             self.regions.update(r.uid for r in regions)
 
         def encode(nid):
@@ -202,7 +201,7 @@ class ReplayBlock:
         if self.mode == "recording":
             self.recording.program = self.program
             self.recording.finish(rt.analyzer, self.launch_ids)
-            if rt.analyzer.entry_reads & {r.uid for _, regions in self.recording.releases for r in regions}:
+            if rt.analyzer.entry_reads & {r.uid for _, _, regions in self.recording.releases for r in regions}:
                 self.recording.replayable = False   # (it reads data from before it, then lets it go)
             rt._recordings[self.name] = self.recording
         elif self.mode == "replaying":
@@ -211,9 +210,9 @@ class ReplayBlock:
             elif len(self.specs) != len(self.recording.launch_keys):
                 self._fall_back(f"the block ended after {len(self.specs)} launches; the recording has "
                                 f"{len(self.recording.launch_keys)}")
-            elif len(self.releases) != len(self.recording.release_points):
+            elif len(self.releases) != len(self.recording.releases):
                 self._fall_back(f"the block made {len(self.releases)} releases; the recording has "
-                                f"{len(self.recording.release_points)}")
+                                f"{len(self.recording.releases)}")
             else:
                 if self.program is not None and self.program is not self.recording.program:
                     # launch by launch the same as the recording: next time reissue it
@@ -233,12 +232,11 @@ class ReplayBlock:
     def on_release(self, regions) -> None:
         """Called by Runtime.release before the release takes effect."""
         if self.mode == "recording":
-            self.recording.releases.append((len(self.recording.emitted), tuple(regions)))
-            self.recording.release_points.append((len(self.launch_ids), tuple(r.uid for r in regions)))
+            self.recording.releases.append((len(self.recording.emitted), len(self.launch_ids), tuple(regions)))
         elif self.mode == "replaying":   # (for _fall_back, which re-analyzes around them)
-            points = self.recording.release_points
-            here = (len(self.specs), tuple(r.uid for r in regions))
-            if len(self.releases) >= len(points) or points[len(self.releases)] != here:
+            recorded = self.recording.releases
+            k = len(self.releases)
+            if k >= len(recorded) or recorded[k][1:] != (len(self.specs), tuple(regions)):
                 self._fall_back(f"a release of {', '.join(repr(r.name) for r in regions)} after launch "
                                 f"#{len(self.specs)} that the recording does not make there")
                 return
@@ -319,7 +317,7 @@ class ReplayBlock:
         first_launch = rt._launch_count
         rt._launch_count += len(rec.launch_keys)
         # before the nodes: each node finds its generation
-        gens = [rt._start_generation(regions, base + count) for count, regions in rec.releases]
+        gens = [rt._start_generation(regions, base + count) for count, _, regions in rec.releases]
         transport = rt.transport
         if transport is not None:
             transport.on_signatures(rec.signatures)
@@ -355,7 +353,7 @@ class ReplayBlock:
             rt._emit_many(items, sinks=False)
         rt._add_sinks(map(offset, rows.sinks), fence if rows.any_external else None)
         # after the nodes: collection counts on them being submitted
-        for (count, regions), ended in zip(rec.releases, gens):
+        for (count, _, regions), ended in zip(rec.releases, gens):
             rt._collect_when_done(regions, base + count, ended)
         self.reissued = True
         rt.replay_stats["reissued"] += 1
