@@ -31,7 +31,7 @@ import numpy as np
 from ops.activation import ElementUnary, Softmax
 from ops.attention import MultiHeadAttention
 from ops import checkpoint
-from ops.base import Op, TensorSpec, training_error
+from ops.base import Op, ShapeError, TensorSpec, training_error
 from ops.conv import Conv2d
 from ops.pool import Pool2d
 from ops.dropout import Dropout
@@ -168,6 +168,7 @@ class Model:
         self._data_rng = np.random.default_rng([self.seed, 1])
         self._values: dict[str, np.ndarray] = {}  # weights and running stats until compile
         self._compiled: dict | None = None
+        self._cannot_train: ShapeError | None = None   # (compile: why the graph cannot train, or None)
         self._low: Lowering | None = None
         self._loss_op: Op | None = None
         self._forward_done = False
@@ -452,6 +453,8 @@ class Model:
         (`default_ops` lists them, and the loss op).
         release: whether each training step frees every activation and activation gradient after
         its last use (Runtime.release; None: on GPUs only, ops.lower.releases_by_default).
+        A graph that cannot train at its shapes (a batch norm with one value a channel) compiles
+        for inference: fit, train_on, and forward and backward in training mode refuse it.
         """
         self._check_not_closed("compile")
         if self._low is not None:
@@ -483,9 +486,6 @@ class Model:
         if "accuracy" in metrics and loss != "sparse_categorical_crossentropy":
             raise ValueError(f"compile: metric 'accuracy' needs loss 'sparse_categorical_crossentropy', got {loss!r}")
         graph, inputs, loss_op = self.training_graph(loss, output)
-        cannot_train = training_error(graph)
-        if cannot_train is not None:
-            raise cannot_train
         out = loss_op.inputs[0]
         configs = dict(configs or {})
         known = {op.name: op for op in graph}
@@ -512,6 +512,7 @@ class Model:
                           "configs": {k: v.to_dict() for k, v in resolved.items()}}
         self._loss_op, self.optimizer = loss_op, opt
         self._low, self._values = low, {}
+        self._cannot_train = training_error(graph)
 
     @property
     def configs(self) -> dict[str, TileConfig]:
@@ -523,6 +524,12 @@ class Model:
         self._check_not_closed(what)
         if self._low is None:
             raise RuntimeError(f"{what}: call compile() first")
+
+    def _need_trainable(self, what: str) -> None:
+        """_need_compiled, and a graph that can train at its shapes (Op.training_problem)."""
+        self._need_compiled(what)
+        if self._cannot_train is not None:
+            raise ShapeError(f"{what}: {self._cannot_train}; predict and evaluate run in inference mode")
 
     # ---- data checks ------------------------------------------------------------------------
     def _input_arrays(self, inputs, what: str, batch: bool = False) -> tuple[dict[str, np.ndarray], int]:
@@ -616,7 +623,7 @@ class Model:
         finite is reported (a RuntimeWarning naming the iteration); with `stop_on_nan` training
         stops there (the iteration after it has been issued already and also runs).
         """
-        self._need_compiled("fit")
+        self._need_trainable("fit")
         if iterations is not None:
             iterations = as_int("fit: iterations", iterations, least=1)
         if epochs is not None:
@@ -671,7 +678,7 @@ class Model:
         batch split over the ranks no rank makes or receives another rank's samples. A step's loss is
         yielded once the next step is issued, so that steps overlap.
         """
-        self._need_compiled("train_on")
+        self._need_trainable("train_on")
         iterations = as_int("train_on: iterations", iterations, least=1)
         check_source(source, "train_on")
         self._low.source_segment(self._source_task)   # checks the inputs' shapes now, not at the first step
@@ -771,6 +778,8 @@ class Model:
         self._need_compiled("forward")
         if not isinstance(training, (bool, np.bool_)):
             raise TypeError(f"forward: training must be True or False, got {type(training).__name__} {training!r}")
+        if training:
+            self._need_trainable("forward")
         arrays, _ = self._input_arrays(inputs, "forward", batch=True)
         wanted = self.outputs if outputs is None else outputs
         if isinstance(wanted, (str, TensorSpec)):   # one tensor (a name used to be taken letter by letter)

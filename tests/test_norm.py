@@ -235,16 +235,35 @@ def test_batch_norm_bad_inputs_name_the_op():
     assert BatchNorm("bn", [spec((1, 3, 1, 2))]).training_problem() is None
 
 
-def test_a_model_whose_batch_norm_cannot_train_is_refused_at_compile():
+def test_a_model_whose_batch_norm_cannot_train_predicts_and_refuses_to_train_before_any_work():
+    """One value a channel: the batch norm normalizes with its running statistics in inference
+    (predict, evaluate), as PyTorch's does in eval mode; training is refused up front (it was
+    refused at compile, so such a model could not even predict)."""
     from ops import Model
     from taskrt import Runtime
     rt = Runtime(cpus=1)
     try:
         m = Model(runtime=rt)
-        m.dense(m.batch_norm(m.input((1, 3, 1, 1), name="x"), name="bn"), 2, name="fc")
-        with pytest.raises(ShapeError, match=r"batch_norm 'bn': needs more than 1 value per channel in training, "
-                                             r"got 1 \(input shapes \[\(1, 3, 1, 1\)\]\)"):
-            m.compile()
+        m.dense(m.flat(m.batch_norm(m.input((1, 3, 1, 1), name="x"), name="bn")), 2, name="fc")
+        m.compile()
+        x = np.array([[[[1.0]], [[-2.0]], [[0.5]]]], np.float32)
+        w = m.parameters()
+        stats = m.stats()
+        normed = ((x.reshape(1, 3) - stats["bn.running_mean"]) / np.sqrt(stats["bn.running_var"] + 1e-5)
+                  * w["bn.weight"] + w["bn.bias"])
+        np.testing.assert_allclose(m.predict(x), normed @ w["fc.weight"].T + w["fc.bias"], rtol=1e-5, atol=1e-6)
+        assert np.isfinite(m.evaluate(x, np.array([1]))["loss"])
+        said = (r"batch_norm 'bn': needs more than 1 value per channel in training, got 1 \(input shapes "
+                r"\[\(1, 3, 1, 1\)\]\); predict and evaluate run in inference mode")
+        issued = rt.issued
+        for what, call in (("fit", lambda: m.fit(x, np.array([1]), iterations=1, verbose=False)),
+                           ("forward", lambda: m.forward(x)),
+                           ("train_on", lambda: m.train_on(lambda step, lo, hi: (x, np.array([1])), 1))):
+            with pytest.raises(ShapeError, match=f"^{what}: " + said):
+                call()
+        assert rt.issued == issued
+        (out,) = m.forward(x, training=False).values()
+        np.testing.assert_allclose(out, m.predict(x))
     finally:
         rt.shutdown()
 
