@@ -2,9 +2,9 @@
 
 Papers: Krizhevsky, Sutskever, Hinton, "ImageNet Classification with Deep Convolutional
 Neural Networks", NIPS 2012 (the architecture: five convolutions, three max pools, three
-fully connected layers with dropout 0.5), in the single-tower configuration of Krizhevsky,
-"One weird trick for parallelizing convolutional neural networks", arXiv:1404.5997 (2014),
-the one torchvision and the SOAP paper's benchmarks use:
+fully connected layers with dropout 0.5), in one tower, as torchvision and FlexFlow's simulator
+have it (cuda-convnet2's single-GPU widths; Krizhevsky's "One weird trick", arXiv:1404.5997,
+gives conv4 384 filters): no local response normalization, and dropout before fc6 and fc7:
 
     conv 64 11x11/4 pad 2, relu, maxpool 3/2      conv 192 5x5 pad 2, relu, maxpool 3/2
     conv 384 3x3 pad 1, relu    conv 256 3x3 pad 1, relu    conv 256 3x3 pad 1, relu, maxpool 3/2

@@ -16,8 +16,9 @@ The network, trained with teacher forcing:
 
 Configuration (FULL): GNMT's 1024 LSTM units and 32K word-piece vocabularies, 1024-wide
 embeddings, 2 encoder and 2 decoder layers: the sizes of FlexFlow's own NMT code of the
-paper's time (nmt/nmt.cc and scripts/simulator.cc: 2 layers, hidden and embedding 1024,
-vocabulary 32000, sequence length 40); source and target sentences of 40 words:
+paper's time (scripts/simulator.cc: 2 layers, hidden and embedding 1024, vocabulary 32000,
+40 steps as 5 nodes of 8; nmt/nmt.cc of April 2018 had 1024 and 40 with a vocabulary of
+32 x 1024, and from July 2018 2048, 20,480 and 20); source and target sentences of 40 words:
 134,020,352 parameters. TINY: the same network at 16 units, 24 words, sentences of 8.
 
 Data: source words are uniform over 1..V-1; the target is the source translated word by word

@@ -7,8 +7,8 @@ LSTM layers, and a dense layer over the last step's hidden state whose softmax (
 loss, which reads logits) gives the class probabilities.
 
 Configuration (FULL): 4 LSTM layers of 1024 units over 1024-wide embeddings, the RNN size of
-FlexFlow's own RNN code of the paper's time (nmt/nmt.cc and scripts/simulator.cc: hidden and
-embedding 1024, sequence length 40); a vocabulary of 18,765 words and 2 classes, the Movie
+FlexFlow's own RNN code of the paper's time (scripts/simulator.cc, and nmt/nmt.cc of April
+2018: hidden and embedding 1024, sequence length 40); a vocabulary of 18,765 words and 2 classes, the Movie
 Reviews figures of Kim, "Convolutional Neural Networks for Sentence Classification" (EMNLP
 2014), Table 1; sequences of 40 words, the paper's unrolling length: 52,804,610 parameters.
 TINY: the same 4 layers at 16 units, 40 words, sequences of 10.
