@@ -37,7 +37,7 @@ from apps.demo import Setup, train_mpi
 from ops.strategy import Strategy
 from strategies.baselines import BASELINES
 from strategies.cost import CostModel, read_cache, write_cache
-from strategies.machine_model import MachineError, load_machine, write_fields
+from strategies.machine_model import MachineError, load_machine, write_fields, write_problem
 from strategies.overheads import FIT_GRID, LinearTimes, figures_of, fit_figures, held_kernel, score
 from strategies.random import random_strategy
 from strategies.search import app_graph, app_optimizer, app_simulator, app_source
@@ -192,6 +192,9 @@ def main(argv=None) -> int:
     unwritable = None if args.json is None else output_problem(args.json)
     if unwritable is not None:
         p.error(f"--json {args.json}: {unwritable}")
+    unwritable = write_problem(mm.source) if args.write else None
+    if unwritable is not None:
+        p.error(f"--write: {unwritable}")
     setup = Setup(args.ranks, 0, dataclasses.replace(mm, devices_per_node=1, nodes_per_host=args.ranks))
     with tempfile.TemporaryDirectory() as tmp:
         result = calibrate(args.app, setup, args.rounds, args.iterations, range(1, args.random + 1), tmp,

@@ -44,7 +44,8 @@ import numpy as np
 
 from ops.base import Op, TensorSpec
 from ops.optimizers import SGD
-from strategies.machine_model import DeviceSpec, LinkSpec, MachineError, MachineModel, cpu_name, load_machine, write_efficiency
+from strategies.machine_model import (DeviceSpec, LinkSpec, MachineError, MachineModel, cpu_name, load_machine,
+                                      write_efficiency, write_problem)
 from strategies.measure import Backend, Progress, measure_source, measure_tile, measure_update
 from taskrt.cores import node_cores
 from taskrt.geometry import Rect, as_int
@@ -654,6 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = CostModel(mm, measured=True, cache_path=args.cache, repeats=args.repeats)
     if not cost.measures(mm.device):
         parser.error(f"--machine {args.machine}: its device, {mm.device!r}, is not here to measure")
+    unwritable = write_problem(mm.source) if args.write else None
+    if unwritable is not None:
+        parser.error(f"--write: {unwritable}")
     fitted = calibrate(cost)
     for kind, frac in sorted(fitted.items()):
         print(f"{kind:34s} {frac:.4f}")

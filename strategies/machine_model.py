@@ -336,6 +336,19 @@ def write_efficiency(path, efficiency: Mapping[str, float], fitted: str) -> None
     write_fields(path, {"efficiency": dict(sorted(efficiency.items())), "fitted": fitted})
 
 
+def write_problem(path) -> str | None:
+    """Why the machine file `path` (a name or a path) should not be written with fitted figures,
+    or None: it cannot be written, or it is a shipped file of an installed package (which a
+    reinstall puts back as it was)."""
+    path = machine_path(path).resolve()
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return (f"{path} is the installed package's own file; copy it (cp {path} my-machine.json) and give "
+                f"--machine my-machine.json")
+    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        return f"{path} cannot be written here; copy it and give --machine with the copy's path"
+    return None
+
+
 def write_fields(path, fields: Mapping[str, object]) -> None:
     """Replace some top-level fields of a machine file (a name or a path), keeping the rest as
     written; the file is checked before and after, and replaced at once."""

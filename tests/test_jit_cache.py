@@ -1,4 +1,5 @@
 """taskrt.jit_cache: a module's numba cache goes when a file it depends on changes, and only then."""
+import json
 import os
 import subprocess
 import sys
@@ -102,6 +103,21 @@ def test_a_dependency_gone_from_under_an_unchanged_importer_drops_the_importer(t
     os.remove(os.path.join(tree, "other.py"))
     assert modules_of(jit_cache.refresh(tree)) == ["kern"]
     assert jit_cache.refresh(tree) == []
+
+
+def test_packages_beside_the_project_are_not_its_files(tree):
+    """Installed, the project's packages stand in site-packages beside numba and the rest: a scan
+    that took them in read hundreds of their files at each import."""
+    root = os.path.dirname(tree)
+    write(os.path.join(root, "numba", "__init__.py"), "import numba.core\nfrom numba import core\n")
+    write(os.path.join(root, "numba", "core.py"), "import numba\n")
+    write(os.path.join(root, "ops", "__init__.py"), "import numba\n")
+    write(os.path.join(tree, "lone.py"), "import numba\nimport ops\n")
+    jit_cache.refresh(tree)
+    with open(os.path.join(jit_cache.cache_folder(tree), jit_cache.STATE_NAME)) as f:
+        files = json.load(f)["files"]
+    assert sorted(files) == sorted(["ops/__init__.py"] + [f"pkg/{name}.py" for name in (
+        "__init__", "consts", "helper", "kern", "other", "lone", "kern_extra")])
 
 
 def test_a_module_that_does_not_parse_leaves_the_refresh_to_its_import(tree):

@@ -13,7 +13,7 @@ import pytest
 
 from ops.lower import compute_processors
 from strategies.machine_model import (MAX_DEVICES, SAME_MEMORY, DeviceSpec, MachineError, format_machine, load_machine,
-                                      machine_path, shipped_machines, write_efficiency)
+                                      machine_path, shipped_machines, write_efficiency, write_problem)
 from taskrt.machine import Memory, physical_memory
 
 
@@ -163,6 +163,20 @@ def test_write_efficiency_keeps_the_rest_of_the_file(tmp_path):
     assert data["devices_per_node"] is None and data["device"]["name"] is None
     mm = load_machine(path)
     assert mm.efficiency == {"default": 0.25, "dense": 0.5} and mm.fitted == "cpu:test, 2 ops"
+
+
+def test_a_shipped_file_of_an_installed_package_is_not_written(tmp_path):
+    """Calibration wrote its figures into site-packages, where a reinstall undoes them (or, read
+    only, it failed after all its runs); in a source tree the shipped files are the project's."""
+    installed = tmp_path / "lib" / "python3.11" / "site-packages" / "strategies" / "machines" / "k80.json"
+    installed.parent.mkdir(parents=True)
+    installed.write_text(machine_path("k80").read_text())
+    assert "is the installed package's own file; copy it" in write_problem(installed)
+    own = tmp_path / "mine.json"
+    own.write_text(machine_path("k80").read_text())
+    assert write_problem(own) is None
+    with pytest.raises(MachineError, match="no such file"):
+        write_problem(tmp_path / "none.json")
 
 
 # ---- malformed files: one line naming the file and the field ------------------------------------

@@ -233,7 +233,12 @@ def test_write_fields_keeps_the_rest_and_checks(tmp_path):
 
 def test_calibrate_refuses_bad_flags(capsys, tmp_path):
     too_many = (os.cpu_count() or 1) + 1
-    for argv, says in ((["--machine", "p100"], "--machine p100: its devices are gpus"),
+    installed = tmp_path / "venv" / "lib" / "site-packages" / "strategies" / "machines" / "local.json"
+    installed.parent.mkdir(parents=True)
+    shutil.copy(MACHINES_DIR / "local.json", installed)
+    for argv, says in ((["--machine", str(installed), "--write"], f"--write: {installed} is the installed package's "
+                                                                   f"own file; copy it"),
+                       (["--machine", "p100"], "--machine p100: its devices are gpus"),
                        (["--machine", "nosuch"], "--machine nosuch:"),
                        (["--ranks", "1"], "--ranks: 1 must be >= 2"),
                        (["--json", str(tmp_path / "no" / "r.json")], "does not exist"),
