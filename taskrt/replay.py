@@ -196,7 +196,11 @@ class ReplayBlock:
         rt = self.rt
         rt._replay = None
         rt.analyzer.entry_from = None
-        if exc_type is not None:
+        if exc_type is not None and not self.reissued:
+            # a recording made so far is dropped (its launches were analyzed as they came); the
+            # launches replayed so far were not analyzed, and the launches after must see them
+            if self.mode == "replaying":
+                self._fall_back(f"the block raised {exc_type.__name__}")
             return False
         if self.mode == "recording":
             self.recording.program = self.program

@@ -293,9 +293,13 @@ class Runtime:
         else:
             all_args = [args] * len(points)
             extra = [tuple(a.node_id for a in args if isinstance(a, Future))] * len(points)
-        if any(extra):   # (only a launch given futures can be given a lost one)
-            lost = next((a for pa in (all_args if point_args else [args]) for a in pa
-                         if isinstance(a, Future) and a._lost is not None), None)
+        if any(extra):   # (only a launch given futures can be given a lost one, or another runtime's)
+            given = [a for pa in (all_args if point_args else [args]) for a in pa if isinstance(a, Future)]
+            alien = next((a for a in given if a._runtime is not self), None)
+            if alien is not None:
+                raise ValueError(f"launch {name!r}: an argument is a Future of another Runtime (node "
+                                 f"#{alien.node_id} there): pass its value (.get()), or launch on that runtime")
+            lost = next((a for a in given if a._lost is not None), None)
             if lost is not None:
                 raise ValueError(f"launch {name!r}: an argument is the future of task {lost._lost!r} (node "
                                  f"#{lost.node_id}), which failed or was skipped after a failure: its value is lost")

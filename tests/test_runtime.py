@@ -774,6 +774,21 @@ def test_the_future_of_a_lost_task_says_so_after_recover():
         assert rt.issued == issued and rt.launch(lambda: 7).get(timeout=30) == 7
 
 
+def test_a_future_of_another_runtime_is_refused_as_an_argument():
+    """The runtime took its node id for one of its own nodes: the task got None (the value of
+    whatever node had that id), or waited forever where the id was its own."""
+    with Runtime(cpus=1) as a, Runtime(cpus=1) as b:
+        f = a.launch(lambda: 42)
+        issued = b.issued
+        for point_args in (None, {(): (f,)}):
+            with pytest.raises(ValueError, match=r"launch 'echo': an argument is a Future of another Runtime "
+                                                 r"\(node #\d+ there\): pass its value"):
+                b.index_launch(lambda v: v, Rect((), ()), args=() if point_args else (f,), point_args=point_args,
+                               name="echo")
+        assert b.issued == issued
+        assert b.launch(lambda v: v, args=(f.get(timeout=30),)).get(timeout=30) == 42
+
+
 def test_a_launch_whose_instance_grows_as_a_task_fails_goes_in_whole():
     """An instance that must grow waits for what was issued before; a task failing meanwhile made
     that wait raise halfway through the launch, whose nodes were never submitted, and the region
@@ -989,6 +1004,36 @@ def test_a_block_that_reads_a_region_released_since_its_last_run_is_analyzed_aga
 
 def _sum(v):
     return int(v.sum())
+
+
+def _slow_add_one(v):
+    time.sleep(0.2)
+    v += 1
+
+
+def test_a_replayed_block_that_raises_leaves_its_launches_analyzed():
+    """A replay issues its launches without analysis and installs their state at the block's
+    end: a block that raised left the launches it had replayed out of the analysis, so a fill
+    after it did not wait for them (and the slow add landed on the fill's 100)."""
+    with Runtime(cpus=2) as rt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = rt.region((4,), "float64")
+        rt.fill(x, 0.0)
+        for i in range(4):
+            with pytest.raises(ValueError) if i == 3 else nullcontext():
+                with rt.replay("step"):
+                    rt.launch(_slow_add_one, req(x, READ_WRITE))
+                    if i == 3:
+                        raise ValueError("the user's code failed")
+        assert rt.read(x).tolist() == [4.0] * 4
+        rt.fill(x, 100.0)
+        assert rt.read(x).tolist() == [100.0] * 4
+        assert rt.replay_stats["replayed"] == 3
+        assert "replay 'step': the block raised ValueError" in str(caught[-1].message)
+        for _ in range(2):   # recorded again, then replayed
+            with rt.replay("step"):
+                rt.launch(_slow_add_one, req(x, READ_WRITE))
+        assert rt.read(x).tolist() == [102.0] * 4 and rt.replay_stats["replayed"] == 4
 
 
 def _add_one(acc):
