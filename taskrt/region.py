@@ -24,16 +24,23 @@ def dtype_of_kind(dtype, kinds: str) -> np.dtype | None:
 
 
 def beyond_range(array: np.ndarray, dtype) -> tuple[int, ...] | None:
-    """Where the first finite value of float `array` is that the narrower float `dtype` cannot
-    hold (it would become inf, with numpy's warning alone), or None: asked of what is put into a
-    region or a weight. Two reductions where everything fits; the mask only where something may not."""
+    """Where the first finite value of `array` is that the float or complex `dtype` cannot hold
+    (it would become inf, with numpy's warning alone: a wider float, a complex part, or an int
+    beyond float16's 65504), or None: asked of what is put into a region or a weight. Nothing
+    where the source type cannot exceed it; two reductions a part where everything fits; the
+    mask only where something may not."""
     to = np.dtype(dtype)
-    if not (array.size and array.dtype.kind == "f" and to.kind == "f" and array.dtype.itemsize > to.itemsize):
+    if not (array.size and to.kind in "fc" and array.dtype.kind in "iufc"):
         return None
-    top = np.finfo(to).max
-    if not (np.fmax.reduce(array, axis=None) > top or np.fmin.reduce(array, axis=None) < -top):
+    top = float(np.finfo(to).max)
+    if float(np.iinfo(array.dtype).max if array.dtype.kind in "iu" else np.finfo(array.dtype).max) <= top:
         return None
-    over = (np.abs(array) > top) & np.isfinite(array)
+    parts = (array.real, array.imag) if array.dtype.kind == "c" else (array,)
+    if not any(np.fmax.reduce(p, axis=None) > top or np.fmin.reduce(p, axis=None) < -top for p in parts):
+        return None
+    over = np.zeros(array.shape, bool)
+    for p in parts:
+        over |= (np.abs(p) > top) & np.isfinite(p)
     return tuple(int(k) for k in np.argwhere(over)[0]) if over.any() else None
 
 

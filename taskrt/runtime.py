@@ -801,19 +801,24 @@ def _attach_kernel(view, array):
 
 
 def _holds(dtype: np.dtype, value) -> bool:
-    """Whether an array of `dtype` holds the number `value` as it is: no imaginary part dropped, no
-    fraction cut off an integer, nothing out of an integer type's range."""
-    if not isinstance(value, (bool, int, float, complex, np.number)):
+    """Whether an array of `dtype` holds the number `value` as it is: no complex number in a real
+    array (numpy refuses it, imaginary part or not), no fraction cut off an integer, nothing out
+    of an integer type's range (ints compared exactly: 2**63 - 1 is int64's), no finite number
+    that would become inf."""
+    if isinstance(value, (complex, np.complexfloating)) and dtype.kind != "c":
+        return False
+    if isinstance(value, (bool, int, np.integer, np.bool_)):
+        if dtype.kind in "biu":
+            low, high = (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+            return low <= int(value) <= high
+        return abs(int(value)) <= int(np.finfo(dtype).max)
+    if not isinstance(value, (float, complex, np.number)):
         return False
     v = complex(value)
-    if dtype.kind == "c":
-        return True
-    if v.imag != 0:
-        return False
     if dtype.kind in "biu":
-        low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
-        return v.real.is_integer() and low <= v.real <= high
-    return not (math.isfinite(v.real) and abs(v.real) > float(np.finfo(dtype).max))   # (it would become inf)
+        return v.real.is_integer() and _holds(dtype, int(v.real))
+    top = float(np.finfo(dtype).max)
+    return not any(math.isfinite(part) and abs(part) > top for part in (v.real, v.imag))   # (it would become inf)
 
 
 def _fill_kernel(view, value):
@@ -872,13 +877,14 @@ def _check_point_args(points: list[tuple], point_args) -> None:
 
 
 def _check_range(array: np.ndarray, region: Region) -> None:
-    """Refuse finite floats that the region's narrower floats cannot hold (beyond_range), and
-    ints beyond its narrower ints. Every rank checks, as every rank passes the same array."""
+    """Refuse finite numbers that the region's floats cannot hold (beyond_range), and ints beyond
+    its narrower ints. Every rank checks, as every rank passes the same array."""
     to = np.dtype(region.dtype)
     where = beyond_range(array, to)
     if where is not None:
-        raise ValueError(f"attach: {float(array[where])!r} at {where} is beyond what {region!r}'s {to} holds "
-                         f"(at most {np.finfo(to).max:.4g}): it would become inf")
+        raise ValueError(f"attach: {array[where].item()!r} at {where} is beyond what {region!r}'s {to} holds "
+                         f"(at most {np.finfo(to).max:.4g}{' a part' if to.kind == 'c' else ''}): it would "
+                         f"become inf")
     if array.size and array.dtype.kind in "iu" and to.kind in "iu" and not np.can_cast(array.dtype, to):
         low, high = np.iinfo(to).min, np.iinfo(to).max
         outside = (array < low) | (array > high)

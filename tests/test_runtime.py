@@ -949,6 +949,36 @@ def test_attach_and_fill_refuse_numbers_the_region_would_change():
         assert rt.read(floats).tolist() == [float("inf")] * 2
 
 
+def test_the_ends_of_each_type_fill_exactly_and_what_would_overflow_is_refused_before_any_work():
+    """int64's and uint64's largest were refused (compared through a float, 2**63 - 1 rounded to
+    2**63); ints attached to float16, complex parts beyond complex64 and a complex fill of a
+    real region went in (as inf, or failing inside the task and stopping the runtime)."""
+    with Runtime(cpus=1) as rt:
+        for dtype, value in (("int64", 2**63 - 1), ("int64", -2**63), ("uint64", 2**64 - 1), ("float16", 65504),
+                             ("complex64", complex(2.0**127, -2.0**126)), ("int8", np.float64(-128.0))):
+            r = rt.region((2,), dtype)
+            rt.fill(r, value)
+            assert rt.read(r).tolist() == [value] * 2
+        issued = rt.issued
+        for dtype, value in (("int64", 2**63), ("uint64", -1), ("float16", 65520), ("float32", 1 + 0j),
+                             ("float64", np.complex64(2)), ("complex64", 1e300), ("complex64", 1j * 1e39),
+                             ("float64", 10**400), ("bool", 2)):
+            with pytest.raises(ValueError, match=rf"fill: .* \({type(value).__name__}\) is not a number that .* "
+                                                 rf"\({dtype}\) can hold"):
+                rt.fill(rt.region((2,), dtype), value)
+        for dtype, array, said in (("float16", np.array([1, 100000]), r"100000 at \(1,\) .* float16 holds \(at most "
+                                                                       r"6.55e\+04\): it would become inf"),
+                                   ("complex64", np.array([1, 1e300j]), r"1e\+300j at \(1,\) .* complex64 holds "
+                                                                       r"\(at most 3.403e\+38 a part\)"),
+                                   ("complex64", np.array([-1e39, 1.0]), r"-1e\+39 at \(0,\)")):
+            with pytest.raises(ValueError, match="attach: " + said):
+                rt.attach(rt.region((2,), dtype), array)
+        assert rt.issued == issued
+        r = rt.region((2,), "float16")
+        rt.attach(r, np.array([-32768, 32767], np.int16))   # (an int16 always fits: not even looked at)
+        assert rt.read(r).tolist() == [-32768.0, 32768.0]
+
+
 def test_a_replay_that_falls_back_after_a_release_re_analyzes_around_it():
     """The launches replayed before a mismatch are analyzed again, each before or after the
     block's releases as they came (they were all analyzed after them: a false 'that data is gone')."""
