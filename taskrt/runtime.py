@@ -577,7 +577,7 @@ class Runtime:
         if node.proc.kind == "gpu":
             gpu.synchronize()  # finished means the data is there for other threads and streams
         if node.future is not None:
-            node.future._set(result)
+            node.future._set(_detached(result, views, store.xp(node.proc.memory)))
 
     def _lost_node(self, node, ran: bool) -> None:
         """A node that failed (`ran`) or was skipped after a failure settles its reduction
@@ -819,6 +819,15 @@ def _holds(dtype: np.dtype, value) -> bool:
         return v.real.is_integer() and _holds(dtype, int(v.real))
     top = float(np.finfo(dtype).max)
     return not any(math.isfinite(part) and abs(part) > top for part in (v.real, v.imag))   # (it would become inf)
+
+
+def _detached(result, views: list, xp):
+    """A task's result as its future keeps it: a copy where it is a view of one of the task's
+    instances (which later tasks change), else itself. A future holds a value, as Legion's do."""
+    if getattr(result, "base", None) is not None and any(
+            type(v) is type(result) and xp.may_share_memory(result, v) for v in views):
+        return result.copy()
+    return result
 
 
 def _fill_kernel(view, value):

@@ -774,6 +774,19 @@ def test_the_future_of_a_lost_task_says_so_after_recover():
         assert rt.issued == issued and rt.launch(lambda: 7).get(timeout=30) == 7
 
 
+def test_a_future_keeps_the_value_a_task_returned_as_a_view_of_its_region():
+    """The future held the view: a later fill of the region changed a value already returned."""
+    with Runtime(cpus=1) as rt:
+        x = rt.region((4,), "int64")
+        rt.fill(x, 101)
+        head = rt.launch(lambda v: v[:2], req(x, READ))
+        whole = rt.launch(lambda v: v, req(x, READ))
+        total = rt.launch(lambda v: v.sum(), req(x, READ))   # (a scalar: kept as it is)
+        rt.fill(x, -5)
+        rt.wait()
+        assert head.get().tolist() == [101, 101] and whole.get().tolist() == [101] * 4 and total.get() == 404
+
+
 def test_a_future_of_another_runtime_is_refused_as_an_argument():
     """The runtime took its node id for one of its own nodes: the task got None (the value of
     whatever node had that id), or waited forever where the id was its own."""
