@@ -111,6 +111,11 @@ class Machine:
     def from_ranks(ranks: "list[RankSpec]", hosts=None, separate_memories: bool = False) -> "Machine":
         """A machine whose rank r has ranks[r].cpus CPU workers and the GPUs ranks[r].gpus
         (device numbers on its node); each GPU gets its own memory."""
+        if not isinstance(separate_memories, bool):
+            raise TypeError(f"Machine: separate_memories must be True or False, got {type(separate_memories).__name__} "
+                            f"{separate_memories!r}")
+        if hosts is not None and (isinstance(hosts, str) or not all(isinstance(h, str) and h for h in hosts)):
+            raise TypeError(f"Machine: hosts must be a sequence of host names, one a rank, got {hosts!r}")
         procs, mems = [], []
         for rank, spec in enumerate(ranks):
             if spec.cpus < 1:

@@ -93,6 +93,10 @@ class Runtime:
                  gpus: int | None = None, separate_memories: bool = False, execute: bool = True,
                  keep_graph: bool | None = None, trace: str | bool | None = None, rank: int = 0, transport=None,
                  blas_threads: int | None = None):
+        for flag, value in (("separate_memories", separate_memories), ("execute", execute),
+                            ("keep_graph", keep_graph)):
+            if not isinstance(value, (bool, np.bool_)) and not (flag == "keep_graph" and value is None):
+                raise TypeError(f"Runtime: {flag} must be True or False, got {type(value).__name__} {value!r}")
         if machine is None and transport is None and execute and mpi_world_size_from_env() > 1:
             from .mpi import connect
             machine, transport = connect(cpus=cpus, gpus=gpus, separate_memories=separate_memories)
@@ -104,6 +108,10 @@ class Runtime:
             raise TypeError(f"Runtime: machine must be a taskrt Machine, got {type(self.machine).__name__} "
                             f"{self.machine!r}")
         _check_rank("Runtime", rank, self.machine)
+        if execute and transport is None and self.machine.num_ranks > 1:
+            raise ValueError(f"Runtime: {self.machine!r} has {self.machine.num_ranks} ranks, and a run on many ranks "
+                             f"needs MPI: start it under mpiexec -n {self.machine.num_ranks} (or Runtime.from_mpi); "
+                             f"execute=False builds its graphs here")
         if execute and any(p.kind == "gpu" for p in self.machine.rank_processors(rank)):
             gpu.module()   # a clear error where cupy is missing, not GPU workers that die and tasks that wait
         self.mapper = mapper or DefaultMapper()

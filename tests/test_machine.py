@@ -7,6 +7,16 @@ from taskrt import Machine
 from taskrt.machine import gpus_from_env, mpi_rank_from_env, mpi_world_size_from_env
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"hosts": "ab"}, r"Machine: hosts must be a sequence of host names, one a rank, got 'ab'"),   # (it was ('a', 'b'))
+    ({"hosts": ["a", 3]}, r"Machine: hosts must be a sequence of host names"),
+    ({"separate_memories": "yes"}, r"Machine: separate_memories must be True or False, got str 'yes'"),
+])
+def test_build_refuses_what_is_not_a_flag_or_host_names(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Machine.build(2, 1, **kwargs)
+
+
 def test_build_gives_each_rank_its_processors_and_memories():
     m = Machine.build(2, cpus_per_rank=2, gpus_per_rank=1, separate_memories=True)
     assert [(p.rank, p.kind) for p in m.processors] == [(0, "cpu"), (0, "cpu"), (0, "gpu"),

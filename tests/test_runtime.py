@@ -1203,6 +1203,11 @@ def test_max_and_min_reduce_bools_and_refuse_complex_numbers():
     ({"cpus": 1, "mapper": "x"}, TypeError, r"Runtime: mapper must have select_processor"),
     ({"cpus": 2, "blas_threads": 1.5}, TypeError, r"Runtime: blas_threads must be an int, got float 1.5"),
     ({"cpus": 1, "trace": 5}, TypeError, r"Runtime: trace must be a path, True, False or None, got int 5"),
+    ({"machine": Machine.build(2, 1)}, ValueError, r"Runtime: Machine\(2 ranks.*\) has 2 ranks, and a run on many ranks "
+                                                  r"needs MPI: start it under mpiexec -n 2"),   # (rank 1's tasks hung)
+    ({"cpus": 1, "execute": "no"}, TypeError, r"Runtime: execute must be True or False, got str 'no'"),
+    ({"cpus": 2, "separate_memories": "yes"}, TypeError, r"Runtime: separate_memories must be True or False"),
+    ({"cpus": 1, "keep_graph": 1}, TypeError, r"Runtime: keep_graph must be True or False, got int 1"),
 ])
 def test_runtime_arguments_are_checked(kwargs, error, match):
     with pytest.raises(error, match=match):
