@@ -28,9 +28,9 @@ class Rect:
         # 2.5: a search makes some 10^5 rects a second. Writing self.__dict__ instead would be
         # faster still, but it gives the object a dict of its own, and reading a field then
         # costs half as much again)
-        if len(lo) != len(hi):
-            raise ValueError(f"Rect lo {lo} and hi {hi} have different dimensions")
-        try:   # (the check costs nothing where it passes: rects are made by the hundred thousand)
+        try:   # (the checks cost nothing where they pass: rects are made by the hundred thousand)
+            if len(lo) != len(hi):
+                raise ValueError(f"Rect lo {lo} and hi {hi} have different dimensions")
             h = hash((lo, hi))
         except TypeError:
             raise TypeError(f"Rect lo and hi must be tuples of ints, got {lo!r} and {hi!r} (Rect.make takes any "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
@@ -47,7 +48,7 @@ def beyond_range(array: np.ndarray, dtype) -> tuple[int, ...] | None:
 def numeric_dtype(what: str, dtype) -> np.dtype:
     """`dtype` as a numpy dtype of numbers (bool, integers, floats, complex); anything else (strings,
     objects, dates) names `what` in a ValueError: the runtime's copies, folds and fills work on numbers."""
-    dt = dtype_of_kind(dtype, "biufc")
+    dt = None if dtype is None else dtype_of_kind(dtype, "biufc")   # (numpy takes None for float64)
     if dt is None:
         raise ValueError(f"{what}: dtype must be numeric (bool, int, float or complex), got {dtype!r}")
     return dt
@@ -59,9 +60,14 @@ class Region:
     _next_uid = itertools.count()
 
     def __init__(self, shape: Sequence[int], dtype="float32", name: str | None = None):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"region: name must be a string or None, got {type(name).__name__} {name!r}")
         shape = as_int_tuple(f"region {name!r} shape", shape, least=0)
         self.shape = shape
         self.dtype = numeric_dtype(f"region {name!r}" if name else "region", dtype)
+        if math.prod(shape) * self.dtype.itemsize >= 1 << 63:
+            raise ValueError(f"region {name!r}: shape {shape} of {self.dtype} is {math.prod(shape):.3g} elements, "
+                             f"more bytes than an instance can index (2**63)")
         self.uid = next(Region._next_uid)
         self.name = name or f"region{self.uid}"
         self.rect = Rect.from_shape(shape)
@@ -159,6 +165,8 @@ class Partition:
     @staticmethod
     def from_rects(region: Region, rects: Mapping[Color, Rect] | Iterable[Rect], name: str | None = None) -> "Partition":
         """A partition from explicit rects (a mapping, or a list colored 0, 1, ...); may be aliased."""
+        if not isinstance(region, Region):
+            raise TypeError(f"Partition.from_rects: partitions a Region, got {type(region).__name__} {region!r}")
         if not isinstance(rects, Mapping):
             rects = {(i,): r for i, r in enumerate(rects)}
         return Partition(region, rects, name)

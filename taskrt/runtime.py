@@ -211,7 +211,10 @@ class Runtime:
         _check_region("attach", region)
         rect = region.rect if rect is None else rect
         region.check_rect(rect)
-        array = np.asarray(array)
+        try:
+            array = np.asarray(array)
+        except ValueError as e:   # (rows of different lengths)
+            raise ValueError(f"attach: the data for {region!r} is not an array of numbers: {e}") from None
         if array.shape != rect.shape:
             raise ValueError(f"attach: array of shape {array.shape} does not fit {region!r}{rect!r} "
                              f"of shape {rect.shape}")
@@ -325,6 +328,9 @@ class Runtime:
         training step makes the same ones every iteration), kept in `_mapped_launches`; the
         shared lists are never changed. The key is None for a launch that is not kept."""
         key = None
+        if placement is not None and not isinstance(placement, dict):
+            raise TypeError(f"launch {name!r}: placement maps points to processors (a dict), got "
+                            f"{type(placement).__name__} {placement!r}")
         if placement and self.keep_mapped_launches:
             try:
                 placed = tuple(map(placement.__getitem__, points))
@@ -350,6 +356,9 @@ class Runtime:
             chosen = placement.get(p) if placement else None
             if chosen is None:
                 chosen = self.mapper.select_processor(self.machine, name, p, points, i)
+                if type(chosen) is not Processor:
+                    raise TypeError(f"launch {name!r}: the mapper {type(self.mapper).__name__} chose {chosen!r} for "
+                                    f"point {p}: select_processor returns one of the machine's Processors")
             elif isinstance(chosen, (int, np.integer)) and not isinstance(chosen, bool):
                 chosen = self.machine.processor(int(chosen))
             elif chosen not in self.machine.processors:
@@ -388,6 +397,7 @@ class Runtime:
 
     def replay(self, name: str) -> ReplayBlock:
         """`with rt.replay("step"):` analyze this block once, replay it on later entries."""
+        self._check_open("Runtime.replay")
         return ReplayBlock(self, name)
 
     def issue_program(self, name: str, launches: Sequence[Launch], args: Sequence[tuple]) -> list[FutureMap | None]:
@@ -416,6 +426,7 @@ class Runtime:
         they must write before they read: a read of data written before the release is refused
         when it is issued. Regions keep their dependences; a release is not a node."""
         self._check_caller("Runtime.release")
+        self._check_open("Runtime.release")
         for region in regions:
             _check_region("release", region)
         at = self._next_id
@@ -624,7 +635,7 @@ class Runtime:
         if self.executor is None:
             raise RuntimeError("this runtime was built with execute=False: it builds task graphs and runs nothing")
         self._check_caller("a wait")
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._check_stopped(f"node #{node_id}", node_id)
         self._wait_for(node_id, timeout)
 
@@ -658,7 +669,7 @@ class Runtime:
         if self.executor is None:
             return
         self._check_caller("Runtime.wait")
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._check_stopped("Runtime.wait")
         if self.transport is None:
             self.executor.wait_all(timeout)
@@ -717,6 +728,12 @@ class Runtime:
             raise RuntimeError(f"{what}: shutdown(wait=False) left it unrun, and the workers are gone")
         if node_id is None and left:
             raise RuntimeError(f"{what}: shutdown(wait=False) left {len(left)} nodes unrun, and the workers are gone")
+
+    def _check_open(self, what: str) -> None:
+        """Refuse `what` on a runtime that has shut down (a release or a replay block there did
+        nothing, silently); one stopped by a failure still takes them, as Model.close's."""
+        if self._closed:
+            raise RuntimeError(f"{what}: the runtime has been shut down")
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -854,14 +871,23 @@ def _first_param(fn) -> str | None:
     return params[0] if params else None
 
 
+#: the most points a launch takes: each is a task node and a future (a million take about a
+#: gigabyte; a domain of 10**9 was made point by point until the process was killed)
+MAX_LAUNCH_POINTS = 1 << 20
+
+
 def _points_of(domain) -> list[tuple]:
     """A launch domain's points: a count, a Partition's colors, a Rect's points, or a list of
     points (tuples of ints of one length, or ints), each once."""
     if isinstance(domain, (int, np.integer)) and not isinstance(domain, bool):
+        _check_point_count(f"a launch domain of {int(domain)} points", int(domain))
         return [(i,) for i in range(int(domain))]
     if isinstance(domain, Partition):
         return domain.colors()
     if isinstance(domain, Rect):
+        if not int_tuples([domain.lo, domain.hi]):
+            raise TypeError(f"a launch domain's Rect has int bounds, got {domain!r}")
+        _check_point_count(f"a launch domain of {domain!r}", domain.volume)
         return list(domain.points())
     if isinstance(domain, (str, bytes, bool, float)) or not hasattr(domain, "__iter__"):
         raise TypeError(f"a launch domain is a count, a Rect, a Partition or a list of points, got "
@@ -877,6 +903,13 @@ def _points_of(domain) -> list[tuple]:
         twice = next(p for i, p in enumerate(points) if p in points[:i])
         raise ValueError(f"a launch domain lists point {twice!r} twice")
     return points
+
+
+def _check_point_count(what: str, count: int) -> None:
+    if count < 1:
+        raise ValueError(f"{what}: a launch needs at least one point")
+    if count > MAX_LAUNCH_POINTS:
+        raise ValueError(f"{what}: at most {MAX_LAUNCH_POINTS:,} points a launch (each is a task)")
 
 
 def _check_point_args(points: list[tuple], point_args) -> None:
@@ -922,11 +955,13 @@ def _check_rank(what: str, rank, machine: Machine) -> None:
         raise ValueError(f"{what}: rank {rank!r} is not a rank of {machine!r} (ranks 0..{machine.num_ranks - 1})")
 
 
-def _check_timeout(timeout) -> None:
-    """A wait's timeout: None (no limit) or seconds >= 0."""
+def _check_timeout(timeout) -> float | None:
+    """A wait's timeout: None (no limit) or seconds >= 0; infinity is no limit (the threads'
+    waits overflowed on it)."""
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not timeout >= 0):
         raise ValueError(f"timeout must be seconds >= 0 or None, got {type(timeout).__name__} {timeout!r}")
+    return None if timeout == math.inf else timeout
 
 
 def _check_interference(name: str, reqs: Sequence[Requirement], rects: list[list[Rect]]) -> None:

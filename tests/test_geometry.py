@@ -104,6 +104,8 @@ def test_rect_bounds_are_int_tuples_refused_not_cast():
     import pytest
     with pytest.raises(TypeError, match=r"Rect lo and hi must be tuples of ints, got \[0, 0\] and \[4, 4\]"):
         Rect([0, 0], [4, 4])
+    with pytest.raises(TypeError, match=r"Rect lo and hi must be tuples of ints, got 0 and 4"):
+        Rect(0, 4)   # (object of type 'int' has no len())
     with pytest.raises(TypeError, match=r"Rect.make: hi must be ints, got float 2.7"):
         Rect.make((0,), (2.7,))
     with pytest.raises(TypeError, match=r"Rect.make: lo must be ints, got str '0'"):

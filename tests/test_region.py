@@ -62,6 +62,19 @@ def test_partition_errors_name_the_problem():
         Partition.from_rects(region, [Rect.make((0, 0, 0), (1, 1, 1))])
     with pytest.raises(KeyError, match="color \\(9,\\)"):
         region.partition((2, 1))[9]
+    with pytest.raises(TypeError, match=r"Partition.from_rects: partitions a Region, got str 'x'"):
+        Partition.from_rects("x", [Rect.make((0, 0), (1, 1))])   # (AttributeError: ... 'ndim')
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"shape": (4,), "dtype": None}, ValueError, r"region: dtype must be numeric .*, got None"),   # (it was float64)
+    ({"shape": (2**70,)}, ValueError, r"region None: shape \(1180591620717411303424,\) of float32 is 1.18e\+21 "
+                                      r"elements, more bytes than an instance can index"),
+    ({"shape": (4,), "name": 5}, TypeError, r"region: name must be a string or None, got int 5"),
+])
+def test_region_arguments_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Region(**kwargs)
 
 
 def test_a_partition_alike_has_the_same_pieces_of_a_region_of_the_same_bounds():

@@ -1,6 +1,7 @@
 """The runtime against a sequential reference: random programs, reductions, futures, errors."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -349,6 +350,9 @@ def test_errors_at_launch_name_the_problem():
             rt.index_launch(lambda: None, 2, placement={0: 1, 1: 0})
         with pytest.raises(ValueError, match=r"placement keys \[\(0, 0\)\]"):
             rt.index_launch(lambda: None, 2, placement={(0, 0): 0})
+        with pytest.raises(TypeError, match=r"launch 'f': placement maps points to processors \(a dict\), got list "
+                                            r"\[0, 1\]"):
+            rt.index_launch(lambda: None, 2, placement=[0, 1], name="f")
         assert rt._next_id == 0, "nothing may be issued by a launch that fails its checks"
         # a processor index from numpy (np.arange, argsort) is an index too
         done = rt.index_launch(lambda: 7, 2, placement={(0,): np.int64(0), (1,): np.int64(0)})
@@ -1230,6 +1234,10 @@ def test_a_gpu_without_cupy_is_refused_when_the_runtime_is_made():
     ("ab", TypeError, r"a launch domain is a count, a Rect, a Partition or a list of points, got str 'ab'"),
     (True, TypeError, r"got bool True"),
     (2.5, TypeError, r"got float 2.5"),
+    (-3, ValueError, r"a launch domain of -3 points: a launch needs at least one point"),   # (it said "empty")
+    (10**9, ValueError, r"a launch domain of 1000000000 points: at most 1,048,576 points a launch"),   # (killed)
+    (Rect((0, 0), (10**5, 10**5)), ValueError, r"a launch domain of Rect\(0:100000, 0:100000\): at most 1,048,576"),
+    (Rect((0.0,), (2.0,)), TypeError, r"a launch domain's Rect has int bounds, got Rect\(0.0:2.0\)"),
 ])
 def test_launch_domains_are_checked(domain, error, match):
     with Runtime(cpus=1) as rt:
@@ -1237,6 +1245,21 @@ def test_launch_domains_are_checked(domain, error, match):
         with pytest.raises(error, match=match):
             rt.index_launch(lambda v: 1, domain, req(r, READ))
         assert len(rt.index_launch(lambda v: 1, np.int64(2), req(r, READ)).get()) == 2
+
+
+class _NamingMapper:
+    """A mapper that answers with a processor's name."""
+
+    def select_processor(self, machine, launch_name, point, domain, index):
+        return "r0.cpu0"
+
+
+def test_a_mapper_that_answers_with_no_processor_is_named():
+    """It failed with AttributeError: 'str' object has no attribute 'rank', from deep inside."""
+    with Runtime(cpus=1, mapper=_NamingMapper()) as rt:
+        with pytest.raises(TypeError, match=r"launch 'f': the mapper _NamingMapper chose 'r0.cpu0' for point \(\): "
+                                            r"select_processor returns one of the machine's Processors"):
+            rt.launch(lambda: None, name="f")
 
 
 def test_launch_arguments_and_timeouts_are_checked():
@@ -1253,6 +1276,9 @@ def test_launch_arguments_and_timeouts_are_checked():
         for timeout in ("1", -1, float("nan")):
             with pytest.raises(ValueError, match=r"timeout must be seconds >= 0 or None"):
                 rt.launch(lambda: 1).get(timeout=timeout)
+        assert rt.launch(lambda: 1).get(timeout=float("inf")) == 1   # (OverflowError from threading's wait)
+        rt.launch(lambda: time.sleep(0.1))
+        rt.wait(timeout=math.inf)
         with pytest.raises(TypeError, match=r"a projection maps a launch point to a color .*: a function, got int 5"):
             req(r.partition((2,)), READ, projection=5)
 
@@ -1268,6 +1294,12 @@ def test_data_calls_name_what_is_not_a_region():
             rt.read(r.partition((2,)))
         with pytest.raises(ValueError, match=r"read: rank '0' is not a rank of Machine"):
             rt.read(r, rank="0")
+        with pytest.raises(ValueError, match=r"attach: the data for Region\('region\d+', float32\[4\]\) is not an "
+                                             r"array of numbers: .*inhomogeneous"):
+            rt.attach(r, [[1, 2], [3]])
+    for call in (lambda: rt.release(r), lambda: rt.replay("step")):   # (both did nothing, silently)
+        with pytest.raises(RuntimeError, match=r"Runtime.re(lease|play): the runtime has been shut down"):
+            call()
 
 
 def test_a_region_whose_data_another_open_runtime_holds_is_refused():
