@@ -392,3 +392,58 @@ def test_the_chains_make_no_reference_cycles():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def _walk_against(sim, worse_by: float, beta: float, n: int):
+    """A chain from data parallelism walked `n` proposals by strategies.search._walk, every
+    proposal timed `worse_by` seconds slower than where the chain stands (the memo's time
+    replaced) and fitting: the chain's best never improves."""
+    import strategies.search as searching
+    from strategies import data_parallel
+    memo = searching._Memo(sim)
+    ops = [op for op in sim.ops if op.name != sim.loss]
+    start = searching._complete(sim, data_parallel(ops, sim.machine))
+    chain = searching._Chain("data", start, memo.key(start), 1.0, 1.0)
+    memo.time = lambda key, strategy: chain.current_time + worse_by
+    memo.fits = lambda key, strategy: True
+    result = searching.SearchResult(start, 1.0, {})
+    searching._walk(sim, chain, n, ops, searching._neighbours(sim.ops), result, np.random.default_rng(0),
+                    beta, None, searching._Bar(None, n), memo)
+    return result
+
+
+def test_a_proposal_slower_than_the_chain_is_accepted_with_probability_exp_minus_beta_times_the_loss():
+    """Metropolis-Hastings takes a slower proposal with probability exp(beta * (current - t)):
+    10 ms slower at beta 1e4 is exp(-100), never; at beta 1e-6 it is all but certain. With the
+    sign turned round, the chain took every slower proposal, however large beta."""
+    sim = simulator(mlp())
+    assert _walk_against(sim, 0.01, 1e4, 20).accepted == 0
+    easy = _walk_against(sim, 0.01, 1e-6, 20)
+    assert easy.accepted == easy.proposals > 0
+
+
+def test_a_chain_whose_best_never_improves_stops_after_half_its_proposals():
+    """A chain stops once its best has not improved for n / 2 proposals: of 20 proposals none
+    better, it makes 20 // 2 + 1 = 11 (the 11th is the one past half), not all 20."""
+    sim = simulator(mlp())
+    assert _walk_against(sim, 0.01, 1e4, 20).proposals == 11
+    assert _walk_against(sim, 0.01, 1e4, 7).proposals == 4
+
+
+def test_whether_a_strategy_fits_is_its_own_not_the_last_simulated_ones():
+    """The memo answers fits from the last simulation's result only where that was the same
+    strategy's. On a device of 60,000 bytes model parallelism fits (59 KB) and data parallelism
+    does not (69 KB): timing the first, then the second, then asking whether the first fits
+    must say it does (it used to be given the second's answer, and an infinite time)."""
+    import strategies.search as searching
+    from strategies import data_parallel, model_parallel
+    model = mlp()
+    mm = dataclasses.replace(load_machine("p100", nodes=1), devices_per_node=2)
+    sim = simulator(model, dataclasses.replace(mm, device=dataclasses.replace(mm.device, mem_bytes=60_000)))
+    memo = searching._Memo(sim)
+    fitting = searching._complete(sim, model_parallel(model, sim.machine))
+    too_big = searching._complete(sim, data_parallel(model, sim.machine))
+    t = memo.time(memo.key(fitting), fitting)
+    memo.time(memo.key(too_big), too_big)
+    assert memo.feasible_time(fitting) == t and math.isfinite(t)
+    assert memo.feasible_time(too_big) == math.inf

@@ -282,6 +282,29 @@ def test_a_copy_between_ranks_is_in_flight_for_the_message_delay():
     assert result.time > base.time
 
 
+def test_every_task_costs_what_the_cost_model_says_of_its_own_phase():
+    """The simulator times like tiles once, keyed by what their seconds depend on: a key without
+    the phase gave a tile's backward its forward's seconds (or the other way round). Each task
+    of a small graph is timed here by a cost model of its own, forward and backward both."""
+    mm = dataclasses.replace(load_machine("p100", nodes=1), devices_per_node=2)
+    sim = Simulator.for_model(mlp(batch=16, width=64), mm, CostModel(mm, measured=False))
+    graph = sim.simulate(data_parallel(mlp(batch=16, width=64), sim.machine)).graph
+    _, dur, _, _, _ = sim.node_costs(graph)
+    reference = CostModel(mm, measured=False)
+    seen = set()
+    for i, node in enumerate(graph.nodes):
+        tc = None if isinstance(node, CopyNode) else graph.task_cost_at(i)
+        if tc is None or tc.op is None:
+            continue
+        if tc.phase == "update":
+            expected = reference.task_time(tc.op, "update", tc.rect, node.proc, tc.param, sim.optimizer)
+        else:
+            expected = reference.task_time(tc.op, tc.phase, tc.rect, node.proc)
+        assert dur[i] == pytest.approx(expected), (node.name, tc.phase)
+        seen.add(tc.phase)
+    assert {"forward", "backward", "update"} <= seen
+
+
 def test_the_chunks_of_a_split_sequence_are_costed_by_their_phase():
     m = Model(Runtime(execute=False), weights=False)
     x = m.input((4, 6, 5), name="x")

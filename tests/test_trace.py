@@ -381,6 +381,34 @@ def test_summary(measured, two_ranks, capsys):
     assert rc == 0 and set(json.loads(out)["ranks"]) == {"0", "1"}
 
 
+def test_utilization_counts_a_span_nested_in_another_once_and_not_as_the_end():
+    """A link carries copies side by side, so a short copy can lie inside a long one: the busy
+    union of (0, 10) and (2, 3) is 10 us (taking the inner end as the union's end made it 3,
+    and the link look idle for most of a copy)."""
+    assert tt._union_us([(0.0, 10.0), (2.0, 3.0)]) == 10.0
+    assert tt._union_us([(0.0, 10.0), (2.0, 3.0), (4.0, 12.0), (20.0, 25.0)]) == 17.0
+    link = "r0.sys0->r1.sys0"
+    events = [_task(0, "a.fwd", 0, 0.0, 20.0), _message(1, "send", "copy:x", link, 0.0, 20.0),
+              _message(2, "send", "copy:y", link, 5.0, 8.0)]
+    rows = {r["proc"]: r for r in tt.summary(tt.Trace(events))["rows"]}
+    assert rows[link]["utilization"] == 1.0 and rows[link]["idle_us"] == 0.0
+    assert rows[link]["copy_us"] == 23.0   # each copy in full
+
+
+def test_a_ranks_copy_time_is_the_sum_of_its_copies():
+    """The per-rank totals add each of the rank's tracks' copy time: rank 0 sends 5 + 7 us on one
+    link and 4 us on another, rank 1 receives nothing but sends 2 us (a row left out of the
+    total used to leave a rank's copy_us at 0)."""
+    events = sorted([_task(0, "a.fwd", 0, 0.0, 30.0), _task(1, "b.fwd", 1, 0.0, 30.0),
+                     _message(2, "send", "copy:x", "r0.sys0->r1.sys0", 0.0, 5.0),
+                     _message(3, "send", "copy:y", "r0.sys0->r1.sys0", 10.0, 17.0),
+                     _message(4, "send", "copy:z", "r0.sys0->r2.sys0", 1.0, 5.0),
+                     _message(5, "send", "copy:w", "r1.sys0->r0.sys0", 3.0, 5.0)], key=lambda e: e["start"])
+    ranks = tt.summary(tt.Trace(events))["ranks"]
+    assert ranks["0"]["copy_us"] == 16.0 and ranks["0"]["busy_us"] == 30.0
+    assert ranks["1"]["copy_us"] == 2.0 and ranks["1"]["events"] == 2
+
+
 def test_the_critical_path_of_a_trace_without_preds_ends_where_events_take_no_time():
     """Guessed from timing alone, two events of no length at one time each waited on the other,
     and the walk back went round them for ever."""
