@@ -132,6 +132,7 @@ class Runtime:
         self._recordings = {}
         self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0, "reissued": 0}
         self._ctx_fns: dict[Callable, bool] = {}
+        self._arity_checked: set[tuple] = set()   # (function, views, args) that _check_arity took
         self.analyzer = Analyzer(self._new_id, self._emit, self._is_done)
         gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
         self.store = InstanceStore(gpu_devices)
@@ -304,6 +305,9 @@ class Runtime:
         else:
             all_args = [args] * len(points)
             extra = [tuple(a.node_id for a in args if isinstance(a, Future))] * len(points)
+        if self.executor is not None and fn is not None:
+            for count in {len(a) for a in all_args} if point_args else (len(args),):
+                self._check_arity(name, fn, len(reqs), count)
         if any(extra):   # (only a launch given futures can be given a lost one, or another runtime's)
             given = [a for pa in (all_args if point_args else [args]) for a in pa if isinstance(a, Future)]
             alien = next((a for a in given if a._runtime is not self), None)
@@ -321,6 +325,29 @@ class Runtime:
         if self.transport is not None:
             self.transport.on_launch(spec)
         return spec
+
+    def _check_arity(self, name: str, fn, views: int, args: int) -> None:
+        """Refuse a task function that cannot take what its tasks will be given (a context if its
+        first parameter is named ctx, a view a requirement, the args), before anything is issued:
+        it failed in a worker and stopped the runtime. Asked once per function and count."""
+        key = (fn, views, args)
+        if key in self._arity_checked:
+            return
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):   # (a builtin, say: it will tell when it runs)
+            signature = None
+        if signature is not None:
+            ctx = _first_param(fn) == "ctx"
+            try:
+                signature.bind(*range(ctx + views + args))
+            except TypeError as e:
+                given = f"{'a context, ' if ctx else ''}{views} region view(s) and {args} argument(s)"
+                raise TypeError(f"launch {name!r}: its task function {getattr(fn, '__name__', type(fn).__name__)!r}{signature} is "
+                                f"given {given}: {e}") from None
+        if len(self._arity_checked) >= MAPPED_LAUNCHES_KEPT:
+            self._arity_checked.clear()
+        self._arity_checked.add(key)
 
     def _mapped(self, fn, name, points, reqs, placement) -> tuple[list, list, str | None, tuple | None]:
         """(each point's rects, each point's processor, the replication signature under MPI, the

@@ -1247,6 +1247,26 @@ def test_launch_domains_are_checked(domain, error, match):
         assert len(rt.index_launch(lambda v: 1, np.int64(2), req(r, READ)).get()) == 2
 
 
+def test_a_task_function_that_cannot_take_its_views_and_args_is_refused_before_issue():
+    """It failed in the worker, and the runtime stopped until recover."""
+    with Runtime(cpus=1) as rt:
+        r = rt.region((4,))
+        rt.fill(r, 1.0)
+        issued = rt.issued
+        for fn, args, said in ((lambda v: 1, (2,), r"'<lambda>'\(v\) is given 1 region view\(s\) and 1 argument\(s\): "
+                                                   r"too many positional arguments"),
+                               (lambda v, scale: 1, (), r".*is given 1 region view\(s\) and 0 argument\(s\): missing a "
+                                                        r"required argument: 'scale'"),
+                               (lambda ctx, v, k: 1, (), r".*is given a context, 1 region view\(s\) and 0 argument")):
+            with pytest.raises(TypeError, match=r"launch 'f': its task function " + said):
+                rt.launch(fn, req(r, READ), args=args, name="f")
+        with pytest.raises(TypeError, match=r"given 1 region view\(s\) and 2 argument"):   # (per point)
+            rt.index_launch(lambda v, a: a, 2, req(r, READ), point_args={(0,): (1,), (1,): (1, 2)}, name="f")
+        assert rt.issued == issued
+        assert rt.launch(lambda *views_and_args: len(views_and_args), req(r, READ), args=(1, 2)).get(timeout=30) == 3
+        assert rt.launch(lambda ctx, v, k=5: k + int(v.sum()), req(r, READ)).get(timeout=30) == 9
+
+
 class _NamingMapper:
     """A mapper that answers with a processor's name."""
 
