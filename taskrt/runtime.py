@@ -278,7 +278,9 @@ class Runtime:
                      point_args: dict | None = None, name: str | None = None, placement: dict | None = None,
                      op: str = "") -> FutureMap:
         """One point task per point of `domain` (a list of colors, a Rect, a Partition or a count).
-        `placement` maps points to processors (or their global indices), overriding the mapper."""
+        `placement` maps points to processors (or their global indices), overriding the mapper.
+        `args` (and `point_args`) go to the tasks as they are, not copied: an array argument is
+        read when the task runs, so change it only once the task's future is ready."""
         points = _points_of(domain)
         if point_args is not None:
             _check_point_args(points, point_args)
