@@ -345,8 +345,9 @@ class Runtime:
                 signature.bind(*range(ctx + views + args))
             except TypeError as e:
                 given = f"{'a context, ' if ctx else ''}{views} region view(s) and {args} argument(s)"
-                raise TypeError(f"launch {name!r}: its task function {getattr(fn, '__name__', type(fn).__name__)!r}{signature} is "
-                                f"given {given}: {e}") from None
+                called = getattr(fn, "__name__", type(fn).__name__)
+                raise TypeError(f"launch {name!r}: its task function {called!r}{signature} is given {given}: "
+                                f"{e}") from None
         if len(self._arity_checked) >= MAPPED_LAUNCHES_KEPT:
             self._arity_checked.clear()
         self._arity_checked.add(key)
