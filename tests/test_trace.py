@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops import SGD, Model
+from ops.lower import TileConfig
+from ops.strategy import Strategy, model_fingerprint
 from strategies import data_parallel
 from strategies.cost import CostModel
 from strategies.machine_model import load_machine
@@ -41,12 +43,13 @@ def tiny_run(path: str) -> str:
     return path
 
 
-def tiny_simulation() -> SimResult:
-    """`tiny`'s data parallelism simulated on the local machine model (one node), as tiny_run runs it."""
+def tiny_simulation(strategy=data_parallel) -> SimResult:
+    """`tiny`'s data parallelism (or another strategy) simulated on the local machine model (one
+    node), as tiny_run runs it."""
     mm = load_machine("local", nodes=1)
     m = tiny(Model(Runtime(execute=False), weights=False))
     sim = Simulator.for_model(m, mm, CostModel(mm, measured=False))
-    return sim.simulate(data_parallel(m, sim.machine))
+    return sim.simulate(strategy(m, sim.machine))
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +252,7 @@ def test_compare(simulated, measured, tmp_path, capsys):
     # Model.fit from arrays has no batch source: its first forward task marks the iterations
     assert tt.cut_iterations(s, m).marker == {0: "d1.fwd"}
     assert result["per_iteration"] and result["iterations"] == 3 and result["skipped"] == 1
+    assert result["tiles_differ"] == []
     ops = {r["name"]: r for r in result["operators"]}
     assert {"d1", "d2", "loss"} <= set(ops) and ops["d1"]["simulated_us"] > 0 and ops["d1"]["measured_us"] > 0
     d1 = ops["d1"]
@@ -334,6 +338,22 @@ def test_compare_a_run_it_cannot_cut_is_averaged():
     assert {r["name"]: r["measured_us"] for r in c["phases"]} == {   # over 2 iterations
         "attach": 10.0, "source": 7.5, "a forward": 1.0, "b forward": 1.0}
     assert c["task_wait"] is None   # no preds in these traces: when a task could start is unknown
+
+
+def test_compare_says_where_the_two_ran_other_strategies(measured, tmp_path, capsys):
+    """The run's tiny model ran data parallel on two workers; a simulation of it with each op on
+    one device compared as if it were the same run, op for op."""
+    def one_device(model, machine):
+        return Strategy(model_fingerprint(model.ops), {op.name: TileConfig((1,) * len(op.tile_shape), (0,))
+                                                       for op in model.ops})
+    simulated = tiny_simulation(one_device).write_trace(str(tmp_path / "one.jsonl"))
+    result = tt.compare(tt.load(simulated), tt.load(measured))
+    assert {r["name"]: (r["simulated"], r["measured"]) for r in result["tiles_differ"]} == {
+        f"{op} {ph}": (1, 2) for op in ("d1", "d2", "softmax_0") for ph in ("forward", "backward")} | {
+        "d1 update": (1, 2)}   # (d1's weight in one shard, not two: d2's has one either way)
+    rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c.png")
+    assert rc == 0 and "the two ran other strategies, it seems: 7 operator phase(s) have other tile counts " \
+                       "(d1 backward: 1 simulated, 2 measured)" in out
 
 
 def test_compare_refuses_traces_of_different_models():

@@ -930,6 +930,10 @@ def operator_phase(event: dict) -> str:
     return operator(event) if ph == "task" else f"{operator(event)} {ph}"
 
 
+#: the phases whose tasks are an op's tiles (or its weights' shards), in a run and a simulation
+#: alike: where an op has other tiles in the two, they ran other strategies
+TILED_PHASES = ("forward", "backward", "update")
+
 #: compare's tables of task time: each name's key of a task event
 TABLES = {"operators": operator, "phases": operator_phase, "processors": lambda e: e["proc"]}
 
@@ -992,6 +996,7 @@ def _compared(simulated: Trace, measured: Trace, skip: int) -> tuple[dict, Itera
     median = _median(times)
     median_k = skip + min(range(len(times)), key=lambda i: (abs(times[i] - median), i))
     return {"iterations": cut.count, "skipped": skip, "per_iteration": True, "median_iteration": median_k,
+            "tiles_differ": _tiles_differ(sim_tasks, measured),
             "iteration": {**_row(None, simulated.span_us, median), "measured_min_us": min(times),
                           "measured_max_us": max(times), "measured_each_us": times},
             "task_time": _row(None, sim_total, _median(totals)), "task_wait": _wait_row(simulated, measured, skip),
@@ -1016,9 +1021,27 @@ def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], 
     sim_total = sum(e["end"] - e["start"] for e in sim_tasks)
     meas_total = sum(e["end"] - e["start"] for e in meas_tasks) / iterations
     return {"iterations": iterations, "skipped": 0, "per_iteration": False, "why": why,
+            "tiles_differ": _tiles_differ(sim_tasks, measured),
             "iteration": _row(None, simulated.span_us, measured.span_us / iterations),
             "task_time": _row(None, sim_total, meas_total), "task_wait": _wait_row(simulated, measured, 0),
             **{which: table(key) for which, key in TABLES.items()}}
+
+
+def _tiles_differ(sim_tasks: list[dict], measured: Trace) -> list[dict]:
+    """The operator phases (of TILED_PHASES) whose tiles (the distinct points of their tasks) the
+    simulation and the run count differently: the two ran other strategies (the run is then cut
+    into iterations wrongly, too, by the simulation's first task). Points, not task counts, so
+    that it does not depend on the cut."""
+    def tiles(events) -> dict[str, set]:
+        out: dict[str, set] = defaultdict(set)
+        for e in events:
+            if is_task(e) and phase(e) in TILED_PHASES:
+                out[operator_phase(e)].add(tuple(e.get("point") or ()))
+        return out
+
+    sim, run = tiles(sim_tasks), tiles(measured.events)
+    return [{"name": k, "simulated": len(sim.get(k, ())), "measured": len(run.get(k, ()))}
+            for k in sorted(set(sim) | set(run)) if len(sim.get(k, ())) != len(run.get(k, ()))]
 
 
 def _wait_row(simulated: Trace, measured: Trace, skip: int) -> dict | None:
@@ -1063,6 +1086,11 @@ def format_compare(c: dict) -> str:
     if w is not None:
         lines.append(f"a task's wait for its idle processor (mean) {w['simulated_us']:.1f} us vs "
                      f"{w['measured_us']:.1f} us ({err(w['error'])})")
+    differ = c.get("tiles_differ")
+    if differ:
+        first = differ[0]
+        lines.append(f"the two ran other strategies, it seems: {len(differ)} operator phase(s) have other tile counts "
+                     f"({first['name']}: {first['simulated']} simulated, {first['measured']} measured)")
     for title, rows in (("operator", c["operators"]), ("operator and phase", c["phases"]),
                         ("processor", c["processors"])):
         lines += ["", f"{title:<30}{'simulated ms':>14}{'measured ms':>13}{'error':>8}"]
