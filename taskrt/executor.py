@@ -87,6 +87,8 @@ class Executor:
         self.poisoned: set[int] = set()
         self.lost: set[int] = set()
         self.watched: dict[object, int] = {}
+        #: set by shutdown once the workers are gone: a wait for what they left unrun ends
+        self.stopped = False
         self.run_task = run_task
         self.run_copy = run_copy
         self.hooks = hooks or []
@@ -382,6 +384,9 @@ class Executor:
             try:
                 # after an error the nodes that need it drain without running, so this ends too
                 while not done():
+                    if self.stopped:   # (shutdown(wait=False) from another thread: nothing more runs)
+                        raise RuntimeError(f"shutdown(wait=False) left {len(self.unfinished)} nodes unrun, and the "
+                                           f"workers are gone")
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"{len(self.unfinished)} nodes still unfinished after {timeout} s")
@@ -398,3 +403,6 @@ class Executor:
             q.put(None)
         for t in self.threads:
             t.join(timeout=5)
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()

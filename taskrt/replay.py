@@ -174,6 +174,15 @@ class ReplayBlock:
     # ---- entering and leaving ----------------------------------------------------------
     def __enter__(self):
         rt = self.rt
+        rt._issuing.acquire()   # (through the block: no other thread's launch falls inside it)
+        try:
+            return self._enter()
+        except BaseException:
+            rt._issuing.release()
+            raise
+
+    def _enter(self):
+        rt = self.rt
         if rt._replay is not None:
             raise RuntimeError(f"replay block {self.name!r} opened inside replay block {rt._replay.name!r}")
         rec = rt._recordings.get(self.name)
@@ -193,6 +202,12 @@ class ReplayBlock:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        try:
+            return self._exit(exc_type)
+        finally:
+            self.rt._issuing.release()
+
+    def _exit(self, exc_type) -> bool:
         rt = self.rt
         rt._replay = None
         rt.analyzer.entry_from = None

@@ -5,6 +5,13 @@ mapped (the mapper picks processors), analyzed into graph nodes (taskrt/analysis
 and handed to the executor, and returns futures at once. With `execute=False` the same
 calls only build the TaskGraph, which is what the simulator consumes.
 
+Threads of a program may issue at once: each launch (fill, attach, read, release, a program)
+is issued whole under a lock, in the order the threads take it, and a replay block holds the
+lock from its start to its end, so no other thread's launch falls inside it. (Without it,
+two threads' launches on one region were analyzed against each other half done, and
+increments were lost.) Under mpiexec every rank must issue the same launches in the same
+order: there, issue from one thread.
+
 On many MPI ranks (`Runtime.from_mpi()`, or any `Runtime()` started by mpiexec with more
 than one rank) every rank runs the program and builds the whole graph; the transport
 (taskrt/mpi.py) runs this rank's share and moves data between ranks. Attach and fill
@@ -17,6 +24,7 @@ import inspect
 import itertools
 import math
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -133,6 +141,8 @@ class Runtime:
         self.replay_stats = {"recorded": 0, "replayed": 0, "mismatches": 0, "reissued": 0}
         self._ctx_fns: dict[Callable, bool] = {}
         self._arity_checked: set[tuple] = set()   # (function, views, args) that _check_arity took
+        #: held while a launch, a release or a program is issued, and through a replay block
+        self._issuing = threading.RLock()
         self.analyzer = Analyzer(self._new_id, self._emit, self._is_done)
         gpu_devices = {p.memory: p.device for p in self.machine.processors if p.kind == "gpu"}
         self.store = InstanceStore(gpu_devices)
@@ -270,8 +280,9 @@ class Runtime:
     def launch(self, fn: Callable, *reqs: Requirement, args: tuple = (), name: str | None = None,
                proc: Processor | int | None = None, op: str = "") -> Future:
         """One task. Returns at once with its Future."""
-        spec = self._make_spec(fn, [()], reqs, args, None, name, None if proc is None else {(): proc}, op)
-        self._issue(spec)
+        with self._issuing:
+            spec = self._make_spec(fn, [()], reqs, args, None, name, None if proc is None else {(): proc}, op)
+            self._issue(spec)
         return spec.futures[0]
 
     def index_launch(self, fn: Callable, domain, *reqs: Requirement, args: tuple = (),
@@ -284,8 +295,9 @@ class Runtime:
         points = _points_of(domain)
         if point_args is not None:
             _check_point_args(points, point_args)
-        spec = self._make_spec(fn, points, reqs, args, point_args, name, placement, op)
-        self._issue(spec)
+        with self._issuing:
+            spec = self._make_spec(fn, points, reqs, args, point_args, name, placement, op)
+            self._issue(spec)
         return FutureMap(dict(zip(points, spec.futures)))
 
     def _make_spec(self, fn, points, reqs, args, point_args, name, placement, op) -> LaunchSpec:
@@ -459,18 +471,20 @@ class Runtime:
         self._check_open("Runtime.release")
         for region in regions:
             _check_region("release", region)
-        at = self._next_id
-        replay = self._replay
-        if replay is not None:
-            replay.on_release(regions)
-        if replay is None or replay.mode != "replaying":   # (replaying: the states are the recording's)
-            self._drop_pending(regions)
-        self._collect_when_done(regions, at, self._start_generation(regions, at))
+        with self._issuing:
+            at = self._next_id
+            replay = self._replay
+            if replay is not None:
+                replay.on_release(regions)
+            if replay is None or replay.mode != "replaying":   # (replaying: the states are the recording's)
+                self._drop_pending(regions)
+            self._collect_when_done(regions, at, self._start_generation(regions, at))
 
     def forget_replay(self, name: str) -> None:
         """Drop replay block `name`'s recording (its program will not come back)."""
         self._check_caller("Runtime.forget_replay")
-        self._recordings.pop(name, None)
+        with self._issuing:
+            self._recordings.pop(name, None)
 
     def _drop_pending(self, regions) -> None:
         """A released region's reductions still pending are never folded: their buffers go. A
