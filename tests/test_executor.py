@@ -7,7 +7,7 @@ import pytest
 
 from hypothesis import given, settings, strategies as st
 
-from taskrt.executor import Executor, Join
+from taskrt.executor import Executor, Join, TaskError
 
 
 class Step:
@@ -156,4 +156,37 @@ def test_a_callback_for_one_thing_before_touches_are_tracked_is_refused():
     ex = make_executor()
     with pytest.raises(RuntimeError, match=r"when_done_below\(\.\.\., touched=m0\) before track_touches"):
         ex.when_done_below(1, lambda: None, "m0")
+    ex.shutdown()
+
+
+class Fails(Step):
+    """A node whose run raises."""
+
+    @property
+    def name(self) -> str:
+        return f"fails{self.id}"
+
+
+def run_or_fail(node) -> None:
+    if isinstance(node, Fails):
+        node.log.append(node.id)
+        raise ValueError(f"node {node.id} failed")
+    run(node)
+
+
+def test_a_node_submitted_after_its_pred_was_lost_is_lost_too_and_the_first_failure_is_the_error():
+    """A node whose pred failed before it was submitted ran all the same (its pred counted as
+    finished), on the lost pred's missing results; and a second failure replaced the first as the
+    error the waits raise."""
+    log = []
+    ex = Executor(["w0"], run_task=run_or_fail, run_copy=run_or_fail)
+    ex.submit(Fails(1, log), [])
+    with pytest.raises(TaskError, match="'fails1'"):
+        ex.wait_node(1, timeout=5)
+    ex.submit(Step(2, log), [1])
+    ex.submit(Step(3, log), [2])
+    ex.submit(Fails(4, log), [])   # (independent: it runs, and fails too)
+    with pytest.raises(TaskError, match=r"'fails1' .* raised ValueError: node 1 failed"):
+        ex.wait_all(timeout=5)
+    assert log == [1, 4] and ex.forget_failure() == [1, 2, 3, 4]
     ex.shutdown()

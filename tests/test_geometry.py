@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taskrt import Rect
-from taskrt.geometry import equal_rects
+from taskrt.geometry import disjoint_cover, equal_rects
 
 
 @st.composite
@@ -51,6 +51,22 @@ def test_equality_and_order_are_those_of_the_bounds(pair):
 def test_volume_counts_points(r):
     assert r.volume == len(points(r))
     assert r.empty == (r.volume == 0)
+
+
+@given(st.integers(1, 2).flatmap(lambda n: st.tuples(rects(n), st.lists(rects(n), max_size=4))))
+def test_disjoint_cover_is_every_point_of_the_whole_once(case):
+    """Checked by counting each point's covers (dropping the overlap test left two copies of one
+    half taken for a cover of the whole)."""
+    whole, pieces = case
+    pieces = [p.intersect(whole) for p in pieces]   # (its contract: each piece lies inside)
+    covers = [sum(q in points(p) for p in pieces) for q in points(whole)]
+    assert disjoint_cover(pieces, whole) == all(c == 1 for c in covers)
+
+
+def test_disjoint_cover_refuses_a_piece_twice():
+    half = Rect((0,), (2,))
+    assert not disjoint_cover([half, half], Rect((0,), (4,)))
+    assert disjoint_cover([half, Rect((2,), (4,))], Rect((0,), (4,)))
 
 
 @given(rect_pairs())

@@ -62,6 +62,8 @@ def test_growing_keeps_what_the_instance_held_and_drops_the_old_views():
     assert box == Rect((2, 0), (8, 2)) and inst.shape == (6, 2)
     new = store.view(region, Rect((2, 0), (4, 2)), SYS, writable=False)
     assert new.tolist() == [[1, 2], [3, 4]] and not np.shares_memory(new, old)
+    again = store.view(region, Rect((2, 0), (4, 2)), SYS, writable=True)   # (the view cached before the grow)
+    assert not np.shares_memory(again, old) and np.shares_memory(again, inst)
 
 
 def test_a_memory_asked_for_more_after_its_instance_was_made_grows_and_keeps_its_data():

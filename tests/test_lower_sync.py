@@ -120,3 +120,16 @@ def test_small_weights_take_fewer_shards_than_devices():
         shards = {u.param.name: len(u.colors) for u in model._low.updates}
     # 16 KiB over 4 devices: 4 shards; 256 B of bias: one piece; 2.5 KiB: 2 shards of >= 1 KiB
     assert shards == {"dense_0.weight": 4, "dense_0.bias": 1, "dense_1.weight": 2, "dense_1.bias": 1}
+
+
+def test_weights_of_fewer_shards_than_devices_take_turns_over_the_devices():
+    """Each weight's shards start one device after the last weight's (UpdatePlan's rotate): a bias
+    and a small weight's shards all went to the first device, which then updated every small
+    weight and gathered their gradients."""
+    machine = Machine.build(1, 4, separate_memories=True)
+    with Runtime(machine, execute=False) as rt:
+        model = _mlp(rt, batch=8, width=64)
+        model.compile(optimizer=SGD(lr=0.1))
+        devices = {u.param.name: list(u.placement.values()) for u in model._low.updates}
+    assert devices == {"dense_0.weight": [0, 1, 2, 3], "dense_0.bias": [1], "dense_1.weight": [2, 3],
+                       "dense_1.bias": [3]}

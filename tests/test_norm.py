@@ -66,6 +66,19 @@ def test_batch_norm_matches_torch_finite_differences_and_tiles(shape, relu, trai
     check_finite_differences(op, [x], weights if training else {**weights, **state}, training=training)
 
 
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (7, 5)])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_takes_its_epsilon_into_the_variance(shape, training):
+    """eps 0.5 against variances about 4 (training) and 0.5-2 (the running ones): at the default
+    1e-5 its share is within the tolerances, so a kernel that left it out passed."""
+    op = BatchNorm("bn", [spec(shape)], eps=0.5)
+    x, weights, state, g = bn_data(op)
+    (y,), (gx,), _, _ = run_whole(op, [x], weights, [g], training=training, state={k: v.copy() for k, v in state.items()})
+    ty, tgx, *_ = torch_bn(op, x, weights, state, g, training)
+    np.testing.assert_allclose(y, ty, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gx, tgx, rtol=1e-4, atol=1e-4)
+
+
 def test_batch_norm_running_stats_update_in_place_and_only_in_training():
     op = BatchNorm("bn", [spec((6, 2, 3, 3))], momentum=0.1)
     x, weights, state, g = bn_data(op, seed=2)

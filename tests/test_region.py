@@ -62,6 +62,8 @@ def test_partition_errors_name_the_problem():
         Partition.from_rects(region, [Rect.make((0, 0, 0), (1, 1, 1))])
     with pytest.raises(KeyError, match="color \\(9,\\)"):
         region.partition((2, 1))[9]
+    with pytest.raises(ValueError, match=r"outside Region\('y'"):   # (a piece from -1: the check of lo was not tested)
+        Partition.from_rects(Region((4,), name="y"), [Rect((-1,), (2,)), Rect((2,), (4,))])
     with pytest.raises(TypeError, match=r"Partition.from_rects: partitions a Region, got str 'x'"):
         Partition.from_rects("x", [Rect.make((0, 0), (1, 1))])   # (AttributeError: ... 'ndim')
 
