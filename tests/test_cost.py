@@ -80,25 +80,16 @@ def test_the_kernel_slowdown_stretches_the_kernel_and_not_the_launch():
         assert short.task_time(op, "forward", tile, GPU) == pytest.approx(1.5 * kernel + min(0.5 * kernel, cap) + 1e-5)
 
 
-def test_update_time_counts_the_optimizers_state():
-    op = Dense("fc", [spec(8, 100)], 100)
+@pytest.mark.parametrize("dtype,itemsize", [("float32", 4), ("float64", 8)])
+def test_update_time_counts_the_optimizers_state(dtype, itemsize):
+    """Value, gradient and each state read, value and each state written, in the weight's own
+    dtype (a fixed 4-byte itemsize timed a float64 weight's update as fast as a float32's)."""
+    op = Dense("fc", [spec(8, 100, dtype=dtype)], 100)
     shard = Rect((0, 0), (50, 100))
     mm = gpu_model(efficiency={"default": 1.0})
     for optimizer, states in ((SGD(lr=0.1), 0), (SGD(lr=0.1, momentum=0.9), 1), (Adam(), 2)):
         cost = CostModel(mm, measured=False, optimizer=optimizer)
-        nbytes = 5000 * 4 * (3 + 2 * states)
-        assert cost.task_time(op, "update", shard, GPU, param="fc.weight") == pytest.approx(nbytes / 1e11 + 1e-5)
-
-
-def test_update_time_of_a_float64_weight_counts_eight_bytes_an_element():
-    """An update reads and writes the weight's own dtype: a float64 weight moves twice a float32's
-    bytes (a fixed 4-byte itemsize would time it as fast as float32)."""
-    op = Dense("fc", [spec(8, 100, dtype="float64")], 100)
-    shard = Rect((0, 0), (50, 100))
-    mm = gpu_model(efficiency={"default": 1.0})
-    for optimizer, states in ((SGD(lr=0.1), 0), (SGD(lr=0.1, momentum=0.9), 1), (Adam(), 2)):
-        cost = CostModel(mm, measured=False, optimizer=optimizer)
-        nbytes = 5000 * 8 * (3 + 2 * states)
+        nbytes = 5000 * itemsize * (3 + 2 * states)
         assert cost.task_time(op, "update", shard, GPU, param="fc.weight") == pytest.approx(nbytes / 1e11 + 1e-5)
 
 
