@@ -49,8 +49,22 @@ def run_whole(op, inputs, weights, grad_outputs=None, training=True, state=None)
     in_rects, ins, wr, ws, outs, saved, st = _tile(op, tile, inputs, weights, training, state)
     if grad_outputs is None:
         return outs, None, None, st
-    gin, gw = op.backward(np, tile, ins, in_rects, ws, outs, grad_outputs, saved)
+    gin, gw = op.backward(np, tile, *_read(op, ins, in_rects, ws, outs, grad_outputs, saved))
     return outs, gin, gw, st
+
+
+def _read(op, inputs, in_rects, weights, outputs, grad_outputs, saved) -> tuple:
+    """backward's arguments as lowering gives them: None for the inputs and outputs the op says
+    its backward does not read (Op.backward_reads), so that a wrong declaration fails here too."""
+    return _read_inputs(op, inputs), in_rects, weights, _read_outputs(op, outputs), grad_outputs, saved
+
+
+def _read_inputs(op, inputs: list) -> list:
+    return [x if r else None for x, r in zip(inputs, op.backward_reads()[0])]
+
+
+def _read_outputs(op, outputs: list) -> list:
+    return [o if r else None for o, r in zip(outputs, op.backward_reads()[1])]
 
 
 def _splits(extent, parts):
@@ -142,12 +156,13 @@ def check_tiled(op, inputs, weights, grad_outputs, rtol=1e-5, atol=1e-6, trainin
             runs.append((tile, in_rects, ins, wr, ws, touts, tgouts, saved))
         if shared:
             sums = _add_up(op, tiles, op.backward_sums(), lambda i, tile, k, before: op.partial_sum(
-                np, k, tile, runs[i][2], before, runs[i][5], runs[i][6], runs[i][7]))
+                np, k, tile, _read_inputs(op, runs[i][2]), before, _read_outputs(op, runs[i][5]), runs[i][6],
+                runs[i][7]))
         carry = {k: np.zeros(s, dtype) for k, s in op.carry_shapes().items()} if chained else None
         gin = [None if g is None else np.zeros_like(g) for g in ref_gin]
         gw = {k: np.zeros_like(v) for k, v in ref_gw.items()}
         for tile, in_rects, ins, wr, ws, touts, tgouts, saved in reversed(runs):
-            tg_in, tg_w = op.backward(np, tile, ins, in_rects, ws, touts, tgouts, saved,
+            tg_in, tg_w = op.backward(np, tile, *_read(op, ins, in_rects, ws, touts, tgouts, saved),
                                       **_extra(op, tile, sums, carry))
             for full, r, t in zip(gin, in_rects, tg_in):
                 if full is not None and t is not None and not r.empty:
