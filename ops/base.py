@@ -91,9 +91,11 @@ def register_op(cls: type["Op"]) -> type["Op"]:
     """Class decorator: make an operator findable by its `kind` (used by Model.load and tools)."""
     if not cls.kind:
         raise ValueError(f"{cls.__name__} has no kind")
-    if cls.kind in OP_REGISTRY:
-        raise ValueError(f"operator kind {cls.kind!r} registered twice")
-    OP_REGISTRY[cls.kind] = cls
+    known = OP_REGISTRY.get(cls.kind)
+    if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"operator kind {cls.kind!r} registered twice: by {known.__module__}.{known.__qualname__} "
+                         f"and {cls.__module__}.{cls.__qualname__}")
+    OP_REGISTRY[cls.kind] = cls   # (the same class again, from a reloaded module, replaces it)
     return cls
 
 

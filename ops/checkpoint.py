@@ -81,7 +81,8 @@ def load_new(cls, path, runtime=None, configs: dict | None = None):
         m.input(t["shape"], t["dtype"], t["name"])
     for d in graph["ops"]:
         if d["kind"] not in OP_REGISTRY:
-            raise ValueError(f"load {path}: unknown operator kind {d['kind']!r}; known: {sorted(OP_REGISTRY)}")
+            raise ValueError(f"load {path}: unknown operator kind {d['kind']!r} (an op of your own: import the module "
+                             f"that defines it, with @register_op, before loading); known: {sorted(OP_REGISTRY)}")
         op = OP_REGISTRY[d["kind"]](d["name"], [m.tensors[n] for n in d["inputs"]], **d["attrs"])
         m._insert(op)
     m._counters = dict(graph["counters"])

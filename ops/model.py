@@ -31,7 +31,7 @@ import numpy as np
 from ops.activation import ElementUnary, Softmax
 from ops.attention import MultiHeadAttention
 from ops import checkpoint
-from ops.base import Op, ShapeError, TensorSpec, training_error
+from ops.base import OP_REGISTRY, Op, ShapeError, TensorSpec, training_error
 from ops.conv import Conv2d
 from ops.pool import Pool2d
 from ops.dropout import Dropout
@@ -262,6 +262,17 @@ class Model:
         self.inputs.append(t)
         self.tensors[t.name] = t
         return t
+
+    def add_op(self, cls: type, *inputs, name: str | None = None, **attrs):
+        """Add an operator of class `cls` (an Op subclass registered with @register_op, such as
+        one of your own: README, "Writing an operator") on `inputs`, with its attributes; its
+        output (a list where it has several), as the built-in builders (dense, conv2d, ...) give."""
+        if not (isinstance(cls, type) and issubclass(cls, Op)):
+            raise TypeError(f"add_op: takes an Op subclass, got {cls!r}")
+        if OP_REGISTRY.get(cls.kind) is not cls:
+            raise ValueError(f"add_op: {cls.__name__} (kind {cls.kind!r}) is not registered: decorate it with "
+                             f"@ops.base.register_op, which saved models and the tools find it by")
+        return self._add(cls, cls.kind, list(inputs), name, **attrs)
 
     def _add(self, cls, prefix: str, inputs, name: str | None, **attrs):
         self._check_open(prefix)
