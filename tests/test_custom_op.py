@@ -21,7 +21,7 @@ from taskrt.taskgraph import TaskNode
 from tests.opcheck import check_finite_differences, check_tiled, spec
 
 SWISH = '''
-from ops.base import Op, register_op
+from ops.base import Op, float_attr, register_op, sample_split_dims
 
 
 @register_op
