@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ops import SGD, Model
-from ops.base import Op, register_op
+from ops.base import OP_REGISTRY, Op, register_op
 from ops.lower import TileConfig
 from strategies.cost import CostModel
 from strategies.machine_model import load_machine
@@ -64,7 +64,8 @@ class Swish(Op):
 
 @pytest.fixture(scope="module")
 def swish(tmp_path_factory):
-    """The op's module, written to a file and imported, as a user's would be."""
+    """The op's module, written to a file and imported, as a user's would be; forgotten after
+    (tests/test_lower.py runs every registered operator)."""
     folder = tmp_path_factory.mktemp("user")
     (folder / "user_swish.py").write_text(textwrap.dedent(SWISH))
     sys.path.insert(0, str(folder))
@@ -72,6 +73,8 @@ def swish(tmp_path_factory):
         yield importlib.import_module("user_swish")
     finally:
         sys.path.remove(str(folder))
+        sys.modules.pop("user_swish", None)
+        OP_REGISTRY.pop("test_swish", None)
 
 
 def net(rt, swish, width=16):
