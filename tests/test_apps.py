@@ -362,6 +362,9 @@ def test_files_the_run_writes_are_checked_before_it_trains(tmp_path, capsys):
     same = tmp_path / "out.json"   # (the trace overwrote the strategy, without a word)
     assert bad(capsys, mlp, "--tiny", "--trace", same, "--export-strategy", same) == (
         f"error: --export-strategy {same}: the same file as --trace's: one would overwrite the other")
+    spelled = f"{tmp_path}/./out.json"   # (the same file by another path)
+    assert bad(capsys, mlp, "--tiny", "--trace", same, "--export-strategy", spelled) == (
+        f"error: --export-strategy {spelled}: the same file as --trace's: one would overwrite the other")
     assert bad(capsys, mlp, "--tiny", "--export-strategy", "/dev/full") == (
         "error: --export-strategy /dev/full: cannot write: No space left on device")
 

@@ -130,6 +130,7 @@ def test_damaged_checkpoints_name_the_path(tmp_path, damage, match):
     ("no weight", r"a damaged model file: no 'dense_0.bias'"),
     ("state shape", r"optimizer state 'opt/dense_0.weight/exp_avg' is float32\[2, 3\], this model's float32\[5, 3\]"),
     ("step", r"a damaged model file: its step is 'four', not a count"),
+    ("step true", r"a damaged model file: its step is True, not a count"),   # (True passed for 1)
     ("data order", r"a damaged model file: its data-order generator state does not load"),
     ("no data order", r"a damaged model file: no 'data_rng'"),
 ])
@@ -153,6 +154,8 @@ def test_a_damaged_checkpoint_changes_nothing_in_the_model_it_is_loaded_into(tmp
             arrays["opt/dense_0.weight/exp_avg"] = arrays["opt/dense_0.weight/exp_avg"][:2]
         elif damage == "step":
             meta["step"] = "four"
+        elif damage == "step true":
+            meta["step"] = True
         elif damage == "data order":
             meta["data_rng"] = {"bit_generator": "PCG64", "state": "garbage"}
         else:

@@ -183,6 +183,17 @@ def test_tensor_parallel_pairs_column_then_row_dense_layers_and_splits_heads():
     assert [kinds(op, pairs.ops[op.name]) for op in chain] == [{PARAMETER}, {REDUCE}, {PARAMETER}, {REDUCE}]
 
 
+def test_attention_splits_its_heads_over_every_device_in_model_and_tensor_parallelism():
+    """Its weights have no parameter dim of their own: model parallelism takes the heads (a
+    partial parameter dim), and tensor parallelism as many as there are devices. With 2 heads on
+    4 devices the test above could not tell 4 from 2; 4 heads can."""
+    x = spec((4, 6, 16), name="input_0")
+    att = HeadAttention("att", [x, x, x], num_heads=4)
+    four = TileConfig((1, 1, 1, 4), (0, 1, 2, 3))
+    assert model_parallel([att], MACHINE4).ops["att"] == four
+    assert tensor_parallel([att], MACHINE4).ops["att"] == four
+
+
 # ---- random configs -------------------------------------------------------------------------------
 @given(seed=st.integers(0, 2**32 - 1), cpus=st.integers(1, 6))
 def test_random_configs_are_valid_and_use_distinct_processors(seed, cpus):

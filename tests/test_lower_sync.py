@@ -50,6 +50,20 @@ def test_data_parallel_moves_about_2_p_minus_1_over_p_of_the_weights_per_memory(
         assert 0.9 * ideal <= out[mem] <= 1.1 * ideal, (mem, out[mem], ideal)
 
 
+def test_weight_sync_bytes_counts_a_copy_into_its_destination_and_out_of_its_source():
+    """Data parallelism moves as much into each memory as out of it, so the test above could not
+    tell the two counts apart: one copy each way is checked here by hand."""
+    from types import SimpleNamespace
+    from taskrt import Rect, Region
+    from taskrt.machine import Memory
+    w, g, other = Region((4, 2), "float32", "w"), Region((4, 2), "float64", "w.grad"), Region((4,), "float32", "x")
+    a, b = Memory("sys", 0, 0), Memory("sys", 0, 1)
+    nodes = [CopyNode(0, w, Rect((0, 0), (2, 2)), a, b), CopyNode(1, g, Rect((0, 0), (4, 2)), b, a, "+", (7, 0)),
+             CopyNode(2, other, Rect((0,), (4,)), a, b), CopyNode(3, w, Rect((0, 0), (4, 2)), a, a)]
+    into, out = weight_sync_bytes(nodes, [SimpleNamespace(value=w, grad=g)])
+    assert into == {b: 16, a: 64} and out == {a: 16, b: 64}
+
+
 def test_the_folds_of_different_shards_do_not_wait_for_each_other():
     machine = Machine.build(1, 4, separate_memories=True)
     with Runtime(machine, execute=False) as rt:

@@ -260,6 +260,16 @@ BAD = [
 ]
 
 
+def test_a_whole_float_is_a_count_and_a_link_without_sharing_is_its_pair_s(tmp_path):
+    """JSON writers put 2.0 for 2 (taken as 2); a link that says nothing of its sharing carries
+    one pair's transfers (the shipped files all say, so the default was never read)."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_drop(_set(_p100(), "nodes", 2.0), "intra_node.shared_by")))
+    mm = load_machine(str(path))
+    assert mm.nodes == 2 and type(mm.nodes) is int and mm.intra_node.shared_by == "pair"
+    assert mm.inter_node.shared_by == load_machine("p100").inter_node.shared_by
+
+
 @pytest.mark.parametrize("field,make,says", BAD, ids=[f"{f}:{s}" for f, _, s in BAD])
 def test_a_malformed_field_is_one_line_naming_file_and_field(tmp_path, field, make, says):
     path = tmp_path / "bad.json"

@@ -525,6 +525,8 @@ def test_issue_program_refuses_bad_programs_before_issuing_anything():
         before = rt._next_id
         with pytest.raises(ValueError, match="1 args tuples for 2 launches"):
             rt.issue_program("p", (launch, launch), [(1,)])
+        with pytest.raises(ValueError, match="2 args tuples for 1 launches"):
+            rt.issue_program("p", (launch,), [(1,), (2,)])
         with pytest.raises(TypeError, match="args of launch 0 .'f'. must be a tuple, got list"):
             rt.issue_program("p", (launch,), [[1]])
         fut = rt.launch(lambda: 1)
@@ -1052,6 +1054,21 @@ def test_a_block_that_reads_a_region_released_since_its_last_run_is_analyzed_aga
 
 def _sum(v):
     return int(v.sum())
+
+
+def test_a_block_that_reads_data_from_before_it_and_then_releases_it_is_never_replayed():
+    """Its replay would read the data without analysis, and the next entry's data may be gone: a
+    recording that reads what came before it and then lets it go is analyzed every time (the
+    analysis notes the reads; with the notes dropped it replayed)."""
+    with Runtime(cpus=1) as rt:
+        x = rt.region((4,), "int64")
+        for i in range(3):
+            rt.fill(x, i)
+            with rt.replay("sum and release"):
+                total = rt.launch(_sum, req(x, READ))
+                rt.release(x)
+            assert total.get(timeout=30) == 4 * i
+        assert rt.replay_stats["recorded"] == 3 and rt.replay_stats["replayed"] == 0
 
 
 def _slow_add_one(v):

@@ -96,6 +96,18 @@ def test_the_fingerprint_hashes_kinds_names_and_shapes():
     renamed = small_cnn()
     renamed.ops[-1].name = "head"
     assert model_fingerprint(renamed.ops) != fp
+    assert not is_fingerprint("graph:abc") and not is_fingerprint("graph:") and not is_fingerprint(fp + "0")
+
+
+def test_the_fingerprint_tells_the_inputs_of_an_op_apart_by_name():
+    """concat(a, b) and concat(b, a) of like tensors are other graphs (the same shapes each)."""
+    prints = []
+    for order in ((0, 1), (1, 0)):
+        m = Model(Runtime(execute=False), weights=False)
+        ab = [m.input((4, 3), name="a"), m.input((4, 3), name="b")]
+        m.concat([ab[i] for i in order], axis=1, name="c")
+        prints.append(model_fingerprint(m.ops))
+    assert prints[0] != prints[1]
 
 
 def test_resolve_fills_in_devices_and_names_the_ops_left_to_the_default():
