@@ -26,5 +26,11 @@ def test_problems_name_the_folder(path, why):
     assert output_problem(path).startswith(why)
 
 
+def test_a_name_of_the_folder_s_longest_is_taken_and_one_byte_more_refused(tmp_path):
+    longest = os.pathconf(str(tmp_path), "PC_NAME_MAX")
+    assert output_problem(str(tmp_path / ("a" * longest))) is None
+    assert output_problem(str(tmp_path / ("a" * (longest + 1)))) == f"the file name is too long (over {longest} bytes)"
+
+
 def test_a_folder_is_not_a_file(tmp_path):
     assert output_problem(str(tmp_path)) == "is a folder, not a file"

@@ -268,3 +268,11 @@ def test_calibrate_runs_fits_and_writes(tmp_path, capsys):
     assert {k: getattr(written, k) for k in FIGURES} == result["figures"]
     assert written.runtime_fitted.startswith("mlp (tiny), 4 strategies x 1 runs on 2 ranks")
     assert "wrote the figures into" in capsys.readouterr().out
+
+
+def test_a_value_s_neighbours_are_the_values_on_either_side_of_it():
+    """Where the fit looks next: the value and one each side, sorted (at the ends, one side)."""
+    from strategies.overheads import _neighbours
+    assert _neighbours((3, 1, 2), 2) == (1, 2, 3)
+    assert _neighbours((3, 1, 2), 1) == (1, 2) and _neighbours((3, 1, 2), 3) == (2, 3)
+    assert _neighbours((5,), 5) == (5,)

@@ -21,3 +21,14 @@ def test_adding_signatures_in_batches_logs_what_adding_them_one_at_a_time_does(s
         (one.count, one.hash, one.base, list(one.entries))
     assert all(batched.hash_at(c) == one.hash_at(c) for c in range(len(signatures) + 2))
     assert batched.window(0, len(signatures)) == one.window(0, len(signatures))
+
+
+def test_a_launch_s_signature_names_its_first_and_last_point_s_processor():
+    """Ranks that put a launch's last point on other processors diverge: the signature says so."""
+    from types import SimpleNamespace
+    from taskrt.replication import launch_signature
+
+    def spec(last_proc):
+        return SimpleNamespace(fn=None, reqs=[], name="f", points=[(0,), (1,)], procs=["r0.cpu0", last_proc])
+    assert launch_signature(spec("r0.cpu1")) != launch_signature(spec("r1.cpu0"))
+    assert launch_signature(spec("r0.cpu1")) == launch_signature(spec("r0.cpu1"))
