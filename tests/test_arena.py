@@ -83,6 +83,18 @@ def test_placements_told_what_changed_find_each_parts_columns(sizes, length, cha
         assert np.array_equal(joined, np.concatenate([p.columns for p in parts], axis=1))
 
 
+def test_a_placement_told_what_changed_but_with_fewer_parts_than_the_last_compares_them():
+    """A delta says where the parts differ, past the last placement's length all new: it cannot
+    describe a shorter placement, which is compared part by part (taken as a delta, the last
+    placement's slots did not fit its length)."""
+    pool = _pool([3, 2, 4, 1], 2, 0)
+    arena = Arena(2, np.int64)
+    arena.place(pool[:3], lambda p: p.columns, (None, 0, []))
+    starts, counts = arena.place([pool[3], pool[0]], lambda p: p.columns, (0, 1, [0]))
+    assert np.array_equal(arena.store[:, columns_of(starts, counts)],
+                          np.concatenate([pool[3].columns, pool[0].columns], axis=1))
+
+
 def test_only_parts_not_placed_are_asked_for_and_a_rebuild_keeps_only_the_last_placement():
     a, b, c, d = (Part(np.full((2, k), k)) for k in (1, 2, 3, 4))
     arena = Arena(2, np.float64, min_columns=6)
