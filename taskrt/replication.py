@@ -177,7 +177,9 @@ class ReplicationCheck:
             self.agreed[peer] = count
 
     def describe(self, peer: int, lo: int, hi: int, theirs: tuple[int, list] | None, how: str) -> str:
-        """The divergence report: the first launch in [lo, hi) where the two logs differ."""
+        """The divergence report: the first launch in [lo, hi) where the two ranks' signatures differ.
+        (Not their running hashes: those differ at every launch after the divergence, so where it
+        was older than the launches kept, the first kept one was named, made alike by both.)"""
         head = (f"taskrt: control replication diverged between rank {self.rank} and rank {peer}: "
                 "the ranks did not make the same launches.")
         tail = (f"  (found by rank {self.rank}: {how})\n"
@@ -191,7 +193,7 @@ class ReplicationCheck:
         for i in range(start, max(mlo + len(mine), tlo + len(their))):
             a = mine[i - mlo] if i - mlo < len(mine) else None
             b = their[i - tlo] if i - tlo < len(their) else None
-            if a is None or b is None or a[0] != b[0]:
+            if a is None or b is None or a[1] != b[1]:
                 return (f"{head}\n  launch #{i}: rank {self.rank} made {_what(a)}\n"
                         f"  launch #{i}: rank {peer} made {_what(b)}\n{tail}")
         return (f"{head}\n  the launches kept by both ranks (from #{start}) agree; the difference is older "

@@ -32,3 +32,26 @@ def test_a_launch_s_signature_names_its_first_and_last_point_s_processor():
         return SimpleNamespace(fn=None, reqs=[], name="f", points=[(0,), (1,)], procs=["r0.cpu0", last_proc])
     assert launch_signature(spec("r0.cpu1")) != launch_signature(spec("r1.cpu0"))
     assert launch_signature(spec("r0.cpu1")) == launch_signature(spec("r0.cpu1"))
+
+
+def _describe(mine: list[str], theirs: list[str], keep: int) -> str:
+    """Rank 0's report of where it and rank 1 diverged, from their logs of these signatures."""
+    from taskrt.replication import ReplicationCheck
+    logs = [LaunchLog(keep), LaunchLog(keep)]
+    for log, signatures in zip(logs, (mine, theirs)):
+        log.add_many(signatures)
+    check = ReplicationCheck(logs[0], 0, 2, report=None)
+    return check.describe(1, 0, len(mine), logs[1].window(0, len(theirs)), "a test")
+
+
+def test_the_report_names_the_first_launch_the_ranks_made_otherwise():
+    said = _describe(["a", "b", "c", "d"], ["a", "b", "x", "d"], keep=8)
+    assert "launch #2: rank 0 made c" in said and "launch #2: rank 1 made x" in said
+
+
+def test_a_divergence_older_than_the_launches_kept_is_said_to_be():
+    """The running hashes differ at every launch after a divergence: compared by hash, the first
+    launch kept was named, made alike ('c' and 'c') by both ranks."""
+    said = _describe(["a", "b", "c", "d"], ["x", "b", "c", "d"], keep=2)
+    assert "the launches kept by both ranks (from #2) agree; the difference is older than the last" in said
+    assert "launch #2" not in said
