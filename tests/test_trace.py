@@ -326,6 +326,10 @@ def test_compare_takes_medians_over_the_iterations_after_the_skipped(durations, 
     assert c["iteration"]["measured_max_us"] == pytest.approx(max(times[skip:]))
     assert c["iteration"]["measured_each_us"] == pytest.approx(times[skip:])
     assert c["task_time"]["measured_us"] == pytest.approx(np.median([sum(map(sum, it)) for it in kept]))
+    # the iteration the picture draws: the run's (not the kept ones') index of the one nearest the median
+    kept_times = times[skip:]
+    nearest = min(range(len(kept_times)), key=lambda i: (abs(kept_times[i] - np.median(kept_times)), i))
+    assert c["median_iteration"] == skip + nearest
 
 
 def test_compare_a_run_it_cannot_cut_is_averaged():
@@ -667,3 +671,18 @@ def test_trace_summary_alias(measured, capsys):
     assert "r0.cpu0" in capsys.readouterr().out
     s = trace_summary.summarize(read_trace(measured)[1])
     assert set(s["by_proc"]) >= {"r0.cpu0", "r0.cpu1"} and "r0.cpu0" in trace_summary.format_summary(s)
+
+
+def test_quantiles_are_the_nearest_ranks():
+    """p10 and p90 of 0..20 are 2 and 18 (nearest ranks), the median 10 and the mean 10."""
+    assert tt._quantiles([float(v) for v in range(20, -1, -1)]) == {"p10": 2.0, "median": 10.0, "p90": 18.0,
+                                                                   "mean": 10.0}
+
+
+def test_a_trace_says_its_clock_offset(tmp_path):
+    """What a rank's clock was moved by to match rank 0's (the merge reads the events as moved)."""
+    from taskrt.tracing import TraceRecorder
+    path = tmp_path / "t.jsonl"
+    TraceRecorder(rank=1, clock_offset=5.0).write(str(path))
+    meta, _ = read_trace(str(path))
+    assert meta["clock_offset_us"] == 5.0 and meta["rank"] == 1
