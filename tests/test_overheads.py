@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,6 +160,21 @@ def test_the_split_half_ceiling_is_the_mean_over_every_split_of_the_rounds(round
         taus.append(_tau_by_pairs([min(t[k] for k in first) for t in rounds],
                                   [min(t[k] for k in second) for t in rounds]))
     assert split_half_ceiling(runs) == pytest.approx(sum(taus) / len(taus))
+
+
+def test_fourteen_rounds_are_split_every_way_not_sampled():
+    """14 rounds have 3,432 ways to choose half, each split met twice: 1,716 splits, under SPLITS,
+    so every one is taken (counted without the halving, the count passed SPLITS and a sample was
+    taken instead)."""
+    rng = np.random.default_rng(3)
+    rounds = [list(rng.choice([1.0, 1.5, 2.0, 2.5], 14)) for _ in range(3)]
+    taus = []
+    for first in itertools.combinations(range(14), 7):
+        second = [k for k in range(14) if k not in first]
+        taus.append(_tau_by_pairs([min(t[k] for k in first) for t in rounds],
+                                  [min(t[k] for k in second) for t in rounds]))
+    assert split_half_ceiling({f"s{i}": t for i, t in enumerate(rounds)}) == pytest.approx(sum(taus) / len(taus),
+                                                                                         rel=1e-12)
 
 
 def test_the_split_half_ceiling_of_steady_rounds_and_of_swapped_ones():
