@@ -356,8 +356,14 @@ def test_compare_says_where_the_two_ran_other_strategies(measured, tmp_path, cap
         f"{op} {ph}": (1, 2) for op in ("d1", "d2", "softmax_0") for ph in ("forward", "backward")} | {
         "d1 update": (1, 2)}   # (d1's weight in one shard, not two: d2's has one either way)
     rc, out, _ = run_cli(capsys, "compare", simulated, measured, "-o", tmp_path / "c.png")
-    assert rc == 0 and "the two ran other strategies, it seems: 7 operator phase(s) have other tile counts " \
+    assert rc == 0 and "the two ran other strategies, it seems: 7 operator phase(s) have other tiles " \
                        "(d1 backward: 1 simulated, 2 measured)" in out
+    def across(model, machine):   # as many tiles, along another dim: (0, 0, 0) and (0, 1, 0), not (1, 0, 0)
+        return Strategy(model_fingerprint(model.ops), {"d1": TileConfig((1, 2, 1), (0, 1))})
+    other = tt.compare(tt.load(tiny_simulation(across).write_trace(str(tmp_path / "across.jsonl"))),
+                       tt.load(measured))
+    assert {"d1 forward", "d1 backward"} <= {r["name"] for r in other["tiles_differ"]}
+    assert all(r["simulated"] == r["measured"] == 2 for r in other["tiles_differ"] if r["name"].startswith("d1 f"))
 
 
 def test_compare_refuses_traces_of_different_models():
