@@ -35,6 +35,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -576,6 +577,11 @@ def fit_efficiency(measurements: Iterable[Measurement], device: DeviceSpec) -> d
             every.append(s)
     if not every:
         raise ValueError("fit_efficiency: no measurements with positive times")
+    fastest = max(every, key=lambda s: s.flops / s.seconds)
+    if fastest.flops / fastest.seconds > device.peak_flops:
+        warnings.warn(f"fit_efficiency: a {fastest.kind} kernel ran at {fastest.flops / fastest.seconds / 1e9:.4g} "
+                      f"GFLOP/s, over {device!r}'s peak of {device.peak_flops / 1e9:.4g}: efficiencies stop at 1, "
+                      f"so raise the machine file's device peak_flops to this machine's", stacklevel=2)
     fitted = {kind: _fit_one(samples, device) for kind, samples in sorted(by_kind.items())}
     fitted["default"] = _fit_one(every, device)
     return fitted

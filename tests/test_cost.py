@@ -418,6 +418,16 @@ def test_fit_efficiency_recovers_known_efficiencies():
         fit_efficiency([], GPU)
 
 
+def test_kernels_faster_than_the_device_s_peak_are_said_to_be():
+    """The local machine file's peak is one CPU's: on a faster core every efficiency came out 1.0
+    with no word of why."""
+    samples = [Measurement("dense", 1e10, 1.0, roofline(1e10, 1.0, GPU, 1.0) / 2)]   # twice the peak
+    with pytest.warns(UserWarning, match=r"a dense kernel ran at 2000 GFLOP/s, over DeviceSpec\(gpu .*'s peak "
+                                         r"of 1000: efficiencies stop at 1, so raise the machine file's device "
+                                         r"peak_flops"):
+        assert fit_efficiency(samples, GPU)["dense"] == 1.0
+
+
 def test_fit_efficiency_is_a_least_squares_fit_of_noisy_times():
     rng = np.random.default_rng(1)
     samples = []
