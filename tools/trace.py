@@ -1028,10 +1028,11 @@ def _compare_averaged(simulated: Trace, measured: Trace, sim_tasks: list[dict], 
 
 
 def _tiles_differ(sim_tasks: list[dict], measured: Trace) -> list[dict]:
-    """The operator phases (of TILED_PHASES) whose tiles (the distinct points of their tasks) the
-    simulation and the run count differently: the two ran other strategies (the run is then cut
-    into iterations wrongly, too, by the simulation's first task). Points, not task counts, so
-    that it does not depend on the cut."""
+    """The operator phases (of TILED_PHASES) whose tiles (the distinct points of their tasks) differ
+    between the simulation and the run, with their counts: the two ran other strategies (the run
+    is then cut into iterations wrongly, too, by the simulation's first task). Points, not task
+    counts, so that it does not depend on the cut; and the points themselves, so that 1x2 and 2x1
+    tiles differ."""
     def tiles(events) -> dict[str, set]:
         out: dict[str, set] = defaultdict(set)
         for e in events:
@@ -1041,7 +1042,7 @@ def _tiles_differ(sim_tasks: list[dict], measured: Trace) -> list[dict]:
 
     sim, run = tiles(sim_tasks), tiles(measured.events)
     return [{"name": k, "simulated": len(sim.get(k, ())), "measured": len(run.get(k, ()))}
-            for k in sorted(set(sim) | set(run)) if len(sim.get(k, ())) != len(run.get(k, ()))]
+            for k in sorted(set(sim) | set(run)) if sim.get(k, set()) != run.get(k, set())]
 
 
 def _wait_row(simulated: Trace, measured: Trace, skip: int) -> dict | None:
@@ -1089,7 +1090,7 @@ def format_compare(c: dict) -> str:
     differ = c.get("tiles_differ")
     if differ:
         first = differ[0]
-        lines.append(f"the two ran other strategies, it seems: {len(differ)} operator phase(s) have other tile counts "
+        lines.append(f"the two ran other strategies, it seems: {len(differ)} operator phase(s) have other tiles "
                      f"({first['name']}: {first['simulated']} simulated, {first['measured']} measured)")
     for title, rows in (("operator", c["operators"]), ("operator and phase", c["phases"]),
                         ("processor", c["processors"])):
