@@ -231,6 +231,13 @@ class Copies:
         if len(receives) == 1:   # the failed test ended its request: the one receive is what did not fit
             self.op_failed(receives[0], MPI.ERR_TRUNCATE)
             return
+        if receives:   # one of them did not fit: a divergence before the latest of them (it was a bare
+            # fatal error, where one receive gets the report of the launch where the ranks differ)
+            node = max((op.node for op in receives), key=lambda n: n.check[0])
+            self.found(node.peer, node.check[0] + 1,
+                       f"a message from rank {node.peer} did not fit one of {len(receives)} receives tested "
+                       f"together (the latest copy #{node.id}, {node.name} {node.copy.rect!r})")
+            return
         self.fatal(f"taskrt: rank {self.rank}: MPI error while testing {len(reqs)} requests (a message longer than "
                    f"its receive: the ranks' task graphs probably differ, as when they run different strategies)")
 
