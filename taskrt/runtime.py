@@ -352,7 +352,8 @@ class Runtime:
         except (TypeError, ValueError):   # (a builtin, say: it will tell when it runs)
             signature = None
         if signature is not None:
-            ctx = _first_param(fn) == "ctx"
+            ctx = next(iter(signature.parameters), None) == "ctx"
+            self._ctx_fns[fn] = ctx   # (what the worker asks _first_param, known now)
             try:
                 signature.bind(*range(ctx + views + args))
             except TypeError as e:
@@ -640,7 +641,9 @@ class Runtime:
         if node.proc.kind == "gpu":
             gpu.synchronize()  # finished means the data is there for other threads and streams
         if node.future is not None:
-            node.future._set(_detached(result, views, store.xp(node.proc.memory)))
+            if getattr(result, "base", None) is not None:   # (a view, maybe of the task's instances)
+                result = _detached(result, views, store.xp(node.proc.memory))
+            node.future._set(result)
 
     def _lost_node(self, node, ran: bool) -> None:
         """A node that failed (`ran`) or was skipped after a failure settles its reduction
@@ -891,10 +894,10 @@ def _holds(dtype: np.dtype, value) -> bool:
 
 
 def _detached(result, views: list, xp):
-    """A task's result as its future keeps it: a copy where it is a view of one of the task's
-    instances (which later tasks change), else itself. A future holds a value, as Legion's do."""
-    if getattr(result, "base", None) is not None and any(
-            type(v) is type(result) and xp.may_share_memory(result, v) for v in views):
+    """A task's result (an array view) as its future keeps it: a copy where it is a view of one of
+    the task's instances (which later tasks change), else itself. A future holds a value, as
+    Legion's do."""
+    if any(type(v) is type(result) and xp.may_share_memory(result, v) for v in views):
         return result.copy()
     return result
 
