@@ -235,8 +235,8 @@ class Copies:
             # fatal error, where one receive gets the report of the launch where the ranks differ)
             node = max((op.node for op in receives), key=lambda n: n.check[0])
             self.found(node.peer, node.check[0] + 1,
-                       f"a message from rank {node.peer} did not fit one of {len(receives)} receives tested "
-                       f"together (the latest copy #{node.id}, {node.name} {node.copy.rect!r})")
+                       f"the message for copy #{node.id} ({node.name} {node.copy.rect!r}) or another of the "
+                       f"{len(receives)} receives tested with it from rank {node.peer} did not fit")
             return
         self.fatal(f"taskrt: rank {self.rank}: MPI error while testing {len(reqs)} requests (a message longer than "
                    f"its receive: the ranks' task graphs probably differ, as when they run different strategies)")
